@@ -1,0 +1,29 @@
+# Two commands for a new user (README.md): `make demo` runs the main job, `make test` the tests.
+# Each sets itself up from a fresh machine first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
+
+.PHONY: setup test lint demo bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: $(SETUP_INPUTS)
+	VENV=$(VENV) scripts/setup.sh
+	touch $@
+
+lint: setup
+	$(PY) -m ruff check .
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m orchestrator.demo
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,11 @@
+// Each native/src/*_bind.cpp file adds its part of gpuprims._native to the module.
+#pragma once
+#include <nanobind/nanobind.h>
+
+namespace nb = nanobind;
+
+namespace gpuprims {
+void bind_wire(nb::module_& m);
+void bind_pool(nb::module_& m);
+void bind_cuda(nb::module_& m);
+}  // namespace gpuprims

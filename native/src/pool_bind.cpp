@@ -1,0 +1,7 @@
+#include "bindings.h"
+
+namespace gpuprims {
+
+void bind_pool(nb::module_& m) {}
+
+}  // namespace gpuprims
