@@ -8,4 +8,5 @@ namespace gpuprims {
 void bind_wire(nb::module_& m);
 void bind_pool(nb::module_& m);
 void bind_cuda(nb::module_& m);
+void bind_traffic(nb::module_& m);
 }  // namespace gpuprims

@@ -13,4 +13,5 @@ NB_MODULE(_native, m) {
   gpuprims::bind_wire(m);
   gpuprims::bind_pool(m);
   gpuprims::bind_cuda(m);
+  gpuprims::bind_traffic(m);
 }
