@@ -1,0 +1,291 @@
+"""The zoo's model names, how each is built, and loading of user models given as ``module:factory``.
+
+Determinism contract (the correctness oracle of the framework relies on it): `build_model(name,
+seed=s, num_classes=k, input_shape=shape, width=w)` builds the same architecture and bit-identical
+weights in every process and on every machine, whatever the thread count or the global RNG state, which
+it leaves untouched. Weights are drawn on the CPU from a generator keyed by the canonical name, the
+seed, the class count, the input channel count and the width (`apps.zoo.init`), and only then moved to
+`device`. So the framework's output for a request can be checked by building the same model in a test
+and running it on the same input.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from apps.zoo.init import init_weights
+from apps.zoo.nets import VGG, VGG_CONFIGS, AlexNet, BasicBlock, Bottleneck, MobileNetV2, ResNet
+
+InputShape = tuple[int, int, int]
+DEFAULT_INPUT_SHAPE: InputShape = (3, 224, 224)
+
+#: Classes of the DNN-Recog router; its output picks the next model (paper Fig. 10).
+RECOG_ROUTER_LABELS: tuple[str, ...] = ("person", "vehicle", "other")
+
+#: Classes of the MIO-TCD classification challenge, the data set of the paper's ResNet-Car [47].
+RESNET_CAR_LABELS: tuple[str, ...] = (
+    "articulated_truck", "bicycle", "bus", "car", "motorcycle", "non-motorized_vehicle",
+    "pedestrian", "pickup_truck", "single_unit_truck", "work_van", "background",
+)  # fmt: skip
+
+#: VGG-Face (Parkhi et al. 2015) was trained on 2,622 identities.
+VGG_FACE_IDENTITIES = 2622
+
+Builder = Callable[[int, InputShape, float], nn.Module]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the zoo knows about one model: how to build it, its default class count and labels."""
+
+    name: str
+    builder: Builder
+    num_classes: int
+    description: str
+    labels: tuple[str, ...] | None = None
+
+
+def _resnet(block: type[BasicBlock] | type[Bottleneck], layers: tuple[int, ...], **kw: int) -> Builder:
+    def build(num_classes: int, input_shape: InputShape, width: float) -> nn.Module:
+        return ResNet(block, layers, num_classes, input_shape, width, **kw)
+
+    return build
+
+
+def _vgg(config: str) -> Builder:
+    def build(num_classes: int, input_shape: InputShape, width: float) -> nn.Module:
+        return VGG(VGG_CONFIGS[config], num_classes, input_shape, width)
+
+    return build
+
+
+_SPECS = (
+    ModelSpec("alexnet", AlexNet, 1000, "AlexNet (Krizhevsky et al. 2012), 61.1M parameters"),
+    ModelSpec("mobilenet_v2", MobileNetV2, 1000, "MobileNetV2 (Sandler et al. 2018), 3.5M parameters"),
+    ModelSpec("resnet18", _resnet(BasicBlock, (2, 2, 2, 2)), 1000, "ResNet-18 (He et al. 2016), 11.7M parameters"),
+    ModelSpec("resnet50", _resnet(Bottleneck, (3, 4, 6, 3)), 1000, "ResNet-50 (He et al. 2016), 25.6M parameters"),
+    ModelSpec("vgg19", _vgg("vgg19"), 1000, "VGG-19 (Simonyan and Zisserman 2015), 143.7M parameters"),
+    ModelSpec(
+        "resnext50",
+        _resnet(Bottleneck, (3, 4, 6, 3), groups=32, width_per_group=4),
+        1000,
+        "ResNeXt-50 32x4d (Xie et al. 2017), 25.0M parameters",
+    ),
+    ModelSpec(
+        "recog_router",
+        MobileNetV2,
+        len(RECOG_ROUTER_LABELS),
+        "DNN-Recog stage 1: MobileNetV2 classifier routing a request to vgg_face (person), "
+        "resnet_car (vehicle) or nowhere (other)",
+        RECOG_ROUTER_LABELS,
+    ),
+    ModelSpec(
+        "vgg_face",
+        _vgg("vgg16"),
+        VGG_FACE_IDENTITIES,
+        "DNN-Recog person branch: VGG-Face (Parkhi et al. 2015), VGG-16 with 2,622 identities, 145.0M parameters",
+    ),
+    ModelSpec(
+        "resnet_car",
+        _resnet(Bottleneck, (3, 4, 6, 3)),
+        len(RESNET_CAR_LABELS),
+        "DNN-Recog vehicle branch: ResNet-Car (Jung et al. 2017), ResNet-50 with the 11 MIO-TCD classes",
+        RESNET_CAR_LABELS,
+    ),
+)
+
+#: Zoo models by canonical (lower-case) name.
+MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
+
+#: Other accepted names and the canonical name each stands for.
+ALIASES: Mapping[str, str] = MappingProxyType(
+    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50"}
+)
+
+
+def canonical_name(name: str) -> str:
+    """Return the zoo's canonical name for `name` (case-insensitive, aliases resolved).
+
+    Raises ValueError naming the known models if `name` is not one of them.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {name!r}")
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in MODELS:
+        known = ", ".join(sorted(MODELS))
+        aliases = ", ".join(f"{a} -> {c}" for a, c in sorted(ALIASES.items()))
+        raise ValueError(f"unknown model {name!r}; known models: {known} (aliases: {aliases})")
+    return key
+
+
+def _check_int(label: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_input_shape(input_shape: object) -> InputShape:
+    """Return `input_shape` as a (C, H, W) tuple of positive ints, or raise ValueError naming it."""
+    if not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3:
+        raise ValueError(f"input_shape must be (channels, height, width), got {input_shape!r}")
+    for dim in input_shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"input_shape must hold three positive integers, got {input_shape!r}")
+    channels, height, width = input_shape
+    return (channels, height, width)
+
+
+def build_model(
+    name: str,
+    *,
+    seed: int = 0,
+    num_classes: int | None = None,
+    input_shape: InputShape = DEFAULT_INPUT_SHAPE,
+    width: float = 1.0,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build zoo model `name` with deterministic weights, in inference mode.
+
+    The model takes float32 input of shape (N, *input_shape) and returns logits (N, num_classes);
+    `num_classes` defaults to the model's own (`MODELS[name].num_classes`). `width` scales channel and
+    hidden sizes for small test variants. The returned module is in `.eval()` mode with
+    `requires_grad` off on every parameter. Same arguments give bit-identical weights in any process
+    (see the module docstring); a different `seed` gives different weights.
+
+    `device="meta"` builds the architecture without allocating or initialising weights (cheap: for
+    parameter counts and memory planning with `model_info`). Any other device gets the CPU-drawn
+    weights moved to it.
+
+    Raises ValueError for an unknown name (listing the known ones) or a bad seed, class count, input
+    shape or width.
+    """
+    canonical = canonical_name(name)
+    spec = MODELS[canonical]
+    _check_int("seed", seed, -(1 << 63))
+    classes = spec.num_classes if num_classes is None else _check_int("num_classes", num_classes, 1)
+    shape = check_input_shape(input_shape)
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
+        raise ValueError(f"width must be a finite number > 0, got {width!r}")
+    target = torch.device(device)
+    # Build on the meta device: no memory, no default initialisation, no use of the global RNG.
+    with torch.device("meta"):
+        model = spec.builder(classes, shape, float(width))
+    if target.type != "meta":
+        model = model.to_empty(device="cpu")
+        # Height and width only change parameter-free pooling windows, so they are not in the key:
+        # the weights of a model built for 224x224 and for 64x64 inputs are the same tensors.
+        key = f"{canonical}:seed={seed}:classes={classes}:channels={shape[0]}:width={float(width)!r}"
+        init_weights(model, key)
+        if target.type != "cpu":
+            model = model.to(target)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _split_factory_spec(spec: str) -> tuple[str, str]:
+    module_name, _, attr_path = spec.partition(":")
+    module_name, attr_path = module_name.strip(), attr_path.strip()
+    if not module_name or not attr_path or ":" in attr_path:
+        raise ValueError(f"user model must be given as 'package.module:factory', got {spec!r}")
+    return module_name, attr_path
+
+
+def _accepted_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def load_model(spec: str, **kwargs: Any) -> nn.Module:
+    """Build a zoo model by name, or a user model given as ``"package.module:factory"``.
+
+    For a zoo name this is `build_model(spec, **kwargs)`. For a user model the module is imported, the
+    (possibly dotted) attribute looked up and called with those of `kwargs` its signature accepts
+    (all of them if it takes ``**kwargs``), while the global torch RNG is seeded with
+    ``kwargs.get("seed", 0)`` and restored afterwards, so a factory that initialises with torch's
+    default initialisers is deterministic too. The result is put in `.eval()` mode with
+    `requires_grad` off, and moved to ``kwargs["device"]`` if the factory did not take `device`.
+
+    Raises ValueError when the spec is malformed, the module does not import, the attribute is missing,
+    it is not callable, or it does not return a `torch.nn.Module`.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a zoo name or 'package.module:factory', got {spec!r}")
+    if ":" not in spec:
+        return build_model(spec, **kwargs)
+    module_name, attr_path = _split_factory_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"user model {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    factory: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"user model {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"user model {spec!r}: {attr_path!r} is not callable (it is {type(factory).__name__})")
+    seed = _check_int("seed", kwargs.get("seed", 0), -(1 << 63))
+    accepted = _accepted_kwargs(factory, kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed & ((1 << 63) - 1))
+        model = factory(**accepted)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"user model {spec!r}: factory returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    if "device" in kwargs and "device" not in accepted:
+        model = model.to(torch.device(kwargs["device"]))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def model_info(model: nn.Module, input_shape: InputShape | None = None) -> dict[str, Any]:
+    """Return sizes of `model`: parameter and buffer counts and bytes, and per-request input bytes.
+
+    Keys: ``params`` (number of parameter elements), ``param_bytes``, ``buffers`` (buffer elements,
+    e.g. BatchNorm statistics), ``buffer_bytes``, ``total_bytes`` (parameters plus buffers); with
+    `input_shape` also ``input_shape`` (a list) and ``input_bytes`` (one float32 request). Shared
+    tensors count once. Works on meta-device models (nothing is allocated).
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    info: dict[str, Any] = {
+        "params": sum(p.numel() for p in params),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "buffers": sum(b.numel() for b in buffers),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
+    }
+    info["total_bytes"] = info["param_bytes"] + info["buffer_bytes"]
+    if input_shape is not None:
+        shape = check_input_shape(input_shape)
+        info["input_shape"] = list(shape)
+        info["input_bytes"] = math.prod(shape) * torch.finfo(torch.float32).bits // 8
+    return info
+
+
+def route_labels(logits: torch.Tensor, labels: tuple[str, ...] = RECOG_ROUTER_LABELS) -> list[str]:
+    """Return, per row of `logits` (N, len(labels)), the label of its largest logit.
+
+    Used by DNN-Recog: ``recog_router`` outputs are mapped to "person", "vehicle" or "other".
+    """
+    if logits.dim() != 2 or logits.shape[1] != len(labels):
+        raise ValueError(f"logits must have shape (N, {len(labels)}), got {tuple(logits.shape)}")
+    return [labels[int(i)] for i in logits.argmax(dim=1).tolist()]
