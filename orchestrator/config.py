@@ -1,0 +1,665 @@
+"""The apps.yaml schema: what a node runs, validated before anything starts.
+
+`load_config(path)` reads one YAML file and returns a frozen `NodeConfig`, or raises `ConfigError`
+whose message names the file, the key path (``apps[1].slo_ms``) and what is wrong, one line per
+problem. YAML syntax errors carry the line and column. Every model forbids unknown keys and takes
+values strictly (a quoted ``"5"`` is not an int; ``true`` is not a number).
+
+``docs/apps-yaml.md`` is the reference of every key; ``examples/apps.yaml`` is a small CPU example.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD",
+    "AppConfig",
+    "ConfigError",
+    "ListenConfig",
+    "NodeConfig",
+    "NodeSettings",
+    "PoolConfig",
+    "StageConfig",
+    "load_config",
+    "parse_config",
+]
+
+#: Payload bytes per datagram, as in the paper (wire.DEFAULT_CHUNK_PAYLOAD).
+DEFAULT_MAX_PAYLOAD = 1024
+#: Largest UDP/IPv4 payload less the 48-byte wire header (wire.MAX_DATAGRAM_PAYLOAD).
+_MAX_DATAGRAM_PAYLOAD = 65507 - 48
+_DTYPE_SIZE = {"float32": 4, "uint8": 1}
+_NAME_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
+_ZOO_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_USER_MODEL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+_ERROR_TYPE = "gpuprims_config"
+
+
+class ConfigError(ValueError):
+    """An apps.yaml that cannot run. ``problems`` holds (key path, what is wrong) pairs."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = [f"{source}: {key}: {what}" if key else f"{source}: {what}" for key, what in self.problems]
+        n = len(self.problems)
+        head = f"invalid config {source} ({n} problem{'s' if n != 1 else ''}):"
+        super().__init__("\n  ".join([head, *lines]) if n > 1 else lines[0] if lines else head)
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[tuple[str, str]]]]:
+        return (type(self), (self.source, self.problems))
+
+
+def _problem(key: str, msg: str) -> PydanticCustomError:
+    """A validation error whose key path (relative to the model raising it) travels in its context."""
+    return _problems([(key, msg)])
+
+
+def _problems(items: list[tuple[str, str]]) -> PydanticCustomError:
+    """One validation error carrying several (relative key path, message) problems."""
+    return PydanticCustomError(_ERROR_TYPE, "{msg}", {"msg": "; ".join(f"{k}: {m}" for k, m in items),
+                                                       "items": items})
+
+
+# ---- value types with their own messages (a PlainValidator keeps the key path clean of union tags)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pct_or_auto(v: Any) -> int | Literal["auto"]:
+    if v == "auto":
+        return "auto"
+    if not _is_int(v):
+        raise ValueError(f"must be an integer 1..100 or 'auto', got {v!r}")
+    if not 1 <= v <= 100:
+        raise ValueError(f"must be in 1..100 (percent of one GPU) or 'auto', got {v}")
+    return int(v)
+
+
+def _count_or_auto(v: Any) -> int | Literal["auto"]:
+    if v == "auto":
+        return "auto"
+    if not _is_int(v):
+        raise ValueError(f"must be an integer >= 1 or 'auto', got {v!r}")
+    if v < 1:
+        raise ValueError(f"must be >= 1 or 'auto', got {v}")
+    return int(v)
+
+
+def _ports(v: Any) -> tuple[int, ...]:
+    items = v if isinstance(v, list | tuple) else [v]
+    if not items:
+        raise ValueError("must be a port or a non-empty list of ports")
+    out: list[int] = []
+    for p in items:
+        if not _is_int(p) or not 0 <= p <= 65535:
+            raise ValueError(f"ports must be integers in 0..65535 (0 = ephemeral), got {p!r}")
+        if p in out and p != 0:
+            raise ValueError(f"port {p} is listed twice")
+        out.append(int(p))
+    return tuple(out)
+
+
+def _gpus(v: Any) -> tuple[int, ...] | Literal["all"]:
+    if v == "all":
+        return "all"
+    if not isinstance(v, list | tuple) or not v:
+        raise ValueError(f"must be 'all' or a non-empty list of device indices, got {v!r}")
+    seen: list[int] = []
+    for d in v:
+        if not _is_int(d) or d < 0:
+            raise ValueError(f"device indices must be integers >= 0, got {d!r}")
+        if d in seen:
+            raise ValueError(f"device {d} is listed twice")
+        seen.append(int(d))
+    return tuple(seen)
+
+
+def _shape(v: Any) -> tuple[int, int, int]:
+    if not isinstance(v, list | tuple) or len(v) != 3:
+        raise ValueError(f"must be a list [C, H, W] of three positive integers, got {v!r}")
+    if not all(_is_int(d) and d > 0 for d in v):
+        raise ValueError(f"dimensions must be positive integers, got {list(v)!r}")
+    return (int(v[0]), int(v[1]), int(v[2]))
+
+
+def _metrics_port(v: Any) -> int:
+    if v is None:
+        return 0
+    if not _is_int(v) or not 0 <= v <= 65535:
+        raise ValueError(f"must be a port 1..65535, or 0 / null to disable, got {v!r}")
+    return int(v)
+
+
+def _log_level(v: Any) -> str:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    if not isinstance(v, str) or v.upper() not in levels:
+        raise ValueError(f"must be one of {', '.join(levels)} (any case), got {v!r}")
+    return v.upper()
+
+
+def _model_ref(v: Any) -> str:
+    if not isinstance(v, str) or not (_ZOO_RE.match(v) or _USER_MODEL_RE.match(v)):
+        raise ValueError(
+            f"must be a zoo model name such as 'mobilenet_v2' or a user model 'module:factory', got {v!r}")
+    return v
+
+
+PctOrAuto = Annotated[int | Literal["auto"], PlainValidator(_pct_or_auto)]
+CountOrAuto = Annotated[int | Literal["auto"], PlainValidator(_count_or_auto)]
+Ports = Annotated[tuple[int, ...], PlainValidator(_ports)]
+Gpus = Annotated[tuple[int, ...] | Literal["all"], PlainValidator(_gpus)]
+Shape = Annotated[tuple[int, int, int], PlainValidator(_shape)]
+MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
+LogLevel = Annotated[str, PlainValidator(_log_level)]
+ModelRef = Annotated[str, PlainValidator(_model_ref)]
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+
+
+class ListenConfig(BaseModel):
+    """Where the UDP ingest listens: one host, one or more ports."""
+
+    model_config = _STRICT
+
+    host: str = "127.0.0.1"
+    port: Ports = (9000,)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"must be an IP address or host name, got {v!r}")
+        return v
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The listen ports, always as a tuple."""
+        return self.port
+
+
+class PoolConfig(BaseModel):
+    """The shared packet pool the ingest writes into and app instances read from."""
+
+    model_config = _STRICT
+
+    slot_count: int = Field(32768, ge=1, le=1 << 24)
+    record_count: int = Field(1024, ge=1, le=1 << 20)
+    max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=1, le=_MAX_DATAGRAM_PAYLOAD)
+    max_chunks: int = Field(1024, ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _fits(self) -> PoolConfig:
+        if self.max_chunks > self.slot_count:
+            raise _problem("max_chunks", f"{self.max_chunks} chunks per request do not fit a pool of "
+                                         f"slot_count={self.slot_count} slots")
+        return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request body the pool accepts, in bytes."""
+        return self.max_chunks * self.max_payload
+
+
+class NodeSettings(BaseModel):
+    """The ``node:`` section."""
+
+    model_config = _STRICT
+
+    listen: ListenConfig = ListenConfig()
+    backend: Literal["auto", "cpu", "cuda"] = "auto"
+    metrics_port: MetricsPort = 0
+    run_dir: str | None = None
+    log_level: LogLevel = "INFO"
+    log_format: Literal["json", "text"] = "text"
+    pool: PoolConfig = PoolConfig()
+    reassembly_timeout_ms: float = Field(100.0, gt=0, le=60_000)
+    gpus: Gpus = "all"
+    allow_oversubscribe: bool = False
+    mps: Literal["require", "best_effort", "off"] = "best_effort"
+    scheduler: Literal["spatial", "spatiotemporal", "temporal"] = "spatial"
+    round_ms: float = Field(30.0, gt=0, le=10_000)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must be a directory path or null")
+        return v
+
+    @property
+    def metrics_enabled(self) -> bool:
+        """True when a Prometheus endpoint should be served."""
+        return self.metrics_port != 0
+
+    @property
+    def default_gpu(self) -> int:
+        """The device an app without ``gpu`` lands on: the first listed, or 0 with ``gpus: all``."""
+        return 0 if self.gpus == "all" else self.gpus[0]
+
+
+class StageConfig(BaseModel):
+    """One model of a DAG app; ``routes`` names the stages its output may go to."""
+
+    model_config = _STRICT
+
+    name: str
+    model: ModelRef
+    gpu_pct: PctOrAuto = "auto"
+    routes: tuple[str, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"must match [a-z0-9_-]{{1,64}}, got {v!r}")
+        return v
+
+    @field_validator("routes", mode="before")
+    @classmethod
+    def _routes(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+
+class AppConfig(BaseModel):
+    """One inference app (``apps:`` entry)."""
+
+    model_config = _STRICT
+
+    name: str
+    model: ModelRef | None = None
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    input_shape: Shape = (3, 224, 224)
+    dtype: Literal["float32", "uint8"] = "float32"
+    num_classes: int | None = Field(None, ge=1)
+    slo_ms: float = Field(gt=0, le=3_600_000)
+    gpu_pct: PctOrAuto = "auto"
+    instances: CountOrAuto = 1
+    max_batch: int = Field(8, ge=1, le=4096)
+    max_wait_ms: float = Field(2.0, ge=0)
+    #: 0 only before NodeConfig assigns it; a loaded config always has 1..65535.
+    app_id: int = Field(0, ge=1, le=65535)
+    port: int | None = Field(None, ge=1, le=65535)
+    gpu: int | None = Field(None, ge=0)
+    stages: tuple[StageConfig, ...] | None = None
+    shadow: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"must be 1-64 characters of [a-z0-9_-], got {v!r}")
+        return v
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stages_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.stages is None:
+            if self.model is None:
+                raise _problem("model", "is required (or give 'stages' for a DAG app)")
+        else:
+            if self.model is not None:
+                raise _problem("model", "give either 'model' or 'stages', not both")
+            if "gpu_pct" in self.model_fields_set and self.gpu_pct != "auto":
+                raise _problem("gpu_pct", "a DAG app takes gpu_pct on each stage, not on the app")
+            _check_dag(self.stages)
+        if self.max_wait_ms >= self.slo_ms:
+            raise _problem("max_wait_ms", f"{self.max_wait_ms} ms batching wait leaves no time within "
+                                          f"slo_ms={self.slo_ms}; it must be less than slo_ms")
+        return self
+
+    @property
+    def input_nbytes(self) -> int:
+        """Bytes of one request body: C x H x W x element size."""
+        return math.prod(self.input_shape) * _DTYPE_SIZE[self.dtype]
+
+    def chunk_count(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
+        """Datagrams one request takes at ``max_payload`` bytes per datagram."""
+        if max_payload < 1:
+            raise ValueError(f"max_payload must be >= 1, got {max_payload}")
+        return -(-self.input_nbytes // max_payload)
+
+    @property
+    def is_dag(self) -> bool:
+        """True for a multi-stage app."""
+        return self.stages is not None
+
+    def fixed_pct_per_instance(self) -> int:
+        """GPU% one instance claims when fixed in the file (sum over stages for a DAG); 0 if auto."""
+        if self.stages is not None:
+            return sum(s.gpu_pct for s in self.stages if s.gpu_pct != "auto")
+        return 0 if self.gpu_pct == "auto" else self.gpu_pct
+
+    def entry_stages(self) -> tuple[str, ...]:
+        """Names of the DAG stages no other stage routes to (where requests enter); () for one model."""
+        if self.stages is None:
+            return ()
+        targets = {r for s in self.stages for r in s.routes}
+        return tuple(s.name for s in self.stages if s.name not in targets)
+
+
+def _check_dag(stages: tuple[StageConfig, ...]) -> None:
+    if not stages:
+        raise _problem("stages", "must list at least one stage")
+    index: dict[str, int] = {}
+    for i, s in enumerate(stages):
+        if s.name in index:
+            raise _problem(f"stages[{i}].name", f"duplicate stage name {s.name!r} "
+                                                f"(also stages[{index[s.name]}])")
+        index[s.name] = i
+    for i, s in enumerate(stages):
+        for r in s.routes:
+            if r not in index:
+                raise _problem(f"stages[{i}].routes", f"route to unknown stage {r!r} "
+                                                      f"(stages: {', '.join(index)})")
+    # Depth-first search with colours; the first back edge found is reported as the cycle.
+    colour = dict.fromkeys(index, 0)
+    graph = {s.name: s.routes for s in stages}
+
+    def visit(n: str, path: list[str]) -> None:
+        colour[n] = 1
+        for m in graph[n]:
+            if colour[m] == 1:
+                cycle = [*path[path.index(m):], m] if m in path else [n, m]
+                raise _problem(f"stages[{index[n]}].routes", f"routes form a cycle: {' -> '.join(cycle)}")
+            if colour[m] == 0:
+                visit(m, [*path, m])
+        colour[n] = 2
+
+    for s in stages:
+        if colour[s.name] == 0:
+            visit(s.name, [s.name])
+
+
+class NodeConfig(BaseModel):
+    """A whole apps.yaml: node settings plus the apps. App ids are always assigned."""
+
+    model_config = _STRICT
+
+    node: NodeSettings = NodeSettings()
+    apps: tuple[AppConfig, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assign_app_ids(cls, data: Any) -> Any:
+        # Defaults go to apps in file order, skipping ids other apps claim explicitly.
+        if not isinstance(data, dict) or not isinstance(data.get("apps"), list | tuple):
+            return data
+        apps = list(data["apps"])
+
+        def explicit(a: Any) -> Any:
+            if isinstance(a, dict):
+                return a.get("app_id")
+            return a.app_id if isinstance(a, AppConfig) and a.app_id else None
+
+        taken = {explicit(a) for a in apps if _is_int(explicit(a))}
+        nxt = 1
+        for i, a in enumerate(apps):
+            if explicit(a) is not None:
+                continue
+            while nxt in taken:
+                nxt += 1
+            if isinstance(a, dict):
+                apps[i] = {**a, "app_id": nxt}
+            elif isinstance(a, AppConfig):
+                apps[i] = a.model_copy(update={"app_id": nxt})
+            else:
+                continue
+            taken.add(nxt)
+        return {**data, "apps": apps}
+
+    @field_validator("apps", mode="before")
+    @classmethod
+    def _apps_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("apps")
+    @classmethod
+    def _some_apps(cls, v: tuple[AppConfig, ...], info: ValidationInfo) -> tuple[AppConfig, ...]:
+        if not v:
+            raise ValueError("must list at least one app")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> NodeConfig:
+        problems = list(self._cross_problems())
+        if problems:
+            raise _problems(problems)
+        return self
+
+    def _cross_problems(self) -> Iterator[tuple[str, str]]:
+        first: dict[tuple[str, Any], int] = {}
+        listen_ports = set(self.node.listen.ports)
+        for i, a in enumerate(self.apps):
+            for field in ("name", "app_id", "port"):
+                value = getattr(a, field)
+                if value is None:
+                    continue
+                j = first.setdefault((field, value), i)
+                if j != i:
+                    yield (f"apps[{i}].{field}", f"duplicate {field} {value!r} (also apps[{j}], "
+                                                 f"{self.apps[j].name!r})")
+            if a.port is not None and a.port in listen_ports:
+                yield (f"apps[{i}].port", f"port {a.port} is also a node.listen port; an app's own port "
+                                          "must differ from the shared listen ports")
+            if a.gpu is not None and self.node.gpus != "all" and a.gpu not in self.node.gpus:
+                yield (f"apps[{i}].gpu", f"device {a.gpu} is not in node.gpus {list(self.node.gpus)}")
+            pool = self.node.pool
+            if a.input_nbytes > pool.max_request_bytes:
+                yield (f"apps[{i}].input_shape",
+                       f"a request of {list(a.input_shape)} {a.dtype} is {a.input_nbytes} bytes, more than "
+                       f"node.pool.max_chunks * node.pool.max_payload = {pool.max_chunks} * "
+                       f"{pool.max_payload} = {pool.max_request_bytes} bytes")
+        if not self.node.allow_oversubscribe:
+            per_gpu: dict[int, list[tuple[str, int]]] = {}
+            for a in self.apps:
+                pct = a.fixed_pct_per_instance()
+                if pct:
+                    n = a.instances if a.instances != "auto" else 1
+                    per_gpu.setdefault(self.gpu_of(a), []).append((a.name, pct * n))
+            for dev, claims in sorted(per_gpu.items()):
+                total = sum(p for _, p in claims)
+                if total > 100:
+                    parts = ", ".join(f"{name} {p}%" for name, p in claims)
+                    yield ("apps", f"GPU {dev} is oversubscribed: gpu_pct x instances sums to {total}% > 100% "
+                                   f"({parts}); lower them or set node.allow_oversubscribe: true")
+
+    def app_by_id(self, app_id: int) -> AppConfig:
+        """The app with this wire app id, or KeyError naming the known ids."""
+        for a in self.apps:
+            if a.app_id == app_id:
+                return a
+        raise KeyError(f"no app with app_id {app_id} (known: {sorted(a.app_id for a in self.apps)})")
+
+    def app_by_name(self, name: str) -> AppConfig:
+        """The app with this name, or KeyError naming the known apps."""
+        for a in self.apps:
+            if a.name == name:
+                return a
+        raise KeyError(f"no app named {name!r} (known: {', '.join(a.name for a in self.apps)})")
+
+    def gpu_of(self, app: AppConfig) -> int:
+        """The device index the app is placed on."""
+        return self.node.default_gpu if app.gpu is None else app.gpu
+
+    def chunks_for(self, app: AppConfig) -> int:
+        """Datagrams one request of ``app`` takes with this node's pool payload size."""
+        return app.chunk_count(self.node.pool.max_payload)
+
+
+# ---- loading and error formatting
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _join_key(base: str, sub: str) -> str:
+    if not sub:
+        return base
+    if not base:
+        return sub
+    return base + sub if sub.startswith("[") else f"{base}.{sub}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
+    """The keys the model at ``loc`` (the parent of an unknown key) accepts."""
+    current: type[BaseModel] = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        nested = next((t for t in _model_types(ann)), None)
+        if nested is None:
+            return None
+        current = nested
+    return list(current.model_fields)
+
+
+def _model_types(ann: Any) -> Iterator[type[BaseModel]]:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        yield ann
+        return
+    for arg in getattr(ann, "__args__", ()) or ():
+        yield from _model_types(arg)
+
+
+def _problems_from(err: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for e in err.errors(include_url=False):
+        loc = tuple(e["loc"])
+        key = _key_path(loc)
+        kind = e["type"]
+        if kind == _ERROR_TYPE:
+            ctx = e.get("ctx") or {}
+            problems.extend((_join_key(key, str(sub)), str(msg)) for sub, msg in ctx.get("items", ()))
+        elif kind == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1]) or []
+            name = str(loc[-1])
+            hint = difflib.get_close_matches(name, allowed, n=1)
+            msg = f"unknown key {name!r}"
+            msg += f" (did you mean {hint[0]!r}?)" if hint else ""
+            msg += f"; allowed: {', '.join(allowed)}" if allowed else ""
+            problems.append((key, msg))
+        elif kind == "missing":
+            problems.append((key, "required key is missing"))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            if "input" in e and kind not in ("model_type", "dataclass_type"):
+                got = e["input"]
+                if not isinstance(got, dict | list):
+                    msg += f", got {got!r}"
+            problems.append((key, msg))
+    return problems
+
+
+def parse_config(data: Any, *, source: str = "<config>",
+                 known_models: Collection[str] | None = None) -> NodeConfig:
+    """Validate an already-parsed mapping; ``source`` names it in errors.
+
+    With ``known_models`` (the zoo's names), a model that is neither one of them nor ``module:factory``
+    is refused here instead of when the instance starts.
+    """
+    if data is None:
+        raise ConfigError(source, [("", "the file is empty; it needs at least an 'apps:' list")])
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"the top level must be a mapping with 'node:' and 'apps:', "
+                                        f"got {type(data).__name__}")])
+    try:
+        cfg = NodeConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(source, _problems_from(err, NodeConfig)) from None
+    if known_models is not None:
+        problems = []
+        for i, a in enumerate(cfg.apps):
+            refs = [("model", a.model)] if a.stages is None else [
+                (f"stages[{j}].model", s.model) for j, s in enumerate(a.stages)]
+            for key, ref in refs:
+                if ref is not None and ":" not in ref and ref not in known_models:
+                    hint = difflib.get_close_matches(ref, list(known_models), n=1)
+                    problems.append((f"apps[{i}].{key}", f"unknown zoo model {ref!r}"
+                                     + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                     + f"; zoo: {', '.join(sorted(known_models))}"))
+        if problems:
+            raise ConfigError(source, problems)
+    return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})", mark)
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] | None = None) -> NodeConfig:
+    """Read and validate one apps.yaml; raise ConfigError naming the file, key path and problem."""
+    p = Path(path)
+    source = str(p)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, [("", "no such file")]) from None
+    except IsADirectoryError:
+        raise ConfigError(source, [("", "is a directory, not a YAML file")]) from None
+    except PermissionError:
+        raise ConfigError(source, [("", "permission denied")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, [("", f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ConfigError(source, [("", f"YAML syntax error at {where}: {what}")]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(source, [("", f"YAML error: {e}")]) from None
+    return parse_config(data, source=source, known_models=known_models)
