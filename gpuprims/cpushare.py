@@ -1,0 +1,167 @@
+"""GPU% on the CPU backend: a share of the node's cores (affinity set plus torch thread count).
+
+On a machine without a GPU an instance's GPU% (1-100) stands for the same fraction of the cores the
+orchestrator may use. `plan_cpu_shares` turns the GPU% of every instance on the node into core sets,
+and `apply_cpu_share` confines the calling process (an instance, at start, before it runs the model)
+to its set.
+
+Planning rule, for N usable cores:
+
+1. An instance with p GPU% gets ``k = max(1, min(N, round_half_up(p / 100 * N)))`` cores, and as many
+   torch intra-op threads.
+2. Instances are placed one by one, the largest k first (ties: in request order). Each takes the k
+   cores with the least load so far (ties: the lower core id first), where an instance adds
+   ``p / 100 * N / k`` (its demand spread over its cores) to each core it takes.
+
+So while the core counts fit (sum of k <= N) every instance gets its own cores, disjoint from the
+others and contiguous in core order; two 50% instances on 2 cores get one core each. When they do not
+fit, which happens when small shares round up to one core each or under oversubscription, the extra
+instances share the least loaded cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """The CPU cores of one instance: its affinity set, its torch thread count, and the GPU% it stands for."""
+
+    cores: list[int] = field(hash=False)
+    threads: int
+    gpu_pct: int
+
+    def __post_init__(self) -> None:
+        _check_cores(self.cores)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        _check_pct("gpu_pct", self.gpu_pct)
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that bound the thread pools of a process started with this share.
+
+        Set them in a child's environment before it imports torch (OpenMP and MKL read them once).
+        """
+        value = str(self.threads)
+        return {"OMP_NUM_THREADS": value, "MKL_NUM_THREADS": value}
+
+
+def _check_pct(label: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+        raise ValueError(f"{label} must be an integer from 1 to 100, got {value!r}")
+    return value
+
+
+def _check_cores(cores: object) -> list[int]:
+    if not isinstance(cores, (list, tuple)) or not cores:
+        raise ValueError(f"cores must be a non-empty list of core ids, got {cores!r}")
+    for core in cores:
+        if isinstance(core, bool) or not isinstance(core, int) or core < 0:
+            raise ValueError(f"core ids must be integers >= 0, got {cores!r}")
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"core ids must be unique, got {cores!r}")
+    return list(cores)
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity set), in ascending order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def cores_for_pct(gpu_pct: int, ncores: int) -> int:
+    """How many of `ncores` cores a `gpu_pct` share gets: round-half-up of the fraction, at least 1."""
+    _check_pct("gpu_pct", gpu_pct)
+    if isinstance(ncores, bool) or not isinstance(ncores, int) or ncores < 1:
+        raise ValueError(f"ncores must be an integer >= 1, got {ncores!r}")
+    return max(1, min(ncores, math.floor(gpu_pct * ncores / 100 + 0.5)))
+
+
+def plan_cpu_shares(
+    requests: Sequence[tuple[str, int]],
+    cores: list[int] | None = None,
+    *,
+    allow_oversubscribe: bool = False,
+) -> dict[str, CpuShare]:
+    """Map each instance's GPU% to a set of cores, by the rule in the module docstring.
+
+    `requests` holds (instance name, gpu_pct) pairs with unique non-empty names and gpu_pct in 1-100;
+    `cores` defaults to this process's affinity set. Returns one CpuShare per instance, in request
+    order. Raises ValueError for a malformed request, a duplicate name, bad core ids, or, unless
+    `allow_oversubscribe`, GPU% summing to more than 100 (naming the instances and the sum).
+    """
+    pool = sorted(_check_cores(cores)) if cores is not None else available_cores()
+    if not isinstance(requests, (list, tuple)):
+        raise ValueError(f"requests must be a list of (instance name, gpu_pct) pairs, got {requests!r}")
+    names: list[str] = []
+    pcts: list[int] = []
+    for item in requests:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"each request must be an (instance name, gpu_pct) pair, got {item!r}")
+        name, pct = item
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"instance name must be a non-empty string, got {name!r}")
+        if name in names:
+            raise ValueError(f"instance name {name!r} appears more than once")
+        names.append(name)
+        pcts.append(_check_pct(f"gpu_pct of {name!r}", pct))
+    total = sum(pcts)
+    if total > 100 and not allow_oversubscribe:
+        listing = ", ".join(f"{n}={p}%" for n, p in zip(names, pcts))
+        raise ValueError(
+            f"GPU% of instances {listing} sums to {total}% > 100%; "
+            "lower a share or allow oversubscription explicitly"
+        )
+    ncores = len(pool)
+    counts = [cores_for_pct(p, ncores) for p in pcts]
+    load = {core: 0.0 for core in pool}
+    order = sorted(range(len(names)), key=lambda i: (-counts[i], i))
+    shares: dict[int, CpuShare] = {}
+    for i in order:
+        picked = sorted(pool, key=lambda core: (load[core], core))[: counts[i]]
+        per_core = pcts[i] / 100 * ncores / counts[i]
+        for core in picked:
+            load[core] += per_core
+        shares[i] = CpuShare(cores=sorted(picked), threads=counts[i], gpu_pct=pcts[i])
+    return {names[i]: shares[i] for i in range(len(names))}
+
+
+def apply_cpu_share(share: CpuShare) -> None:
+    """Confine the calling process to `share`: CPU affinity, torch intra-op and inter-op threads.
+
+    Sets ``os.sched_setaffinity(0, share.cores)``, ``torch.set_num_threads(share.threads)`` and, where
+    torch still allows it, ``torch.set_num_interop_threads(share.threads)`` (torch accepts that only
+    once per process and only before inter-op parallel work has started; otherwise the inter-op pool is
+    left as it is and a warning is logged: the affinity set still bounds the cores it runs on). Also
+    sets OMP_NUM_THREADS/MKL_NUM_THREADS in os.environ for processes this one starts. Call it early in
+    an instance process, before the model runs.
+
+    Raises ValueError if `share` is not a CpuShare, and OSError (naming the cores) if the operating
+    system refuses the affinity set, e.g. a core outside this process's cpuset.
+    """
+    if not isinstance(share, CpuShare):
+        raise ValueError(f"share must be a CpuShare, got {type(share).__name__}")
+    try:
+        os.sched_setaffinity(0, share.cores)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot set CPU affinity to cores {share.cores}: {exc.strerror}") from exc
+    os.environ.update(share.env())
+    import torch
+
+    torch.set_num_threads(share.threads)
+    if torch.get_num_interop_threads() != share.threads:
+        try:
+            torch.set_num_interop_threads(share.threads)
+        except RuntimeError as exc:
+            logger.warning(
+                "inter-op threads stay at %d (wanted %d): %s",
+                torch.get_num_interop_threads(),
+                share.threads,
+                exc,
+            )
