@@ -1,7 +1,287 @@
+// Bindings of the packet pool, ingest, gather and responder.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "bindings.h"
+#include "ingest.h"
 
 namespace gpuprims {
 
-void bind_pool(nb::module_& m) {}
+using U32Array = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U32Out = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U16Array = nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using ByteArray2 = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using AnyOut = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+namespace {
+
+// Sends status + body of each request back to its client, chunked as wire v1 responses, many
+// datagrams per sendmmsg. `info` rows are copies of pool Records. Returns datagrams sent.
+size_t send_responses(int fd, const pool::Record* info, size_t n, const uint16_t* statuses, const uint8_t* body,
+                      size_t row_bytes, uint8_t dtype, uint32_t chunk_payload) {
+  constexpr size_t kBatch = 64;
+  std::vector<wire::Header> hdrs(kBatch);
+  std::vector<iovec> iov(2 * kBatch);
+  std::vector<mmsghdr> msgs(kBatch);
+  size_t sent = 0, q = 0;
+  auto flush = [&]() {
+    size_t off = 0;
+    int spins = 0;
+    while (off < q) {
+      int rc = sendmmsg(fd, msgs.data() + off, unsigned(q - off), 0);
+      if (rc > 0) {
+        off += size_t(rc);
+        sent += size_t(rc);
+        continue;
+      }
+      if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && spins++ < 1000) {
+        pollfd p{fd, POLLOUT, 0};
+        ::poll(&p, 1, 10);
+        continue;
+      }
+      if (rc < 0 && errno == EINTR) continue;
+      // Unreachable client or a dead socket: skip this datagram, keep the others going.
+      ++off;
+    }
+    q = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const pool::Record& r = info[i];
+    const bool ok = statuses[i] == wire::kStatusOk && body != nullptr && row_bytes > 0;
+    const size_t total = ok ? row_bytes : 0;
+    const uint32_t chunks = total ? uint32_t((total + chunk_payload - 1) / chunk_payload) : 1;
+    for (uint32_t c = 0; c < chunks; ++c) {
+      const size_t len = total ? std::min<size_t>(chunk_payload, total - size_t(c) * chunk_payload) : 0;
+      wire::Header& h = hdrs[q];
+      h = wire::Header{};
+      h.magic = wire::kMagic;
+      h.version = wire::kVersion;
+      h.kind = wire::kKindResponse;
+      h.status = statuses[i];
+      h.app_id = r.app_id;
+      h.dtype = ok ? dtype : uint8_t(wire::kDTypeBytes);
+      h.chunk_index = c;
+      h.chunk_count = chunks;
+      h.payload_len = uint32_t(len);
+      h.request_id = r.request_id;
+      h.total_len = uint32_t(total);
+      h.client_ts_ns = r.client_ts_ns;
+      iov[2 * q] = iovec{&h, sizeof h};
+      iov[2 * q + 1] = iovec{const_cast<uint8_t*>(ok ? body + i * row_bytes + size_t(c) * chunk_payload : nullptr), len};
+      msghdr& mh = msgs[q].msg_hdr;
+      mh = msghdr{};
+      mh.msg_name = const_cast<uint8_t*>(r.addr);
+      mh.msg_namelen = r.addr_len;
+      mh.msg_iov = &iov[2 * q];
+      mh.msg_iovlen = len ? 2 : 1;
+      if (++q == kBatch) flush();
+    }
+  }
+  if (q) flush();
+  return sent;
+}
+
+}  // namespace
+
+void bind_pool(nb::module_& m) {
+  m.attr("RECORD_SIZE") = sizeof(pool::Record);
+  m.def("record_layout", []() {
+    nb::dict d;
+#define GP_FIELD(name) d[#name] = nb::make_tuple(offsetof(pool::Record, name), sizeof(pool::Record::name))
+    GP_FIELD(state);
+    GP_FIELD(owner);
+    GP_FIELD(app_id);
+    GP_FIELD(dtype);
+    GP_FIELD(addr_len);
+    GP_FIELD(chunk_count);
+    GP_FIELD(chunks_received);
+    GP_FIELD(stride);
+    GP_FIELD(total_len);
+    GP_FIELD(deadline_us);
+    GP_FIELD(generation);
+    GP_FIELD(request_id);
+    GP_FIELD(client_ts_ns);
+    GP_FIELD(first_ns);
+    GP_FIELD(complete_ns);
+    GP_FIELD(addr);
+#undef GP_FIELD
+    return d;
+  });
+  m.def("monotonic_ns", &now_ns, "CLOCK_MONOTONIC in ns, the clock of Record.first_ns/complete_ns.");
+
+  nb::class_<Pool>(m, "Pool")
+      .def_static(
+          "create",
+          [](const std::string& name, uint32_t slot_count, uint32_t max_payload, uint32_t record_count,
+             uint32_t max_chunks, uint32_t consumer_count) {
+            PoolParams p{slot_count, max_payload, record_count, max_chunks, consumer_count};
+            return Pool::create(name, p);
+          },
+          nb::arg("name"), nb::arg("slot_count"), nb::arg("max_payload"), nb::arg("record_count"),
+          nb::arg("max_chunks"), nb::arg("consumer_count"), nb::rv_policy::take_ownership)
+      .def_static("attach", &Pool::attach, nb::arg("name"), nb::rv_policy::take_ownership)
+      .def("close", &Pool::close)
+      .def_prop_ro("closed", &Pool::closed)
+      .def_prop_ro("name", &Pool::name)
+      .def_prop_ro("owner", &Pool::owner)
+      .def_prop_ro("nbytes", &Pool::nbytes)
+      .def_prop_ro("address", [](const Pool& p) { return reinterpret_cast<uintptr_t>(p.view().base); })
+      .def("layout",
+           [](const Pool& p) {
+             const pool::PoolHeader* h = p.view().hdr;
+             nb::dict d;
+             d["slot_count"] = h->slot_count;
+             d["slot_size"] = h->slot_size;
+             d["max_payload"] = h->max_payload;
+             d["record_count"] = h->record_count;
+             d["max_chunks"] = h->max_chunks;
+             d["consumer_count"] = h->consumer_count;
+             d["ring_capacity"] = h->ring_capacity;
+             d["slots_offset"] = h->slots_offset;
+             d["records_offset"] = h->records_offset;
+             d["chunkmap_offset"] = h->chunkmap_offset;
+             d["rings_offset"] = h->rings_offset;
+             d["total_size"] = h->total_size;
+             return d;
+           })
+      .def(
+          "region",
+          [](nb::handle self, const std::string& which) {
+            Pool& p = nb::cast<Pool&>(self);
+            const pool::View& v = p.view();
+            const pool::PoolHeader* h = v.hdr;
+            size_t off, len;
+            if (which == "slots") {
+              off = h->slots_offset;
+              len = size_t(h->slot_count) * h->slot_size;
+            } else if (which == "records") {
+              off = h->records_offset;
+              len = size_t(h->record_count) * sizeof(pool::Record);
+            } else if (which == "chunkmap") {
+              off = h->chunkmap_offset;
+              len = size_t(h->record_count) * h->max_chunks * sizeof(uint32_t);
+            } else {
+              throw std::invalid_argument("region must be 'slots', 'records' or 'chunkmap', got '" + which + "'");
+            }
+            size_t shape[1] = {len};
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(v.base + off, 1, shape, self);
+          },
+          nb::arg("which"), "A uint8 numpy view of one region of the mapping, keeping the pool alive.")
+      .def(
+          "poll",
+          [](Pool& p, uint32_t consumer, U32Out out, int64_t timeout_us, int64_t spin_us) {
+            uint32_t* dst = out.data();
+            const size_t cap = out.shape(0);
+            nb::gil_scoped_release nogil;
+            return p.poll(consumer, dst, cap, timeout_us, spin_us);
+          },
+          nb::arg("consumer"), nb::arg("out"), nb::arg("timeout_us"), nb::arg("spin_us") = 50)
+      .def(
+          "release",
+          [](Pool& p, uint32_t consumer, U32Array recs) { return p.release(consumer, recs.data(), recs.shape(0)); },
+          nb::arg("consumer"), nb::arg("recs"))
+      .def("queue_depth", &Pool::queue_depth, nb::arg("consumer"))
+      .def(
+          "set_attached",
+          [](Pool& p, uint32_t consumer, uint32_t pid) {
+            p.check_consumer(consumer);
+            p.view().consumer(consumer)->attached_pid.store(pid);
+          },
+          nb::arg("consumer"), nb::arg("pid"))
+      .def(
+          "gather",
+          [](const Pool& p, U32Array recs, AnyOut out) {
+            const size_t n = recs.shape(0);
+            if (out.ndim() == 0 || out.shape(0) < n)
+              throw std::invalid_argument("gather output needs at least " + std::to_string(n) + " rows");
+            const size_t row_bytes = out.nbytes() / out.shape(0);
+            uint8_t* dst = static_cast<uint8_t*>(out.data());
+            std::string err;
+            {
+              nb::gil_scoped_release nogil;
+              err = p.gather(recs.data(), n, dst, row_bytes);
+            }
+            if (!err.empty()) throw std::invalid_argument(err);
+          },
+          nb::arg("recs"), nb::arg("out"),
+          "Copy each delivered record's payload into row i of out (CPU gather, GIL released).");
+
+  nb::class_<Ingest>(m, "Ingest")
+      .def(
+          "__init__",
+          [](Ingest* self, Pool& pool, const std::vector<std::tuple<std::string, int, int>>& listen,
+             double timeout_ms, double dedup_window_ms, uint32_t batch, int rcvbuf_bytes, bool answer_drops) {
+            if (!(timeout_ms > 0)) throw std::invalid_argument("timeout_ms must be positive");
+            if (!(dedup_window_ms >= 0)) throw std::invalid_argument("dedup_window_ms must be >= 0");
+            std::vector<ListenSpec> specs;
+            for (const auto& [host, port, app] : listen) {
+              if (port < 0 || port > 65535) throw std::invalid_argument("port must be in 0..65535");
+              specs.push_back(ListenSpec{host, port, app});
+            }
+            IngestOptions o;
+            o.timeout_ns = uint64_t(timeout_ms * 1e6);
+            o.dedup_window_ns = uint64_t(dedup_window_ms * 1e6);
+            o.batch = batch;
+            o.rcvbuf_bytes = rcvbuf_bytes;
+            o.answer_drops = answer_drops;
+            new (self) Ingest(&pool, specs, o);
+          },
+          nb::arg("pool"), nb::arg("listen"), nb::arg("timeout_ms") = 500.0, nb::arg("dedup_window_ms") = 2000.0,
+          nb::arg("batch") = 64, nb::arg("rcvbuf_bytes") = 32 << 20, nb::arg("answer_drops") = true,
+          nb::keep_alive<1, 2>())
+      .def("start", &Ingest::start)
+      .def("stop", &Ingest::stop, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("running", &Ingest::running)
+      .def_prop_ro("ports", &Ingest::ports)
+      .def("set_route", &Ingest::set_route, nb::arg("app_id"), nb::arg("consumers"))
+      .def("route", &Ingest::route, nb::arg("app_id"))
+      .def("reclaim", &Ingest::reclaim, nb::arg("consumer"), nb::arg("requeue"), nb::arg("timeout_ms") = 5000,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("counters",
+           [](const Ingest& ing) {
+             const auto c = ing.counters();
+             nb::dict d;
+             for (int i = 0; i < kCounterCount; ++i) d[counter_name(i)] = c[i];
+             d["free_slots"] = ing.free_slots();
+             d["free_records"] = ing.free_records();
+             d["filling"] = ing.filling();
+             return d;
+           });
+
+  m.def(
+      "send_responses",
+      [](int fd, ByteArray2 info, U16Array statuses, std::optional<ByteArray2> body, uint8_t dtype,
+         uint32_t chunk_payload) {
+        const size_t n = info.shape(0);
+        if (info.shape(1) != sizeof(pool::Record))
+          throw std::invalid_argument("info rows must be " + std::to_string(sizeof(pool::Record)) + "-byte records");
+        if (statuses.shape(0) != n) throw std::invalid_argument("need one status per request");
+        if (chunk_payload == 0 || chunk_payload > 65507 - wire::kHeaderSize)
+          throw std::invalid_argument("chunk_payload must be in 1..65459");
+        const uint8_t* b = nullptr;
+        size_t row = 0;
+        if (body) {
+          if (body->shape(0) != n) throw std::invalid_argument("need one body row per request");
+          b = body->data();
+          row = body->shape(1);
+        }
+        const auto* recs = reinterpret_cast<const pool::Record*>(info.data());
+        const uint16_t* st = statuses.data();
+        nb::gil_scoped_release nogil;
+        return send_responses(fd, recs, n, st, b, row, dtype, chunk_payload);
+      },
+      nb::arg("fd"), nb::arg("info"), nb::arg("statuses"), nb::arg("body").none(), nb::arg("dtype"),
+      nb::arg("chunk_payload") = 1024,
+      "Send each request's response (status, body row) to its client with sendmmsg. Returns datagrams sent.");
+}
 
 }  // namespace gpuprims

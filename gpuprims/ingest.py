@@ -1,0 +1,127 @@
+"""Native UDP ingest into the packet pool.
+
+A native thread receives datagrams with ``recvmmsg`` (up to ``batch`` per system call) straight into
+pool slots, validates each header, reassembles requests (any order; duplicates, loss and timeouts
+handled), and pushes complete requests to the consumer ring of the app they belong to. No Python runs
+per packet. Everything it drops is counted by reason (``counters()``): every received datagram is
+either accepted or dropped for exactly one reason, so
+
+    packets_received == packets_accepted + sum(drop_*)
+
+Requests refused at admission (pool or request table full, every consumer queue full), timed out
+while incomplete, or held by a consumer that died are answered with an explicit status datagram
+(OVERLOADED, DEADLINE_MISSED, INSTANCE_FAILED) unless ``answer_drops`` is False.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from gpuprims import _native
+from gpuprims.pool import PacketPool
+
+ListenAddr = tuple[str, int] | tuple[str, int, int]
+
+
+class Ingest:
+    """The receive loop of one node. ``start()`` it, route apps to consumers, ``stop()`` it.
+
+    ``listen`` is a list of ``(host, port)`` or ``(host, port, app_id)``; port 0 picks a free one
+    (see ``ports``); with an ``app_id`` only that app is accepted on the port. ``timeout_ms`` bounds
+    how long an incomplete request may hold slots; ``dedup_window_ms`` how long a finished request's
+    id is remembered so duplicates and late chunks are recognised.
+    """
+
+    def __init__(self, pool: PacketPool, listen: Sequence[ListenAddr] = (("127.0.0.1", 0),), *,
+                 timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64,
+                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True) -> None:
+        if not listen:
+            raise ValueError("listen needs at least one (host, port) address")
+        specs = []
+        for item in listen:
+            if len(item) not in (2, 3):
+                raise ValueError(f"listen entries are (host, port) or (host, port, app_id), got {item!r}")
+            host, port = item[0], int(item[1])
+            app = int(item[2]) if len(item) == 3 else -1  # type: ignore[misc]
+            if not 0 <= port <= 65535:
+                raise ValueError(f"port must be in 0..65535, got {port}")
+            if app > 0xFFFF:
+                raise ValueError(f"app_id must be a u16, got {app}")
+            specs.append((str(host), port, app))
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        if not 1 <= batch <= 1024:
+            raise ValueError(f"batch must be in 1..1024, got {batch}")
+        self.pool = pool
+        self._native = _native.Ingest(pool.native, specs, timeout_ms, dedup_window_ms, batch, rcvbuf_bytes,
+                                      answer_drops)
+        self._finalizer = weakref.finalize(self, self._native.stop)
+
+    @property
+    def ports(self) -> list[int]:
+        """The bound UDP ports, in the order of ``listen``."""
+        return list(self._native.ports)
+
+    @property
+    def running(self) -> bool:
+        return bool(self._native.running)
+
+    def start(self) -> Ingest:
+        self._native.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the receive thread (releases already queued are still processed)."""
+        self._native.stop()
+
+    def set_route(self, app_id: int, consumers: Iterable[int]) -> None:
+        """Send complete requests of ``app_id`` to these consumers (least-loaded first).
+
+        An empty list stops serving the app: its datagrams are dropped as unknown_app. Takes effect
+        before the next received batch.
+        """
+        if not 0 <= app_id <= 0xFFFF:
+            raise ValueError(f"app_id must be in 0..65535, got {app_id}")
+        cons = [int(c) for c in consumers]
+        n = self.pool.layout["consumer_count"]
+        for c in cons:
+            if not 0 <= c < n:
+                raise ValueError(f"consumer {c} out of range 0..{n - 1}")
+        self._native.set_route(app_id, cons)
+
+    def route(self, app_id: int) -> list[int]:
+        return list(self._native.route(app_id))
+
+    def reclaim(self, consumer: int, *, requeue: bool = True, timeout_ms: int = 5000) -> tuple[int, int]:
+        """Take back what a dead consumer held. Returns (answered_failed, requeued).
+
+        The consumer is removed from every route first. Requests it held go to another consumer of
+        their app when ``requeue`` and one exists, else are answered INSTANCE_FAILED and freed.
+        """
+        failed, requeued = self._native.reclaim(consumer, requeue, timeout_ms)
+        return int(failed), int(requeued)
+
+    def counters(self) -> dict[str, int]:
+        """Every counter (packets, drops by reason, requests) plus free_slots/free_records gauges."""
+        return {k: int(v) for k, v in self._native.counters().items()}
+
+    def drops(self) -> dict[str, int]:
+        """Packet drops by reason, only the non-zero ones."""
+        return {k[5:]: v for k, v in self.counters().items() if k.startswith("drop_") and v}
+
+    def __enter__(self) -> Ingest:
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"Ingest(ports={self.ports}, running={self.running})"
+
+
+def packet_balance(counters: dict[str, Any]) -> int:
+    """packets_received - packets_accepted - sum(drops): 0 when every packet is accounted for."""
+    drops = sum(v for k, v in counters.items() if k.startswith("drop_"))
+    return int(counters["packets_received"]) - int(counters["packets_accepted"]) - drops

@@ -1,0 +1,198 @@
+"""Shared-memory packet pool: the slots datagrams land in, and the queues of complete requests.
+
+The pool is one POSIX shared-memory object (layout in ``native/include/gpuprims/pool.h``) that the
+ingest creates and every app instance maps by name. The native ingest receives datagrams straight
+into its fixed-size slots, reassembles requests and pushes the index of each complete request's
+record to the ring of a consumer (an app instance). The consumer copies the payloads into a batch
+(``gather``; on CUDA, GPU-DMA reads the slots directly) and releases the records so their slots are
+recycled. An active and a shadow instance can both reach every packet, which is what makes
+Overlapped-Execution switch without copying or losing requests.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from typing import Any
+
+import numpy as np
+
+from gpuprims import _native
+
+#: numpy dtype of one request record (a copy of the native Record, 128 bytes).
+RECORD_DTYPE = np.dtype(
+    {
+        "names": [
+            "state", "owner", "app_id", "dtype", "addr_len", "chunk_count", "chunks_received", "stride",
+            "total_len", "deadline_us", "generation", "request_id", "client_ts_ns", "first_ns", "complete_ns",
+            "addr",
+        ],
+        "formats": ["<u4", "<u4", "<u2", "u1", "u1", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8",
+                    "<u8", "<u8", ("u1", 28)],
+        "offsets": [0, 4, 8, 10, 11, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 72],
+        "itemsize": 128,
+    }
+)
+
+REC_FREE, REC_FILLING, REC_DELIVERED = 0, 1, 2
+
+
+def _fresh_name() -> str:
+    return f"/gpuprims-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class PacketPool:
+    """A mapping of the shared packet pool, created (and unlinked on close) or attached by name.
+
+    Use :meth:`create` in the process that runs the ingest and :meth:`attach` in app instances.
+    ``close()`` (or leaving a ``with`` block) unmaps it; the creator also removes the name.
+    """
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+        self._records = native.region("records").view(RECORD_DTYPE)
+        # A dropped pool unmaps (and, for the creator, unlinks) even without close().
+        self._finalizer = weakref.finalize(self, PacketPool._finalize, native)
+
+    @staticmethod
+    def _finalize(native: Any) -> None:
+        native.close()
+
+    @classmethod
+    def create(cls, *, slot_count: int = 65536, max_payload: int = 1024, record_count: int = 1024,
+               max_chunks: int = 1024, consumer_count: int = 8, name: str | None = None) -> PacketPool:
+        """Create a new pool. ``max_payload`` is the largest datagram payload a slot holds (bytes).
+
+        A request of N chunks needs N free slots; ``max_chunks`` bounds N (a 224x224x3 float32 image in
+        1 KiB chunks is 588). ``consumer_count`` is how many consumer endpoints (instances) it serves.
+        """
+        for key, val, lo in (("slot_count", slot_count, 1), ("max_payload", max_payload, 1),
+                             ("record_count", record_count, 1), ("max_chunks", max_chunks, 1),
+                             ("consumer_count", consumer_count, 1)):
+            if not isinstance(val, int) or val < lo:
+                raise ValueError(f"{key} must be a positive integer, got {val!r}")
+        name = name or _fresh_name()
+        return cls(_native.Pool.create(name, slot_count, max_payload, record_count, max_chunks, consumer_count))
+
+    @classmethod
+    def attach(cls, name: str) -> PacketPool:
+        """Map an existing pool by name (in another process). Raises RuntimeError if there is none."""
+        return cls(_native.Pool.attach(name))
+
+    # -- description -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return str(self._native.name)
+
+    @property
+    def owner(self) -> bool:
+        return bool(self._native.owner)
+
+    @property
+    def address(self) -> int:
+        """Base address of the mapping in this process (for cudaHostRegister / GPU-DMA)."""
+        return int(self._native.address)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._native.nbytes)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Sizes and region offsets of the mapping (see pool.h)."""
+        return dict(self._native.layout())
+
+    @property
+    def native(self) -> Any:
+        """The private native object (for other native primitives such as GPU-DMA)."""
+        return self._native
+
+    def region(self, which: str) -> np.ndarray:
+        """A uint8 view of 'slots', 'records' or 'chunkmap' (valid while the pool is open)."""
+        return self._native.region(which)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._native.closed)
+
+    # -- consumers ---------------------------------------------------------------------------------
+    def consumer(self, index: int) -> Consumer:
+        """The consumer endpoint ``index`` (an app instance's queue)."""
+        if not 0 <= index < self.layout["consumer_count"]:
+            raise ValueError(f"consumer index {index} out of range 0..{self.layout['consumer_count'] - 1}")
+        return Consumer(self, index)
+
+    def requests(self, recs: np.ndarray) -> np.ndarray:
+        """Copies of the records ``recs`` (RECORD_DTYPE): ids, sizes, client address, timestamps."""
+        return self._records[np.asarray(recs, dtype=np.intp)].copy()
+
+    def gather(self, recs: np.ndarray, out: Any) -> Any:
+        """Copy each request's payload into row i of ``out`` (numpy array or CPU torch tensor).
+
+        Each row must have exactly the request's byte size. Raises ValueError naming the request
+        otherwise. This is the CPU equivalent of GPU-DMA.
+        """
+        recs = np.ascontiguousarray(recs, dtype=np.uint32)
+        if hasattr(out, "numpy") and not isinstance(out, np.ndarray):  # torch tensor
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("gather needs a contiguous CPU tensor")
+            target = out.numpy()  # shares memory with the tensor
+        else:
+            target = out
+        if not isinstance(target, np.ndarray) or not target.flags.c_contiguous:
+            raise ValueError("gather needs a C-contiguous numpy array or CPU tensor")
+        if target.ndim == 0 or target.shape[0] < recs.size:
+            raise ValueError(f"gather output needs at least {recs.size} rows, got shape {target.shape}")
+        self._native.gather(recs, target.reshape(target.shape[0], -1).view(np.uint8))
+        return out
+
+    def close(self) -> None:
+        """Unmap the pool (and remove its name if this process created it)."""
+        self._records = np.empty(0, RECORD_DTYPE)
+        self._finalizer()
+
+    def __enter__(self) -> PacketPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.nbytes / 2**20:.1f} MiB"
+        return f"PacketPool({self.name!r}, {state})"
+
+
+class Consumer:
+    """One consumer endpoint: polls complete requests and releases them when done."""
+
+    def __init__(self, pool: PacketPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self._buf = np.empty(pool.layout["ring_capacity"], dtype=np.uint32)
+        pool.native.set_attached(index, os.getpid())
+
+    def poll(self, max_n: int = 32, timeout_ms: float = 100.0, *, spin_us: int = 50) -> np.ndarray:
+        """Record indices of up to ``max_n`` complete requests, waiting up to ``timeout_ms``.
+
+        Waits on a futex after a ``spin_us`` spin, so an idle consumer costs no core. Returns an
+        empty array on timeout. ``timeout_ms < 0`` waits until something arrives.
+        """
+        if max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {max_n}")
+        out = self._buf[: min(max_n, self._buf.size)]
+        timeout_us = -1 if timeout_ms < 0 else int(timeout_ms * 1000)
+        n = self.pool.native.poll(self.index, out, timeout_us, spin_us)
+        return out[:n].copy()
+
+    def release(self, recs: np.ndarray) -> None:
+        """Give records back to the ingest, which recycles their slots."""
+        recs = np.ascontiguousarray(recs, dtype=np.uint32)
+        done = self.pool.native.release(self.index, recs)
+        if done != recs.size:
+            raise RuntimeError(f"release ring of consumer {self.index} full after {done} of {recs.size}: "
+                               "records were released more than once")
+
+    def depth(self) -> int:
+        """Complete requests waiting in this consumer's queue."""
+        return int(self.pool.native.queue_depth(self.index))

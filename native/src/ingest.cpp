@@ -1,0 +1,626 @@
+#include "ingest.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <future>
+
+namespace gpuprims {
+
+namespace {
+const char* kCounterNames[kCounterCount] = {
+    "packets_received",
+    "bytes_received",
+    "packets_accepted",
+    "drop_truncated",
+    "drop_bad_magic",
+    "drop_bad_version",
+    "drop_bad_kind",
+    "drop_bad_length",
+    "drop_bad_chunk",
+    "drop_bad_total",
+    "drop_bad_dtype",
+    "drop_oversize",
+    "drop_too_many_chunks",
+    "drop_unknown_app",
+    "drop_duplicate",
+    "drop_late",
+    "drop_inconsistent",
+    "drop_pool_full",
+    "drop_no_record",
+    "requests_started",
+    "requests_completed",
+    "requests_delivered",
+    "requests_timed_out",
+    "requests_rejected_pool_full",
+    "requests_rejected_no_record",
+    "requests_rejected_queue_full",
+    "requests_reclaimed_failed",
+    "requests_requeued",
+    "requests_released",
+    "bad_releases",
+    "responses_sent",
+    "response_send_errors",
+    "kernel_drops",
+    "recv_calls",
+};
+
+int open_socket(const ListenSpec& spec, int rcvbuf, int* bound_port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(spec.port);
+  int rc = getaddrinfo(spec.host.empty() ? nullptr : spec.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) throw std::runtime_error("cannot resolve listen address '" + spec.host + "': " + gai_strerror(rc));
+  int fd = socket(res->ai_family, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(res);
+    throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+  }
+  // SO_RCVBUFFORCE passes rmem_max where we may (root); otherwise take what SO_RCVBUF allows.
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &rcvbuf, sizeof rcvbuf) != 0)
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof one);
+  if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
+    std::string msg = "cannot bind " + spec.host + ":" + port + ": " + std::strerror(errno);
+    freeaddrinfo(res);
+    ::close(fd);
+    throw std::runtime_error(msg);
+  }
+  freeaddrinfo(res);
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof ss;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);
+  *bound_port = ss.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
+                                        : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  return fd;
+}
+}  // namespace
+
+const char* counter_name(int c) { return (c >= 0 && c < kCounterCount) ? kCounterNames[c] : "unknown"; }
+
+Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOptions& opts)
+    : pool_(pool), v_(pool->view()), opt_(opts) {
+  if (listen.empty()) throw std::invalid_argument("ingest needs at least one listen address");
+  if (opt_.batch == 0 || opt_.batch > 1024)
+    throw std::invalid_argument("batch must be in 1..1024, got " + std::to_string(opt_.batch));
+  if (opt_.timeout_ns == 0) throw std::invalid_argument("timeout must be positive");
+  for (auto& c : cnt_) c.store(0);
+  try {
+    for (const auto& spec : listen) {
+      if (spec.app_id > 0xFFFF) throw std::invalid_argument("listen app_id must be a u16");
+      int port = 0;
+      socks_.push_back(open_socket(spec, opt_.rcvbuf_bytes, &port));
+      sock_app_.push_back(spec.app_id);
+      ports_.push_back(port);
+    }
+    epfd_ = epoll_create1(EPOLL_CLOEXEC);
+    wakefd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epfd_ < 0 || wakefd_ < 0) throw std::runtime_error(std::string("epoll/eventfd: ") + std::strerror(errno));
+    for (size_t i = 0; i <= socks_.size(); ++i) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u32 = uint32_t(i);
+      epoll_ctl(epfd_, EPOLL_CTL_ADD, i < socks_.size() ? socks_[i] : wakefd_, &ev);
+    }
+  } catch (...) {
+    for (int fd : socks_) ::close(fd);
+    if (epfd_ >= 0) ::close(epfd_);
+    if (wakefd_ >= 0) ::close(wakefd_);
+    throw;
+  }
+
+  const pool::PoolHeader* h = v_.hdr;
+  free_slots_.reserve(h->slot_count);
+  for (uint32_t s = h->slot_count; s-- > 0;) free_slots_.push_back(s);
+  free_count_ = h->slot_count;
+  free_records_.reserve(h->record_count);
+  for (uint32_t r = h->record_count; r-- > 0;) free_records_.push_back(r);
+  bitmap_words_ = (h->max_chunks + 63) / 64;
+  bitmaps_.assign(size_t(h->record_count) * bitmap_words_, 0);
+  rec_sock_.assign(h->record_count, 0);
+  rec_key_.assign(h->record_count, Key{0, 0, 0});
+  filling_pos_.assign(h->record_count, -1);
+  routes_.assign(65536, {});
+  routes_pending_.assign(65536, {});
+  rr_.assign(65536, 0);
+  wake_.assign(h->consumer_count, 0);
+  active_.reserve(h->record_count * 2);
+  publish_gauges();
+}
+
+Ingest::~Ingest() {
+  stop();
+  for (int fd : socks_) ::close(fd);
+  if (epfd_ >= 0) ::close(epfd_);
+  if (wakefd_ >= 0) ::close(wakefd_);
+}
+
+void Ingest::start() {
+  if (running_.exchange(true)) throw std::runtime_error("ingest already started");
+  stop_.store(false);
+  v_.hdr->ingest_pid.store(uint32_t(getpid()));
+  thread_ = std::thread([this] { run(); });
+}
+
+void Ingest::stop() {
+  if (!running_.load()) return;
+  stop_.store(true);
+  uint64_t one = 1;
+  (void)!write(wakefd_, &one, sizeof one);
+  if (thread_.joinable()) thread_.join();
+  running_.store(false);
+  v_.hdr->ingest_pid.store(0);
+}
+
+void Ingest::set_route(uint16_t app_id, const std::vector<uint32_t>& consumers) {
+  for (uint32_t c : consumers) pool_->check_consumer(c);
+  std::lock_guard<std::mutex> g(mu_);
+  routes_pending_[app_id] = consumers;
+  routes_version_.fetch_add(1, std::memory_order_release);
+}
+
+std::vector<uint32_t> Ingest::route(uint16_t app_id) {
+  std::lock_guard<std::mutex> g(mu_);
+  return routes_pending_[app_id];
+}
+
+std::array<uint64_t, kCounterCount> Ingest::counters() const {
+  std::array<uint64_t, kCounterCount> out{};
+  for (int i = 0; i < kCounterCount; ++i) out[i] = cnt_[i].load(std::memory_order_relaxed);
+  return out;
+}
+
+void Ingest::apply_routes() {
+  const uint64_t ver = routes_version_.load(std::memory_order_acquire);
+  if (ver == routes_seen_) return;
+  std::lock_guard<std::mutex> g(mu_);
+  routes_ = routes_pending_;
+  routes_seen_ = routes_version_.load(std::memory_order_acquire);
+}
+
+void Ingest::run_commands() {
+  if (!has_commands_.load(std::memory_order_acquire)) return;
+  std::vector<Command> cmds;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cmds.swap(commands_);
+    has_commands_.store(false, std::memory_order_release);
+  }
+  for (auto& c : cmds) c.fn();
+}
+
+std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, int timeout_ms) {
+  pool_->check_consumer(consumer);
+  {
+    // Stop routing to it first, so nothing new lands in its ring.
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& r : routes_pending_) r.erase(std::remove(r.begin(), r.end(), consumer), r.end());
+    routes_version_.fetch_add(1, std::memory_order_release);
+  }
+  auto done = std::make_shared<std::promise<std::pair<uint64_t, uint64_t>>>();
+  auto fut = done->get_future();
+  auto work = [this, consumer, requeue, done] {
+    apply_routes();
+    drain_releases();
+    uint64_t failed = 0, requeued = 0;
+    pool::ConsumerBlock* cb = v_.consumer(consumer);
+    // Reset the dead consumer's rings; the records it held are found by owner below.
+    cb->deliver.head.store(cb->deliver.tail.load());
+    cb->release.head.store(cb->release.tail.load());
+    for (uint32_t r = 0; r < v_.hdr->record_count; ++r) {
+      pool::Record* rec = v_.record(r);
+      if (rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != consumer) continue;
+      bool moved = false;
+      if (requeue) {
+        const auto& cands = routes_[rec->app_id];
+        for (uint32_t c : cands) {
+          if (c == consumer) continue;
+          pool::ConsumerBlock* ob = v_.consumer(c);
+          rec->owner = c;
+          if (ring_push(ob->deliver, v_.deliver_entries(c), r)) {
+            wake_[c] = 1;
+            moved = true;
+            break;
+          }
+        }
+      }
+      if (moved) {
+        ++requeued;
+        bump(kRequestsRequeued);
+      } else {
+        ++failed;
+        bump(kRequestsReclaimedFailed);
+        if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusInstanceFailed);
+        free_record(r, false);
+      }
+    }
+    cb->epoch.fetch_add(1);
+    cb->attached_pid.store(0);
+    for (uint32_t c = 0; c < wake_.size(); ++c) {
+      if (wake_[c]) {
+        ring_signal(v_.consumer(c)->deliver);
+        wake_[c] = 0;
+      }
+    }
+    done->set_value({failed, requeued});
+  };
+  if (!running_.load()) {
+    work();
+  } else {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      commands_.push_back(Command{work});
+      has_commands_.store(true, std::memory_order_release);
+    }
+    uint64_t one = 1;
+    (void)!write(wakefd_, &one, sizeof one);
+  }
+  if (fut.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready)
+    throw std::runtime_error("ingest did not complete the reclaim within " + std::to_string(timeout_ms) + " ms");
+  return fut.get();
+}
+
+uint64_t Ingest::src_key(const sockaddr_in6& a, socklen_t len) {
+  if (a.sin6_family == AF_INET) {
+    const auto& a4 = reinterpret_cast<const sockaddr_in&>(a);
+    return (uint64_t(a4.sin_addr.s_addr) << 16) | a4.sin_port;
+  }
+  uint64_t h = 1469598103934665603ull;
+  const uint8_t* b = a.sin6_addr.s6_addr;
+  for (int i = 0; i < 16; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return (h << 16) ^ a.sin6_port ^ (1ull << 63);
+}
+
+void Ingest::remember(const Key& k, int reason, uint64_t now) {
+  // Bounded: past this many remembered keys, older ones are forgotten at the next purge.
+  if (gone_.size() > (1u << 20)) return;
+  gone_[k] = Gone{now + opt_.dedup_window_ns, reason};
+}
+
+void Ingest::send_status(int sock, const pool::Record& rec, uint16_t status) {
+  wire::Header h{};
+  h.magic = wire::kMagic;
+  h.version = wire::kVersion;
+  h.kind = wire::kKindResponse;
+  h.status = status;
+  h.app_id = rec.app_id;
+  h.dtype = wire::kDTypeBytes;
+  h.chunk_index = 0;
+  h.chunk_count = 1;
+  h.payload_len = 0;
+  h.request_id = rec.request_id;
+  h.total_len = 0;
+  h.client_ts_ns = rec.client_ts_ns;
+  ssize_t rc = sendto(socks_[size_t(sock)], &h, sizeof h, MSG_DONTWAIT,
+                      reinterpret_cast<const sockaddr*>(rec.addr), rec.addr_len);
+  bump(rc == ssize_t(sizeof h) ? kResponsesSent : kResponseSendErrors);
+}
+
+void Ingest::free_record(uint32_t r, bool received_only) {
+  pool::Record* rec = v_.record(r);
+  const uint32_t* map = v_.chunkmap(r);
+  if (received_only) {
+    const uint64_t* bm = &bitmaps_[size_t(r) * bitmap_words_];
+    for (uint32_t c = 0; c < rec->chunk_count; ++c) {
+      if (bm[c >> 6] & (1ull << (c & 63))) free_slots_.push_back(map[c]);
+    }
+    free_count_ += rec->chunks_received;
+    reserved_ -= rec->chunk_count - rec->chunks_received;
+  } else {
+    for (uint32_t c = 0; c < rec->chunk_count; ++c) free_slots_.push_back(map[c]);
+    free_count_ += rec->chunk_count;
+  }
+  if (filling_pos_[r] >= 0) {
+    const int32_t pos = filling_pos_[r];
+    const uint32_t last = filling_list_.back();
+    filling_list_[size_t(pos)] = last;
+    filling_pos_[last] = pos;
+    filling_list_.pop_back();
+    filling_pos_[r] = -1;
+  }
+  rec->generation++;
+  rec->state.store(pool::kRecFree, std::memory_order_release);
+  free_records_.push_back(r);
+}
+
+void Ingest::drain_releases() {
+  uint32_t buf[256];
+  for (uint32_t c = 0; c < v_.hdr->consumer_count; ++c) {
+    pool::ConsumerBlock* cb = v_.consumer(c);
+    const uint32_t* entries = v_.release_entries(c);
+    for (;;) {
+      const size_t n = ring_pop(cb->release, entries, buf, 256);
+      if (!n) break;
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t r = buf[i];
+        pool::Record* rec = r < v_.hdr->record_count ? v_.record(r) : nullptr;
+        if (!rec || rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != c) {
+          bump(kBadReleases);
+          continue;
+        }
+        free_record(r, false);
+        bump(kRequestsReleased);
+      }
+    }
+  }
+}
+
+void Ingest::deliver(uint32_t r) {
+  pool::Record* rec = v_.record(r);
+  const auto& cands = routes_[rec->app_id];
+  const size_t n = cands.size();
+  if (n) {
+    // Least-loaded consumer of the app, round-robin among equals.
+    size_t best = SIZE_MAX;
+    uint64_t best_depth = UINT64_MAX;
+    const uint32_t start = rr_[rec->app_id]++;
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t c = cands[(start + i) % n];
+      const pool::Ring& ring = v_.consumer(c)->deliver;
+      const uint64_t depth = ring.tail.load(std::memory_order_relaxed) - ring.head.load(std::memory_order_acquire);
+      if (depth < ring.capacity && depth < best_depth) {
+        best_depth = depth;
+        best = (start + i) % n;
+      }
+    }
+    if (best != SIZE_MAX) {
+      const uint32_t c = cands[best];
+      rec->owner = c;
+      rec->state.store(pool::kRecDelivered, std::memory_order_release);
+      ring_push(v_.consumer(c)->deliver, v_.deliver_entries(c), r);
+      wake_[c] = 1;
+      bump(kRequestsDelivered);
+      return;
+    }
+  }
+  bump(kRequestsRejectedQueueFull);
+  if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusOverloaded);
+  free_record(r, false);
+}
+
+void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, const sockaddr_in6& addr,
+                           socklen_t addrlen, bool real_slot, uint32_t slot) {
+  // Returns the slot to the free stack when the packet is not kept.
+  auto drop = [&](int counter) {
+    bump(counter);
+    if (real_slot) free_slots_.push_back(slot);
+  };
+  bump(kPacketsReceived);
+  bump(kBytesReceived, len);
+  if (msg_flags & MSG_TRUNC) return drop(kDropOversize);
+  wire::Header h;
+  const int verdict = wire::check_request(data, len, &h);
+  if (verdict != wire::kOk) return drop(kDropTruncated + verdict - 1);
+  const int port_app = sock_app_[size_t(sock)];
+  if ((port_app >= 0 && port_app != h.app_id) || routes_[h.app_id].empty()) return drop(kDropUnknownApp);
+  const uint32_t stride = wire::chunk_stride(h);
+
+  const Key key{h.request_id, src_key(addr, addrlen), h.app_id};
+  uint32_t r;
+  auto it = active_.find(key);
+  if (it == active_.end()) {
+    const uint64_t now = now_ns();
+    auto g = gone_.find(key);
+    if (g != gone_.end()) {
+      if (g->second.expires_ns > now) return drop(g->second.reason);
+      gone_.erase(g);
+    }
+    if (h.chunk_count > v_.hdr->max_chunks) return drop(kDropTooManyChunks);
+    if (stride > v_.hdr->max_payload) return drop(kDropOversize);
+    // Admission: reserve every slot the request will need, so admitted requests always complete
+    // and a flood cannot wedge the pool with partial requests.
+    if (free_count_ - reserved_ < h.chunk_count) {
+      bump(kRequestsRejectedPoolFull);
+      remember(key, kDropPoolFull, now);
+      if (opt_.answer_drops) {
+        pool::Record tmp{};
+        tmp.app_id = h.app_id;
+        tmp.request_id = h.request_id;
+        tmp.client_ts_ns = h.client_ts_ns;
+        std::memcpy(tmp.addr, &addr, std::min<size_t>(addrlen, sizeof tmp.addr));
+        tmp.addr_len = uint8_t(addrlen);
+        send_status(sock, tmp, wire::kStatusOverloaded);
+      }
+      return drop(kDropPoolFull);
+    }
+    if (free_records_.empty()) {
+      bump(kRequestsRejectedNoRecord);
+      remember(key, kDropNoRecord, now);
+      return drop(kDropNoRecord);
+    }
+    r = free_records_.back();
+    free_records_.pop_back();
+    pool::Record* rec = v_.record(r);
+    rec->owner = UINT32_MAX;
+    rec->app_id = h.app_id;
+    rec->dtype = h.dtype;
+    rec->chunk_count = h.chunk_count;
+    rec->chunks_received = 0;
+    rec->stride = stride;
+    rec->total_len = h.total_len;
+    rec->deadline_us = h.deadline_us;
+    rec->request_id = h.request_id;
+    rec->client_ts_ns = h.client_ts_ns;
+    rec->first_ns = now;
+    rec->complete_ns = 0;
+    std::memcpy(rec->addr, &addr, std::min<size_t>(addrlen, sizeof rec->addr));
+    rec->addr_len = uint8_t(addrlen);
+    rec->state.store(pool::kRecFilling, std::memory_order_release);
+    std::fill_n(&bitmaps_[size_t(r) * bitmap_words_], (h.chunk_count + 63) / 64, 0ull);
+    rec_sock_[r] = sock;
+    rec_key_[r] = key;
+    reserved_ += h.chunk_count;
+    filling_pos_[r] = int32_t(filling_list_.size());
+    filling_list_.push_back(r);
+    active_.emplace(key, r);
+    bump(kRequestsStarted);
+  } else {
+    r = it->second;
+    const pool::Record* rec = v_.record(r);
+    if (rec->chunk_count != h.chunk_count || rec->total_len != h.total_len || rec->stride != stride ||
+        rec->dtype != h.dtype)
+      return drop(kDropInconsistent);
+  }
+
+  pool::Record* rec = v_.record(r);
+  uint64_t& word = bitmaps_[size_t(r) * bitmap_words_ + (h.chunk_index >> 6)];
+  const uint64_t bit = 1ull << (h.chunk_index & 63);
+  if (word & bit) return drop(kDropDuplicate);
+  word |= bit;
+
+  uint32_t dst = slot;
+  if (!real_slot) {
+    // Received into scratch (the pool lent fewer slots than the batch); the reservation
+    // guarantees a free slot exists.
+    dst = free_slots_.back();
+    free_slots_.pop_back();
+    std::memcpy(v_.slot(dst), data, len);
+  }
+  v_.chunkmap(r)[h.chunk_index] = dst;
+  --free_count_;
+  --reserved_;
+  bump(kPacketsAccepted);
+  if (++rec->chunks_received == rec->chunk_count) {
+    rec->complete_ns = now_ns();
+    active_.erase(rec_key_[r]);
+    remember(rec_key_[r], kDropDuplicate, rec->complete_ns);
+    const int32_t pos = filling_pos_[r];
+    const uint32_t last = filling_list_.back();
+    filling_list_[size_t(pos)] = last;
+    filling_pos_[last] = pos;
+    filling_list_.pop_back();
+    filling_pos_[r] = -1;
+    bump(kRequestsCompleted);
+    deliver(r);
+  }
+}
+
+void Ingest::expire(uint64_t now) {
+  for (size_t i = 0; i < filling_list_.size();) {
+    const uint32_t r = filling_list_[i];
+    pool::Record* rec = v_.record(r);
+    if (now - rec->first_ns < opt_.timeout_ns) {
+      ++i;
+      continue;
+    }
+    active_.erase(rec_key_[r]);
+    remember(rec_key_[r], kDropLate, now);
+    bump(kRequestsTimedOut);
+    if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusDeadlineMissed);
+    free_record(r, true);  // moves the last filling entry into position i
+  }
+  if (now >= next_gone_purge_ns_) {
+    for (auto it = gone_.begin(); it != gone_.end();) {
+      if (it->second.expires_ns <= now)
+        it = gone_.erase(it);
+      else
+        ++it;
+    }
+    next_gone_purge_ns_ = now + opt_.dedup_window_ns / 4 + 1;
+  }
+}
+
+void Ingest::publish_gauges() {
+  free_count_pub_.store(free_count_ - reserved_, std::memory_order_relaxed);
+  free_records_pub_.store(free_records_.size(), std::memory_order_relaxed);
+  filling_pub_.store(filling_list_.size(), std::memory_order_relaxed);
+}
+
+void Ingest::run() {
+  const uint32_t B = opt_.batch;
+  const size_t slot_size = v_.hdr->slot_size;
+  std::vector<mmsghdr> msgs(B);
+  std::vector<iovec> iov(B);
+  std::vector<sockaddr_in6> addrs(B);
+  constexpr size_t kCmsgSpace = CMSG_SPACE(sizeof(uint32_t));
+  std::vector<uint8_t> cbufs(B * kCmsgSpace);
+  std::vector<uint8_t> scratch(B * slot_size);
+  std::vector<uint32_t> lent(B);
+  std::vector<uint32_t> kernel_drops(socks_.size(), 0);
+  epoll_event events[16];
+
+  while (!stop_.load(std::memory_order_acquire)) {
+    apply_routes();
+    run_commands();
+    drain_releases();
+    size_t got_total = 0;
+    for (size_t s = 0; s < socks_.size(); ++s) {
+      const uint32_t m = uint32_t(std::min<size_t>(B, free_slots_.size()));
+      for (uint32_t i = 0; i < m; ++i) {
+        lent[i] = free_slots_.back();
+        free_slots_.pop_back();
+      }
+      for (uint32_t i = 0; i < B; ++i) {
+        iov[i].iov_base = i < m ? v_.slot(lent[i]) : &scratch[size_t(i) * slot_size];
+        iov[i].iov_len = slot_size;
+        msghdr& mh = msgs[i].msg_hdr;
+        mh.msg_name = &addrs[i];
+        mh.msg_namelen = sizeof(sockaddr_in6);
+        mh.msg_iov = &iov[i];
+        mh.msg_iovlen = 1;
+        mh.msg_control = &cbufs[i * kCmsgSpace];
+        mh.msg_controllen = kCmsgSpace;
+        mh.msg_flags = 0;
+        msgs[i].msg_len = 0;
+      }
+      const int n = recvmmsg(socks_[s], msgs.data(), B, MSG_DONTWAIT, nullptr);
+      bump(kRecvCalls);
+      const uint32_t got = n > 0 ? uint32_t(n) : 0;
+      for (uint32_t i = 0; i < got; ++i) {
+        msghdr& mh = msgs[i].msg_hdr;
+        for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+          if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SO_RXQ_OVFL) {
+            uint32_t d;
+            std::memcpy(&d, CMSG_DATA(cm), sizeof d);
+            if (d > kernel_drops[s]) {
+              bump(kKernelDrops, d - kernel_drops[s]);
+              kernel_drops[s] = d;
+            }
+          }
+        }
+        handle_packet(int(s), static_cast<uint8_t*>(iov[i].iov_base), msgs[i].msg_len, mh.msg_flags, addrs[i],
+                      mh.msg_namelen, i < m, i < m ? lent[i] : 0);
+      }
+      for (uint32_t i = got; i < m; ++i) free_slots_.push_back(lent[i]);
+      got_total += got;
+    }
+    for (uint32_t c = 0; c < wake_.size(); ++c) {
+      if (wake_[c]) {
+        ring_signal(v_.consumer(c)->deliver);
+        wake_[c] = 0;
+      }
+    }
+    const uint64_t now = now_ns();
+    if (now >= next_expire_ns_) {
+      expire(now);
+      next_expire_ns_ = now + 1000000;  // every millisecond
+    }
+    publish_gauges();
+    if (got_total == 0) {
+      // Nothing pending: sleep until a datagram, a command, or the next housekeeping tick.
+      const int nev = epoll_wait(epfd_, events, 16, 1);
+      for (int i = 0; i < nev; ++i) {
+        if (events[i].data.u32 == socks_.size()) {
+          uint64_t v;
+          (void)!read(wakefd_, &v, sizeof v);
+        }
+      }
+    }
+  }
+  apply_routes();
+  run_commands();
+  drain_releases();
+  publish_gauges();
+}
+
+}  // namespace gpuprims

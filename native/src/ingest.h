@@ -1,0 +1,182 @@
+// Native UDP ingest: receives datagrams with recvmmsg straight into pool slots, validates and
+// reassembles requests, and hands complete ones to consumer rings. One native thread; no Python.
+#pragma once
+#include <netinet/in.h>
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "pool_impl.h"
+
+namespace gpuprims {
+
+// Counter indices. Packet-level: every received datagram is accepted or dropped for exactly one
+// reason, so packets_received == packets_accepted + sum(drop_*). Request-level counters follow.
+enum Counter : int {
+  kPacketsReceived = 0,
+  kBytesReceived,
+  kPacketsAccepted,
+  kDropTruncated,     // verdicts 1..8 map to kDropTruncated + verdict - 1
+  kDropBadMagic,
+  kDropBadVersion,
+  kDropBadKind,
+  kDropBadLength,
+  kDropBadChunk,
+  kDropBadTotal,
+  kDropBadDType,
+  kDropOversize,      // datagram larger than a slot
+  kDropTooManyChunks, // request needs more chunks than a record maps
+  kDropUnknownApp,    // no route for the app id (or the app is not served on this port)
+  kDropDuplicate,     // chunk already received, or request already completed
+  kDropLate,          // chunk of a request that timed out
+  kDropInconsistent,  // disagrees with earlier chunks of its request (count, total, stride, dtype)
+  kDropPoolFull,      // request refused at admission (not enough free slots), and its later chunks
+  kDropNoRecord,      // request refused at admission (request table full), and its later chunks
+  kRequestsStarted,
+  kRequestsCompleted,
+  kRequestsDelivered,
+  kRequestsTimedOut,
+  kRequestsRejectedPoolFull,
+  kRequestsRejectedNoRecord,
+  kRequestsRejectedQueueFull,
+  kRequestsReclaimedFailed,  // held by a dead consumer, answered with INSTANCE_FAILED
+  kRequestsRequeued,         // held by a dead consumer, handed to another
+  kRequestsReleased,
+  kBadReleases,              // release of a record not owned by that consumer
+  kResponsesSent,            // status responses the ingest sent itself
+  kResponseSendErrors,
+  kKernelDrops,              // datagrams the kernel dropped on our sockets (SO_RXQ_OVFL)
+  kRecvCalls,
+  kCounterCount
+};
+
+const char* counter_name(int c);
+
+struct ListenSpec {
+  std::string host;
+  int port = 0;
+  int app_id = -1;  // >= 0: only this app is served on this port
+};
+
+struct IngestOptions {
+  uint64_t timeout_ns = 500000000ull;      // incomplete request timeout
+  uint64_t dedup_window_ns = 2000000000ull;  // how long completed/expired keys are remembered
+  uint32_t batch = 64;                     // datagrams per recvmmsg
+  int rcvbuf_bytes = 32 << 20;
+  bool answer_drops = true;                // send a status response for refused / timed-out requests
+};
+
+class Ingest {
+ public:
+  Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOptions& opts);
+  ~Ingest();
+  void start();
+  void stop();
+  bool running() const { return running_.load(); }
+  std::vector<int> ports() const { return ports_; }
+
+  void set_route(uint16_t app_id, const std::vector<uint32_t>& consumers);
+  std::vector<uint32_t> route(uint16_t app_id);
+  std::array<uint64_t, kCounterCount> counters() const;
+  uint64_t free_slots() const { return free_count_pub_.load(std::memory_order_relaxed); }
+  uint64_t free_records() const { return free_records_pub_.load(std::memory_order_relaxed); }
+  uint64_t filling() const { return filling_pub_.load(std::memory_order_relaxed); }
+
+  // Take back everything a (dead) consumer holds: its route entries are removed; requests it held
+  // are handed to `requeue_to` consumers of their app when given (and not full), else answered
+  // with INSTANCE_FAILED and freed. Runs on the ingest thread; blocks until done.
+  std::pair<uint64_t, uint64_t> reclaim(uint32_t consumer, bool requeue, int timeout_ms);
+
+ private:
+  struct Key {
+    uint64_t request_id;
+    uint64_t src;
+    uint32_t app_id;
+    bool operator==(const Key& o) const {
+      return request_id == o.request_id && src == o.src && app_id == o.app_id;
+    }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      uint64_t h = k.request_id * 0x9E3779B97F4A7C15ull ^ (k.src + 0x632BE59BD9B4E019ull + (h_rot(k.src)));
+      h ^= uint64_t(k.app_id) << 48;
+      h ^= h >> 29;
+      return size_t(h * 0xBF58476D1CE4E5B9ull);
+    }
+    static uint64_t h_rot(uint64_t v) { return (v << 21) | (v >> 43); }
+  };
+  struct Gone {
+    uint64_t expires_ns;
+    int reason;  // counter index to charge later chunks to
+  };
+  struct Command {
+    std::function<void()> fn;
+  };
+
+  void run();
+  void handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, const sockaddr_in6& addr,
+                     socklen_t addrlen, bool real_slot, uint32_t slot);
+  void deliver(uint32_t rec);
+  void free_record(uint32_t rec, bool slots_received_only);
+  void drain_releases();
+  void expire(uint64_t now);
+  void send_status(int sock, const pool::Record& rec, uint16_t status);
+  void remember(const Key& k, int reason, uint64_t now);
+  void apply_routes();
+  void run_commands();
+  void publish_gauges();
+  void bump(int c, uint64_t n = 1) {
+    cnt_[c].store(cnt_[c].load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+  static uint64_t src_key(const sockaddr_in6& a, socklen_t len);
+
+  Pool* pool_;
+  pool::View v_;
+  IngestOptions opt_;
+  std::vector<int> socks_;
+  std::vector<int> sock_app_;
+  std::vector<int> ports_;
+  int epfd_ = -1;
+  int wakefd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  std::atomic<bool> stop_{false};
+  std::array<std::atomic<uint64_t>, kCounterCount> cnt_{};
+  std::atomic<uint64_t> free_count_pub_{0}, free_records_pub_{0}, filling_pub_{0};
+
+  // Ingest-thread state.
+  std::vector<uint32_t> free_slots_;
+  uint64_t free_count_ = 0;  // free slots, counting those lent to the current recvmmsg batch
+  uint64_t reserved_ = 0;    // slots promised to admitted, incomplete requests
+  std::vector<uint32_t> free_records_;
+  std::vector<uint64_t> bitmaps_;  // record_count x words: chunks received
+  size_t bitmap_words_ = 0;
+  std::vector<int> rec_sock_;      // socket each record's request arrived on
+  std::vector<Key> rec_key_;
+  std::unordered_map<Key, uint32_t, KeyHash> active_;
+  std::unordered_map<Key, Gone, KeyHash> gone_;
+  std::vector<uint32_t> filling_list_;  // records in kRecFilling (unordered)
+  std::vector<int32_t> filling_pos_;
+  std::vector<std::vector<uint32_t>> routes_;  // app_id -> consumers (ingest copy)
+  std::vector<uint32_t> rr_;                   // round-robin cursor per app
+  std::vector<uint8_t> wake_;                  // consumers to signal after a batch
+  uint64_t next_expire_ns_ = 0;
+  uint64_t next_gone_purge_ns_ = 0;
+
+  // Shared with Python threads.
+  std::mutex mu_;
+  std::vector<std::vector<uint32_t>> routes_pending_;
+  std::atomic<uint64_t> routes_version_{0};
+  uint64_t routes_seen_ = 0;
+  std::vector<Command> commands_;
+  std::atomic<bool> has_commands_{false};
+};
+
+}  // namespace gpuprims

@@ -1,0 +1,375 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from gpuprims import wire
+from gpuprims.ingest import Ingest, packet_balance
+from gpuprims.pool import PacketPool
+from gpuprims.wire import Status
+
+APP = 7
+
+
+class Node:
+    """A pool + ingest on loopback with a client socket, for tests."""
+
+    def __init__(self, *, slot_count: int = 2048, record_count: int = 64, consumers: int = 2,
+                 timeout_ms: float = 300.0, max_chunks: int = 256, listen_app: int | None = None) -> None:
+        self.pool = PacketPool.create(slot_count=slot_count, record_count=record_count, max_chunks=max_chunks,
+                                      consumer_count=consumers)
+        listen = [("127.0.0.1", 0)] if listen_app is None else [("127.0.0.1", 0, listen_app)]
+        self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms).start()
+        self.ingest.set_route(APP, [0])
+        self.addr = ("127.0.0.1", self.ingest.ports[0])
+        self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.client.bind(("127.0.0.1", 0))
+        self.client.settimeout(2.0)
+
+    def send(self, datagrams: list[bytes]) -> None:
+        for d in datagrams:
+            self.client.sendto(d, self.addr)
+
+    def wait(self, cond: Callable[[dict[str, int]], bool], timeout_s: float = 5.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            c = self.ingest.counters()
+            if cond(c):
+                return c
+            time.sleep(0.005)
+        raise AssertionError(f"condition not met; counters: {self.ingest.counters()}")
+
+    def take(self, n: int, consumer: int = 0, timeout_s: float = 5.0) -> np.ndarray:
+        c = self.pool.consumer(consumer)
+        got: list[int] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < n and time.monotonic() < deadline:
+            got += c.poll(64, 100).tolist()
+        assert len(got) == n, f"got {len(got)} of {n} requests"
+        return np.array(got, np.uint32)
+
+    def responses(self, n: int) -> list[wire.Response]:
+        asm, out = wire.ResponseAssembler(), []
+        while len(out) < n:
+            r = asm.feed(self.client.recv(65536))
+            if r is not None:
+                out.append(r)
+        return out
+
+    def close(self) -> None:
+        self.ingest.stop()
+        self.client.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    yield n
+    n.close()
+
+
+def _body(seed: int, nbytes: int = 5000) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _patch(d: bytes, field: str, value: int) -> bytes:
+    off, code = wire.FIELDS[field]
+    b = bytearray(d)
+    struct.pack_into("<" + code, b, off, value)
+    return bytes(b)
+
+
+def test_reassembles_shuffled_requests_and_gathers(node: Node) -> None:
+    rng = np.random.default_rng(1)
+    bodies = {rid: _body(rid) for rid in range(10)}
+    dgrams = [d for rid, b in bodies.items() for d in wire.encode_request(APP, rid, b)]
+    rng.shuffle(dgrams)
+    node.send(dgrams)
+    recs = node.take(10)
+    info = node.pool.requests(recs)
+    out = np.zeros((10, 5000), np.uint8)
+    node.pool.gather(recs, out)
+    for i, r in enumerate(info):
+        np.testing.assert_array_equal(out[i], bodies[int(r["request_id"])])
+        assert r["app_id"] == APP and r["total_len"] == 5000 and r["chunk_count"] == 5
+    node.pool.consumer(0).release(recs)
+    c = node.wait(lambda c: c["requests_released"] == 10)
+    assert c["packets_accepted"] == 50 and c["requests_completed"] == 10 and packet_balance(c) == 0
+    assert c["free_slots"] == 2048 and c["free_records"] == 64
+
+
+def test_gather_into_torch_tensor(node: Node) -> None:
+    torch = pytest.importorskip("torch")
+    img = np.arange(3 * 8 * 8, dtype=np.float32).reshape(3, 8, 8)
+    node.send(wire.encode_request(APP, 1, img))
+    recs = node.take(1)
+    out = torch.zeros((1, 3, 8, 8))
+    node.pool.gather(recs, out)
+    assert torch.equal(out[0], torch.from_numpy(img))
+    with pytest.raises(ValueError, match="bytes but the batch row has"):
+        node.pool.gather(recs, np.zeros((1, 10), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "counter"),
+    [
+        (lambda d: d[:30], "drop_truncated"),
+        (lambda d: _patch(d, "magic", 0x11223344), "drop_bad_magic"),
+        (lambda d: _patch(d, "version", 9), "drop_bad_version"),
+        (lambda d: _patch(d, "kind", wire.KIND_RESPONSE), "drop_bad_kind"),
+        (lambda d: _patch(d, "payload_len", 4000), "drop_bad_length"),
+        (lambda d: _patch(d, "chunk_index", 50), "drop_bad_chunk"),
+        (lambda d: _patch(d, "total_len", 100_001), "drop_bad_total"),
+        (lambda d: _patch(d, "dtype", 77), "drop_bad_dtype"),
+        (lambda d: _patch(d, "app_id", 999), "drop_unknown_app"),
+    ],
+)
+def test_malformed_datagrams_are_counted_and_do_not_corrupt_others(
+    node: Node, mutate: Callable[[bytes], bytes], counter: str
+) -> None:
+    good = wire.encode_request(APP, 1, _body(1))
+    bad = [mutate(d) for d in wire.encode_request(APP, 2, _body(2))]
+    # Interleave bad datagrams among the good request's chunks.
+    node.send([x for pair in zip(good, bad) for x in pair])
+    c = node.wait(lambda c: c["packets_received"] == 10)
+    assert c[counter] == 5, c
+    assert packet_balance(c) == 0
+    recs = node.take(1)
+    out = np.zeros((1, 5000), np.uint8)
+    node.pool.gather(recs, out)
+    np.testing.assert_array_equal(out[0], _body(1))
+    assert node.ingest.running
+
+
+def test_oversized_datagram_is_dropped() -> None:
+    n = Node()
+    try:
+        big = wire.encode_request(APP, 1, _body(1, 3000), chunk_payload=2000)
+        n.send(big)
+        c = n.wait(lambda c: c["packets_received"] == 2)
+        assert c["drop_oversize"] == 2 and packet_balance(c) == 0
+    finally:
+        n.close()
+
+
+def test_too_many_chunks_is_dropped() -> None:
+    n = Node(max_chunks=4)
+    try:
+        n.send(wire.encode_request(APP, 1, _body(1, 6000))[:2])
+        c = n.wait(lambda c: c["packets_received"] == 2)
+        assert c["drop_too_many_chunks"] == 2
+    finally:
+        n.close()
+
+
+def test_duplicate_chunks_and_duplicate_requests(node: Node) -> None:
+    d = wire.encode_request(APP, 1, _body(1))
+    node.send([d[0], d[0], *d[1:], d[3]])
+    node.take(1)
+    c = node.wait(lambda c: c["packets_received"] == 7)
+    assert c["drop_duplicate"] == 2 and c["requests_completed"] == 1 and packet_balance(c) == 0
+
+
+def test_inconsistent_chunk_is_dropped(node: Node) -> None:
+    d = wire.encode_request(APP, 1, _body(1))
+    other = wire.encode_request(APP, 1, _body(1, 3000))  # same id, different size
+    node.send([d[0], other[1], *d[1:]])
+    node.take(1)
+    c = node.wait(lambda c: c["packets_received"] == 6)
+    assert c["drop_inconsistent"] == 1 and packet_balance(c) == 0
+
+
+def test_incomplete_request_times_out_frees_slots_and_late_chunks_are_counted() -> None:
+    n = Node(timeout_ms=100)
+    try:
+        d = wire.encode_request(APP, 1, _body(1))
+        n.send(d[:3])
+        c = n.wait(lambda c: c["requests_timed_out"] == 1)
+        assert c["free_slots"] == 2048 and c["filling"] == 0
+        (resp,) = n.responses(1)
+        assert resp.status == Status.DEADLINE_MISSED and resp.request_id == 1
+        n.send(d[3:])
+        c = n.wait(lambda c: c["packets_received"] == 5)
+        assert c["drop_late"] == 2 and packet_balance(c) == 0
+        assert n.pool.consumer(0).poll(8, 50).size == 0
+    finally:
+        n.close()
+
+
+def test_flood_larger_than_pool_is_refused_whole_and_admitted_requests_complete() -> None:
+    # 64 slots hold 12 requests of 5 chunks; 30 requests arrive before any is consumed.
+    n = Node(slot_count=64, record_count=64)
+    try:
+        for rid in range(30):
+            n.send(wire.encode_request(APP, rid, _body(rid)))
+        c = n.wait(lambda c: c["packets_received"] == 150)
+        assert c["requests_completed"] == 12
+        assert c["requests_rejected_pool_full"] == 18 and c["drop_pool_full"] == 18 * 5
+        assert packet_balance(c) == 0
+        recs = n.take(12)
+        out = np.zeros((12, 5000), np.uint8)
+        n.pool.gather(recs, out)
+        for i, r in enumerate(n.pool.requests(recs)):
+            np.testing.assert_array_equal(out[i], _body(int(r["request_id"])))
+        statuses = [r.status for r in n.responses(18)]
+        assert statuses == [Status.OVERLOADED] * 18
+        n.pool.consumer(0).release(recs)
+        n.wait(lambda c: c["free_slots"] == 64)
+        # The pool serves again once slots are back.
+        n.send(wire.encode_request(APP, 100, _body(100)))
+        n.take(1)
+    finally:
+        n.close()
+
+
+def test_request_table_full_is_refused() -> None:
+    n = Node(record_count=2)
+    try:
+        for rid in range(3):
+            n.send(wire.encode_request(APP, rid, _body(rid))[:1])
+        c = n.wait(lambda c: c["packets_received"] == 3)
+        assert c["requests_rejected_no_record"] == 1 and c["drop_no_record"] == 1
+    finally:
+        n.close()
+
+
+def test_queue_full_answers_overloaded() -> None:
+    # A ring holds next_pow2(record_count) = 4 requests; the fifth cannot be queued.
+    n = Node(record_count=4)
+    try:
+        for rid in range(4):
+            n.send(wire.encode_request(APP, rid, _body(rid)))
+        n.wait(lambda c: c["requests_delivered"] == 4)
+        n.send(wire.encode_request(APP, 9, _body(9)))
+        c = n.wait(lambda c: c["packets_received"] == 25)
+        # The request table is full, so the fifth is refused at admission.
+        assert c["requests_rejected_no_record"] + c["requests_rejected_queue_full"] == 1
+    finally:
+        n.close()
+
+
+def test_port_restricted_to_one_app() -> None:
+    n = Node(listen_app=APP)
+    try:
+        n.ingest.set_route(8, [1])
+        n.send(wire.encode_request(8, 1, _body(1)))
+        n.send(wire.encode_request(APP, 2, _body(2)))
+        c = n.wait(lambda c: c["packets_received"] == 10)
+        assert c["drop_unknown_app"] == 5 and c["requests_completed"] == 1
+    finally:
+        n.close()
+
+
+def test_routing_across_consumers_and_route_change(node: Node) -> None:
+    node.ingest.set_route(APP, [0, 1])
+    for rid in range(8):
+        node.send(wire.encode_request(APP, rid, _body(rid)))
+    node.wait(lambda c: c["requests_delivered"] == 8)
+    d0, d1 = node.pool.consumer(0).depth(), node.pool.consumer(1).depth()
+    assert d0 + d1 == 8 and d0 > 0 and d1 > 0
+    node.ingest.set_route(APP, [1])
+    assert node.ingest.route(APP) == [1]
+    node.send(wire.encode_request(APP, 50, _body(50)))
+    node.wait(lambda c: c["requests_delivered"] == 9)
+    assert node.pool.consumer(1).depth() == d1 + 1
+
+
+def test_reclaim_requeues_or_fails_held_requests(node: Node) -> None:
+    node.ingest.set_route(APP, [0, 1])
+    node.ingest.set_route(APP, [0])
+    for rid in range(4):
+        node.send(wire.encode_request(APP, rid, _body(rid)))
+    node.wait(lambda c: c["requests_delivered"] == 4)
+    held = node.pool.consumer(0).poll(2, 1000)  # consumer 0 holds two, leaves two queued, then dies
+    assert held.size == 2
+    node.ingest.set_route(APP, [0, 1])
+    failed, requeued = node.ingest.reclaim(0, requeue=True)
+    assert (failed, requeued) == (0, 4)
+    assert node.ingest.route(APP) == [1]
+    recs = node.take(4, consumer=1)
+    assert sorted(node.pool.requests(recs)["request_id"].tolist()) == [0, 1, 2, 3]
+    # Consumer 1 dies with nowhere to requeue: its requests are answered INSTANCE_FAILED.
+    failed, requeued = node.ingest.reclaim(1, requeue=True)
+    assert (failed, requeued) == (4, 0)
+    assert [r.status for r in node.responses(4)] == [Status.INSTANCE_FAILED] * 4
+    c = node.wait(lambda c: c["free_slots"] == 2048)
+    assert c["requests_reclaimed_failed"] == 4 and c["requests_requeued"] == 4
+
+
+def test_double_release_is_counted(node: Node) -> None:
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    recs = node.take(1)
+    cons = node.pool.consumer(0)
+    cons.release(recs)
+    node.wait(lambda c: c["requests_released"] == 1)
+    cons.release(recs)
+    c = node.wait(lambda c: c["bad_releases"] == 1)
+    assert c["free_slots"] == 2048
+
+
+def _child_consume(pool_name: str, n: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    pool = PacketPool.attach(pool_name)
+    cons = pool.consumer(1)
+    got: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        got += cons.poll(16, 100).tolist()
+    recs = np.array(got, np.uint32)
+    out = np.zeros((len(got), 5000), np.uint8)
+    pool.gather(recs, out)
+    ids = pool.requests(recs)["request_id"].tolist()
+    cons.release(recs)
+    q.put([(rid, bytes(row[:16])) for rid, row in zip(ids, out)])
+    pool.close()
+
+
+def test_consumer_in_another_process() -> None:
+    n = Node()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_consume, args=(n.pool.name, 5, q))
+    try:
+        n.ingest.set_route(APP, [1])
+        p.start()
+        for rid in range(5):
+            n.send(wire.encode_request(APP, rid, _body(rid)))
+        res = q.get(timeout=30)
+        assert sorted(rid for rid, _ in res) == list(range(5))
+        for rid, head in res:
+            assert head == _body(rid)[:16].tobytes()
+        n.wait(lambda c: c["requests_released"] == 5)
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        n.close()
+
+
+def test_poll_times_out_without_work(node: Node) -> None:
+    assert node.pool.consumer(0).poll(8, timeout_ms=20).size == 0
+    with pytest.raises(ValueError):
+        node.pool.consumer(0).poll(0)
+
+
+def test_ingest_argument_validation() -> None:
+    with PacketPool.create(slot_count=16, record_count=4, consumer_count=1) as pool:
+        with pytest.raises(ValueError, match="listen"):
+            Ingest(pool, [])
+        with pytest.raises(ValueError, match="timeout_ms"):
+            Ingest(pool, [("127.0.0.1", 0)], timeout_ms=0)
+        with pytest.raises(ValueError, match="batch"):
+            Ingest(pool, [("127.0.0.1", 0)], batch=0)
+        with pytest.raises(RuntimeError, match="resolve"):
+            Ingest(pool, [("no.such.host.invalid", 0)])
+        ing = Ingest(pool, [("127.0.0.1", 0)])
+        with pytest.raises(ValueError, match="consumer 3 out of range"):
+            ing.set_route(1, [3])
+        ing.stop()
