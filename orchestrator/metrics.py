@@ -1,0 +1,741 @@
+"""Counters, gauges and latency histograms of a node; Prometheus export; the ``status`` table.
+
+Three layers:
+
+- `InstanceCounters` is what an app instance keeps and ships in every ``Heartbeat.stats``
+  (`to_dict` / `from_dict`, plain JSON). Counters are cumulative since the instance started, so a lost
+  heartbeat loses nothing; gauges (queue length, requests held, GPU%) are the values at sampling time.
+- `NodeMetrics` is the orchestrator's model: it keeps the last two samples of every instance and
+  derives rates and windowed latency percentiles / SLO attainment from their difference, aggregates
+  per app (keeping the totals of instances that have gone, so app counters never go backwards), holds
+  the ingest's drop counters by reason, and renders `status()` (a JSON-able dict) and Prometheus
+  metrics on its own `CollectorRegistry` (never the global one).
+- `MetricsServer` serves that registry over HTTP on loopback; `format_status` turns a status dict into
+  the table ``gpuprims-orchestrator status`` prints.
+
+Latencies are kept in a `LatencyHistogram`: fixed logarithmic buckets (about 2 % relative width), so
+percentiles have bounded error, histograms merge exactly across instances, and a window is the
+difference of two cumulative histograms.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from gpuprims.wire import Status
+
+__all__ = [
+    "InstanceCounters",
+    "LatencyHistogram",
+    "MetricsServer",
+    "NodeMetrics",
+    "format_status",
+    "status_name",
+]
+
+_QUANTILES = (0.5, 0.99)
+
+
+def status_name(status: int | str) -> str:
+    """The lower-case name of a response status (``deadline_missed``); accepts the code or a name."""
+    if isinstance(status, str):
+        key = status.strip().upper()
+        if key not in Status.__members__:
+            raise ValueError(f"unknown status {status!r}; known: {', '.join(s.name.lower() for s in Status)}")
+        return key.lower()
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise ValueError(f"status must be a wire.Status code or name, got {status!r}")
+    try:
+        return Status(status).name.lower()
+    except ValueError:
+        raise ValueError(f"unknown status code {status}") from None
+
+
+class LatencyHistogram:
+    """Log-bucketed latency histogram in milliseconds.
+
+    Bucket ``i`` (``i >= 1``) holds values in ``(MIN_MS * RATIO**(i-1), MIN_MS * RATIO**i]``; bucket 0
+    holds everything up to ``MIN_MS``. Quantiles report a bucket's upper bound (never more than the
+    largest value seen), so they over-state by at most ``RATIO - 1``.
+    """
+
+    MIN_MS = 0.001
+    RATIO = 1.02
+    MAX_BUCKET = 1100  # 0.001 ms * 1.02**1100 is about 2.9e6 s; larger values land here
+
+    __slots__ = ("buckets", "count", "max_ms", "sum_ms")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.count = 0
+        self.sum_ms = 0.0
+        self.max_ms = 0.0
+
+    @classmethod
+    def bucket_of(cls, latency_ms: float) -> int:
+        """The bucket index of a value."""
+        if latency_ms <= cls.MIN_MS:
+            return 0
+        i = math.ceil(math.log(latency_ms / cls.MIN_MS) / math.log(cls.RATIO) - 1e-9)
+        return min(max(i, 0), cls.MAX_BUCKET)
+
+    @classmethod
+    def upper_ms(cls, bucket: int) -> float:
+        """Upper bound of a bucket in ms."""
+        return cls.MIN_MS * cls.RATIO**bucket
+
+    def record(self, latency_ms: float, n: int = 1) -> None:
+        """Add ``n`` observations of ``latency_ms``; negative or non-finite values raise ValueError."""
+        if not math.isfinite(latency_ms) or latency_ms < 0:
+            raise ValueError(f"latency_ms must be a finite value >= 0, got {latency_ms!r}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        b = self.bucket_of(latency_ms)
+        self.buckets[b] = self.buckets.get(b, 0) + n
+        self.count += n
+        self.sum_ms += latency_ms * n
+        self.max_ms = max(self.max_ms, latency_ms)
+
+    def record_many(self, latencies_ms: Iterable[float]) -> None:
+        """Add each value of ``latencies_ms``."""
+        for v in latencies_ms:
+            self.record(float(v))
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0 < q <= 1) in ms, or None when empty."""
+        if not 0 < q <= 1:
+            raise ValueError(f"q must be in (0, 1], got {q}")
+        if self.count == 0:
+            return None
+        rank = math.ceil(q * self.count)
+        seen = 0
+        for b in sorted(self.buckets):
+            seen += self.buckets[b]
+            if seen >= rank:
+                return min(self.upper_ms(b), self.max_ms) if self.max_ms > 0 else self.upper_ms(b)
+        return self.max_ms
+
+    @property
+    def mean_ms(self) -> float | None:
+        """Mean in ms, or None when empty."""
+        return self.sum_ms / self.count if self.count else None
+
+    def copy(self) -> LatencyHistogram:
+        """An independent copy."""
+        h = LatencyHistogram()
+        h.buckets = dict(self.buckets)
+        h.count, h.sum_ms, h.max_ms = self.count, self.sum_ms, self.max_ms
+        return h
+
+    def merge(self, other: LatencyHistogram) -> None:
+        """Add ``other``'s observations to this one."""
+        for b, n in other.buckets.items():
+            self.buckets[b] = self.buckets.get(b, 0) + n
+        self.count += other.count
+        self.sum_ms += other.sum_ms
+        self.max_ms = max(self.max_ms, other.max_ms)
+
+    def since(self, earlier: LatencyHistogram) -> LatencyHistogram:
+        """The observations added after ``earlier`` (a previous copy of this cumulative histogram).
+
+        If ``earlier`` is not a prefix of this one (the source restarted), the whole histogram is the
+        window. ``max_ms`` of a window is the upper bound of its highest bucket.
+        """
+        if earlier.count > self.count or any(self.buckets.get(b, 0) < n for b, n in earlier.buckets.items()):
+            return self.copy()
+        h = LatencyHistogram()
+        for b, n in self.buckets.items():
+            d = n - earlier.buckets.get(b, 0)
+            if d:
+                h.buckets[b] = d
+        h.count = self.count - earlier.count
+        h.sum_ms = max(0.0, self.sum_ms - earlier.sum_ms)
+        if h.buckets:
+            top = max(h.buckets)
+            h.max_ms = min(self.upper_ms(top), self.max_ms)
+        return h
+
+    def to_dict(self) -> dict[str, Any]:
+        """Sparse JSON form: ``{"b": {bucket: count}, "n": count, "sum_ms": ..., "max_ms": ...}``."""
+        return {"b": {str(b): n for b, n in self.buckets.items()}, "n": self.count,
+                "sum_ms": self.sum_ms, "max_ms": self.max_ms}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LatencyHistogram:
+        """Rebuild from `to_dict` output; ValueError says what is wrong."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"latency histogram must be a mapping, got {type(d).__name__}")
+        h = cls()
+        raw = d.get("b", {})
+        if not isinstance(raw, Mapping):
+            raise ValueError("latency histogram 'b' must map bucket -> count")
+        for k, n in raw.items():
+            try:
+                b = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"latency histogram bucket {k!r} is not an integer") from None
+            if not 0 <= b <= cls.MAX_BUCKET or not _is_count(n):
+                raise ValueError(f"latency histogram bucket {k!r}: {n!r} is out of range")
+            if n:
+                h.buckets[b] = int(n)
+        h.count = sum(h.buckets.values())
+        if "n" in d and d["n"] != h.count:
+            raise ValueError(f"latency histogram count {d['n']!r} disagrees with its buckets ({h.count})")
+        h.sum_ms = _nonneg_float(d.get("sum_ms", 0.0), "latency sum_ms")
+        h.max_ms = _nonneg_float(d.get("max_ms", 0.0), "latency max_ms")
+        return h
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LatencyHistogram):
+            return NotImplemented
+        return (self.buckets, self.count, self.max_ms) == (other.buckets, other.count, other.max_ms) and \
+            math.isclose(self.sum_ms, other.sum_ms, rel_tol=1e-9, abs_tol=1e-9)
+
+    def __repr__(self) -> str:
+        return f"LatencyHistogram(count={self.count}, p50_ms={self.quantile(0.5) if self.count else None})"
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _nonneg_float(v: object, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+@dataclass
+class InstanceCounters:
+    """What one app instance counts; shipped as ``Heartbeat.stats`` via `to_dict`.
+
+    ``arrived``, ``served``, ``slo_met``, ``errors`` (by status name), ``batches`` (batch size ->
+    count) and ``latency`` (of OK responses, ms) are cumulative; ``queue_len``, ``held`` (requests the
+    instance holds: queued plus in the running batch) and ``gpu_pct`` are gauges.
+    """
+
+    arrived: int = 0
+    served: int = 0
+    slo_met: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    batches: collections.Counter[int] = field(default_factory=collections.Counter)
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    queue_len: int = 0
+    held: int = 0
+    gpu_pct: int = 0
+
+    def record_arrivals(self, n: int = 1) -> None:
+        """``n`` requests reached this instance."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self.arrived += n
+
+    def record_batch(self, latencies_ms: Sequence[float], slo_ms: float) -> None:
+        """One batch answered OK; ``latencies_ms`` has one end-to-end latency per request."""
+        if slo_ms <= 0:
+            raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
+        if not latencies_ms:
+            raise ValueError("a batch has at least one request")
+        self.batches[len(latencies_ms)] += 1
+        for v in latencies_ms:
+            self.latency.record(float(v))
+            if v <= slo_ms:
+                self.slo_met += 1
+        self.served += len(latencies_ms)
+
+    def record_error(self, status: int | str, n: int = 1) -> None:
+        """``n`` requests were answered with a non-OK ``status`` (wire.Status code or name)."""
+        name = status_name(status)
+        if name == "ok":
+            raise ValueError("record_error takes a non-OK status; OK responses go through record_batch")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.errors[name] += n
+
+    @property
+    def answered(self) -> int:
+        """Requests answered at all (OK or error)."""
+        return self.served + sum(self.errors.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form for ``Heartbeat.stats``."""
+        return {
+            "arrived": self.arrived, "served": self.served, "slo_met": self.slo_met,
+            "errors": dict(self.errors), "batches": {str(k): v for k, v in self.batches.items()},
+            "latency": self.latency.to_dict(),
+            "queue_len": self.queue_len, "held": self.held, "gpu_pct": self.gpu_pct,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InstanceCounters:
+        """Rebuild from `to_dict` output, checking every field; ValueError names the bad one."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"instance stats must be a mapping, got {type(d).__name__}")
+        known = {"arrived", "served", "slo_met", "errors", "batches", "latency", "queue_len", "held", "gpu_pct"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"instance stats have unknown fields {sorted(unknown)}")
+        c = cls()
+        for name in ("arrived", "served", "slo_met", "queue_len", "held", "gpu_pct"):
+            v = d.get(name, 0)
+            if not _is_count(v):
+                raise ValueError(f"instance stats {name} must be an integer >= 0, got {v!r}")
+            setattr(c, name, int(v))
+        if c.slo_met > c.served:
+            raise ValueError(f"instance stats slo_met {c.slo_met} > served {c.served}")
+        errors = d.get("errors", {})
+        if not isinstance(errors, Mapping):
+            raise ValueError("instance stats errors must map status -> count")
+        for k, n in errors.items():
+            if not _is_count(n):
+                raise ValueError(f"instance stats errors[{k!r}] must be an integer >= 0, got {n!r}")
+            c.errors[status_name(k)] += int(n)
+        batches = d.get("batches", {})
+        if not isinstance(batches, Mapping):
+            raise ValueError("instance stats batches must map batch size -> count")
+        for k, n in batches.items():
+            try:
+                size = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"instance stats batch size {k!r} is not an integer") from None
+            if size < 1 or not _is_count(n):
+                raise ValueError(f"instance stats batches[{k!r}] = {n!r} is out of range")
+            c.batches[size] += int(n)
+        c.latency = LatencyHistogram.from_dict(d.get("latency", {}))
+        return c
+
+
+# ---- the orchestrator's model
+
+
+@dataclass
+class _Sample:
+    t_s: float
+    c: InstanceCounters
+
+
+@dataclass
+class _Instance:
+    app: str
+    name: str
+    role: str
+    pid: int | None
+    last: _Sample
+    prev: _Sample | None = None
+
+    def window(self) -> dict[str, Any]:
+        """Rates and windowed quantiles between the last two samples."""
+        cur = self.last.c
+        if self.prev is None:
+            return {"arrival_rps": None, "service_rps": None, "window": cur.latency.copy(),
+                    "w_met": cur.slo_met, "w_answered": cur.answered}
+        old = self.prev.c
+        dt = self.last.t_s - self.prev.t_s
+        restarted = cur.arrived < old.arrived or cur.served < old.served or cur.answered < old.answered
+        base = InstanceCounters() if restarted else old
+        rate = (lambda a, b: (a - b) / dt) if dt > 0 else (lambda a, b: None)
+        return {"arrival_rps": rate(cur.arrived, base.arrived), "service_rps": rate(cur.served, base.served),
+                "window": cur.latency.since(base.latency), "w_met": cur.slo_met - base.slo_met,
+                "w_answered": cur.answered - base.answered}
+
+
+@dataclass
+class _App:
+    name: str
+    app_id: int | None = None
+    slo_ms: float | None = None
+    instances: dict[str, _Instance] = field(default_factory=dict)
+    # Totals of instances that have gone, so app-level counters never go backwards.
+    retired: InstanceCounters = field(default_factory=InstanceCounters)
+
+
+def _add_cumulative(into: InstanceCounters, c: InstanceCounters) -> None:
+    into.arrived += c.arrived
+    into.served += c.served
+    into.slo_met += c.slo_met
+    into.errors.update(c.errors)
+    into.batches.update(c.batches)
+    into.latency.merge(c.latency)
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den > 0 else None
+
+
+class NodeMetrics:
+    """The orchestrator's view of every app and instance; thread-safe (scrapes come from a thread).
+
+    ``clock`` returns seconds (monotonic); tests pass their own.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._apps: dict[str, _App] = {}
+        self._ingest_drops: dict[str, int] = {}
+        self._control_rejected: dict[str, int] = {}
+        self._node_info: dict[str, Any] = {}
+        self._started_s = clock()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def set_app(self, app: str, *, app_id: int | None = None, slo_ms: float | None = None) -> None:
+        """Declare an app (so it is listed before its first heartbeat) with its id and SLO."""
+        if slo_ms is not None and slo_ms <= 0:
+            raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
+        with self._lock:
+            a = self._apps.setdefault(app, _App(app))
+            a.app_id = app_id if app_id is not None else a.app_id
+            a.slo_ms = slo_ms if slo_ms is not None else a.slo_ms
+
+    def update_instance(self, app: str, instance: str, stats: InstanceCounters | Mapping[str, Any], *,
+                        role: str = "active", pid: int | None = None, now_s: float | None = None) -> None:
+        """Record one sample of an instance's counters (a Heartbeat's stats dict or InstanceCounters).
+
+        Raises ValueError if the stats dict is malformed; the previous sample is kept then.
+        """
+        c = stats if isinstance(stats, InstanceCounters) else InstanceCounters.from_dict(stats)
+        t = self._clock() if now_s is None else now_s
+        with self._lock:
+            a = self._apps.setdefault(app, _App(app))
+            inst = a.instances.get(instance)
+            if inst is None:
+                a.instances[instance] = _Instance(app, instance, role, pid, _Sample(t, c))
+                return
+            if c.arrived < inst.last.c.arrived or c.answered < inst.last.c.answered:
+                # Same name, new process: bank what the old one counted.
+                _add_cumulative(a.retired, inst.last.c)
+            inst.prev, inst.last = inst.last, _Sample(t, c)
+            inst.role = role
+            inst.pid = pid if pid is not None else inst.pid
+
+    def set_role(self, app: str, instance: str, role: str) -> None:
+        """Mark an instance ``active``, ``shadow``, ``draining``... (shown in status)."""
+        with self._lock:
+            self._apps[app].instances[instance].role = role
+
+    def remove_instance(self, app: str, instance: str) -> None:
+        """Forget an instance (exited, replaced); its totals stay in the app's counters."""
+        with self._lock:
+            a = self._apps.get(app)
+            inst = a.instances.pop(instance, None) if a else None
+            if a is not None and inst is not None:
+                _add_cumulative(a.retired, inst.last.c)
+
+    def set_ingest_drops(self, drops: Mapping[str, int]) -> None:
+        """Replace the ingest's cumulative drop counters, by reason (``bad_magic``, ``timeout``...)."""
+        self._control_rejected_or_drops(drops, "ingest")
+
+    def set_control_rejected(self, rejected: Mapping[str, int]) -> None:
+        """Replace the control plane's rejected-message counters, by reason (`ControlServer.rejected`)."""
+        self._control_rejected_or_drops(rejected, "control")
+
+    def _control_rejected_or_drops(self, counts: Mapping[str, int], which: str) -> None:
+        clean: dict[str, int] = {}
+        for k, v in counts.items():
+            if not isinstance(k, str) or not _is_count(v):
+                raise ValueError(f"{which} counters must map reason -> integer >= 0, got {k!r}: {v!r}")
+            clean[k] = int(v)
+        with self._lock:
+            if which == "ingest":
+                self._ingest_drops = clean
+            else:
+                self._control_rejected = clean
+
+    def set_node_info(self, **info: Any) -> None:
+        """Free-form node facts shown in status (backend, scheduler, run_dir...); JSON values only."""
+        with self._lock:
+            self._node_info.update(info)
+
+    def status(self) -> dict[str, Any]:
+        """The JSON-able status of the node, as `format_status` and ``StatusReply`` take it."""
+        with self._lock:
+            apps = [self._app_status(a) for a in sorted(self._apps.values(),
+                                                        key=lambda a: (a.app_id or 0, a.name))]
+            node = dict(self._node_info)
+            node["uptime_s"] = round(self._clock() - self._started_s, 3)
+            return {"node": node, "apps": apps, "ingest_drops": dict(self._ingest_drops),
+                    "control_rejected": dict(self._control_rejected)}
+
+    def _app_status(self, a: _App) -> dict[str, Any]:
+        insts = []
+        total = InstanceCounters()
+        _add_cumulative(total, a.retired)
+        window = LatencyHistogram()
+        w_met = w_answered = 0
+        arr: list[float] = []
+        srv: list[float] = []
+        queue_len = held = gpu_pct = 0
+        for inst in sorted(a.instances.values(), key=lambda i: i.name):
+            c = inst.last.c
+            w = inst.window()
+            _add_cumulative(total, c)
+            window.merge(w["window"])
+            w_met += w["w_met"]
+            w_answered += w["w_answered"]
+            if w["arrival_rps"] is not None:
+                arr.append(w["arrival_rps"])
+            if w["service_rps"] is not None:
+                srv.append(w["service_rps"])
+            queue_len += c.queue_len
+            held += c.held
+            if inst.role != "shadow":
+                gpu_pct += c.gpu_pct
+            insts.append({
+                "name": inst.name, "role": inst.role, "pid": inst.pid, "gpu_pct": c.gpu_pct,
+                "arrival_rps": w["arrival_rps"], "service_rps": w["service_rps"],
+                "queue_len": c.queue_len, "held": c.held,
+                "p50_ms": w["window"].quantile(0.5) if w["window"].count else None,
+                "p99_ms": w["window"].quantile(0.99) if w["window"].count else None,
+                "slo_attainment": _ratio(w["w_met"], w["w_answered"]),
+                "arrived": c.arrived, "served": c.served, "slo_met": c.slo_met, "errors": dict(c.errors),
+                "batch_sizes": {str(k): v for k, v in sorted(c.batches.items())},
+            })
+        return {
+            "name": a.name, "app_id": a.app_id, "slo_ms": a.slo_ms, "gpu_pct": gpu_pct,
+            "arrival_rps": sum(arr) if arr else None, "service_rps": sum(srv) if srv else None,
+            "queue_len": queue_len, "held": held,
+            "p50_ms": window.quantile(0.5) if window.count else None,
+            "p99_ms": window.quantile(0.99) if window.count else None,
+            "slo_attainment": _ratio(w_met, w_answered),
+            "slo_attainment_total": _ratio(total.slo_met, total.answered),
+            "arrived": total.arrived, "served": total.served, "slo_met": total.slo_met,
+            "errors": dict(total.errors),
+            "batch_sizes": {str(k): v for k, v in sorted(total.batches.items())},
+            "instances": insts,
+        }
+
+
+class _Collector(Collector):
+    """Renders a NodeMetrics at scrape time; registered on the model's own registry."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._ref = weakref.ref(metrics)
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        m = self._ref()
+        if m is None:
+            return
+        st = m.status()
+        il = ["app", "instance"]
+        fam = {
+            "arrived": CounterMetricFamily("gpuprims_requests_arrived", "Requests routed to an instance", labels=il),
+            "served": CounterMetricFamily("gpuprims_requests_served", "Requests answered OK", labels=il),
+            "slo_met": CounterMetricFamily("gpuprims_requests_slo_met", "Requests answered OK within the SLO",
+                                           labels=il),
+            "errors": CounterMetricFamily("gpuprims_request_errors", "Requests answered with an error status",
+                                          labels=[*il, "status"]),
+            "arrival_rps": GaugeMetricFamily("gpuprims_arrival_rate_rps", "Arrival rate, requests/s", labels=il),
+            "service_rps": GaugeMetricFamily("gpuprims_service_rate_rps", "Service rate, requests/s", labels=il),
+            "queue_len": GaugeMetricFamily("gpuprims_queue_length", "Requests queued at the instance", labels=il),
+            "held": GaugeMetricFamily("gpuprims_requests_held", "Requests held (queued plus running)", labels=il),
+            "gpu_pct": GaugeMetricFamily("gpuprims_gpu_pct", "GPU share of the instance, percent", labels=il),
+            "latency": GaugeMetricFamily("gpuprims_latency_ms", "Latency quantile over the last sample window, ms",
+                                         labels=[*il, "quantile"]),
+            "slo": GaugeMetricFamily("gpuprims_slo_attainment", "Fraction answered within the SLO, last window",
+                                     labels=il),
+        }
+        app_fam = {
+            "arrived": CounterMetricFamily("gpuprims_app_requests_arrived", "Requests of the app", labels=["app"]),
+            "served": CounterMetricFamily("gpuprims_app_requests_served", "Requests of the app answered OK",
+                                          labels=["app"]),
+            "slo_met": CounterMetricFamily("gpuprims_app_requests_slo_met", "Requests of the app within the SLO",
+                                           labels=["app"]),
+            "errors": CounterMetricFamily("gpuprims_app_request_errors", "Requests of the app answered with an "
+                                          "error", labels=["app", "status"]),
+            "latency": GaugeMetricFamily("gpuprims_app_latency_ms", "App latency quantile, last window, ms",
+                                         labels=["app", "quantile"]),
+            "slo": GaugeMetricFamily("gpuprims_app_slo_attainment", "App SLO attainment, last window",
+                                     labels=["app"]),
+            "slo_ms": GaugeMetricFamily("gpuprims_app_slo_ms", "The app's latency SLO, ms", labels=["app"]),
+        }
+        batch = HistogramMetricFamily("gpuprims_batch_size", "Batch sizes run by an instance", labels=il)
+        for a in st["apps"]:
+            for k in ("arrived", "served", "slo_met"):
+                app_fam[k].add_metric([a["name"]], a[k])
+            for s, n in sorted(a["errors"].items()):
+                app_fam["errors"].add_metric([a["name"], s], n)
+            for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
+                if a[key] is not None:
+                    app_fam["latency"].add_metric([a["name"], str(q)], a[key])
+            if a["slo_attainment"] is not None:
+                app_fam["slo"].add_metric([a["name"]], a["slo_attainment"])
+            if a["slo_ms"] is not None:
+                app_fam["slo_ms"].add_metric([a["name"]], a["slo_ms"])
+            for i in a["instances"]:
+                lv = [a["name"], i["name"]]
+                for k in ("arrived", "served", "slo_met", "queue_len", "held", "gpu_pct"):
+                    fam[k].add_metric(lv, i[k])
+                for k in ("arrival_rps", "service_rps"):
+                    if i[k] is not None:
+                        fam[k].add_metric(lv, i[k])
+                for s, n in sorted(i["errors"].items()):
+                    fam["errors"].add_metric([*lv, s], n)
+                for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
+                    if i[key] is not None:
+                        fam["latency"].add_metric([*lv, str(q)], i[key])
+                if i["slo_attainment"] is not None:
+                    fam["slo"].add_metric(lv, i["slo_attainment"])
+                sizes = {int(k): v for k, v in i["batch_sizes"].items()}
+                buckets = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in _BATCH_BOUNDS]
+                total = sum(sizes.values())
+                buckets.append(("+Inf", total))
+                batch.add_metric(lv, buckets, sum(s * n for s, n in sizes.items()))
+        yield from fam.values()
+        yield from app_fam.values()
+        yield batch
+        drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams/requests the ingest dropped",
+                                    labels=["reason"])
+        for r, n in sorted(st["ingest_drops"].items()):
+            drops.add_metric([r], n)
+        yield drops
+        rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped", labels=["reason"])
+        for r, n in sorted(st["control_rejected"].items()):
+            rej.add_metric([r], n)
+        yield rej
+        yield GaugeMetricFamily("gpuprims_uptime_seconds", "Seconds since the node started",
+                                value=st["node"]["uptime_s"])
+
+
+#: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
+_BATCH_BOUNDS = tuple(2**k for k in range(13))
+
+
+class MetricsServer:
+    """Serves a NodeMetrics registry over HTTP (``/metrics``) on loopback until closed."""
+
+    def __init__(self, metrics: NodeMetrics, port: int, host: str = "127.0.0.1") -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be 0..65535 (0 = any free port), got {port!r}")
+        self._metrics = metrics
+        self._host = host
+        self._port = port
+        self._httpd: Any = None
+        self._finalizer: weakref.finalize | None = None
+
+    def start(self) -> int:
+        """Start serving; return the bound port. Raises OSError (e.g. address in use) naming the port."""
+        if self._httpd is not None:
+            raise RuntimeError("the metrics server is already started")
+        try:
+            httpd, thread = start_http_server(self._port, addr=self._host, registry=self._metrics.registry)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot serve metrics on {self._host}:{self._port} ({e.strerror}); "
+                                   "choose another node.metrics_port or 0 to disable") from None
+        self._httpd = httpd
+        self._finalizer = weakref.finalize(self, _stop_http, httpd, thread)
+        return self.port
+
+    @property
+    def port(self) -> int:
+        """The bound port (after start), else the requested one."""
+        return int(self._httpd.server_address[1]) if self._httpd is not None else self._port
+
+    @property
+    def url(self) -> str:
+        """The scrape URL."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._httpd = None
+
+    def __enter__(self) -> MetricsServer:
+        if self._httpd is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stop_http(httpd: Any, thread: threading.Thread) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+# ---- the status table
+
+
+def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
+    if v is None:
+        return none
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return format(v, spec)
+    return str(v)
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _counts(d: Mapping[str, Any] | None) -> str:
+    if not d:
+        return "-"
+    return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+def format_status(status: Mapping[str, Any]) -> str:
+    """The table ``gpuprims-orchestrator status`` prints, from `NodeMetrics.status` (or its JSON).
+
+    One line per app (totals over its instances) followed by one line per instance, then the ingest's
+    drops by reason. Missing values print as ``-``.
+    """
+    node = status.get("node") or {}
+    head = [f"{k}={v}" for k, v in sorted(node.items()) if k != "uptime_s"]
+    if "uptime_s" in node:
+        head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
+    lines = ["node: " + ("  ".join(head) if head else "-")]
+    cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
+            "SLO att.", "ERRORS"]
+    rows: list[list[str]] = []
+    for a in status.get("apps") or []:
+        slo = a.get("slo_ms")
+        name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
+        rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
+                     _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
+                     _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
+                     "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
+                     _counts(a.get("errors"))])
+        for i in a.get("instances") or []:
+            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
+                         _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
+                         _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
+                         "", _pct(i.get("slo_attainment")), _counts(i.get("errors"))])
+    if rows:
+        widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
+        left = {0, 1, len(cols) - 1}
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.ljust(w) if j in left else c.rjust(w)
+                             for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        lines.append(line(cols))
+        lines.extend(line(r) for r in rows)
+    else:
+        lines.append("no apps")
+    drops = status.get("ingest_drops") or {}
+    total = sum(v for v in drops.values() if isinstance(v, int))
+    lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
+    rejected = status.get("control_rejected") or {}
+    if rejected:
+        lines.append(f"control messages rejected: {_counts(rejected)}")
+    return "\n".join(lines)
