@@ -1,0 +1,262 @@
+"""Adaptive batching: a batch-latency model learnt online and a deadline-aware batch-size policy.
+
+An inference instance asks its `BatchPolicy` how many queued requests to take each time it could start
+a batch, and tells it how long each batch took. The policy takes the largest batch whose predicted
+latency still lets the oldest request meet its deadline, waits (up to `max_wait_ms` after the oldest
+arrived) when the queue is shorter than `max_batch` and the deadline leaves room for a larger batch,
+and says which requests can no longer meet their deadline at all (the instance answers those with an
+explicit DEADLINE_MISSED status instead of running them).
+
+All times are milliseconds; ages and deadlines are relative to a request's arrival. Pure logic, no
+clocks and no threads: the caller measures and passes the numbers in. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+
+def _check_batch(label: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_ms(label: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{label} must be a finite number of milliseconds, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{label} must be {'> 0' if positive else '>= 0'} ms, got {value!r}")
+    return float(value)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` with linear interpolation between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class LatencyModel:
+    """Predicts a batch's latency from measured latencies per batch size.
+
+    Per batch size it keeps the last `window` measurements and uses their `quantile` (p90 by
+    default: robust to one-off spikes, pessimistic enough for deadlines). A batch size with no
+    measurement yet uses its profile value (`profile`, e.g. from a warm-up or a stored profile), if
+    any. The point estimates are then made non-decreasing in batch size (running maximum: a larger
+    batch never predicts faster than a smaller one) and, for an unseen batch size b:
+
+    - between two known sizes: linear interpolation;
+    - above the largest known size s_m: linear extrapolation with the steeper of the last segment's
+      slope and the average slope over all known sizes; with a single known size s, ``t(s) * b / s``
+      (no batching gain assumed);
+    - below the smallest known size: the smallest size's value.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 32,
+        quantile: float = 0.9,
+        profile: Mapping[int, float] | None = None,
+    ) -> None:
+        self.window = _check_batch("window", window)
+        if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0 < quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
+        self.quantile = float(quantile)
+        self._samples: dict[int, deque[float]] = {}
+        self._profile: dict[int, float] = {}
+        self._points: list[tuple[int, float]] | None = None
+        if profile is not None:
+            self.seed(profile)
+
+    def seed(self, profile: Mapping[int, float]) -> None:
+        """Set prior latencies (ms) per batch size, used for sizes with no measurement yet."""
+        if not isinstance(profile, Mapping):
+            raise ValueError(f"profile must map batch size to latency_ms, got {profile!r}")
+        checked = {
+            _check_batch("profile batch size", size): _check_ms(f"profile latency for batch {size}", latency)
+            for size, latency in profile.items()
+        }
+        self._profile.update(checked)
+        self._points = None
+
+    def observe(self, batch_size: int, latency_ms: float) -> None:
+        """Record that a batch of `batch_size` requests took `latency_ms`."""
+        _check_batch("batch_size", batch_size)
+        latency = _check_ms("latency_ms", latency_ms)
+        self._samples.setdefault(batch_size, deque(maxlen=self.window)).append(latency)
+        self._points = None
+
+    @property
+    def known(self) -> bool:
+        """True once there is at least one measurement or profile value to predict from."""
+        return bool(self._samples or self._profile)
+
+    def samples(self, batch_size: int) -> int:
+        """How many measurements of `batch_size` the window currently holds."""
+        return len(self._samples.get(_check_batch("batch_size", batch_size), ()))
+
+    def points(self) -> dict[int, float]:
+        """The (non-decreasing) latency estimate, ms, for each batch size seen or profiled."""
+        return dict(self._curve())
+
+    def _curve(self) -> list[tuple[int, float]]:
+        if self._points is None:
+            raw = dict(self._profile)
+            for size, window in self._samples.items():
+                raw[size] = _quantile(window, self.quantile)
+            points: list[tuple[int, float]] = []
+            running = 0.0
+            for size in sorted(raw):
+                running = max(running, raw[size])
+                points.append((size, running))
+            self._points = points
+        return self._points
+
+    def predict(self, batch_size: int) -> float:
+        """Predicted latency (ms) of a batch of `batch_size` requests.
+
+        Raises ValueError for a bad batch size, and LookupError if nothing was observed or profiled.
+        """
+        _check_batch("batch_size", batch_size)
+        points = self._curve()
+        if not points:
+            raise LookupError("no batch latency observed or profiled yet")
+        first_size, first_ms = points[0]
+        if batch_size <= first_size:
+            return first_ms
+        last_size, last_ms = points[-1]
+        if batch_size > last_size:
+            if len(points) == 1:
+                return last_ms * batch_size / last_size
+            prev_size, prev_ms = points[-2]
+            slope = max((last_ms - prev_ms) / (last_size - prev_size), (last_ms - first_ms) / (last_size - first_size))
+            return last_ms + slope * (batch_size - last_size)
+        # first_size < batch_size <= last_size: interpolate on the segment that holds batch_size.
+        high = bisect.bisect_left(points, batch_size, key=lambda point: point[0])
+        (low_size, low_ms), (high_size, high_ms) = points[high - 1], points[high]
+        return low_ms + (high_ms - low_ms) * (batch_size - low_size) / (high_size - low_size)
+
+
+class BatchDecision(NamedTuple):
+    """What to do now: take `take` requests (0: take none yet) and otherwise re-decide within `wait_ms`."""
+
+    take: int
+    wait_ms: float
+
+
+class BatchPolicy:
+    """Deadline-aware adaptive batch size for one instance.
+
+    `max_batch` bounds a batch; `max_wait_ms` bounds how long after its arrival the oldest queued
+    request may be held back to grow a batch; `slo_ms` is the latency target of every request (its
+    deadline relative to arrival, unless a request carries its own); `margin_ms` is added to every
+    predicted latency for work outside the model (gather, response). `model` defaults to an empty
+    `LatencyModel`; seed it with a profile or a warm-up (`gpuprims.device.warm_up`).
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_wait_ms: float,
+        slo_ms: float,
+        *,
+        model: LatencyModel | None = None,
+        margin_ms: float = 0.0,
+    ) -> None:
+        self.max_batch = _check_batch("max_batch", max_batch)
+        self.max_wait_ms = _check_ms("max_wait_ms", max_wait_ms)
+        self.slo_ms = _check_ms("slo_ms", slo_ms, positive=True)
+        self.margin_ms = _check_ms("margin_ms", margin_ms)
+        if model is not None and not isinstance(model, LatencyModel):
+            raise ValueError(f"model must be a LatencyModel, got {type(model).__name__}")
+        self.model = model if model is not None else LatencyModel()
+
+    def observe(self, batch_size: int, latency_ms: float) -> None:
+        """Record a measured batch latency (see `LatencyModel.observe`)."""
+        self.model.observe(batch_size, latency_ms)
+
+    def predict(self, batch_size: int) -> float:
+        """Predicted time (ms) from starting a batch of `batch_size` to its responses, margin included."""
+        return self.model.predict(batch_size) + self.margin_ms
+
+    def decide(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None) -> BatchDecision:
+        """Decide how many of `queue_len` queued requests to start now.
+
+        `oldest_age_ms` is how long the oldest queued request has waited; its time left is
+        ``slo_ms - oldest_age_ms`` unless `slack_ms` (the least time left among the requests at the
+        head of the queue, for requests with their own deadlines) is given. Rules:
+
+        1. Empty queue: take nothing and wait for arrivals (``wait_ms`` is `max_wait_ms`).
+        2. No latency known yet: take 1, so the first measurement comes quickly.
+        3. Take the largest b <= min(queue_len, max_batch) whose predicted latency fits the time left.
+        4. But if all queued requests fit, the queue is shorter than `max_batch`, the oldest has waited
+           less than `max_wait_ms` and even one more request would still fit, take nothing yet and
+           re-decide within ``wait_ms`` = the smaller of the wait left and the slack over that larger
+           batch (or sooner, when a request arrives).
+        5. If not even one request fits (its deadline is lost anyway), take min(queue_len, max_batch)
+           to drain the backlog fastest; `expired` tells which requests to answer as missed instead.
+        """
+        if isinstance(queue_len, bool) or not isinstance(queue_len, int) or queue_len < 0:
+            raise ValueError(f"queue_len must be an integer >= 0, got {queue_len!r}")
+        age = _check_ms("oldest_age_ms", oldest_age_ms)
+        if slack_ms is not None and (
+            isinstance(slack_ms, bool) or not isinstance(slack_ms, (int, float)) or not math.isfinite(slack_ms)
+        ):
+            raise ValueError(f"slack_ms must be a finite number of milliseconds or None, got {slack_ms!r}")
+        if queue_len == 0:
+            return BatchDecision(0, self.max_wait_ms)
+        if not self.model.known:
+            return BatchDecision(1, 0.0)
+        left_ms = (self.slo_ms - age) if slack_ms is None else float(slack_ms)
+        cap = min(queue_len, self.max_batch)
+        fit = 0
+        for size in range(cap, 0, -1):
+            if self.predict(size) <= left_ms:
+                fit = size
+                break
+        if fit == 0:
+            return BatchDecision(cap, 0.0)
+        if fit == cap and cap < self.max_batch and age < self.max_wait_ms:
+            room_ms = left_ms - self.predict(cap + 1)
+            if room_ms > 0:
+                return BatchDecision(0, min(self.max_wait_ms - age, room_ms))
+        return BatchDecision(fit, 0.0)
+
+    def choose(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None) -> int | None:
+        """How many requests to take now, or None to wait (see `decide` for the rules and `wait_ms`)."""
+        take = self.decide(queue_len, oldest_age_ms, slack_ms=slack_ms).take
+        return take or None
+
+    def wait_ms(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None) -> float:
+        """How long (ms) the caller may wait for arrivals before deciding again; 0 when it should take now."""
+        return self.decide(queue_len, oldest_age_ms, slack_ms=slack_ms).wait_ms
+
+    def expired(self, age_ms: float, deadline_ms: float | None = None) -> bool:
+        """True if a request of age `age_ms` cannot meet its deadline even as a batch of one.
+
+        `deadline_ms` (relative to arrival) defaults to `slo_ms`. Before any latency is known only a
+        request already past its deadline counts as expired.
+        """
+        age = _check_ms("age_ms", age_ms)
+        deadline = self.slo_ms if deadline_ms is None else _check_ms("deadline_ms", deadline_ms)
+        needed_ms = self.predict(1) if self.model.known else 0.0
+        return age + needed_ms > deadline or age >= deadline
+
+    def expired_indices(
+        self, ages_ms: Sequence[float], deadlines_ms: Sequence[float | None] | None = None
+    ) -> list[int]:
+        """Indices (ascending) of the requests in `ages_ms` that `expired` says cannot make it."""
+        if deadlines_ms is not None and len(deadlines_ms) != len(ages_ms):
+            raise ValueError(
+                f"deadlines_ms has {len(deadlines_ms)} entries but ages_ms has {len(ages_ms)}"
+            )
+        deadlines = deadlines_ms if deadlines_ms is not None else [None] * len(ages_ms)
+        return [i for i, (age, deadline) in enumerate(zip(ages_ms, deadlines)) if self.expired(age, deadline)]

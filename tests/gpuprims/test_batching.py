@@ -1,0 +1,285 @@
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuprims.batching import BatchDecision, BatchPolicy, LatencyModel
+
+
+def linear_model(fixed_ms: float = 2.0, per_item_ms: float = 1.0, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LatencyModel:
+    model = LatencyModel()
+    for size in sizes:
+        model.observe(size, fixed_ms + per_item_ms * size)
+    return model
+
+
+# --- LatencyModel -------------------------------------------------------------------------------------
+
+
+def test_linear_latencies_are_interpolated_and_extrapolated_exactly() -> None:
+    model = linear_model()
+    assert model.points() == {1: 3.0, 2: 4.0, 4: 6.0, 8: 10.0}
+    assert [model.predict(b) for b in (1, 2, 3, 5, 6, 8)] == [3.0, 4.0, 5.0, 7.0, 8.0, 10.0]
+    assert model.predict(16) == 18.0
+
+
+def test_window_quantile_is_robust_to_one_spike() -> None:
+    model = LatencyModel()
+    for latency in [10.0] * 9 + [100.0]:
+        model.observe(4, latency)
+    # p90 of ten samples: 10 + (100 - 10) * 0.1 (linear interpolation between order statistics)
+    assert model.predict(4) == pytest.approx(19.0)
+    median = LatencyModel(quantile=0.5)
+    for latency in [10.0] * 9 + [100.0]:
+        median.observe(4, latency)
+    assert median.predict(4) == 10.0
+
+
+def test_window_keeps_only_recent_measurements() -> None:
+    model = LatencyModel(window=3, quantile=1.0)
+    for latency in (50.0, 40.0, 5.0, 6.0, 7.0):
+        model.observe(2, latency)
+    assert model.samples(2) == 3
+    assert model.samples(4) == 0
+    assert model.predict(2) == 7.0
+
+
+def test_profile_seeds_sizes_until_they_are_measured() -> None:
+    model = LatencyModel(profile={1: 5.0, 8: 12.0})
+    assert model.known
+    assert model.predict(4) == pytest.approx(8.0)
+    model.observe(8, 20.0)
+    assert model.predict(8) == 20.0
+    assert model.predict(1) == 5.0  # still the profile value
+    model.seed({1: 6.0})
+    assert model.predict(1) == 6.0
+
+
+def test_points_are_made_non_decreasing() -> None:
+    model = LatencyModel()
+    model.observe(1, 5.0)
+    model.observe(2, 4.0)
+    model.observe(4, 9.0)
+    assert model.points() == {1: 5.0, 2: 5.0, 4: 9.0}
+
+
+def test_single_point_extrapolates_proportionally_and_flat_below() -> None:
+    model = LatencyModel()
+    model.observe(2, 4.0)
+    assert model.predict(8) == 16.0
+    assert model.predict(1) == 4.0
+
+
+def test_extrapolation_uses_the_steeper_slope() -> None:
+    steep_end = LatencyModel()
+    for size, latency in ((1, 2.0), (2, 3.0), (4, 10.0)):
+        steep_end.observe(size, latency)
+    assert steep_end.predict(6) == pytest.approx(10.0 + 3.5 * 2)  # last segment slope 3.5
+    flat_end = LatencyModel()
+    for size, latency in ((1, 2.0), (4, 8.0), (8, 8.0)):
+        flat_end.observe(size, latency)
+    assert flat_end.predict(15) == pytest.approx(8.0 + 6.0 / 7.0 * 7)  # average slope, not 0
+
+
+def test_predict_without_data_raises_lookup_error() -> None:
+    model = LatencyModel()
+    assert not model.known
+    with pytest.raises(LookupError, match="no batch latency"):
+        model.predict(1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"window": 0}, "window"),
+        ({"window": 2.0}, "window"),
+        ({"quantile": 0}, "quantile"),
+        ({"quantile": 1.5}, "quantile"),
+        ({"quantile": True}, "quantile"),
+        ({"profile": [(1, 2.0)]}, "profile"),
+        ({"profile": {0: 2.0}}, "profile batch size"),
+        ({"profile": {1: -2.0}}, "profile latency for batch 1"),
+        ({"profile": {1: float("inf")}}, "profile latency for batch 1"),
+    ],
+)
+def test_bad_latency_model_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LatencyModel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "latency_ms", "match"),
+    [
+        (0, 1.0, "batch_size"),
+        (True, 1.0, "batch_size"),
+        (1.0, 1.0, "batch_size"),
+        (1, -1.0, "latency_ms"),
+        (1, math.nan, "latency_ms"),
+        (1, "3", "latency_ms"),
+        (1, False, "latency_ms"),
+    ],
+)
+def test_bad_observations(batch_size: Any, latency_ms: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LatencyModel().observe(batch_size, latency_ms)
+
+
+def test_bad_predict_and_samples_arguments() -> None:
+    model = linear_model()
+    with pytest.raises(ValueError, match="batch_size"):
+        model.predict(0)
+    with pytest.raises(ValueError, match="batch_size"):
+        model.samples(-1)
+
+
+# --- BatchPolicy ---------------------------------------------------------------------------------------
+
+
+def policy(max_wait_ms: float = 5.0, margin_ms: float = 0.0) -> BatchPolicy:
+    # t(b) = 2 + b ms, deadline 20 ms, batches of up to 8.
+    return BatchPolicy(max_batch=8, max_wait_ms=max_wait_ms, slo_ms=20.0, model=linear_model(), margin_ms=margin_ms)
+
+
+def test_takes_a_full_batch_when_it_meets_the_deadline() -> None:
+    assert policy().choose(10, 0.0) == 8
+    assert policy().decide(10, 0.0) == BatchDecision(8, 0.0)
+
+
+def test_takes_the_largest_batch_that_meets_the_oldest_deadline() -> None:
+    # 5 ms left: 2 + b <= 5 gives b = 3.
+    assert policy().choose(10, 15.0) == 3
+    assert policy().choose(10, 0.0, slack_ms=5.0) == 3
+    # A 1 ms margin leaves 4 ms for the model: b = 2.
+    assert policy(margin_ms=1.0).choose(10, 15.0) == 2
+
+
+def test_waits_for_more_while_the_deadline_allows() -> None:
+    decision = policy().decide(3, 1.0)
+    # Waiting is bounded by max_wait_ms (5 - 1 = 4 ms left) and by the slack over a batch of 4
+    # (19 - 6 = 13 ms).
+    assert decision == BatchDecision(0, 4.0)
+    assert policy().choose(3, 1.0) is None
+    assert policy().wait_ms(3, 1.0) == 4.0
+    # Bounded by the slack instead: 6.5 ms left, a batch of 4 takes 6 ms.
+    assert policy(max_wait_ms=100.0).decide(3, 13.5) == BatchDecision(0, pytest.approx(0.5))
+
+
+def test_stops_waiting_at_max_wait_or_when_a_larger_batch_would_miss() -> None:
+    assert policy().choose(3, 5.0) == 3  # waited max_wait_ms
+    assert policy(max_wait_ms=100.0).choose(3, 14.0) == 3  # 6 ms left: a batch of 4 would just fit, no room
+    assert policy(max_wait_ms=0.0).choose(1, 0.0) == 1  # never waits
+
+
+def test_late_queue_is_drained_in_full_batches() -> None:
+    assert policy().choose(2, 19.0) == 2  # 1 ms left < 3 ms for one request
+    assert policy().choose(12, 25.0) == 8
+
+
+def test_empty_queue_and_unknown_latency() -> None:
+    assert policy().choose(0, 0.0) is None
+    assert policy().decide(0, 0.0) == BatchDecision(0, 5.0)
+    fresh = BatchPolicy(max_batch=8, max_wait_ms=5.0, slo_ms=20.0)
+    assert fresh.choose(5, 0.0) == 1  # measure first
+    fresh.observe(1, 3.0)
+    assert fresh.predict(1) == 3.0
+    assert fresh.model.samples(1) == 1
+
+
+def test_expired_requests() -> None:
+    p = policy()  # one request takes 3 ms, deadline 20 ms
+    assert not p.expired(17.0)
+    assert p.expired(17.5)
+    assert not p.expired(17.5, deadline_ms=30.0)
+    assert p.expired(5.0, deadline_ms=7.0)
+    assert p.expired_indices([1.0, 18.0, 17.0, 25.0]) == [1, 3]
+    assert p.expired_indices([1.0, 18.0], [2.0, None]) == [0, 1]
+    fresh = BatchPolicy(max_batch=4, max_wait_ms=1.0, slo_ms=20.0)
+    assert not fresh.expired(19.9)
+    assert fresh.expired(20.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_batch": 2.0}, "max_batch"),
+        ({"max_wait_ms": -1.0}, "max_wait_ms"),
+        ({"max_wait_ms": math.inf}, "max_wait_ms"),
+        ({"slo_ms": 0.0}, "slo_ms"),
+        ({"slo_ms": "20"}, "slo_ms"),
+        ({"margin_ms": math.nan}, "margin_ms"),
+        ({"model": {1: 2.0}}, "LatencyModel"),
+    ],
+)
+def test_bad_policy_arguments(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"max_batch": 8, "max_wait_ms": 5.0, "slo_ms": 20.0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        BatchPolicy(**args)
+
+
+@pytest.mark.parametrize(
+    ("queue_len", "age_ms", "slack_ms", "match"),
+    [
+        (-1, 0.0, None, "queue_len"),
+        (True, 0.0, None, "queue_len"),
+        (1.0, 0.0, None, "queue_len"),
+        (1, -1.0, None, "oldest_age_ms"),
+        (1, math.nan, None, "oldest_age_ms"),
+        (1, 0.0, math.inf, "slack_ms"),
+        (1, 0.0, "5", "slack_ms"),
+    ],
+)
+def test_bad_decide_arguments(queue_len: Any, age_ms: Any, slack_ms: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        policy().decide(queue_len, age_ms, slack_ms=slack_ms)
+
+
+def test_bad_expired_arguments() -> None:
+    with pytest.raises(ValueError, match="age_ms"):
+        policy().expired(-1.0)
+    with pytest.raises(ValueError, match="deadline_ms"):
+        policy().expired(1.0, deadline_ms=-5.0)
+    with pytest.raises(ValueError, match="2 entries but ages_ms has 1"):
+        policy().expired_indices([1.0], [1.0, 2.0])
+
+
+@given(
+    fixed_ms=st.floats(0.1, 20.0),
+    per_item_ms=st.floats(0.0, 10.0),
+    max_batch=st.integers(1, 32),
+    max_wait_ms=st.floats(0.0, 50.0),
+    slo_ms=st.floats(1.0, 200.0),
+    queue_len=st.integers(0, 64),
+    age_ms=st.floats(0.0, 250.0),
+)
+def test_decision_invariants(
+    fixed_ms: float,
+    per_item_ms: float,
+    max_batch: int,
+    max_wait_ms: float,
+    slo_ms: float,
+    queue_len: int,
+    age_ms: float,
+) -> None:
+    model = linear_model(fixed_ms, per_item_ms, sizes=(1, 4, 16))
+    p = BatchPolicy(max_batch=max_batch, max_wait_ms=max_wait_ms, slo_ms=slo_ms, model=model)
+    take, wait_ms = p.decide(queue_len, age_ms)
+    cap = min(queue_len, max_batch)
+    left_ms = slo_ms - age_ms
+    assert 0 <= take <= cap
+    assert wait_ms >= 0
+    if take == 0:
+        if queue_len > 0:
+            # Waits only when a larger batch would still meet the deadline, and not past max_wait_ms.
+            assert wait_ms > 0 and age_ms < max_wait_ms
+            assert p.predict(cap + 1) < left_ms
+    elif p.predict(1) <= left_ms:
+        assert p.predict(take) <= left_ms  # the oldest request meets its deadline
+        if take < cap:
+            assert p.predict(take + 1) > left_ms  # and no larger batch would
+    else:
+        assert take == cap  # hopeless: drain
