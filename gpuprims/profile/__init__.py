@@ -1,0 +1,38 @@
+"""Model profiles: latency (p50/p99) and peak memory over batch size x GPU%, measured or paper-derived.
+
+``format`` holds the versioned JSON profile and its interpolation; ``measure`` measures one on this
+machine (each point in a fresh spawn process with its GPU% applied before torch initialises);
+``cli`` is ``gpuprims-profile``.
+"""
+
+from __future__ import annotations
+
+from gpuprims.profile.format import (
+    FORMAT_VERSION,
+    PAPER_MODELS,
+    Conditions,
+    Profile,
+    ProfileError,
+    ProfilePoint,
+    load_profile,
+    load_profiles,
+    paper_profile,
+    paper_profiles,
+    profile_from_dict,
+    save_profile,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PAPER_MODELS",
+    "Conditions",
+    "Profile",
+    "ProfileError",
+    "ProfilePoint",
+    "load_profile",
+    "load_profiles",
+    "paper_profile",
+    "paper_profiles",
+    "profile_from_dict",
+    "save_profile",
+]

@@ -1,0 +1,568 @@
+"""Schedulers that decide when, on which GPU, at what GPU% and with what batch each app stage runs.
+
+Both schedulers share one interface, free of simulation details so that the orchestrator can drive
+them live with wall-clock time:
+
+- ``plan(now_ms, queues) -> list[Dispatch]``: ``queues`` maps a stage's queue key ``"<app>/<stage>"``
+  to the absolute deadlines (ms) of its waiting requests, oldest first. The caller applies the
+  returned dispatches in list order, each taking ``batch_size`` requests from the front of its
+  queue: ``action == "run"`` starts them now on ``gpu`` at ``gpu_pct``; ``action == "reject"``
+  answers them at once with a deadline-miss status (they cannot meet their deadline any more).
+- ``completed(dispatch, measured_ms)``: a run finished after ``measured_ms``; the caller has routed
+  its outputs to the next stages' queues before calling ``plan`` again.
+- ``next_wakeup_ms(now_ms)``: when ``plan`` wants to be called again even if nothing else happens
+  (the next scheduling round), or None.
+
+The caller calls ``plan`` after every completion, when a queue turns non-empty, and at the wakeup.
+
+``SpatioTemporalScheduler`` ("spatiotemporal", paper V-F, Fig. 10): every stage runs in its own
+instance at its fixed GPU%, and instances on one GPU run concurrently as long as the GPU% of what
+runs at any instant sums to at most 100. A launch places the whole remaining chain of a request
+batch: the stage starts now, each following stage is reserved at the earliest time its GPU% is free
+after its predecessor's predicted end (conservatively assuming the whole batch takes every branch),
+and the batch size is the largest whose predicted chain end meets the oldest request's deadline.
+A later stage's slot is sized for the share of the batch expected to take that branch: the learned
+fraction (exponential average of what earlier batches routed there; 1.0 until observed) plus
+``route_margin_sigma`` binomial standard deviations, capped at the whole batch. When more requests
+arrive at a reserved stage than its slot was sized for, it runs them all if the oldest still meets
+its deadline (the plan slips; the 100% invariant still holds), else the slot's batch.
+Stages that start now without a chain behind them are Batch-Latency gap fills: the batch is the
+largest that ends before the next reservation that would collide (or the deadline). Each scheduling
+round (default 30 ms) first offers a launch to every app that has not launched in this round, in
+earliest-deadline order, then fills what is left. Predictions are profile latencies times a
+per-(model, GPU%) correction learned from measured latencies (exponential average).
+
+``TemporalScheduler`` ("temporal", the Triton-like baseline): one dispatch at a time per GPU with
+exclusive access (100% GPU); apps take turns round-robin, a DAG app's later stages run before the
+next app's turn, and each turn runs the largest batch whose predicted sequential chain meets the
+deadline.
+
+The hard invariant of both: at every instant, the GPU% of the runs started on a GPU and not yet
+completed sums to at most 100.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from gpuprims.profile.format import Profile, Stat
+from gpuprims.sched.dag import App, validate_apps
+
+Action = Literal["run", "reject"]
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One decision: run (or reject) ``batch_size`` requests of stage ``stage`` of ``app``."""
+
+    id: int
+    app: str
+    stage: str
+    model: str
+    gpu: int
+    gpu_pct: int
+    batch_size: int
+    start_ms: float
+    predicted_ms: float
+    action: Action = "run"
+
+    @property
+    def key(self) -> str:
+        """The queue key ``"<app>/<stage>"`` the requests come from."""
+        return f"{self.app}/{self.stage}"
+
+    @property
+    def predicted_end_ms(self) -> float:
+        """``start_ms + predicted_ms``."""
+        return self.start_ms + self.predicted_ms
+
+
+@dataclass
+class _Interval:
+    start: float
+    end: float
+    pct: int
+    key: str
+
+
+@dataclass
+class _Reservation:
+    """A later stage's slot, reserved when its predecessor was launched."""
+
+    key: str
+    app: str
+    stage: str
+    gpu: int
+    pct: int
+    batch_size: int
+    start: float
+    end: float
+    upstream: int  # dispatch id of the predecessor
+    upstream_batch: int = 0
+    ready: bool = False
+
+
+@dataclass
+class _GpuState:
+    running: dict[int, Dispatch] = field(default_factory=dict)
+    reservations: list[_Reservation] = field(default_factory=list)
+
+    def running_pct(self) -> int:
+        return sum(d.gpu_pct for d in self.running.values())
+
+
+class Scheduler(ABC):
+    """Common state: apps, profiles, placement, learned corrections, running dispatches per GPU."""
+
+    name: ClassVar[str]
+
+    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
+                 round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
+                 max_batch: int | None = None) -> None:
+        if num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+        if not round_ms > 0:
+            raise ValueError(f"round_ms must be > 0, got {round_ms}")
+        if not 0.0 <= learn_rate <= 1.0:
+            raise ValueError(f"learn_rate must be in [0, 1], got {learn_rate}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if stat not in ("p50", "p99"):
+            raise ValueError(f"stat must be 'p50' or 'p99', got {stat!r}")
+        if not apps:
+            raise ValueError("need at least one app")
+        validate_apps(apps, profiles)
+        for a in apps:
+            if a.gpu is not None and a.gpu >= num_gpus:
+                raise ValueError(f"app {a.name!r}: gpu {a.gpu} does not exist (num_gpus={num_gpus})")
+        self.apps: dict[str, App] = {a.name: a for a in apps}
+        self.profiles = dict(profiles)
+        self.num_gpus = num_gpus
+        self.round_ms = float(round_ms)
+        self.stat: Stat = stat
+        self.learn_rate = learn_rate
+        self.max_batch = max_batch
+        self.placement: dict[str, int] = self._place(apps)
+        self.gpus = [_GpuState() for _ in range(num_gpus)]
+        self._correction: dict[tuple[str, int], float] = {}
+        self._base_cache: dict[tuple[str, int, int], float] = {}
+        self._ids = itertools.count(1)
+        self._stage_of: dict[str, tuple[App, str]] = {a.key(s.name): (a, s.name) for a in apps for s in a.stages}
+        self._apps_on: list[list[App]] = [[a for a in self.apps.values() if self.placement[a.name] == g]
+                                          for g in range(num_gpus)]
+
+    # --- placement and prediction ------------------------------------------------------------------
+    def _place(self, apps: Sequence[App]) -> dict[str, int]:
+        """Pinned apps keep their GPU; the others go, in order, to the least-loaded GPU (sum of GPU%)."""
+        load = [0] * self.num_gpus
+        out: dict[str, int] = {}
+        for a in apps:
+            if a.gpu is not None:
+                out[a.name] = a.gpu
+                load[a.gpu] += sum(s.gpu_pct for s in a.stages)
+        for a in apps:
+            if a.gpu is None:
+                g = min(range(self.num_gpus), key=lambda i: (load[i], i))
+                out[a.name] = g
+                load[g] += sum(s.gpu_pct for s in a.stages)
+        return out
+
+    def correction(self, model: str, gpu_pct: int) -> float:
+        """Learned factor measured/profiled latency for ``model`` at ``gpu_pct`` (1.0 until measured)."""
+        return self._correction.get((model, gpu_pct), 1.0)
+
+    def predict_ms(self, model: str, batch_size: int, gpu_pct: int) -> float:
+        """Predicted latency: profile latency (``stat``) times the learned correction."""
+        k = (model, batch_size, gpu_pct)
+        base = self._base_cache.get(k)
+        if base is None:
+            base = self.profiles[model].latency_ms(batch_size, gpu_pct, stat=self.stat)
+            self._base_cache[k] = base
+        return base * self._correction.get((model, gpu_pct), 1.0)
+
+    def _batch_cap(self, model: str) -> int:
+        top = self.profiles[model].batch_sizes[-1]
+        return top if self.max_batch is None else min(top, self.max_batch)
+
+    def _min_batch(self, model: str) -> int:
+        return self.profiles[model].batch_sizes[0]
+
+    # --- the interface -----------------------------------------------------------------------------
+    @abstractmethod
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+        """Dispatches to apply now, in order (module docstring)."""
+
+    def next_wakeup_ms(self, now_ms: float) -> float | None:
+        """When ``plan`` wants to run again even without a completion or arrival; None if never."""
+        return None
+
+    def completed(self, dispatch: Dispatch, measured_ms: float) -> None:
+        """Record that a run dispatch finished after ``measured_ms`` and learn from the error.
+
+        Raises ValueError for a dispatch this scheduler is not running or a negative/NaN time.
+        """
+        if not measured_ms >= 0:
+            raise ValueError(f"measured_ms must be >= 0, got {measured_ms}")
+        gs = self.gpus[dispatch.gpu] if 0 <= dispatch.gpu < self.num_gpus else None
+        if gs is None or dispatch.id not in gs.running:
+            raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
+        del gs.running[dispatch.id]
+        base = self.profiles[dispatch.model].latency_ms(dispatch.batch_size, dispatch.gpu_pct, stat=self.stat)
+        if base > 0 and self.learn_rate > 0:
+            ratio = min(10.0, max(0.1, measured_ms / base))
+            k = (dispatch.model, dispatch.gpu_pct)
+            old = self._correction.get(k, 1.0)
+            self._correction[k] = (1 - self.learn_rate) * old + self.learn_rate * ratio
+        for r in gs.reservations:
+            if r.upstream == dispatch.id:
+                r.ready = True
+
+    def running(self, gpu: int) -> list[Dispatch]:
+        """Run dispatches started on ``gpu`` and not yet completed."""
+        return list(self.gpus[gpu].running.values())
+
+    # --- shared helpers ----------------------------------------------------------------------------
+    def _new_dispatch(self, app: App, stage: str, gpu: int, pct: int, batch: int, now: float,
+                      predicted: float, action: Action = "run") -> Dispatch:
+        s = app.stage(stage)
+        d = Dispatch(next(self._ids), app.name, stage, s.model, gpu, pct, batch, now, predicted, action)
+        if action == "run":
+            gs = self.gpus[gpu]
+            if gs.running_pct() + pct > 100:
+                raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.running_pct()} + {pct})")
+            gs.running[d.id] = d
+        return d
+
+    def _stage_pct(self, app: App, stage: str) -> int:
+        return app.stage(stage).gpu_pct
+
+    def _min_chain_ms(self, app: App, stage: str, *, sequential: bool) -> float:
+        """Predicted time from starting ``stage`` with batch 1 to the end of its slowest continuation."""
+        s = app.stage(stage)
+        own = self.predict_ms(s.model, self._min_batch(s.model), self._stage_pct(app, stage))
+        nxt = [self._min_chain_ms(app, n, sequential=sequential) for n in app.successors(stage)]
+        if not nxt:
+            return own
+        return own + (sum(nxt) if sequential else max(nxt))
+
+    def _rejects(self, now: float, queues: Mapping[str, Sequence[float]], consumed: dict[str, int], *,
+                 sequential: bool) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        for key, q in queues.items():
+            if not q or key not in self._stage_of:
+                continue
+            app, stage = self._stage_of[key]
+            slack_needed = now + self._min_chain_ms(app, stage, sequential=sequential)
+            n = 0
+            while n < len(q) and q[n] < slack_needed - _EPS:
+                n += 1
+            if n:
+                consumed[key] = n
+                gpu = self.placement[app.name]
+                out.append(self._new_dispatch(app, stage, gpu, self._stage_pct(app, stage), n, now, 0.0,
+                                              action="reject"))
+        return out
+
+
+class SpatioTemporalScheduler(Scheduler):
+    """Spatial (concurrent GPU% slices) and temporal (rounds, reservations, gap fills) scheduling."""
+
+    name = "spatiotemporal"
+
+    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *,
+                 route_margin_sigma: float = 1.0, **kw: object) -> None:
+        super().__init__(apps, profiles, **kw)  # type: ignore[arg-type]
+        if not route_margin_sigma >= 0:
+            raise ValueError(f"route_margin_sigma must be >= 0, got {route_margin_sigma}")
+        self.route_margin_sigma = route_margin_sigma
+        self._round = -1
+        self._launched: set[str] = set()
+        self._route_frac: dict[str, float] = {}
+
+    def route_fraction(self, key: str) -> float:
+        """Learned fraction of a predecessor's batch that reaches stage ``key`` (1.0 until observed)."""
+        return self._route_frac.get(key, 1.0)
+
+    def _branch_batch(self, key: str, batch: int) -> int:
+        f = self.route_fraction(key)
+        hi = f + self.route_margin_sigma * math.sqrt(max(f * (1 - f), 0.0) / batch)
+        return max(1, min(batch, math.ceil(batch * min(1.0, hi) - _EPS)))
+
+    def next_wakeup_ms(self, now_ms: float) -> float | None:
+        """The next round start, or an earlier start of a ready reservation still waiting for its slot."""
+        nxt = (math.floor(now_ms / self.round_ms + _EPS) + 1) * self.round_ms
+        for gs in self.gpus:
+            for r in gs.reservations:
+                if r.ready and now_ms < r.start < nxt:
+                    nxt = r.start
+        return nxt
+
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+        """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
+        rnd = math.floor(now_ms / self.round_ms + _EPS)
+        if rnd != self._round:
+            self._round = rnd
+            self._launched.clear()
+        consumed: dict[str, int] = {}
+        out = self._rejects(now_ms, queues, consumed, sequential=False)
+        for g, gs in enumerate(self.gpus):
+            out += self._start_reservations(g, gs, now_ms, queues, consumed)
+        for g, gs in enumerate(self.gpus):
+            if gs.running_pct() >= 100:
+                continue
+            for first_pass in (True, False):
+                for app, stage in self._candidates(g, queues, consumed, first_pass):
+                    d = self._try_launch(g, app, stage, now_ms, queues, consumed)
+                    if d is not None:
+                        out.append(d)
+                        self._launched.add(app.name)
+        return out
+
+    # --- pieces of plan ----------------------------------------------------------------------------
+    def _start_reservations(self, g: int, gs: _GpuState, now: float, queues: Mapping[str, Sequence[float]],
+                            consumed: dict[str, int]) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        for r in sorted(gs.reservations, key=lambda r: r.start):
+            if not r.ready:
+                continue
+            q = queues.get(r.key, ())
+            c = consumed.get(r.key, 0)
+            avail = len(q) - c
+            if r.upstream_batch:
+                frac = min(1.0, max(avail, 0) / r.upstream_batch)
+                old = self._route_frac.get(r.key, 1.0)
+                self._route_frac[r.key] = (1 - self.learn_rate) * old + self.learn_rate * frac
+                r.upstream_batch = 0  # learn once per slot
+            if avail <= 0:
+                gs.reservations.remove(r)  # the predecessor routed nothing here
+                continue
+            if self._key_busy(gs, r.key):
+                continue
+            app, stage = self._stage_of[r.key]
+            s = app.stage(stage)
+            batch = min(avail, self._batch_cap(s.model))
+            while batch > r.batch_size and now + self.predict_ms(s.model, batch, r.pct) > q[c] + _EPS:
+                batch -= 1
+            pred = self.predict_ms(s.model, batch, r.pct)
+            ivs = self._intervals(gs, now, exclude=r)
+            if now + _EPS < r.start and not _fits(ivs, r.pct, now, now + pred, r.key):
+                continue  # early, and starting early would collide: wait for the reserved start
+            if gs.running_pct() + r.pct > 100:
+                continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
+            gs.reservations.remove(r)
+            consumed[r.key] = consumed.get(r.key, 0) + batch
+            out.append(self._new_dispatch(app, stage, g, r.pct, batch, now, pred))
+        return out
+
+    def _candidates(self, g: int, queues: Mapping[str, Sequence[float]], consumed: dict[str, int],
+                    first_pass: bool) -> list[tuple[App, str]]:
+        """(app, stage) pairs on GPU g with waiting requests and no reservation, earliest deadline first."""
+        gs = self.gpus[g]
+        reserved = {r.key for r in gs.reservations}
+        cands: list[tuple[float, int, App, str]] = []
+        for i, app in enumerate(self._apps_on[g]):
+            if first_pass and app.name in self._launched:
+                continue
+            stages = [app.entry.name] if first_pass else [s.name for s in app.stages]
+            for st in stages:
+                key = app.key(st)
+                q = queues.get(key, ())
+                c = consumed.get(key, 0)
+                if len(q) > c and key not in reserved:
+                    cands.append((q[c], i, app, st))
+        cands.sort(key=lambda t: (t[0], t[1]))
+        return [(a, s) for _, _, a, s in cands]
+
+    def _key_busy(self, gs: _GpuState, key: str) -> bool:
+        return any(d.key == key for d in gs.running.values())
+
+    def _intervals(self, gs: _GpuState, now: float, exclude: _Reservation | None = None) -> list[_Interval]:
+        ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, d.key)
+               for d in gs.running.values()]
+        for r in gs.reservations:
+            if r is exclude:
+                continue
+            # A slot whose start has passed without starting still needs its full length from now.
+            shift = max(0.0, now - r.start)
+            ivs.append(_Interval(r.start + shift, r.end + shift, r.pct, r.key))
+        return ivs
+
+    def _try_launch(self, g: int, app: App, stage: str, now: float, queues: Mapping[str, Sequence[float]],
+                    consumed: dict[str, int]) -> Dispatch | None:
+        gs = self.gpus[g]
+        key = app.key(stage)
+        s = app.stage(stage)
+        if gs.running_pct() + s.gpu_pct > 100 or self._key_busy(gs, key):
+            return None
+        q = queues.get(key, ())
+        c = consumed.get(key, 0)
+        avail = len(q) - c
+        lo, hi = self._min_batch(s.model), min(avail, self._batch_cap(s.model))
+        if hi < lo:
+            return None
+        deadline = q[c]
+        ivs = self._intervals(gs, now)
+        best: tuple[int, list[_Reservation], float] | None = None
+        # Binary search for the largest batch whose chain fits; every candidate is checked in full.
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            placed = self._place_chain(ivs, app, stage, mid, now, deadline, g)
+            if placed is None:
+                hi = mid - 1
+            else:
+                best = (mid, *placed)
+                lo = mid + 1
+        if best is None:
+            return None
+        batch, reservations, pred = best
+        consumed[key] = c + batch
+        d = self._new_dispatch(app, stage, g, s.gpu_pct, batch, now, pred)
+        for r in reservations:
+            r.upstream = d.id
+            r.upstream_batch = batch
+        gs.reservations.extend(reservations)
+        return d
+
+    def _place_chain(self, ivs: list[_Interval], app: App, stage: str, batch: int, now: float,
+                     deadline: float, g: int) -> tuple[list[_Reservation], float] | None:
+        s = app.stage(stage)
+        pred = self.predict_ms(s.model, batch, s.gpu_pct)
+        if now + pred > deadline + _EPS or not _fits(ivs, s.gpu_pct, now, now + pred, app.key(stage)):
+            return None
+        work = list(ivs)
+        work.append(_Interval(now, now + pred, s.gpu_pct, app.key(stage)))
+        res: list[_Reservation] = []
+        frontier = [(n, now + pred) for n in app.successors(stage)]
+        while frontier:
+            name, not_before = frontier.pop(0)
+            ns = app.stage(name)
+            key = app.key(name)
+            nb = min(self._branch_batch(key, batch), self._batch_cap(ns.model))
+            if nb < self._min_batch(ns.model):
+                return None
+            dur = self.predict_ms(ns.model, nb, ns.gpu_pct)
+            start = _earliest_fit(work, ns.gpu_pct, dur, not_before, key)
+            if start + dur > deadline + _EPS:
+                return None
+            work.append(_Interval(start, start + dur, ns.gpu_pct, key))
+            res.append(_Reservation(key, app.name, name, g, ns.gpu_pct, nb, start, start + dur, upstream=0))
+            frontier.extend((n, start + dur) for n in app.successors(name))
+        return res, pred
+
+
+def _occupancy(ivs: list[_Interval], t: float) -> int:
+    return sum(iv.pct for iv in ivs if iv.start <= t + _EPS and t < iv.end - _EPS)
+
+
+def _fits(ivs: list[_Interval], pct: int, start: float, end: float, key: str) -> bool:
+    """True if ``pct`` more fits on top of ``ivs`` throughout [start, end) and ``key`` is not busy then."""
+    points = [start] + [iv.start for iv in ivs if start < iv.start < end - _EPS]
+    for iv in ivs:
+        if iv.key == key and iv.start < end - _EPS and start < iv.end - _EPS:
+            return False
+    return all(_occupancy(ivs, t) + pct <= 100 for t in points)
+
+
+def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float, key: str) -> float:
+    """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
+    for t in sorted({not_before, *(iv.end for iv in ivs if iv.end > not_before)}):
+        if _fits(ivs, pct, t, t + dur, key):
+            return t
+    return max([not_before, *(iv.end for iv in ivs)])
+
+
+class TemporalScheduler(Scheduler):
+    """Round-robin with exclusive GPU access and Triton-style batching (the paper's baseline)."""
+
+    name = "temporal"
+
+    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], **kw: object) -> None:
+        super().__init__(apps, profiles, **kw)  # type: ignore[arg-type]
+        for a in apps:
+            for s in a.stages:
+                if self.profiles[s.model].gpu_pcts[-1] < 100:
+                    raise ValueError(f"temporal scheduling runs {s.model!r} at 100% GPU, but its profile "
+                                     f"stops at {self.profiles[s.model].gpu_pcts[-1]}%")
+        self._turn = [0] * self.num_gpus
+        self._order = self._apps_on
+
+    def _stage_pct(self, app: App, stage: str) -> int:
+        return 100
+
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+        """Rejects, then on every idle GPU: a DAG's pending later stage, else the next app's turn."""
+        consumed: dict[str, int] = {}
+        out = self._rejects(now_ms, queues, consumed, sequential=True)
+        for g, gs in enumerate(self.gpus):
+            if gs.running or not self._order[g]:
+                continue
+            d = self._next(g, now_ms, queues, consumed)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _next(self, g: int, now: float, queues: Mapping[str, Sequence[float]],
+              consumed: dict[str, int]) -> Dispatch | None:
+        order = self._order[g]
+        # Later stages of DAG apps first: a started request finishes before another app's turn.
+        for app in order:
+            for s in app.stages[1:]:
+                d = self._launch(g, app, s.name, now, queues, consumed)
+                if d is not None:
+                    return d
+        n = len(order)
+        for i in range(n):
+            app = order[(self._turn[g] + i) % n]
+            d = self._launch(g, app, app.entry.name, now, queues, consumed)
+            if d is not None:
+                self._turn[g] = (self._turn[g] + i + 1) % n
+                return d
+        return None
+
+    def _chain_ms(self, app: App, stage: str, batch: int) -> float:
+        s = app.stage(stage)
+        own = self.predict_ms(s.model, min(batch, self._batch_cap(s.model)), 100)
+        return own + sum(self._chain_ms(app, n, batch) for n in app.successors(stage))
+
+    def _launch(self, g: int, app: App, stage: str, now: float, queues: Mapping[str, Sequence[float]],
+                consumed: dict[str, int]) -> Dispatch | None:
+        key = app.key(stage)
+        q = queues.get(key, ())
+        c = consumed.get(key, 0)
+        s = app.stage(stage)
+        hi = min(len(q) - c, self._batch_cap(s.model))
+        lo = self._min_batch(s.model)
+        if hi < lo:
+            return None
+        deadline = q[c]
+        best = 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if now + self._chain_ms(app, stage, mid) <= deadline + _EPS:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if not best:
+            return None
+        consumed[key] = c + best
+        return self._new_dispatch(app, stage, g, 100, best, now, self.predict_ms(s.model, best, 100))
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    SpatioTemporalScheduler.name: SpatioTemporalScheduler,
+    TemporalScheduler.name: TemporalScheduler,
+}
+
+
+def make_scheduler(name: str, apps: Sequence[App], profiles: Mapping[str, Profile], **kw: object) -> Scheduler:
+    """The scheduler called ``name`` ("spatiotemporal" or "temporal") over ``apps``; kw as ``Scheduler``."""
+    cls = SCHEDULERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(SCHEDULERS)}")
+    return cls(apps, profiles, **kw)

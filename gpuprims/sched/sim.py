@@ -1,0 +1,332 @@
+"""Discrete-event simulation of one or many GPUs driven by profiles, arrivals and a real scheduler.
+
+The simulator drives the same ``Scheduler`` classes the orchestrator runs live: it keeps one FIFO
+queue of request deadlines per app stage, calls ``plan`` whenever a run completes, a queue turns
+non-empty or the scheduler's wakeup comes, applies the dispatches in order, and reports each run's
+simulated execution time back through ``completed``.
+
+Execution model (stated, not measured): a run of ``batch`` requests of ``model`` at ``gpu_pct``
+takes the profile's p50 latency there, times an optional per-model ``true_scale`` (to model a
+profile that is off, which the scheduler must learn) and an optional log-normal jitter. Runs that
+share a GPU do not slow each other (controlled spatial sharing isolates them, paper IV-B); the
+simulator refuses any dispatch that would take a GPU above 100%.
+
+Every result dict carries ``"simulated": True``. Requests are counted when they arrive inside
+``[warmup_ms, duration_ms)``; a request meets its deadline when its last stage ends at or before
+``arrival + app.deadline_ms``. ``throughput_rps`` counts requests that met their deadline (goodput);
+``miss_rate`` is 1 - met/offered, so it includes rejected, late and unfinished requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from gpuprims.profile.format import Profile
+from gpuprims.sched.dag import App
+from gpuprims.sched.scheduler import Dispatch, Scheduler
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An arrival process: ``poisson`` at ``rate_rps``, or ``constant``: ``burst`` requests at once
+    every ``burst / rate_rps`` seconds starting at ``offset_ms`` (e.g. synchronised camera frames)."""
+
+    kind: Literal["poisson", "constant"]
+    rate_rps: float
+    burst: int = 1
+    offset_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("poisson", "constant"):
+            raise ValueError(f"arrival kind must be 'poisson' or 'constant', got {self.kind!r}")
+        if not self.rate_rps > 0 or not math.isfinite(self.rate_rps):
+            raise ValueError(f"rate_rps must be a positive finite number, got {self.rate_rps}")
+        if self.burst < 1:
+            raise ValueError(f"burst must be >= 1, got {self.burst}")
+        if self.kind == "poisson" and self.burst != 1:
+            raise ValueError(f"burst applies to constant arrivals only, got burst={self.burst} for poisson")
+        if not self.offset_ms >= 0:
+            raise ValueError(f"offset_ms must be >= 0, got {self.offset_ms}")
+
+    def times_ms(self, duration_ms: float, rng: np.random.Generator) -> np.ndarray:
+        """Sorted arrival times in [offset_ms, duration_ms)."""
+        span = duration_ms - self.offset_ms
+        if span <= 0:
+            return np.empty(0)
+        if self.kind == "constant":
+            period_ms = 1000.0 * self.burst / self.rate_rps
+            starts = self.offset_ms + period_ms * np.arange(math.ceil(span / period_ms))
+            starts = starts[starts < duration_ms]
+            return np.repeat(starts, self.burst)
+        mean_gap_ms = 1000.0 / self.rate_rps
+        n = int(span / mean_gap_ms * 1.1 + 10 * math.sqrt(span / mean_gap_ms) + 10)
+        t = self.offset_ms + np.cumsum(rng.exponential(mean_gap_ms, n))
+        while t[-1] < duration_ms:
+            t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(mean_gap_ms, n))])
+        return t[t < duration_ms]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """An app, its arrivals and the label probabilities of its routing stages.
+
+    ``route_probs[stage][label]`` is the probability that a request leaving ``stage`` carries
+    ``label``; the remaining probability (and any label the stage does not route) ends the request.
+    """
+
+    app: App
+    arrival: Arrival
+    route_probs: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for stage, probs in self.route_probs.items():
+            self.app.stage(stage)
+            total = sum(probs.values())
+            if any(p < 0 for p in probs.values()) or total > 1 + 1e-9:
+                raise ValueError(f"app {self.app.name!r} stage {stage!r}: route probabilities must be >= 0 "
+                                 f"and sum to at most 1, got {dict(probs)}")
+
+
+@dataclass
+class _AppStats:
+    offered: int = 0
+    met: int = 0
+    late: int = 0
+    rejected: int = 0
+    latencies: list[float] = field(default_factory=list)
+    entry_batches: list[int] = field(default_factory=list)
+
+
+def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms: float,
+             warmup_ms: float = 0.0, seed: int = 0, jitter_sigma: float = 0.0,
+             true_scale: Mapping[str, float] | None = None, record_dispatches: bool = False,
+             drain_ms: float | None = None) -> dict[str, Any]:
+    """Run the workloads through ``scheduler`` for ``duration_ms`` of simulated time; see module doc.
+
+    Arrivals stop at ``duration_ms``; the simulation then drains for up to ``drain_ms`` (default:
+    four times the largest app deadline). Raises ValueError when the workloads do not match the
+    scheduler's apps or an argument is out of range, and RuntimeError if the scheduler ever takes a
+    GPU above 100% or starts a run on a busy stage instance.
+    """
+    if not duration_ms > 0:
+        raise ValueError(f"duration_ms must be > 0, got {duration_ms}")
+    if not 0 <= warmup_ms < duration_ms:
+        raise ValueError(f"warmup_ms must be in [0, duration_ms), got {warmup_ms}")
+    if jitter_sigma < 0:
+        raise ValueError(f"jitter_sigma must be >= 0, got {jitter_sigma}")
+    scale = dict(true_scale or {})
+    for m, v in scale.items():
+        if not v > 0:
+            raise ValueError(f"true_scale for {m!r} must be > 0, got {v}")
+    names = [w.app.name for w in workloads]
+    if sorted(names) != sorted(scheduler.apps) or len(set(names)) != len(names):
+        raise ValueError(f"workloads cover apps {sorted(names)} but the scheduler has {sorted(scheduler.apps)}")
+    for w in workloads:
+        if w.app != scheduler.apps[w.app.name]:
+            raise ValueError(f"workload app {w.app.name!r} differs from the scheduler's app of that name")
+    drain = 4 * max(w.app.deadline_ms for w in workloads) if drain_ms is None else drain_ms
+    if drain < 0:
+        raise ValueError(f"drain_ms must be >= 0, got {drain}")
+
+    rng = np.random.default_rng(seed)
+    profiles: Mapping[str, Profile] = scheduler.profiles
+    apps = [w.app for w in workloads]
+    queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
+    stats = {a.name: _AppStats() for a in apps}
+    deadline_of = {a.name: a.deadline_ms for a in apps}
+    routes: dict[str, tuple[list[str | None], np.ndarray]] = {}
+    for w in workloads:
+        for s in w.app.stages:
+            if not s.routes:
+                continue
+            probs = w.route_probs.get(s.name, {})
+            labels: list[str | None] = [s.routes.get(lb) for lb in probs]
+            p = list(probs.values())
+            labels.append(None)
+            p.append(max(0.0, 1.0 - sum(p)))
+            routes[w.app.key(s.name)] = (labels, np.asarray(p) / sum(p))
+
+    arrivals = [w.arrival.times_ms(duration_ms, rng) for w in workloads]
+    next_idx = [0] * len(workloads)
+    heap: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, data); kind 0 completion, 1 arrival, 2 wake
+    seq = 0
+    for i, arr in enumerate(arrivals):
+        if arr.size:
+            heap.append((float(arr[0]), 1, seq, i))
+            seq += 1
+    heapq.heapify(heap)
+    in_flight: dict[int, tuple[Dispatch, list[float], float]] = {}
+    running_pct = [0] * scheduler.num_gpus
+    busy_keys: set[str] = set()
+    gpu_busy_pct_ms = [0.0] * scheduler.num_gpus
+    wakes: set[float] = set()
+    trace: list[dict[str, Any]] = []
+    end_ms = duration_ms + drain
+    plans = 0
+    t = 0.0
+    wall0 = time.perf_counter()
+
+    def in_window(arrival_ms: float) -> bool:
+        return warmup_ms <= arrival_ms < duration_ms
+
+    while heap:
+        t = heap[0][0]
+        if t > end_ms:
+            break
+        need_plan = False
+        while heap and heap[0][0] <= t + _EPS:
+            _, kind, _, data = heapq.heappop(heap)
+            if kind == 0:
+                d, dls, measured = in_flight.pop(data)
+                running_pct[d.gpu] -= d.gpu_pct
+                busy_keys.discard(d.key)
+                scheduler.completed(d, measured)
+                app = scheduler.apps[d.app]
+                st = stats[d.app]
+                route = routes.get(d.key)
+                if route is None:
+                    nexts: list[str | None] = [None] * len(dls)
+                else:
+                    labels, p = route
+                    nexts = [labels[k] for k in rng.choice(len(labels), size=len(dls), p=p)]
+                for dl, nxt in zip(dls, nexts):
+                    if nxt is not None:
+                        queues[app.key(nxt)].append(dl)
+                        continue
+                    arrival = dl - deadline_of[d.app]
+                    if in_window(arrival):
+                        st.latencies.append(t - arrival)
+                        if t <= dl + _EPS:
+                            st.met += 1
+                        else:
+                            st.late += 1
+                need_plan = True
+            elif kind == 1:
+                i = data
+                arr = arrivals[i]
+                a = workloads[i].app
+                q = queues[a.key(a.entry.name)]
+                if not q:
+                    need_plan = True
+                k = next_idx[i]
+                dl_ms = a.deadline_ms
+                st = stats[a.name]
+                while k < arr.size and arr[k] <= t + _EPS:
+                    q.append(float(arr[k]) + dl_ms)
+                    if in_window(float(arr[k])):
+                        st.offered += 1
+                    k += 1
+                next_idx[i] = k
+                if k < arr.size:
+                    heapq.heappush(heap, (float(arr[k]), 1, seq, i))
+                    seq += 1
+            else:
+                wakes.discard(data)
+                need_plan = True
+        if not need_plan:
+            continue
+        plans += 1
+        for d in scheduler.plan(t, queues):
+            q = queues[d.key]
+            if d.batch_size < 1 or d.batch_size > len(q):
+                raise RuntimeError(f"scheduler dispatched {d.batch_size} from {d.key} holding {len(q)}")
+            dls = [q.popleft() for _ in range(d.batch_size)]
+            if d.action == "reject":
+                dl_app = deadline_of[d.app]
+                st = stats[d.app]
+                for dl in dls:
+                    if in_window(dl - dl_app):
+                        st.rejected += 1
+                if record_dispatches:
+                    trace.append(_trace_row(d, t))
+                continue
+            if running_pct[d.gpu] + d.gpu_pct > 100:
+                raise RuntimeError(f"scheduler took GPU {d.gpu} above 100% at t={t} ms "
+                                   f"({running_pct[d.gpu]} + {d.gpu_pct})")
+            if d.key in busy_keys:
+                raise RuntimeError(f"scheduler started {d.key} at t={t} ms while its instance was busy")
+            running_pct[d.gpu] += d.gpu_pct
+            busy_keys.add(d.key)
+            actual = profiles[d.model].latency_ms(d.batch_size, d.gpu_pct) * scale.get(d.model, 1.0)
+            if jitter_sigma > 0:
+                actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
+            gpu_busy_pct_ms[d.gpu] += d.gpu_pct * actual
+            in_flight[d.id] = (d, dls, actual)
+            heapq.heappush(heap, (t + actual, 0, seq, d.id))
+            seq += 1
+            if d.stage == scheduler.apps[d.app].entry.name:
+                stats[d.app].entry_batches.append(d.batch_size)
+            if record_dispatches:
+                trace.append(_trace_row(d, t, actual))
+        w = scheduler.next_wakeup_ms(t)
+        pending = any(queues.values()) or in_flight or any(next_idx[i] < a.size for i, a in enumerate(arrivals))
+        if w is not None and w > t + _EPS and w not in wakes and pending:
+            wakes.add(w)
+            heapq.heappush(heap, (w, 2, seq, w))
+            seq += 1
+    wall_s = time.perf_counter() - wall0
+
+    window_s = (duration_ms - warmup_ms) / 1000.0
+    unfinished_extra = {name: 0 for name in stats}
+    per_app: dict[str, dict[str, Any]] = {}
+    for name, st in stats.items():
+        unfinished = st.offered - st.met - st.late - st.rejected
+        unfinished_extra[name] = unfinished
+        per_app[name] = _summary(st, unfinished, window_s)
+    total = _AppStats(
+        offered=sum(s.offered for s in stats.values()), met=sum(s.met for s in stats.values()),
+        late=sum(s.late for s in stats.values()), rejected=sum(s.rejected for s in stats.values()),
+        latencies=[x for s in stats.values() for x in s.latencies],
+        entry_batches=[x for s in stats.values() for x in s.entry_batches])
+    span_ms = max(t, duration_ms)
+    out: dict[str, Any] = {
+        "simulated": True,
+        "scheduler": scheduler.name,
+        "num_gpus": scheduler.num_gpus,
+        "duration_ms": duration_ms,
+        "warmup_ms": warmup_ms,
+        "seed": seed,
+        "apps": per_app,
+        "total": _summary(total, sum(unfinished_extra.values()), window_s),
+        "gpu_util": [round(b / (100.0 * span_ms), 4) for b in gpu_busy_pct_ms],
+        "plans": plans,
+        "wall_s": wall_s,
+        "sim_requests_per_wall_s": (total.offered / wall_s) if wall_s > 0 else float("inf"),
+    }
+    if record_dispatches:
+        out["dispatches"] = trace
+    return out
+
+
+def _trace_row(d: Dispatch, t: float, actual: float | None = None) -> dict[str, Any]:
+    return {"id": d.id, "app": d.app, "stage": d.stage, "model": d.model, "gpu": d.gpu, "gpu_pct": d.gpu_pct,
+            "batch_size": d.batch_size, "action": d.action, "start_ms": t,
+            "end_ms": None if actual is None else t + actual, "predicted_ms": d.predicted_ms}
+
+
+def _summary(st: _AppStats, unfinished: int, window_s: float) -> dict[str, Any]:
+    lat = np.asarray(st.latencies, dtype=float)
+    pct = {f"latency_p{p:g}_ms": (float(np.percentile(lat, p)) if lat.size else None) for p in (50, 99)}
+    return {
+        "simulated": True,
+        "offered": st.offered,
+        "met": st.met,
+        "late": st.late,
+        "rejected": st.rejected,
+        "unfinished": unfinished,
+        "throughput_rps": st.met / window_s,
+        "completed_rps": (st.met + st.late) / window_s,
+        "miss_rate": (1.0 - st.met / st.offered) if st.offered else 0.0,
+        **pct,
+        "mean_entry_batch": float(np.mean(st.entry_batches)) if st.entry_batches else None,
+    }
