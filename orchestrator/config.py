@@ -559,6 +559,15 @@ def _model_types(ann: Any) -> Iterator[type[BaseModel]]:
         yield from _model_types(arg)
 
 
+_PLAIN_MESSAGES = {
+    "tuple_type": "must be a list",
+    "list_type": "must be a list",
+    "model_type": "must be a mapping of keys to values",
+    "model_attributes_type": "must be a mapping of keys to values",
+    "dict_type": "must be a mapping of keys to values",
+}
+
+
 def _problems_from(err: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for e in err.errors(include_url=False):
@@ -579,11 +588,10 @@ def _problems_from(err: ValidationError, model: type[BaseModel]) -> list[tuple[s
         elif kind == "missing":
             problems.append((key, "required key is missing"))
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-            if "input" in e and kind not in ("model_type", "dataclass_type"):
-                got = e["input"]
-                if not isinstance(got, dict | list):
-                    msg += f", got {got!r}"
+            msg = _PLAIN_MESSAGES.get(kind, e["msg"].removeprefix("Value error, "))
+            got = e.get("input")
+            if "got " not in msg and not isinstance(got, dict | list):
+                msg += f", got {got!r:.80}"
             problems.append((key, msg))
     return problems
 

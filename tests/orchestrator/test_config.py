@@ -1,0 +1,299 @@
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.config import AppConfig, ConfigError, NodeConfig, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _app(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"name": "a", "model": "mobilenet_v2", "slo_ms": 50}
+    base.update(kw)
+    return base
+
+
+def _write(tmp_path: Path, data: Any, name: str = "apps.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data), encoding="utf-8")
+    return p
+
+
+def _refused(tmp_path: Path, data: Any, *fragments: str, **kw: Any) -> ConfigError:
+    p = _write(tmp_path, data)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, **kw)
+    msg = str(ei.value)
+    assert str(p) in msg
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return ei.value
+
+
+@pytest.mark.parametrize("name", ["apps.yaml", "apps-paper.yaml"])
+def test_examples_load(name: str) -> None:
+    from apps.zoo.registry import ALIASES, MODELS
+
+    cfg = load_config(REPO / "examples" / name, known_models=set(MODELS) | set(ALIASES))
+    assert cfg.apps
+    assert len({a.app_id for a in cfg.apps}) == len(cfg.apps)
+
+
+def test_cpu_example_fits_a_small_machine() -> None:
+    cfg = load_config(REPO / "examples" / "apps.yaml")
+    assert sum(a.fixed_pct_per_instance() for a in cfg.apps) <= 100
+    assert all(max(a.input_shape[1:]) <= 64 for a in cfg.apps)
+
+
+def test_defaults(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"apps": [_app()]}))
+    n = cfg.node
+    assert n.listen.host == "127.0.0.1" and n.listen.ports == (9000,)
+    assert n.backend == "auto" and n.metrics_port == 0 and not n.metrics_enabled
+    assert n.run_dir is None and n.log_level == "INFO" and n.log_format == "text"
+    assert n.pool.max_payload == 1024 and n.gpus == "all" and n.default_gpu == 0
+    assert n.allow_oversubscribe is False and n.mps == "best_effort"
+    assert n.scheduler == "spatial" and n.round_ms == 30
+    a = cfg.apps[0]
+    assert a.app_id == 1 and a.seed == 0 and a.input_shape == (3, 224, 224) and a.dtype == "float32"
+    assert a.gpu_pct == "auto" and a.instances == 1 and a.max_batch == 8 and a.max_wait_ms == 2
+    assert a.port is None and a.stages is None and a.shadow is True and a.num_classes is None
+
+
+def test_helpers(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {
+        "node": {"pool": {"max_payload": 1000}},
+        "apps": [_app(input_shape=[3, 224, 224]), _app(name="b", dtype="uint8", input_shape=[1, 10, 10])]}))
+    a, b = cfg.apps
+    assert a.input_nbytes == 602112 and a.chunk_count() == 588 and cfg.chunks_for(a) == 603
+    assert b.input_nbytes == 100 and b.chunk_count(64) == 2
+    assert cfg.app_by_id(2) is b and cfg.app_by_name("a") is a
+    with pytest.raises(KeyError, match="known"):
+        cfg.app_by_id(9)
+    with pytest.raises(KeyError, match="known"):
+        cfg.app_by_name("zz")
+    with pytest.raises(ValueError, match="max_payload"):
+        a.chunk_count(0)
+
+
+def test_app_ids_assigned_in_order_skipping_explicit(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"apps": [_app(name="x"), _app(name="y", app_id=1), _app(name="z")]}))
+    assert [a.app_id for a in cfg.apps] == [2, 1, 3]
+
+
+def test_list_of_ports_and_log_level_case(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"node": {"listen": {"port": [9000, 9001]}, "log_level": "debug",
+                                                 "metrics_port": None}, "apps": [_app()]}))
+    assert cfg.node.listen.ports == (9000, 9001) and cfg.node.log_level == "DEBUG"
+    assert cfg.node.metrics_port == 0
+
+
+def test_dag_app(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"apps": [_app(model=None, stages=[
+        {"name": "r", "model": "recog_router", "routes": ["f", "c"], "gpu_pct": 20},
+        {"name": "f", "model": "vgg_face", "gpu_pct": 30},
+        {"name": "c", "model": "mymod.sub:make"}])]}))
+    a = cfg.apps[0]
+    assert a.is_dag and a.entry_stages() == ("r",) and a.fixed_pct_per_instance() == 50
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"apps": [_app()]}))
+    with pytest.raises(ValueError):
+        cfg.apps[0].slo_ms = 3  # type: ignore[misc]
+
+
+def test_oversubscribe_allowed_when_asked(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"node": {"allow_oversubscribe": True},
+                                        "apps": [_app(gpu_pct=80), _app(name="b", gpu_pct=80)]}))
+    assert len(cfg.apps) == 2
+
+
+def test_oversubscribe_counted_per_gpu(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, {"node": {"gpus": [0, 1]},
+                                        "apps": [_app(gpu_pct=80), _app(name="b", gpu_pct=80, gpu=1)]}))
+    assert cfg.gpu_of(cfg.apps[1]) == 1
+
+
+# ---- refusals: each names the file, the key and what is wrong
+
+
+BAD: list[tuple[str, Any, tuple[str, ...]]] = [
+    ("unknown top key", {"apps": [_app()], "nodes": {}}, ("nodes", "unknown key", "did you mean 'node'")),
+    ("unknown node key", {"node": {"metrics_prt": 1}, "apps": [_app()]}, ("node.metrics_prt", "metrics_port")),
+    ("unknown app key", {"apps": [_app(slo=3)]}, ("apps[0].slo", "unknown key")),
+    ("unknown pool key", {"node": {"pool": {"slots": 3}}, "apps": [_app()]}, ("node.pool.slots",)),
+    ("unknown stage key", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m", "x": 1}])]},
+     ("apps[0].stages[0].x", "unknown key")),
+    ("missing apps", {"node": {}}, ("apps", "required")),
+    ("empty apps", {"apps": []}, ("apps", "at least one app")),
+    ("apps not a list", {"apps": {"a": 1}}, ("apps",)),
+    ("missing slo", {"apps": [{"name": "a", "model": "m"}]}, ("apps[0].slo_ms", "required")),
+    ("missing model", {"apps": [{"name": "a", "slo_ms": 5}]}, ("apps[0].model", "required")),
+    ("string slo", {"apps": [_app(slo_ms="5")]}, ("apps[0].slo_ms", "number")),
+    ("bool slo", {"apps": [_app(slo_ms=True)]}, ("apps[0].slo_ms",)),
+    ("zero slo", {"apps": [_app(slo_ms=0)]}, ("apps[0].slo_ms", "greater than 0")),
+    ("negative slo", {"apps": [_app(slo_ms=-1.5)]}, ("apps[0].slo_ms",)),
+    ("gpu_pct 0", {"apps": [_app(gpu_pct=0)]}, ("apps[0].gpu_pct", "1..100")),
+    ("gpu_pct 101", {"apps": [_app(gpu_pct=101)]}, ("apps[0].gpu_pct", "1..100")),
+    ("gpu_pct word", {"apps": [_app(gpu_pct="half")]}, ("apps[0].gpu_pct", "'auto'")),
+    ("gpu_pct float", {"apps": [_app(gpu_pct=50.5)]}, ("apps[0].gpu_pct",)),
+    ("instances 0", {"apps": [_app(instances=0)]}, ("apps[0].instances", ">= 1")),
+    ("instances str", {"apps": [_app(instances="two")]}, ("apps[0].instances",)),
+    ("max_batch 0", {"apps": [_app(max_batch=0)]}, ("apps[0].max_batch",)),
+    ("max_wait negative", {"apps": [_app(max_wait_ms=-1)]}, ("apps[0].max_wait_ms",)),
+    ("max_wait over slo", {"apps": [_app(slo_ms=5, max_wait_ms=5)]}, ("apps[0].max_wait_ms", "less than slo_ms")),
+    ("app_id 0", {"apps": [_app(app_id=0)]}, ("apps[0].app_id",)),
+    ("app_id too big", {"apps": [_app(app_id=70000)]}, ("apps[0].app_id", "65535")),
+    ("seed negative", {"apps": [_app(seed=-1)]}, ("apps[0].seed",)),
+    ("num_classes 0", {"apps": [_app(num_classes=0)]}, ("apps[0].num_classes",)),
+    ("bad name", {"apps": [_app(name="My App")]}, ("apps[0].name", "[a-z0-9_-]")),
+    ("bad model", {"apps": [_app(model="not a model")]}, ("apps[0].model", "module:factory")),
+    ("bad dtype", {"apps": [_app(dtype="float64")]}, ("apps[0].dtype", "float32")),
+    ("shape len", {"apps": [_app(input_shape=[224, 224])]}, ("apps[0].input_shape", "[C, H, W]")),
+    ("shape zero", {"apps": [_app(input_shape=[3, 0, 4])]}, ("apps[0].input_shape", "positive")),
+    ("shape str", {"apps": [_app(input_shape="3x224x224")]}, ("apps[0].input_shape",)),
+    ("app port 0", {"apps": [_app(port=0)]}, ("apps[0].port",)),
+    ("shadow str", {"apps": [_app(shadow="yes")]}, ("apps[0].shadow",)),
+    ("backend", {"node": {"backend": "rocm"}, "apps": [_app()]}, ("node.backend", "'cpu'")),
+    ("metrics port", {"node": {"metrics_port": 70000}, "apps": [_app()]}, ("node.metrics_port", "disable")),
+    ("listen port", {"node": {"listen": {"port": 65536}}, "apps": [_app()]}, ("node.listen.port", "0..65535")),
+    ("listen ports dup", {"node": {"listen": {"port": [1, 1]}}, "apps": [_app()]}, ("node.listen.port", "twice")),
+    ("listen ports empty", {"node": {"listen": {"port": []}}, "apps": [_app()]}, ("node.listen.port",)),
+    ("listen host", {"node": {"listen": {"host": ""}}, "apps": [_app()]}, ("node.listen.host",)),
+    ("log level", {"node": {"log_level": "loud"}, "apps": [_app()]}, ("node.log_level", "INFO")),
+    ("log format", {"node": {"log_format": "xml"}, "apps": [_app()]}, ("node.log_format",)),
+    ("run_dir blank", {"node": {"run_dir": " "}, "apps": [_app()]}, ("node.run_dir",)),
+    ("gpus word", {"node": {"gpus": "some"}, "apps": [_app()]}, ("node.gpus", "'all'")),
+    ("gpus negative", {"node": {"gpus": [-1]}, "apps": [_app()]}, ("node.gpus", ">= 0")),
+    ("gpus dup", {"node": {"gpus": [0, 0]}, "apps": [_app()]}, ("node.gpus", "twice")),
+    ("mps", {"node": {"mps": "yes"}, "apps": [_app()]}, ("node.mps",)),
+    ("scheduler", {"node": {"scheduler": "fifo"}, "apps": [_app()]}, ("node.scheduler",)),
+    ("round_ms", {"node": {"round_ms": 0}, "apps": [_app()]}, ("node.round_ms",)),
+    ("reassembly", {"node": {"reassembly_timeout_ms": -1}, "apps": [_app()]}, ("node.reassembly_timeout_ms",)),
+    ("oversubscribe bool", {"node": {"allow_oversubscribe": "no"}, "apps": [_app()]},
+     ("node.allow_oversubscribe",)),
+    ("pool payload", {"node": {"pool": {"max_payload": 70000}}, "apps": [_app()]}, ("node.pool.max_payload",)),
+    ("pool chunks over slots", {"node": {"pool": {"slot_count": 10, "max_chunks": 20}}, "apps": [_app()]},
+     ("node.pool.max_chunks", "slot_count=10")),
+    ("duplicate names", {"apps": [_app(), _app()]}, ("apps[1].name", "duplicate", "apps[0]")),
+    ("duplicate app_ids", {"apps": [_app(app_id=3), _app(name="b", app_id=3)]}, ("apps[1].app_id", "duplicate")),
+    ("duplicate ports", {"apps": [_app(port=9100), _app(name="b", port=9100)]}, ("apps[1].port", "duplicate")),
+    ("app port is listen port", {"apps": [_app(port=9000)]}, ("apps[0].port", "node.listen")),
+    ("gpu not listed", {"node": {"gpus": [0]}, "apps": [_app(gpu=1)]}, ("apps[0].gpu", "node.gpus")),
+    ("oversubscribed", {"apps": [_app(gpu_pct=60), _app(name="b", gpu_pct=30, instances=2)]},
+     ("apps", "120%", "a 60%", "b 60%", "allow_oversubscribe")),
+    ("too big for pool", {"node": {"pool": {"max_chunks": 10, "max_payload": 1000}},
+                          "apps": [_app(input_shape=[3, 64, 64])]},
+     ("apps[0].input_shape", "49152", "10 * 1000 = 10000")),
+    ("stages and model", {"apps": [_app(stages=[{"name": "s", "model": "m"}])]}, ("apps[0].model", "not both")),
+    ("stages empty", {"apps": [_app(model=None, stages=[])]}, ("apps[0].stages", "at least one")),
+    ("dag app gpu_pct", {"apps": [_app(model=None, gpu_pct=20, stages=[{"name": "s", "model": "m"}])]},
+     ("apps[0].gpu_pct", "each stage")),
+    ("stage dup", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m"}, {"name": "s", "model": "m"}])]},
+     ("apps[0].stages[1].name", "duplicate")),
+    ("stage route unknown", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m", "routes": ["t"]}])]},
+     ("apps[0].stages[0].routes", "unknown stage 't'")),
+    ("stage cycle", {"apps": [_app(model=None, stages=[
+        {"name": "s", "model": "m", "routes": ["t"]}, {"name": "t", "model": "m", "routes": ["u"]},
+        {"name": "u", "model": "m", "routes": ["s"]}])]}, ("apps[0].stages[2].routes", "cycle", "s -> t -> u -> s")),
+    ("stage self loop", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m", "routes": ["s"]}])]},
+     ("cycle",)),
+    ("stage pct", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m", "gpu_pct": 0}])]},
+     ("apps[0].stages[0].gpu_pct",)),
+    ("stage oversubscribed", {"apps": [_app(model=None, stages=[{"name": "s", "model": "m", "gpu_pct": 70},
+                                                               {"name": "t", "model": "m", "gpu_pct": 40}])]},
+     ("110%",)),
+]
+
+
+@pytest.mark.parametrize(("case", "data", "fragments"), BAD, ids=[b[0] for b in BAD])
+def test_refused(tmp_path: Path, case: str, data: Any, fragments: tuple[str, ...]) -> None:
+    _refused(tmp_path, data, *fragments)
+
+
+def test_every_problem_is_reported(tmp_path: Path) -> None:
+    err = _refused(tmp_path, {"apps": [_app(slo_ms=0), _app(name="b", gpu_pct=0)]})
+    keys = [k for k, _ in err.problems]
+    assert keys == ["apps[0].slo_ms", "apps[1].gpu_pct"]
+    assert "2 problems" in str(err)
+
+
+def test_yaml_syntax_error_has_line_and_column(tmp_path: Path) -> None:
+    _refused(tmp_path, "apps:\n  - name: x\n   model: [\n", "YAML syntax error", "line 3", "column")
+
+
+def test_duplicate_yaml_key(tmp_path: Path) -> None:
+    _refused(tmp_path, "apps:\n  - name: a\n    name: b\n    model: m\n    slo_ms: 5\n",
+             "duplicate key 'name'", "line 3")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [("", "empty"), ("- 1\n- 2\n", "mapping"), ("3\n", "mapping")])
+def test_wrong_top_level(tmp_path: Path, text: str, fragment: str) -> None:
+    _refused(tmp_path, text, fragment)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="directory"):
+        load_config(tmp_path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    p = tmp_path / "x.yaml"
+    p.write_bytes(b"apps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config(p)
+
+
+def test_unsafe_yaml_tag_refused(tmp_path: Path) -> None:
+    _refused(tmp_path, "apps: !!python/object/apply:os.system ['true']\n", "YAML syntax error")
+
+
+def test_known_models(tmp_path: Path) -> None:
+    p = _write(tmp_path, {"apps": [_app(model="mobilenet_v3"), _app(name="b", model="pkg.mod:factory")]})
+    with pytest.raises(ConfigError, match=r"apps\[0\]\.model.*unknown zoo model 'mobilenet_v3'.*mobilenet_v2"):
+        load_config(p, known_models={"mobilenet_v2", "resnet50"})
+    assert load_config(p).apps[0].model == "mobilenet_v3"
+
+
+def test_known_models_in_stages(tmp_path: Path) -> None:
+    p = _write(tmp_path, {"apps": [_app(model=None, stages=[{"name": "s", "model": "nope"}])]})
+    with pytest.raises(ConfigError, match=r"apps\[0\]\.stages\[0\]\.model"):
+        load_config(p, known_models={"mobilenet_v2"})
+
+
+def test_parse_config_source_and_pickle() -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"apps": [_app(slo_ms=-1)]}, source="inline")
+    assert str(ei.value).startswith("inline: apps[0].slo_ms")
+    again = pickle.loads(pickle.dumps(ei.value))
+    assert str(again) == str(ei.value) and again.problems == ei.value.problems
+
+
+def test_models_built_in_code() -> None:
+    cfg = NodeConfig(apps=[AppConfig(name="x", model="resnet50", slo_ms=10)])  # type: ignore[call-arg]
+    assert cfg.apps[0].app_id == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100), st.integers(1, 3)), min_size=1, max_size=5))
+def test_gpu_budget_property(claims: list[tuple[int, int]]) -> None:
+    apps = [_app(name=f"a{i}", gpu_pct=p, instances=n) for i, (p, n) in enumerate(claims)]
+    total = sum(p * n for p, n in claims)
+    if total <= 100:
+        assert len(parse_config({"apps": apps}).apps) == len(claims)
+    else:
+        with pytest.raises(ConfigError, match=f"{total}%"):
+            parse_config({"apps": apps})
