@@ -335,3 +335,12 @@ def test_load_model_bad_specs(user_module: str, spec: str, match: str) -> None:
 def test_load_model_bad_seed_for_user_model(user_module: str) -> None:
     with pytest.raises(ValueError, match="seed"):
         load_model(f"{user_module}:tiny", seed="x")
+
+
+@pytest.mark.gpu
+def test_cuda_model_has_the_cpu_weights() -> None:
+    cpu = build_model("resnet18", seed=1, input_shape=SMALL, width=0.25)
+    gpu = build_model("resnet18", seed=1, input_shape=SMALL, width=0.25, device="cuda")
+    assert next(gpu.parameters()).device.type == "cuda"
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
+        assert torch.equal(a, b.cpu()), name
