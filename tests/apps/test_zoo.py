@@ -344,3 +344,13 @@ def test_cuda_model_has_the_cpu_weights() -> None:
     assert next(gpu.parameters()).device.type == "cuda"
     for (name, a), (_, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
         assert torch.equal(a, b.cpu()), name
+
+
+@pytest.mark.parametrize("name", ["alexnet", "vgg19", "resnet50"])
+def test_request_in_a_batch_matches_the_direct_run_within_documented_tolerance(name: str) -> None:
+    model = build_model(name, input_shape=SMALL, width=TINY_WIDTH[name])
+    x = _input(8)
+    with torch.inference_mode():
+        batched = model(x)
+        alone = torch.cat([model(x[i : i + 1]) for i in range(8)])
+    torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
