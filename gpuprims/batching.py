@@ -17,7 +17,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 def _check_batch(label: str, value: object) -> int:
@@ -41,6 +41,15 @@ def _quantile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class LatencyProfile(Protocol):
+    """What `LatencyModel.from_profile` needs of a profile (`gpuprims.profile.format.Profile` has it)."""
+
+    @property
+    def batch_sizes(self) -> list[int]: ...
+
+    def latency_ms(self, batch_size: float, gpu_pct: float, *, stat: str = ...) -> float: ...
 
 
 class LatencyModel:
@@ -75,6 +84,25 @@ class LatencyModel:
         self._points: list[tuple[int, float]] | None = None
         if profile is not None:
             self.seed(profile)
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: LatencyProfile,
+        gpu_pct: int,
+        *,
+        stat: str = "p99",
+        window: int = 32,
+        quantile: float = 0.9,
+    ) -> LatencyModel:
+        """A model seeded with `profile`'s `stat` latency at `gpu_pct` for each profiled batch size.
+
+        The profile raises ValueError if `gpu_pct` lies outside its measured range or `stat` is unknown.
+        """
+        if isinstance(gpu_pct, bool) or not isinstance(gpu_pct, int) or not 1 <= gpu_pct <= 100:
+            raise ValueError(f"gpu_pct must be an integer from 1 to 100, got {gpu_pct!r}")
+        seeds = {size: profile.latency_ms(size, gpu_pct, stat=stat) for size in profile.batch_sizes}
+        return cls(window=window, quantile=quantile, profile=seeds)
 
     def seed(self, profile: Mapping[int, float]) -> None:
         """Set prior latencies (ms) per batch size, used for sizes with no measurement yet."""

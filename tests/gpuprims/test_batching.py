@@ -283,3 +283,19 @@ def test_decision_invariants(
             assert p.predict(take + 1) > left_ms  # and no larger batch would
     else:
         assert take == cap  # hopeless: drain
+
+
+def test_from_profile_seeds_every_profiled_batch_size() -> None:
+    from gpuprims.profile.format import paper_profile
+
+    profile = paper_profile("resnet50")
+    model = LatencyModel.from_profile(profile, 50)
+    for size in profile.batch_sizes:
+        assert model.predict(size) == pytest.approx(profile.latency_ms(size, 50, stat="p99"))
+    median = LatencyModel.from_profile(profile, 50, stat="p50", window=4)
+    assert median.window == 4
+    assert median.predict(8) == pytest.approx(profile.latency_ms(8, 50, stat="p50"))
+    with pytest.raises(ValueError, match="gpu_pct"):
+        LatencyModel.from_profile(profile, 0)
+    with pytest.raises(ValueError):
+        LatencyModel.from_profile(profile, 5)  # below the measured GPU% range: the profile refuses
