@@ -95,7 +95,18 @@ class Profile(BaseModel):
         missing = [(b, g) for b in batches for g in pcts if (b, g) not in seen]
         if missing:
             raise ValueError(f"points do not form a full grid; missing (batch_size, gpu_pct) {missing[:5]}")
+        # One canonical order (batch size, then GPU%), so equal profiles compare equal.
+        object.__setattr__(self, "points", tuple(sorted(self.points, key=lambda p: (p.batch_size, p.gpu_pct))))
         return self
+
+    def __eq__(self, other: object) -> bool:
+        # Field values only: the interpolation cache is not part of a profile's identity.
+        if not isinstance(other, Profile):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash((self.model, self.points))
 
     # --- grid accessors -------------------------------------------------------------------------
     @property

@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuprims.sched.dag import App, Stage, single
+from gpuprims.sched.scheduler import (
+    Dispatch,
+    SpatioTemporalScheduler,
+    TemporalScheduler,
+    make_scheduler,
+)
+from tests.gpuprims.sched._profiles import grid
+
+PCTS = (10, 25, 50, 75, 100)
+
+
+def _lin(model: str, base_ms: float, per_item_ms: float) -> object:
+    return grid(model, {p: {b: (base_ms + per_item_ms * b) * 100 / p for b in (1, 2, 4, 8)} for p in PCTS})
+
+
+PROFILES = {"m1": _lin("m1", 1.0, 0.5), "m2": _lin("m2", 2.0, 1.0), "m3": _lin("m3", 0.5, 0.25)}
+
+
+def test_selected_by_name_and_bad_names() -> None:
+    apps = [single("a", "m1", 50, 30)]
+    assert isinstance(make_scheduler("spatiotemporal", apps, PROFILES), SpatioTemporalScheduler)
+    assert isinstance(make_scheduler("temporal", apps, PROFILES), TemporalScheduler)
+    with pytest.raises(ValueError, match="unknown scheduler 'fifo'"):
+        make_scheduler("fifo", apps, PROFILES)
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"num_gpus": 0}, "num_gpus"), ({"round_ms": 0}, "round_ms"), ({"learn_rate": 1.5}, "learn_rate"),
+    ({"max_batch": 0}, "max_batch"), ({"stat": "p90"}, "stat"),
+])
+def test_bad_construction(kw: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SpatioTemporalScheduler([single("a", "m1", 50, 30)], PROFILES, **kw)
+
+
+def test_bad_apps() -> None:
+    with pytest.raises(ValueError, match="at least one app"):
+        TemporalScheduler([], PROFILES)
+    with pytest.raises(ValueError, match="gpu 2 does not exist"):
+        TemporalScheduler([single("a", "m1", 50, 30, gpu=2)], PROFILES, num_gpus=2)
+    with pytest.raises(ValueError, match="no profile"):
+        TemporalScheduler([single("a", "zz", 50, 30)], PROFILES)
+    short = {"s": grid("s", {10: {1: 5.0}, 50: {1: 2.0}})}
+    with pytest.raises(ValueError, match="runs 's' at 100% GPU"):
+        TemporalScheduler([single("a", "s", 50, 30)], short)
+    with pytest.raises(ValueError, match="route_margin_sigma"):
+        SpatioTemporalScheduler([single("a", "m1", 50, 30)], PROFILES, route_margin_sigma=-1)
+
+
+def test_spatial_sharing_and_batch_choice() -> None:
+    apps = [single("a", "m1", 50, 20), single("b", "m2", 50, 20), single("c", "m3", 25, 20)]
+    s = SpatioTemporalScheduler(apps, PROFILES)
+    q = {"a/m1": [20.0] * 8, "b/m2": [20.0] * 8, "c/m3": [20.0] * 8}
+    ds = s.plan(0.0, q)
+    # a and b fit side by side at 50% each; c (25%) has no room left
+    assert [(d.app, d.gpu_pct, d.batch_size) for d in ds] == [("a", 50, 8), ("b", 50, 8)]
+    assert ds[1].predicted_ms == pytest.approx((2 + 8) * 2)  # m2 batch 8 at 50%
+    assert s.next_wakeup_ms(0.0) == 30.0
+
+
+def test_temporal_is_exclusive_round_robin() -> None:
+    apps = [single("a", "m1", 50, 20), single("b", "m2", 50, 20)]
+    s = TemporalScheduler(apps, PROFILES)
+    q = {"a/m1": deque([20.0] * 4), "b/m2": deque([20.0] * 4)}
+    (d1,) = s.plan(0.0, q)
+    assert (d1.app, d1.gpu_pct, d1.batch_size) == ("a", 100, 4)
+    assert s.plan(0.5, q) == []  # GPU busy
+    for _ in range(d1.batch_size):
+        q["a/m1"].popleft()
+    s.completed(d1, d1.predicted_ms)
+    q["a/m1"].extend([25.0] * 4)
+    (d2,) = s.plan(3.0, q)
+    assert d2.app == "b"  # b's turn, though a has work again
+    assert s.next_wakeup_ms(3.0) is None
+
+
+def test_rejects_requests_that_cannot_meet_their_deadline() -> None:
+    s = SpatioTemporalScheduler([single("a", "m1", 50, 20)], PROFILES)
+    ds = s.plan(10.0, {"a/m1": [10.5, 11.0, 40.0]})
+    # batch 1 at 50% takes 3 ms: the first two cannot make it; the third runs
+    assert [(d.action, d.batch_size) for d in ds] == [("reject", 2), ("run", 1)]
+
+
+def test_learns_from_measured_latency() -> None:
+    s = SpatioTemporalScheduler([single("a", "m1", 50, 100)], PROFILES, learn_rate=0.5)
+    (d,) = s.plan(0.0, {"a/m1": [100.0]})
+    assert d.predicted_ms == pytest.approx(3.0)
+    s.completed(d, 6.0)
+    assert s.correction("m1", 50) == pytest.approx(1.5)
+    (d2,) = s.plan(10.0, {"a/m1": [110.0]})
+    assert d2.predicted_ms == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="not running"):
+        s.completed(d, 1.0)
+    with pytest.raises(ValueError, match="measured_ms"):
+        s.completed(d2, -1.0)
+    fake = Dispatch(999, "a", "m1", "m1", 7, 50, 1, 0.0, 1.0)
+    with pytest.raises(ValueError, match="not running"):
+        s.completed(fake, 1.0)
+
+
+def test_dag_reserves_later_stages_and_respects_order() -> None:
+    app = App("r", (Stage("s1", "m3", 25, {"x": "s2"}), Stage("s2", "m2", 100)), 40.0)
+    s = SpatioTemporalScheduler([app, single("f", "m1", 25, 40)], PROFILES)
+    q: dict[str, list[float]] = {"r/s1": [40.0] * 4, "r/s2": [], "f/m1": [40.0] * 8}
+    ds = s.plan(0.0, q)
+    assert [d.key for d in ds] == ["r/s1", "f/m1"]
+    s1, f = ds
+    # s2 is reserved at 100% from s1's predicted end (6 ms), so f (25%) is a gap fill that must end
+    # by then: m1 at 25% takes (1 + 0.5 b) * 4 ms, so batch 1 (6 ms) is the largest
+    assert s1.predicted_end_ms == pytest.approx(6.0)
+    assert (f.batch_size, f.predicted_end_ms) == (1, pytest.approx(6.0))
+    # nothing for s2 is dispatched before s1 completes, even with requests waiting in its queue
+    q["r/s2"] = [40.0] * 4
+    assert all(d.key != "r/s2" for d in s.plan(0.1, q))
+    s.completed(f, f.predicted_ms)
+    s.completed(s1, s1.predicted_ms)
+    q["r/s1"], q["f/m1"] = [], []
+    ds = s.plan(s1.predicted_end_ms, q)
+    assert [(d.key, d.batch_size, d.gpu_pct) for d in ds] == [("r/s2", 4, 100)]
+
+
+def test_multi_gpu_placement() -> None:
+    apps = [single(f"a{i}", "m1", 50, 30) for i in range(4)] + [single("p", "m1", 50, 30, gpu=0)]
+    s = SpatioTemporalScheduler(apps, PROFILES, num_gpus=3)
+    assert s.placement["p"] == 0
+    assert sorted(s.placement[f"a{i}"] for i in range(4)) == [0, 1, 1, 2] or \
+        sorted(s.placement[f"a{i}"] for i in range(4)) == [1, 1, 2, 2]
+    q = {f"a{i}/m1": [30.0] for i in range(4)} | {"p/m1": [30.0]}
+    ds = s.plan(0.0, q)
+    for g in range(3):
+        assert sum(d.gpu_pct for d in ds if d.gpu == g and d.action == "run") <= 100
+
+
+# --- property: never above 100% per GPU, whatever the profiles, apps, queues and timings ----------
+
+@st.composite
+def _scenario(draw: st.DrawFn) -> tuple:
+    profiles = {}
+    for m in ("p", "q", "r"):
+        base = draw(st.floats(0.2, 10.0))
+        per = draw(st.floats(0.0, 5.0))
+        profiles[m] = _lin(m, base, per)
+    n_apps = draw(st.integers(1, 6))
+    apps: list[App] = []
+    for i in range(n_apps):
+        pct = draw(st.sampled_from([10, 20, 25, 40, 50, 60, 75, 90, 100]))
+        dl = draw(st.floats(5.0, 100.0))
+        if draw(st.booleans()):
+            pct2 = draw(st.sampled_from([10, 25, 50, 75, 100]))
+            apps.append(App(f"d{i}", (Stage("a", draw(st.sampled_from("pqr")), pct, {"x": "b"}),
+                                      Stage("b", draw(st.sampled_from("pqr")), pct2)), dl))
+        else:
+            apps.append(single(f"s{i}", draw(st.sampled_from("pqr")), pct, dl))
+    gpus = draw(st.integers(1, 3))
+    steps = draw(st.lists(st.tuples(st.floats(0.0, 20.0), st.integers(0, 12), st.floats(0.3, 3.0)),
+                          min_size=1, max_size=25))
+    return profiles, apps, gpus, steps
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_scenario(), st.sampled_from(["spatiotemporal", "temporal"]))
+def test_never_above_100_pct_and_stage_order(scn: tuple, name: str) -> None:
+    profiles, apps, gpus, steps = scn
+    s = make_scheduler(name, apps, profiles, num_gpus=gpus)
+    queues: dict[str, deque[float]] = {a.key(st_.name): deque() for a in apps for st_ in a.stages}
+    running: dict[int, tuple[Dispatch, float, list[float]]] = {}
+    now = 0.0
+    for gap, arrivals, slow in steps:
+        now += gap
+        # complete whatever has ended, routing every request of a first stage onwards
+        for did, (d, end, dls) in sorted(running.items(), key=lambda kv: kv[1][1]):
+            if end <= now:
+                del running[did]
+                s.completed(d, end - d.start_ms)
+                app = s.apps[d.app]
+                for nxt in app.successors(d.stage):
+                    queues[app.key(nxt)].extend(dls)
+        for a in apps[: 1 + arrivals % len(apps)]:
+            queues[a.key(a.entry.name)].extend([now + a.deadline_ms] * (arrivals // 2 + 1))
+        for d in s.plan(now, queues):
+            q = queues[d.key]
+            assert 1 <= d.batch_size <= len(q)
+            dls = [q.popleft() for _ in range(d.batch_size)]
+            if d.action == "reject":
+                continue
+            assert d.start_ms == now
+            running[d.id] = (d, now + d.predicted_ms * slow, dls)
+            for g in range(gpus):
+                assert sum(r.gpu_pct for r, _, _ in running.values() if r.gpu == g) <= 100
+            # one run at a time per stage instance
+            keys = [r.key for r, _, _ in running.values()]
+            assert len(keys) == len(set(keys))
