@@ -1,0 +1,413 @@
+"""One inference app instance: a process that serves one app from its consumer queue of the pool.
+
+Started by the orchestrator as ``python -m apps.instance`` with its :class:`InstanceSpec` as JSON in
+``GPUPRIMS_INSTANCE_SPEC`` and the control-plane variables of ``orchestrator.control.instance_env``.
+It maps the packet pool, confines itself to its share (CPU cores on the cpu backend; on cuda the
+orchestrator set ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` before CUDA initialises), loads its model, and
+then loops: take complete requests from its queue, answer those that can no longer meet their deadline
+with DEADLINE_MISSED, form a batch as large as the deadline allows (``gpuprims.batching``), gather the
+payloads into the batch, run the model, send each response to its client and release the slots.
+
+A *shadow* instance (``defer_init``) does everything CPU-side first and only loads the model when told
+``InitGpu`` with its new GPU% (Overlapped-Execution, paper V-C). ``Finish`` tells an active instance
+to drain: it serves what is already queued, reports ``Ended`` and exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuprims.pool import RECORD_DTYPE
+
+ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
+log = logging.getLogger("gpuprims.instance")
+
+
+@dataclass
+class InstanceSpec:
+    """Everything an instance needs to start, JSON-serialisable."""
+
+    name: str
+    app: str
+    app_id: int
+    model: str
+    pool: str
+    consumer: int
+    input_shape: tuple[int, int, int] = (3, 224, 224)
+    dtype: str = "float32"
+    seed: int = 0
+    num_classes: int | None = None
+    slo_ms: float = 100.0
+    max_batch: int = 8
+    max_wait_ms: float = 2.0
+    gpu_pct: int = 100
+    backend: str = "cpu"
+    gpu: int = 0
+    cores: list[int] | None = None
+    threads: int | None = None
+    defer_init: bool = False
+    heartbeat_ms: float = 500.0
+    chunk_payload: int = 1024
+    warmup: bool = True
+    share_params: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> InstanceSpec:
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown instance spec keys: {sorted(unknown)}")
+        data["input_shape"] = tuple(data.get("input_shape", (3, 224, 224)))
+        return cls(**data)
+
+
+def preprocess(batch: Any, dtype: str) -> Any:
+    """The app's input transform: uint8 bodies become float32 in [0, 1]; float32 passes unchanged.
+
+    The correctness oracle applies the same transform before running the model directly in torch.
+    """
+    import torch
+
+    if dtype == "uint8":
+        return batch.to(torch.float32).div_(255.0)
+    return batch
+
+
+class LatencyStats:
+    """Counters and a bounded reservoir of recent latencies for the heartbeat."""
+
+    def __init__(self, slo_ms: float, window: int = 4096) -> None:
+        self.slo_ms = slo_ms
+        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self.model_ms: collections.deque[float] = collections.deque(maxlen=512)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self.started = time.monotonic()
+
+    def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
+        lat = np.asarray(self.latencies_ms, dtype=float)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        ok = self.counts["ok"]
+        within = self.counts["within_slo"]
+        served = ok + self.counts["deadline_missed"] + self.counts["error"]
+        return {
+            "received": self.counts["received"],
+            "ok": ok,
+            "deadline_missed": self.counts["deadline_missed"],
+            "errors": self.counts["error"],
+            "within_slo": within,
+            "slo_attainment": (within / served) if served else None,
+            "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+            "model_p50_ms": float(np.median(self.model_ms)) if self.model_ms else None,
+            "arrival_rps": self.counts["received"] / elapsed,
+            "service_rps": served / elapsed,
+            "queue_len": queue_len,
+            "held": held,
+            "batches": sum(self.batch_sizes.values()),
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "uptime_s": elapsed,
+        }
+
+
+class Instance:
+    """The serving loop of one instance (see the module docstring)."""
+
+    def __init__(self, spec: InstanceSpec, control: Any | None) -> None:
+        from gpuprims.batching import BatchPolicy
+        from gpuprims.pool import PacketPool
+        from gpuprims.respond import Responder
+
+        self.spec = spec
+        self.control = control
+        self.pool = PacketPool.attach(spec.pool)
+        self.consumer = self.pool.consumer(spec.consumer)
+        self.responder = Responder(chunk_payload=spec.chunk_payload)
+        self.policy = BatchPolicy(spec.max_batch, spec.max_wait_ms, spec.slo_ms, margin_ms=0.3)
+        self.stats = LatencyStats(spec.slo_ms)
+        self.queue: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        self.model: Any = None
+        self.device: Any = None
+        self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
+        self.finishing = False
+        self.stopping = False
+        self.initialized = False
+        self._last_beat = 0.0
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def init_compute(self, gpu_pct: int) -> None:
+        """Apply the share, load the model and warm it up (the GPU-side half of start-up)."""
+        import torch
+
+        from apps.zoo import load_model
+
+        self.spec.gpu_pct = gpu_pct
+        if self.spec.backend == "cuda":
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(gpu_pct)
+            self.device = torch.device("cuda", self.spec.gpu)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if self.spec.cores:
+                from gpuprims.cpushare import CpuShare, apply_cpu_share
+
+                apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
+                                         gpu_pct=gpu_pct))
+        model = load_model(self.spec.model, seed=self.spec.seed, num_classes=self.spec.num_classes,
+                           input_shape=tuple(self.spec.input_shape))
+        self.model = model.to(self.device).eval()
+        if self.spec.warmup:
+            self._warm_up()
+        self.initialized = True
+
+    def _warm_up(self) -> None:
+        """Run batches of 1 and max_batch once to seed the latency model."""
+        import torch
+
+        sizes = sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
+        with torch.inference_mode():
+            for b in sizes:
+                x = torch.zeros((b, *self.spec.input_shape), device=self.device)
+                self.model(x)  # first call pays one-time costs
+                t = time.perf_counter()
+                self.model(x)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.policy.observe(b, (time.perf_counter() - t) * 1e3)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def _pull(self, timeout_ms: float) -> None:
+        recs = self.consumer.poll(64, timeout_ms)
+        if recs.size:
+            info = self.pool.requests(recs)
+            self.stats.counts["received"] += int(recs.size)
+            for r, row in zip(recs.tolist(), info):
+                self.queue.append((r, row))
+
+    def _deadline_ms(self, row: np.ndarray) -> float:
+        d = int(row["deadline_us"])
+        return d / 1e3 if d else self.spec.slo_ms
+
+    def _expire(self, now_ns: int) -> None:
+        """Answer queued requests that cannot meet their deadline any more, oldest first."""
+        from gpuprims.wire import Status
+
+        expired = []
+        while self.queue:
+            row = self.queue[0][1]
+            age_ms = (now_ns - int(row["first_ns"])) / 1e6
+            if not self.policy.expired(age_ms, self._deadline_ms(row)):
+                break
+            expired.append(self.queue.popleft())
+        if expired:
+            recs = np.array([r for r, _ in expired], np.uint32)
+            info = np.array([row for _, row in expired], dtype=RECORD_DTYPE)
+            self.consumer.release(recs)
+            self.responder.send_status(info, Status.DEADLINE_MISSED)
+            self.stats.counts["deadline_missed"] += len(expired)
+
+    def _serve_batch(self, take: int) -> None:
+        import torch
+
+        from gpuprims.wire import Status
+
+        items = [self.queue.popleft() for _ in range(take)]
+        recs = np.array([r for r, _ in items], np.uint32)
+        info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
+        bad = info["total_len"] != self.row_bytes
+        if bad.any():
+            self.consumer.release(recs[bad])
+            self.responder.send_status(info[bad], Status.BAD_REQUEST)
+            self.stats.counts["error"] += int(bad.sum())
+            recs, info = recs[~bad], info[~bad]
+            if not recs.size:
+                return
+        n = recs.size
+        host = torch.empty((n, *self.spec.input_shape), dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
+        self.pool.gather(recs, host)
+        self.consumer.release(recs)  # payloads copied: slots go back to the ingest now
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                x = preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
+                if self.device.type == "cuda":
+                    from gpuprims.cuda import sync_lite
+
+                    out = sync_lite(self.model, x, interval_us=100)
+                else:
+                    out = self.model(x)
+                logits = out.float().cpu().numpy().reshape(n, -1)
+        except Exception as e:  # a failing model answers its batch with INTERNAL, then carries on
+            log.error("model failed on a batch of %d: %s", n, e)
+            self.responder.send_status(info, Status.INTERNAL)
+            self.stats.counts["error"] += n
+            return
+        model_ms = (time.perf_counter() - t0) * 1e3
+        self.policy.observe(n, model_ms)
+        self.stats.model_ms.append(model_ms)
+        self.responder.send(info, Status.OK, logits)
+        done_ns = time.monotonic_ns()
+        lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
+        deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
+        self.stats.latencies_ms.extend(lat_ms.tolist())
+        self.stats.counts["ok"] += n
+        self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
+        self.stats.batch_sizes[n] += 1
+
+    def step(self, max_wait_ms: float = 50.0) -> None:
+        """One iteration: pull, expire, decide, maybe serve."""
+        now = time.monotonic_ns()
+        if self.queue:
+            oldest_age = (now - int(self.queue[0][1]["first_ns"])) / 1e6
+            decision = self.policy.decide(len(self.queue), max(0.0, oldest_age))
+            if decision.take == 0:
+                self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
+                now = time.monotonic_ns()
+        else:
+            self._pull(max_wait_ms)
+            now = time.monotonic_ns()
+        if not self.queue:
+            return
+        self._pull(0)
+        self._expire(now)
+        if not self.queue:
+            return
+        oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
+        decision = self.policy.decide(len(self.queue), oldest_age)
+        if decision.take:
+            self._serve_batch(min(decision.take, len(self.queue)))
+
+    def drain(self) -> int:
+        """Serve everything already queued for this instance (its ring and local queue). Returns count."""
+        served_before = self.stats.counts["ok"] + self.stats.counts["deadline_missed"] + self.stats.counts["error"]
+        idle_since = time.monotonic()
+        # New requests are already routed elsewhere; requests completing reassembly just before the
+        # switch can still land here for a moment, so wait for a short quiet period.
+        while time.monotonic() - idle_since < 0.05:
+            self._pull(5)
+            if self.queue:
+                self._expire(time.monotonic_ns())
+                while self.queue:
+                    self._serve_batch(min(len(self.queue), self.spec.max_batch))
+                idle_since = time.monotonic()
+        return self.stats.counts["ok"] + self.stats.counts["deadline_missed"] + self.stats.counts["error"] - served_before
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.control is None or (not force and (now - self._last_beat) * 1e3 < self.spec.heartbeat_ms):
+            return
+        from orchestrator.messages import Heartbeat
+
+        self._last_beat = now
+        snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
+        snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing)
+        with contextlib.suppress(Exception):
+            self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
+
+    def handle(self, msg: Any) -> None:
+        from orchestrator.messages import Ended, Finish, InitGpu, Ready, Shutdown, StatsReply, StatsRequest
+
+        if isinstance(msg, InitGpu):
+            self.init_compute(msg.gpu_pct)
+            self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
+                                    info={"initialized": True, "gpu_pct": msg.gpu_pct}))
+        elif isinstance(msg, Finish):
+            self.finishing = True
+            drained = self.drain()
+            self.heartbeat(force=True)
+            self.control.send(Ended(instance=self.spec.name, drained_count=drained))
+            self.stopping = True
+        elif isinstance(msg, Shutdown):
+            if msg.drain and self.initialized:
+                drained = self.drain()
+                self.heartbeat(force=True)
+                self.control.send(Ended(instance=self.spec.name, drained_count=drained))
+            self.stopping = True
+        elif isinstance(msg, StatsRequest):
+            snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
+            self.control.send(StatsReply(instance=self.spec.name, stats=snap))
+        else:
+            log.warning("ignoring unexpected control message %s", type(msg).__name__)
+
+    def serve(self) -> None:
+        """Serve until told to stop or the parent dies."""
+        parent = os.getppid()
+        while not self.stopping:
+            if os.getppid() != parent:
+                log.error("orchestrator died; exiting")
+                return
+            if self.control is not None:
+                msg = self.control.poll(0)
+                if msg is not None:
+                    self.handle(msg)
+                    continue
+            if self.initialized:
+                self.step()
+                self.heartbeat()
+            else:
+                msg = self.control.poll(100) if self.control is not None else None
+                if msg is not None:
+                    self.handle(msg)
+
+    def close(self) -> None:
+        self.responder.close()
+        self.pool.close()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the orchestrator dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def main() -> int:
+    from orchestrator.control import connect_instance_from_env
+    from orchestrator.logs import setup_logging
+    from orchestrator.messages import Error, Ready
+
+    _die_with_parent()
+    spec = InstanceSpec.from_json(os.environ[ENV_SPEC])
+    setup_logging(os.environ.get("GPUPRIMS_LOG_LEVEL", "INFO"), os.environ.get("GPUPRIMS_LOG_FORMAT", "text"),
+                  instance=spec.name)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    control = connect_instance_from_env()
+    inst = None
+    try:
+        inst = Instance(spec, control)
+        if not spec.defer_init:
+            inst.init_compute(spec.gpu_pct)
+        control.send(Ready(instance=spec.name, pid=os.getpid(),
+                           info={"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer}))
+        inst.serve()
+        return 0
+    except Exception as e:
+        log.exception("instance %s failed", spec.name)
+        with contextlib.suppress(Exception):
+            control.send(Error(instance=spec.name, kind=type(e).__name__, message=str(e)))
+        return 1
+    finally:
+        if inst is not None:
+            inst.close()
+        control.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

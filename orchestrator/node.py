@@ -1,0 +1,503 @@
+"""The node: packet pool, native ingest, inference instances as processes, and their supervision.
+
+``Node(cfg).start()`` is all-or-nothing: it creates the private run directory, the shared packet
+pool and the ingest, spawns every instance (``python -m apps.instance``) and waits for each READY
+within ``ready_timeout_s`` (the error names that setting); if any fails, everything started is torn
+down and the error says which instance failed and why. ``serve()`` then runs the control loop until
+``stop()``: it receives heartbeats (the statistics ``status`` reports), answers CLI commands, and
+restarts an instance that dies — the requests it held are answered INSTANCE_FAILED (or handed to a
+live instance of the same app) by the ingest, and counted. ``stop()`` drains: routes are removed, each
+instance serves what it already holds and reports ``Ended``; stragglers get SIGTERM then SIGKILL; the
+ingest, the pool (its shared memory is unlinked) and the run directory go last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apps.instance import ENV_SPEC, InstanceSpec
+from gpuprims.backend import resolve_backend
+from gpuprims.ingest import Ingest
+from gpuprims.pool import PacketPool
+from orchestrator.config import AppConfig, NodeConfig
+from orchestrator.control import (
+    ControlServer,
+    control_address,
+    instance_env,
+    make_run_dir,
+    new_token,
+    open_server,
+    write_token,
+)
+from orchestrator.messages import (
+    Ended,
+    Error,
+    Heartbeat,
+    Ready,
+    Result,
+    SetGpuRequest,
+    Shutdown,
+    StatusReply,
+    StatusRequest,
+    StopRequest,
+)
+
+log = logging.getLogger("gpuprims.node")
+
+CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
+
+
+class StartError(RuntimeError):
+    """The node could not start; nothing it started is left running."""
+
+
+@dataclass
+class InstanceState:
+    """What the node knows about one instance process."""
+
+    name: str
+    app: str
+    spec: InstanceSpec
+    proc: subprocess.Popen[bytes]
+    role: str = "active"  # active | shadow | finishing | stopping
+    ready: bool = False
+    initialized: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    last_beat: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class AppState:
+    """Per-app bookkeeping: its config, shares and lifetime counters across restarts."""
+
+    cfg: AppConfig
+    gpu_pct: int
+    instances: int
+    restarts: int = 0
+    failed_by_crash: int = 0
+    requeued_by_crash: int = 0
+    retired: dict[str, int] = field(default_factory=dict)  # counters of instances that are gone
+
+
+class Node:
+    """One gpuprims node (see the module docstring)."""
+
+    def __init__(self, cfg: NodeConfig, *, ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
+                 python: str = sys.executable, control_kind: str = "zmq", heartbeat_ms: float = 500.0,
+                 warmup: bool = True) -> None:
+        if ready_timeout_s <= 0 or stop_timeout_s <= 0:
+            raise ValueError("ready_timeout_s and stop_timeout_s must be positive")
+        self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.python = python
+        self.control_kind = control_kind
+        self.heartbeat_ms = heartbeat_ms
+        self.warmup = warmup
+        self.backend = "cpu"
+        self.run_dir: Path | None = None
+        self._own_run_dir = False
+        self.pool: PacketPool | None = None
+        self.ingest: Ingest | None = None
+        self.server: ControlServer | None = None
+        self.metrics: Any = None
+        self.token = new_token()
+        self.apps: dict[str, AppState] = {}
+        self.instances: dict[str, InstanceState] = {}
+        self._free_consumers: list[int] = []
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._stop_drain = True
+        self.started_at = 0.0
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.RLock()
+
+    # -- start ---------------------------------------------------------------------------------------
+    def start(self) -> Node:
+        """Start everything or nothing (see the module docstring)."""
+        try:
+            self._start()
+        except BaseException:
+            self._teardown(drain=False)
+            raise
+        return self
+
+    def _start(self) -> None:
+        node = self.cfg.node
+        self.backend = resolve_backend(node.backend)
+        why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
+            if node.backend == "auto" else "requested"
+        log.info("backend: %s (%s)", self.backend, why)
+        self._own_run_dir = node.run_dir is None
+        self.run_dir = make_run_dir(node.run_dir)
+        write_token(self.run_dir, self.token)
+        self._link_current()
+
+        for app in self.cfg.apps:
+            n = app.instances if isinstance(app.instances, int) else 1
+            self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
+        self._assign_pcts()
+        total = sum(a.instances for a in self.apps.values())
+        # Room for a shadow per app and restarts, so a consumer index is never reused while a dead
+        # instance's requests are being reclaimed.
+        consumers = min(1024, 2 * total + len(self.apps) + 4)
+        p = node.pool
+        self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
+                                      max_chunks=p.max_chunks, consumer_count=consumers)
+        self._free_consumers = list(range(consumers - 1, -1, -1))
+        listen: list[tuple[str, int] | tuple[str, int, int]] = [(node.listen.host, port) for port in node.listen.ports]
+        listen += [(node.listen.host, a.port, a.app_id) for a in self.cfg.apps if a.port]
+        self.ingest = Ingest(self.pool, listen, timeout_ms=node.reassembly_timeout_ms).start()
+        self.server = open_server(control_address(self.control_kind, self.run_dir), self.token)
+        if node.metrics_enabled:
+            from orchestrator.metrics import MetricsServer
+
+            self.metrics = MetricsServer(node.metrics_port)
+            self.metrics.start()
+
+        shares = self._plan_shares()
+        for app in self.cfg.apps:
+            for i in range(self.apps[app.name].instances):
+                self._spawn(app, f"{app.name}-{i}", shares.get(f"{app.name}-{i}"))
+        self._await_ready(list(self.instances.values()))
+        for app in self.cfg.apps:
+            self._update_route(app.name)
+        self.started_at = time.monotonic()
+        log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
+                 len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
+
+    def _assign_pcts(self) -> None:
+        fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values() if isinstance(a.cfg.gpu_pct, int))
+        autos = [a for a in self.apps.values() if not isinstance(a.cfg.gpu_pct, int)]
+        auto_instances = sum(a.instances for a in autos)
+        each = max(1, (100 - fixed) // auto_instances) if auto_instances else 0
+        for a in self.apps.values():
+            a.gpu_pct = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else each
+
+    def _plan_shares(self) -> dict[str, Any]:
+        if self.backend != "cpu":
+            return {}
+        from gpuprims.cpushare import plan_cpu_shares
+
+        reqs = [(f"{name}-{i}", a.gpu_pct) for name, a in self.apps.items() for i in range(a.instances)]
+        return plan_cpu_shares(reqs, allow_oversubscribe=self.cfg.node.allow_oversubscribe)
+
+    def _link_current(self) -> None:
+        assert self.run_dir is not None
+        link = self.run_dir.parent / CURRENT_LINK
+        with contextlib.suppress(OSError):
+            tmp = self.run_dir.parent / f".{CURRENT_LINK}.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            tmp.symlink_to(self.run_dir)
+            tmp.replace(link)
+
+    def _spawn(self, app: AppConfig, name: str, share: Any, *, defer_init: bool = False,
+               gpu_pct: int | None = None) -> InstanceState:
+        assert self.pool is not None and self.server is not None and self.run_dir is not None
+        if not self._free_consumers:
+            raise RuntimeError("no free consumer endpoint in the packet pool")
+        consumer = self._free_consumers.pop()
+        pct = gpu_pct if gpu_pct is not None else self.apps[app.name].gpu_pct
+        spec = InstanceSpec(
+            name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
+            input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
+            slo_ms=app.slo_ms, max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, gpu_pct=pct,
+            backend=self.backend, gpu=self.cfg.gpu_of(app) if self.backend == "cuda" else 0,
+            cores=list(share.cores) if share is not None else None,
+            threads=share.threads if share is not None else None, defer_init=defer_init,
+            heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
+        )
+        env = dict(os.environ)
+        env.update(instance_env(self.server.address, name, self.token))
+        env[ENV_SPEC] = spec.to_json()
+        env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
+        env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
+        if share is not None:
+            env.update(share.env())
+        if self.backend == "cuda" and not defer_init:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
+        proc = subprocess.Popen([self.python, "-m", "apps.instance"], env=env, stdin=subprocess.DEVNULL,
+                                cwd=str(Path(__file__).resolve().parent.parent))
+        st = InstanceState(name=name, app=app.name, spec=spec, proc=proc, role="shadow" if defer_init else "active")
+        self.instances[name] = st
+        log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
+        return st
+
+    def _await_ready(self, pending: list[InstanceState]) -> None:
+        assert self.server is not None
+        waiting = {st.name for st in pending}
+        deadline = time.monotonic() + self.ready_timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StartError(f"instance(s) {', '.join(sorted(waiting))} sent no READY within "
+                                 f"{self.ready_timeout_s:.0f} s; raise ready_timeout_s (--ready-timeout) if the "
+                                 "models need longer to load")
+            item = self.server.poll(min(left, 0.2) * 1000)
+            if item is not None:
+                msg = item.msg
+                if isinstance(msg, Ready) and msg.instance in waiting:
+                    st = self.instances[msg.instance]
+                    st.ready, st.initialized = True, bool(msg.info.get("initialized"))
+                    st.last_beat = time.monotonic()
+                    waiting.discard(msg.instance)
+                elif isinstance(msg, Error) and msg.instance in waiting:
+                    raise StartError(f"instance {msg.instance} failed to start: {msg.kind}: {msg.message}")
+                else:
+                    self._handle(item)
+            for name in list(waiting):
+                rc = self.instances[name].proc.poll()
+                if rc is not None:
+                    raise StartError(f"instance {name} exited with status {rc} before READY (see its log above)")
+
+    # -- routing ---------------------------------------------------------------------------------------
+    def _update_route(self, app_name: str) -> None:
+        assert self.ingest is not None
+        app = self.apps[app_name].cfg
+        consumers = [st.spec.consumer for st in self.instances.values()
+                     if st.app == app_name and st.role == "active" and not st.ended]
+        self.ingest.set_route(app.app_id, consumers)
+
+    # -- running ---------------------------------------------------------------------------------------
+    def serve(self, *, duration_s: float | None = None) -> None:
+        """Run the control loop until stop() is called (or a stop command / signal arrives)."""
+        end = None if duration_s is None else time.monotonic() + duration_s
+        while not self._stop.is_set() and (end is None or time.monotonic() < end):
+            self.step(100)
+        if self._stop.is_set():
+            self._teardown(drain=self._stop_drain)
+
+    def step(self, timeout_ms: float = 100.0) -> None:
+        """One iteration of the control loop: messages, crashed instances, metrics."""
+        assert self.server is not None
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            item = self.server.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            if item is None:
+                break
+            self._handle(item)
+            if time.monotonic() >= deadline:
+                break
+        self._check_processes()
+        if self.metrics is not None:
+            self.metrics.update(self.status())
+
+    def request_stop(self, drain: bool = True) -> None:
+        """Ask serve() to stop (safe from signal handlers and other threads)."""
+        self._stop_drain = drain
+        self._stop.set()
+
+    def _handle(self, item: Any) -> None:
+        msg = item.msg
+        if isinstance(msg, Heartbeat):
+            st = self.instances.get(msg.instance)
+            if st is not None:
+                st.stats, st.last_beat = dict(msg.stats), time.monotonic()
+        elif isinstance(msg, Ready):
+            st = self.instances.get(msg.instance)
+            if st is not None:
+                st.ready, st.initialized, st.last_beat = True, bool(msg.info.get("initialized")), time.monotonic()
+                if st.role == "active":
+                    self._update_route(st.app)
+                log.info("%s ready (pid %d)", msg.instance, msg.pid)
+        elif isinstance(msg, Ended):
+            st = self.instances.get(msg.instance)
+            if st is not None:
+                st.ended = True
+                log.info("%s ended after draining %d request(s)", msg.instance, msg.drained_count)
+        elif isinstance(msg, Error):
+            log.error("instance %s reported %s: %s", msg.instance, msg.kind, msg.message)
+        elif isinstance(msg, StatusRequest):
+            self.server.reply(item, StatusReply(status=self.status()))  # type: ignore[union-attr]
+        elif isinstance(msg, StopRequest):
+            self.server.reply(item, Result(ok=True, message="stopping"))  # type: ignore[union-attr]
+            self.request_stop(drain=msg.drain)
+        elif isinstance(msg, SetGpuRequest):
+            ok, text = self.set_gpu(msg.app, msg.gpu_pct)
+            self.server.reply(item, Result(ok=ok, message=text))  # type: ignore[union-attr]
+
+    def set_gpu(self, app: str, gpu_pct: int) -> tuple[bool, str]:
+        """Change an app's GPU% (Overlapped-Execution). Returns (ok, message)."""
+        from orchestrator.reconfig import change_gpu_pct
+
+        return change_gpu_pct(self, app, gpu_pct)
+
+    def _check_processes(self) -> None:
+        for st in list(self.instances.values()):
+            rc = st.proc.poll()
+            if rc is None:
+                continue
+            del self.instances[st.name]
+            if st.role in ("finishing", "stopping") or st.ended:
+                self._retire(st)
+                self._release_consumer(st)
+                continue
+            self._on_crash(st, rc)
+
+    def _retire(self, st: InstanceState) -> None:
+        app = self.apps[st.app]
+        for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
+            app.retired[k] = app.retired.get(k, 0) + int(st.stats.get(k) or 0)
+
+    def _release_consumer(self, st: InstanceState) -> None:
+        assert self.ingest is not None
+        # Whatever it still held (nothing after a clean drain) is answered or requeued.
+        self.ingest.reclaim(st.spec.consumer, requeue=True)
+        self._free_consumers.insert(0, st.spec.consumer)
+
+    def _on_crash(self, st: InstanceState, rc: int) -> None:
+        assert self.ingest is not None
+        app = self.apps[st.app]
+        self._retire(st)
+        failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=True)
+        app.failed_by_crash += failed
+        app.requeued_by_crash += requeued
+        app.restarts += 1
+        self._free_consumers.insert(0, st.spec.consumer)
+        why = f"signal {-rc}" if rc < 0 else f"status {rc}"
+        log.error("instance %s (pid %d) died (%s): %d held request(s) answered INSTANCE_FAILED, %d requeued; "
+                  "restarting", st.name, st.pid, why, failed, requeued)
+        self.events.append({"t": time.monotonic(), "event": "crash", "instance": st.name, "rc": rc,
+                            "failed": failed, "requeued": requeued})
+        share = None
+        if self.backend == "cpu" and st.spec.cores:
+            from gpuprims.cpushare import CpuShare
+
+            share = CpuShare(cores=list(st.spec.cores), threads=st.spec.threads or 1, gpu_pct=st.spec.gpu_pct)
+        name = f"{st.app}-r{next(self._seq)}"
+        # Queue new requests for the replacement right away: they wait in its ring while it loads
+        # (and are answered DEADLINE_MISSED if that takes too long) instead of being dropped.
+        new = self._spawn(app.cfg, name, share, gpu_pct=st.spec.gpu_pct)
+        self._update_route(st.app)
+        del new
+
+    # -- status ---------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """A JSON-able snapshot: node, ingest counters and drops, and per app and instance statistics."""
+        counters = self.ingest.counters() if self.ingest is not None else {}
+        apps: dict[str, Any] = {}
+        for name, a in self.apps.items():
+            insts = []
+            totals = dict(a.retired)
+            for st in self.instances.values():
+                if st.app != name:
+                    continue
+                s = st.stats
+                insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
+                              "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
+                              "cores": st.spec.cores, **s})
+                for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
+                    totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
+            served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
+            apps[name] = {
+                "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
+                "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
+                "requeued_by_crash": a.requeued_by_crash, **totals,
+                "slo_attainment": (totals.get("within_slo", 0) / served) if served else None,
+            }
+        return {
+            "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
+                     "ports": self.ingest.ports if self.ingest else [],
+                     "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0},
+            "ingest": counters,
+            "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
+            "apps": apps,
+        }
+
+    # -- stop -----------------------------------------------------------------------------------------
+    def stop(self, drain: bool = True) -> None:
+        """Stop the node: drain instances (when ``drain``), then remove everything it created."""
+        self._teardown(drain=drain)
+
+    def _teardown(self, drain: bool) -> None:
+        with self._lock:
+            if self.ingest is not None:
+                for a in self.apps.values():
+                    with contextlib.suppress(Exception):
+                        self.ingest.set_route(a.cfg.app_id, [])
+            if self.server is not None:
+                for st in self.instances.values():
+                    st.role = "stopping"
+                    with contextlib.suppress(Exception):
+                        self.server.send(st.name, Shutdown(instance=st.name, drain=drain and st.initialized))
+            deadline = time.monotonic() + (self.stop_timeout_s if drain else 2.0)
+            while time.monotonic() < deadline and any(st.proc.poll() is None for st in self.instances.values()):
+                if self.server is not None:
+                    item = self.server.poll(50)
+                    if item is not None and isinstance(item.msg, (Heartbeat, Ended)):
+                        self._handle(item)
+                else:
+                    time.sleep(0.05)
+            for st in self.instances.values():
+                if st.proc.poll() is None:
+                    log.warning("%s did not exit in time; terminating", st.name)
+                    st.proc.terminate()
+            for st in self.instances.values():
+                try:
+                    st.proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s ignored SIGTERM; killing", st.name)
+                    st.proc.kill()
+                    st.proc.wait()
+            for st in list(self.instances.values()):
+                self._retire(st)
+            self.instances.clear()
+            if self.metrics is not None:
+                with contextlib.suppress(Exception):
+                    self.metrics.stop()
+                self.metrics = None
+            if self.ingest is not None:
+                self.ingest.stop()
+            if self.server is not None:
+                self.server.close()
+                self.server = None
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            if self.run_dir is not None:
+                link = self.run_dir.parent / CURRENT_LINK
+                with contextlib.suppress(OSError):
+                    if link.is_symlink() and Path(os.readlink(link)) == self.run_dir:
+                        link.unlink()
+                if self._own_run_dir:
+                    shutil.rmtree(self.run_dir, ignore_errors=True)
+                else:
+                    for leftover in ("token", "control.sock", "command.sock"):
+                        with contextlib.suppress(OSError):
+                            (self.run_dir / leftover).unlink()
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(drain=True)
+
+
+def install_signal_handlers(node: Node) -> None:
+    """SIGINT/SIGTERM ask the node to stop gracefully (drain)."""
+
+    def _handler(signum: int, _frame: Any) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        node.request_stop(drain=True)
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
