@@ -1,0 +1,484 @@
+"""GPU-DMA (paper V-B) and its baseline CUDA-Copy, with a CPU backend of the same shape.
+
+``gpu_dma(packets, num_packets, gpu_buffer, gpu_id)`` places the payloads of complete requests that
+sit in the packet pool into rows of a contiguous batch buffer:
+
+* CUDA (``gpu_buffer`` a CUDA tensor): a kernel reads every packet's header and payload straight from
+  the pool's mapped pinned memory (zero-copy, registered with cudaHostRegister by
+  :class:`PinnedPool`), checks the header against its record and writes the payload to its place in
+  the device buffer, on a given stream. The CPU copies nothing.
+* CPU (``gpu_buffer`` a CPU tensor or numpy array, ``gpu_id=None``): the same checks and placement in
+  native code on the host (the kernel's reference; both share ``native/include/gpuprims/cuda_dma.h``).
+
+``packets`` names the requests: :meth:`PinnedPool.packets` of the record indices a consumer polled.
+Row i receives record ``packets.records[i]``; the first ``num_packets`` of them are placed. A row's
+verdict is a :class:`DmaStatus`; the return value is the number of rows placed with ``OK``.
+
+``normalize=Normalize(...)`` is the fused variant: uint8 payloads become float32
+``x * scale / std[c] - mean[c] / std[c]`` (channel ``c = element % len(mean)``, HWC order) while
+they are gathered, so a quarter of the bytes cross the bus.
+
+``cuda_copy_gather`` is the baseline: the CPU gathers the payloads into a pinned staging buffer and
+cudaMemcpyAsync copies it to the device (CUDA-Copy); on the CPU backend, a staging gather then a copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from gpuprims.cuda import runtime
+from gpuprims.cuda.event import Event, StreamLike, stream_handle
+
+MAX_BATCH = 512  # rows per call; equals _native.DMA_MAX_BATCH (a test keeps them in step)
+_MODE_COPY = 0
+_MODE_U8_TO_F32 = 1
+_WARPS_PER_BLOCK = 8
+
+
+class DmaStatus(enum.IntEnum):
+    """Verdict for one batch row (native/include/gpuprims/cuda_dma.h); the largest one seen wins."""
+
+    OK = 0
+    BAD_RECORD = 1   # record index out of range, or the record is not delivered
+    BAD_SHAPE = 2    # total_len is not the row size, or chunk_count/stride are inconsistent
+    BAD_DTYPE = 3    # the record's dtype is not the expected one
+    BAD_SLOT = 4     # the chunk map names a slot outside the pool
+    BAD_HEADER = 5   # a packet's magic, version or kind is wrong
+    MISMATCH = 6     # a packet's app/request id, chunk index/count, total or dtype disagree with the record
+    BAD_LENGTH = 7   # a packet's payload_len is not what its position implies
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where the regions of a packet pool lie (pool.h), in bytes from the pool's base."""
+
+    nbytes: int
+    slots_offset: int
+    records_offset: int
+    chunkmap_offset: int
+    slot_size: int
+    slot_count: int
+    record_count: int
+    max_chunks: int
+
+    @classmethod
+    def of(cls, pool: Any) -> PoolLayout:
+        """Read the layout of anything shaped like a PacketPool (``nbytes`` and a ``layout`` dict)."""
+        try:
+            lay = pool.layout
+            return cls(int(pool.nbytes), *(int(lay[k]) for k in (
+                "slots_offset", "records_offset", "chunkmap_offset", "slot_size", "slot_count", "record_count",
+                "max_chunks")))
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{pool!r} does not look like a packet pool (needs address, nbytes and a layout "
+                             f"dict with the pool.h offsets): {exc}") from None
+
+    def geometry(self) -> Any:
+        """The native, validated form (raises ValueError if the regions do not fit the pool)."""
+        return runtime.native().PoolGeometry(self.nbytes, self.slots_offset, self.records_offset,
+                                             self.chunkmap_offset, self.slot_size, self.slot_count,
+                                             self.record_count, self.max_chunks)
+
+
+class PinnedPool:
+    """A packet pool as GPU-DMA reads it.
+
+    With the ``cuda`` backend the pool's whole mapping is page-locked and mapped for the GPU with
+    cudaHostRegister(cudaHostRegisterMapped | cudaHostRegisterPortable) in this process, and its device
+    pointer is obtained per device (cudaHostGetDevicePointer). ``cpu`` registers nothing. ``auto``
+    picks cuda where a GPU and driver are present. close() unregisters (cudaHostUnregister); call it
+    before the pool itself is closed.
+    """
+
+    def __init__(self, pool: Any, *, backend: Literal["auto", "cpu", "cuda"] = "auto") -> None:
+        from gpuprims.backend import resolve_backend
+
+        self.layout = PoolLayout.of(pool)
+        self.address = int(pool.address)
+        if self.address <= 0:
+            raise ValueError(f"pool address must be positive, got {self.address}")
+        self._geometry = self.layout.geometry()
+        self.pool = pool
+        self.backend = resolve_backend(backend)
+        self.region: runtime.PinnedRegion | None = None
+        if self.backend == "cuda":
+            self.region = runtime.PinnedRegion(self.address, self.layout.nbytes, owner=pool)
+        self._engines: dict[int, _Engine] = {}
+        self._lock = threading.Lock()
+
+    def packets(self, records: Sequence[int] | np.ndarray) -> Packets:
+        """The requests at these record indices (as a consumer's poll returns them), in row order."""
+        arr = np.asarray(records)
+        if arr.ndim != 1:
+            raise ValueError(f"records must be one-dimensional, got shape {arr.shape}")
+        if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+            raise ValueError(f"records must be non-negative uint32 record indices, got {arr!r}")
+        return Packets(self, np.ascontiguousarray(arr, dtype=np.uint32))
+
+    def device_pointer(self, device: int) -> int:
+        """The pool's base address as `device` sees it (cudaHostGetDevicePointer)."""
+        if self.region is None:
+            raise ValueError("pool is not registered with CUDA (backend='cpu')")
+        return self.region.device_pointer(device)
+
+    def _engine(self, device: int) -> _Engine:
+        with self._lock:
+            eng = self._engines.get(device)
+            if eng is None:
+                eng = self._engines[device] = _Engine(device)
+            return eng
+
+    def close(self) -> None:
+        """Release per-device scratch and unregister the pool (cudaHostUnregister). Idempotent."""
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()
+        if self.region is not None:
+            self.region.close()
+
+    def __enter__(self) -> PinnedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PinnedPool(address=0x{self.address:x}, nbytes={self.layout.nbytes}, backend={self.backend!r})"
+
+
+@dataclass(frozen=True)
+class Packets:
+    """Complete requests in a pinned pool, by record index, in batch-row order."""
+
+    pool: PinnedPool
+    records: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.records.shape[0])
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """uint8 -> float32 conversion of the fused gather: ``x * scale / std[c] - mean[c] / std[c]``."""
+
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    scale: float = 1.0 / 255.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.mean) <= 4 or len(self.mean) != len(self.std):
+            raise ValueError(f"mean and std need the same length, 1..4 channels; got {self.mean!r}, {self.std!r}")
+        vals = (*self.mean, *self.std, self.scale)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+            raise ValueError(f"mean, std and scale must be finite numbers, got {self!r}")
+        if any(s == 0 for s in self.std):
+            raise ValueError(f"std must not contain 0, got {self.std!r}")
+
+    @property
+    def coefficients(self) -> tuple[list[float], list[float]]:
+        """(a, b) per channel in float32, padded to 4: y = x * a[c] + b[c]."""
+        a = [float(np.float32(self.scale) / np.float32(s)) for s in self.std]
+        b = [float(-np.float32(m) / np.float32(s)) for m, s in zip(self.mean, self.std)]
+        return a + [0.0] * (4 - len(a)), b + [0.0] * (4 - len(b))
+
+
+#: ImageNet normalisation, the usual input convention of the zoo's models.
+IMAGENET = Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+@dataclass
+class _Target:
+    backend: str  # "cuda" or "cpu"
+    ptr: int
+    nbytes: int
+    rows: int
+    row_stride: int
+    is_float32: bool
+    device: int | None
+    keepalive: Any
+
+
+def _target(gpu_buffer: Any) -> _Target:
+    if isinstance(gpu_buffer, np.ndarray):
+        if not gpu_buffer.flags.c_contiguous or not gpu_buffer.flags.writeable:
+            raise ValueError("gpu_buffer must be a writable C-contiguous array")
+        if gpu_buffer.ndim < 1 or gpu_buffer.shape[0] == 0 or gpu_buffer.nbytes == 0:
+            raise ValueError(f"gpu_buffer needs at least one non-empty row, got shape {gpu_buffer.shape}")
+        return _Target("cpu", gpu_buffer.ctypes.data, gpu_buffer.nbytes, gpu_buffer.shape[0],
+                       gpu_buffer.nbytes // gpu_buffer.shape[0], gpu_buffer.dtype == np.float32, None, gpu_buffer)
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(gpu_buffer, torch.Tensor):
+        if not gpu_buffer.is_contiguous():
+            raise ValueError("gpu_buffer must be contiguous")
+        if gpu_buffer.dim() < 1 or gpu_buffer.shape[0] == 0 or gpu_buffer.numel() == 0:
+            raise ValueError(f"gpu_buffer needs at least one non-empty row, got shape {tuple(gpu_buffer.shape)}")
+        nbytes = gpu_buffer.numel() * gpu_buffer.element_size()
+        dev = gpu_buffer.device
+        if dev.type not in ("cuda", "cpu"):
+            raise ValueError(f"gpu_buffer must be on a CUDA device or the CPU, got {dev}")
+        return _Target(dev.type, gpu_buffer.data_ptr(), nbytes, gpu_buffer.shape[0], nbytes // gpu_buffer.shape[0],
+                       gpu_buffer.dtype == torch.float32, dev.index if dev.type == "cuda" else None, gpu_buffer)
+    raise TypeError(f"gpu_buffer must be a torch tensor or a numpy array, got {type(gpu_buffer).__name__}")
+
+
+@dataclass
+class _Plan:
+    packets: Packets
+    records: np.ndarray
+    target: _Target
+    row_src_bytes: int
+    expect_dtype: int
+    mode: int
+    a: list[float]
+    b: list[float]
+    channels: int
+
+
+def _plan(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, normalize: Normalize | None,
+          expect_dtype: int | None) -> _Plan:
+    if not isinstance(packets, Packets):
+        raise TypeError(f"packets must come from PinnedPool.packets(records), got {type(packets).__name__}")
+    if isinstance(num_packets, bool) or not isinstance(num_packets, (int, np.integer)):
+        raise TypeError(f"num_packets must be an int, got {num_packets!r}")
+    num_packets = int(num_packets)
+    if not 0 <= num_packets <= len(packets):
+        raise ValueError(f"num_packets must be in 0..{len(packets)} (the records given), got {num_packets}")
+    if num_packets > MAX_BATCH:
+        raise ValueError(f"at most {MAX_BATCH} requests per call, got {num_packets}")
+    if normalize is not None and not isinstance(normalize, Normalize):
+        raise TypeError(f"normalize must be a Normalize, got {type(normalize).__name__}")
+    t = _target(gpu_buffer)
+    if num_packets > t.rows:
+        raise ValueError(f"gpu_buffer has {t.rows} rows, fewer than num_packets={num_packets}")
+    if t.backend == "cuda":
+        if isinstance(gpu_id, bool) or not isinstance(gpu_id, int):
+            raise ValueError(f"gpu_buffer is on cuda:{t.device}, so gpu_id must be {t.device}, got {gpu_id!r}")
+        if gpu_id != t.device:
+            raise ValueError(f"gpu_id={gpu_id} but gpu_buffer is on cuda:{t.device}")
+        if packets.pool.region is None:
+            raise ValueError("the pool is not registered with CUDA: make the PinnedPool with backend='cuda'")
+    elif gpu_id is not None:
+        raise ValueError(f"gpu_buffer is in host memory (cpu backend) but gpu_id={gpu_id!r} was given; pass None")
+    if normalize is None:
+        mode, row_src, channels = _MODE_COPY, t.row_stride, 1
+        a, b = [1.0] * 4, [0.0] * 4
+    else:
+        if not t.is_float32:
+            raise ValueError("the fused uint8 -> float32 gather needs a float32 gpu_buffer")
+        if t.row_stride % 4:
+            raise ValueError(f"row of {t.row_stride} bytes is not a whole number of float32")
+        mode, row_src, channels = _MODE_U8_TO_F32, t.row_stride // 4, len(normalize.mean)
+        a, b = normalize.coefficients
+        if expect_dtype is None:
+            from gpuprims.wire import DType
+
+            expect_dtype = int(DType.UINT8)
+    return _Plan(packets, packets.records[:num_packets], t, row_src, -1 if expect_dtype is None else int(expect_dtype),
+                 mode, a, b, channels)
+
+
+def _check_statuses(statuses: np.ndarray | None, n: int) -> None:
+    if statuses is not None and (not isinstance(statuses, np.ndarray) or statuses.dtype != np.int32
+                                 or statuses.ndim != 1 or statuses.shape[0] < n or not statuses.flags.writeable):
+        raise ValueError(f"statuses must be a writable 1-D int32 array of at least {n} entries")
+
+
+def _gather_cpu(plan: _Plan, out_ptr: int, out_nbytes: int, status: np.ndarray) -> int:
+    pool = plan.packets.pool
+    return int(runtime.native().dma_gather_cpu(
+        pool.address, pool._geometry, plan.records, out_ptr, out_nbytes, plan.target.row_stride, plan.row_src_bytes,
+        plan.expect_dtype, plan.mode, plan.channels, plan.a, plan.b, status))
+
+
+class _Engine:
+    """Per (pool, device) scratch of GPU-DMA: row verdicts in device memory, the result in mapped
+    pinned host memory, a completion event, and CUDA-Copy's staging buffer. One job in flight."""
+
+    def __init__(self, device: int) -> None:
+        rt = runtime.cuda()
+        self.device = device
+        self.status = runtime.DeviceMemory(MAX_BATCH * 4, device)
+        rt.cuda_memset_async(self.status.ptr, 0, self.status.nbytes, 0)
+        rt.cuda_device_synchronize(device)
+        self.result = runtime.PinnedBuffer((1 + MAX_BATCH) * 4, mapped=True)
+        self.result_dev = self.result.device_pointer(device)
+        self.result_view = self.result.array(np.int32)
+        self.event = Event(device)
+        self.staging: runtime.PinnedBuffer | None = None
+        self.pending: DmaJob | None = None
+        self.lock = threading.Lock()
+
+    def staging_buffer(self, nbytes: int) -> runtime.PinnedBuffer:
+        if self.staging is None or self.staging.nbytes < nbytes:
+            if self.staging is not None:
+                self.staging.close()
+            self.staging = runtime.PinnedBuffer(nbytes, mapped=False)
+        return self.staging
+
+    def close(self) -> None:
+        for obj in (self.staging, self.result, self.status, self.event):
+            if obj is not None:
+                obj.close()
+
+
+class DmaJob:
+    """A GPU-DMA launch in flight. :meth:`wait` completes it (Sync-lite polling) and returns the rows
+    placed; ``event`` completes when the rows are in place (later work on the same stream is ordered
+    after it anyway)."""
+
+    def __init__(self, engine: _Engine | None, n: int, placed: int | None = None,
+                 statuses: np.ndarray | None = None) -> None:
+        self._engine = engine
+        self.n = n
+        self._placed = placed
+        self._statuses = np.zeros(n, dtype=np.int32) if statuses is None else statuses
+        self._user_statuses: np.ndarray | None = None
+
+    @property
+    def event(self) -> Event | None:
+        return None if self._engine is None else self._engine.event
+
+    @property
+    def done(self) -> bool:
+        """True once the job has completed (cudaEventQuery); never blocks."""
+        return self._placed is not None or (self._engine is not None and self._engine.event.query())
+
+    def wait(self, interval_us: float = 20, *, timeout_s: float | None = None) -> int:
+        """Wait for completion, polling cudaEventQuery every `interval_us` with the GIL released, and
+        return the number of rows placed with status OK."""
+        if self._placed is None:
+            eng = self._engine
+            assert eng is not None
+            eng.event.wait(interval_us, timeout_s=timeout_s)
+            self._placed = int(eng.result_view[0])
+            self._statuses[:] = eng.result_view[1:1 + self.n]
+            with eng.lock:
+                eng.pending = None
+            if self._user_statuses is not None:
+                self._user_statuses[:self.n] = self._statuses
+        return self._placed
+
+    @property
+    def statuses(self) -> np.ndarray:
+        """Per-row :class:`DmaStatus` codes (valid after :meth:`wait`)."""
+        if self._placed is None:
+            raise ValueError("job not complete: call wait() first")
+        return self._statuses
+
+
+def gpu_dma_async(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, *,
+                  stream: StreamLike = None, normalize: Normalize | None = None, expect_dtype: int | None = None,
+                  statuses: np.ndarray | None = None) -> DmaJob:
+    """Launch GPU-DMA on `stream` (default: torch's current stream of the buffer's device) and return
+    the :class:`DmaJob` without waiting. On the CPU backend the work is done before it returns.
+
+    One job per pool and device may be in flight; wait for it before launching the next.
+    """
+    plan = _plan(packets, num_packets, gpu_buffer, gpu_id, normalize, expect_dtype)
+    n = int(plan.records.shape[0])
+    _check_statuses(statuses, n)
+    t = plan.target
+    if t.backend == "cpu":
+        st = np.zeros(n, dtype=np.int32)
+        placed = _gather_cpu(plan, t.ptr, t.nbytes, st) if n else 0
+        if statuses is not None:
+            statuses[:n] = st
+        return DmaJob(None, n, placed, st)
+    if n == 0:
+        return DmaJob(None, 0, 0)
+    assert t.device is not None
+    eng = packets.pool._engine(t.device)
+    with eng.lock:
+        if eng.pending is not None:
+            raise RuntimeError("a GPU-DMA job on this pool and device is still in flight: wait() for it first")
+        handle = _default_stream(stream, t)
+        chunks = -(-plan.row_src_bytes // (packets.pool.layout.slot_size - 48))
+        blocks_per_row = max(1, min(64, -(-chunks // _WARPS_PER_BLOCK)))
+        rt = runtime.cuda()
+        rt.dma_launch(t.device, handle, packets.pool._geometry, packets.pool.device_pointer(t.device), plan.records,
+                      t.ptr, t.nbytes, t.row_stride, plan.row_src_bytes, plan.expect_dtype, plan.mode, plan.channels,
+                      plan.a, plan.b, eng.status.ptr, eng.result_dev, blocks_per_row)
+        eng.event.record(handle)
+        job = DmaJob(eng, n)
+        job._user_statuses = statuses
+        eng.pending = job
+    return job
+
+
+def gpu_dma(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, *, stream: StreamLike = None,
+            normalize: Normalize | None = None, expect_dtype: int | None = None, statuses: np.ndarray | None = None,
+            interval_us: float = 20, timeout_s: float | None = None) -> int:
+    """Place the first `num_packets` requests of `packets` into rows of `gpu_buffer` and return how
+    many were placed with status OK (per-row verdicts into `statuses` if given).
+
+    CUDA: the GPU-DMA kernel (reads the mapped pinned pool directly) on `stream`, then a Sync-lite
+    wait (cudaEventQuery every `interval_us`, GIL released). `gpu_id` is the buffer's device index.
+    CPU: the same checks and placement on the host; `gpu_id` must be None.
+    `expect_dtype` (a wire DType) refuses records of another dtype; `normalize` selects the fused
+    uint8 -> float32 variant (float32 buffer).
+    """
+    job = gpu_dma_async(packets, num_packets, gpu_buffer, gpu_id, stream=stream, normalize=normalize,
+                        expect_dtype=expect_dtype, statuses=statuses)
+    return job.wait(interval_us, timeout_s=timeout_s)
+
+
+def _default_stream(stream: StreamLike, t: _Target) -> int:
+    if stream is not None:
+        return stream_handle(stream)
+    import torch
+
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def cuda_copy_gather(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, *,
+                     stream: StreamLike = None, expect_dtype: int | None = None,
+                     statuses: np.ndarray | None = None) -> int:
+    """Baseline CUDA-Copy: the CPU gathers the payloads into a pinned staging buffer (same checks as
+    GPU-DMA), then cudaMemcpyAsync copies the rows to `gpu_buffer` on `stream` and
+    cudaStreamSynchronize waits for it. Returns the rows placed with status OK.
+
+    On the CPU backend: the gather into a host staging buffer, then a copy into `gpu_buffer`.
+    """
+    plan = _plan(packets, num_packets, gpu_buffer, gpu_id, None, expect_dtype)
+    n = int(plan.records.shape[0])
+    _check_statuses(statuses, n)
+    t = plan.target
+    st = np.zeros(n, dtype=np.int32)
+    nbytes = n * t.row_stride
+    if n == 0:
+        return 0
+    if t.backend == "cpu":
+        staging = np.empty(nbytes, dtype=np.uint8)
+        placed = _gather_cpu(plan, staging.ctypes.data, nbytes, st)
+        dst = np.frombuffer((_ctypes_bytes(t.ptr, nbytes)), dtype=np.uint8)
+        dst[:] = staging
+    else:
+        assert t.device is not None
+        eng = packets.pool._engine(t.device)
+        with eng.lock:
+            buf = eng.staging_buffer(nbytes)
+            # A row the checks refuse carries whatever the staging buffer held; its status says so.
+            placed = _gather_cpu(plan, buf.address, nbytes, st)
+            handle = _default_stream(stream, t)
+            rt = runtime.cuda()
+            rt.cuda_memcpy_async(t.ptr, buf.address, nbytes, handle)
+            rt.cuda_stream_synchronize(handle)
+    if statuses is not None:
+        statuses[:n] = st
+    return placed
+
+
+def _ctypes_bytes(address: int, nbytes: int) -> Any:
+    import ctypes
+
+    return (ctypes.c_char * nbytes).from_address(address)

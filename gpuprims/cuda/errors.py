@@ -1,0 +1,55 @@
+"""The one error type for CUDA statuses, and the checks every CUDA call goes through (STYLE.md 2).
+
+Native code raises :class:`CudaError` from its single ``check()`` (``native/src/cuda_bind.cpp``);
+Python code that holds a raw status calls :func:`check_status`. A ``CudaError`` carries the status
+number, its name (``cudaErrorMemoryAllocation``), the runtime's message and the call that failed, and
+it pickles, so it crosses process boundaries intact.
+"""
+
+from __future__ import annotations
+
+#: cudaErrorMemoryAllocation: the one status callers may retry on (after freeing something).
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+#: cudaErrorInsufficientDriver / cudaErrorNoDevice: what a machine without a GPU reports.
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+CUDA_ERROR_NO_DEVICE = 100
+CUDA_ERROR_NOT_READY = 600
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call returned an error status.
+
+    Attributes: ``status`` (int, the cudaError_t value), ``name`` (e.g. ``cudaErrorNoDevice``),
+    ``message`` (cudaGetErrorString) and ``call`` (the API call or operation that failed).
+    """
+
+    def __init__(self, status: int, name: str, message: str, call: str = "") -> None:
+        self.status = int(status)
+        self.name = name
+        self.message = message
+        self.call = call
+        where = f"{call}: " if call else ""
+        super().__init__(f"{where}{name} ({self.status}): {message}")
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, str, str]]:
+        return (type(self), (self.status, self.name, self.message, self.call))
+
+    @property
+    def is_out_of_memory(self) -> bool:
+        """True for cudaErrorMemoryAllocation, the status worth a narrow retry (STYLE.md 3)."""
+        return self.status == CUDA_ERROR_MEMORY_ALLOCATION
+
+
+class CudaUnavailableError(RuntimeError):
+    """CUDA cannot be used from this process: kernels not built, or a forked child (use spawn)."""
+
+
+def check_status(status: int, call: str = "") -> None:
+    """Raise :class:`CudaError` for a non-zero cudaError_t ``status`` (names and messages from the
+    runtime's cudaGetErrorName/cudaGetErrorString); return for cudaSuccess."""
+    if status == 0:
+        return
+    from gpuprims.cuda import runtime
+
+    native = runtime.native()
+    raise CudaError(status, native.cuda_error_name(status), native.cuda_error_string(status), call)

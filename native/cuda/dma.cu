@@ -1,0 +1,167 @@
+// GPU-DMA (paper V-B): GPU threads read packet headers and payloads straight from the packet pool,
+// which the host registered as mapped pinned memory (cudaHostRegister), and write each payload to its
+// place in a contiguous device batch buffer. The CPU only launches: it copies no payload and no list
+// of packets (the record indices travel in the kernel parameters; the chunk map is read by the GPU).
+//
+// Work split: blockIdx.y is the batch row; the blocks of a row share its chunks, one warp per chunk.
+// A warp loads the 48-byte header (same address in every lane: one transaction), checks it against the
+// record, then copies the payload with 16-byte loads, 512 contiguous bytes per warp instruction.
+// Loads from the pool use ld.global.cv (__ldcv): the slots are rewritten by the host between batches,
+// so no cached line of them may be trusted.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gpuprims/cuda_dma.h"
+#include "gpuprims/cuda_kernels.h"
+
+namespace gpuprims::dma {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
+  return __ldcv(reinterpret_cast<const unsigned int*>(p));
+}
+
+__device__ __forceinline__ uint64_t ld_u64(const uint8_t* p) {
+  return __ldcv(reinterpret_cast<const unsigned long long*>(p));
+}
+
+__device__ __forceinline__ float convert(uint32_t byte, uint64_t element, const LaunchParams& p) {
+  const uint32_t ch = p.channels == 1 ? 0u : uint32_t(element % p.channels);
+  // Two roundings, no fused multiply-add: the CPU reference computes the same bits.
+  return __fadd_rn(__fmul_rn(float(byte), p.a[ch]), p.b[ch]);
+}
+
+__device__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint32_t len, int lane) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15u) == 0) {
+    const uint32_t vecs = len / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (uint32_t i = lane; i < vecs; i += 32) d4[i] = __ldcv(s4 + i);
+    for (uint32_t i = vecs * 16 + lane; i < len; i += 32) dst[i] = __ldcv(src + i);
+  } else {
+    for (uint32_t i = lane; i < len; i += 32) dst[i] = __ldcv(src + i);
+  }
+}
+
+// uint8 payload -> float32 row elements starting at `element`.
+__device__ void convert_bytes(const uint8_t* src, float* dst, uint64_t element, uint32_t len, int lane,
+                              const LaunchParams& p) {
+  if ((reinterpret_cast<uintptr_t>(src) & 15u) == 0 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+    const uint32_t vecs = len / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    for (uint32_t i = lane; i < vecs; i += 32) {
+      const uint4 v = __ldcv(s4 + i);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      float4* d4 = reinterpret_cast<float4*>(dst + size_t(i) * 16);
+      const uint64_t e = element + uint64_t(i) * 16;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t w = words[k];
+        d4[k] = make_float4(convert(w & 0xFFu, e + 4 * k, p), convert((w >> 8) & 0xFFu, e + 4 * k + 1, p),
+                            convert((w >> 16) & 0xFFu, e + 4 * k + 2, p), convert(w >> 24, e + 4 * k + 3, p));
+      }
+    }
+    for (uint32_t i = vecs * 16 + lane; i < len; i += 32) dst[i] = convert(__ldcv(src + i), element + i, p);
+  } else {
+    for (uint32_t i = lane; i < len; i += 32) dst[i] = convert(__ldcv(src + i), element + i, p);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant__ LaunchParams p) {
+  __shared__ RecordView rec;
+  __shared__ int32_t rec_verdict;
+  const uint32_t row = blockIdx.y;
+  const uint32_t r = p.records[row];
+  if (threadIdx.x == 0) {
+    int32_t v = kBadRecord;
+    if (r < p.record_count) {
+      const uint8_t* rp = p.pool + p.records_offset + uint64_t(r) * kRecordSize;
+      rec.state = ld_u32(rp + kRecState);
+      rec.app_id = ld_u32(rp + kRecAppId) & 0xFFFFu;
+      rec.dtype = (ld_u32(rp + kRecAppId) >> 16) & 0xFFu;  // app_id(2) dtype(1) addr_len(1) share a word
+      rec.chunk_count = ld_u32(rp + kRecChunkCount);
+      rec.stride = ld_u32(rp + kRecStride);
+      rec.total_len = ld_u32(rp + kRecTotalLen);
+      rec.request_id = ld_u64(rp + kRecRequestId);
+      v = record_verdict(rec, p.geo);
+    }
+    rec_verdict = v;
+    if (v != kOk && blockIdx.x == 0) atomicMax(p.status + row, v);
+  }
+  __syncthreads();
+  if (rec_verdict != kOk) return;
+
+  const int lane = threadIdx.x & 31;
+  const uint32_t warp = threadIdx.x >> 5;
+  const uint32_t* chunkmap =
+      reinterpret_cast<const uint32_t*>(p.pool + p.chunkmap_offset) + uint64_t(r) * p.geo.max_chunks;
+  uint8_t* row_out = p.out + uint64_t(row) * p.row_stride;
+  int32_t worst = kOk;
+  for (uint32_t c = blockIdx.x * kWarps + warp; c < rec.chunk_count; c += gridDim.x * kWarps) {
+    const uint32_t slot = __ldcv(chunkmap + c);
+    if (slot >= p.slot_count) {
+      worst = max(worst, int32_t(kBadSlot));
+      continue;
+    }
+    const uint8_t* s = p.pool + p.slots_offset + uint64_t(slot) * p.slot_size;
+    uint32_t w[12];
+    const uint4* h4 = reinterpret_cast<const uint4*>(s);  // slots are 64-byte aligned
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const uint4 v = __ldcv(h4 + k);
+      w[4 * k] = v.x;
+      w[4 * k + 1] = v.y;
+      w[4 * k + 2] = v.z;
+      w[4 * k + 3] = v.w;
+    }
+    const int32_t v = chunk_verdict(w, rec, c);
+    if (v != kOk) {
+      worst = max(worst, v);
+      continue;
+    }
+    const uint32_t len = w[5];
+    const uint64_t at = uint64_t(c) * rec.stride;
+    const uint8_t* payload = s + wire::kHeaderSize;
+    if (p.mode == kModeCopy) {
+      copy_bytes(payload, row_out + at, len, lane);
+    } else {
+      convert_bytes(payload, reinterpret_cast<float*>(row_out) + at, at, len, lane, p);
+    }
+  }
+  // Every lane of a warp saw the same headers, so lane 0 speaks for it.
+  if (lane == 0 && worst != kOk) atomicMax(p.status + row, worst);
+}
+
+// One block of kMaxBatch threads: publishes the verdicts to the host and re-zeroes them for the next
+// launch (same stream, so it runs after gather_kernel has finished).
+__global__ void __launch_bounds__(kMaxBatch) finalize_kernel(int32_t* status, uint32_t n, int32_t* result) {
+  const uint32_t i = threadIdx.x;
+  int32_t s = kOk;
+  if (i < n) {
+    s = status[i];
+    status[i] = kOk;
+    result[1 + i] = s;
+  }
+  const int placed = __syncthreads_count(i < n && s == kOk);
+  if (i == 0) result[0] = placed;
+  __threadfence_system();
+}
+
+}  // namespace
+
+cudaError_t launch_gather(const LaunchParams& p, uint32_t blocks_per_row, int32_t* result, cudaStream_t stream) {
+  if (p.n > kMaxBatch) return cudaErrorInvalidValue;
+  if (p.n > 0) {
+    gather_kernel<<<dim3(blocks_per_row == 0 ? 1 : blocks_per_row, p.n), kThreads, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  finalize_kernel<<<1, kMaxBatch, 0, stream>>>(p.status, p.n, result);
+  return cudaGetLastError();
+}
+
+}  // namespace gpuprims::dma
