@@ -591,7 +591,7 @@ class _Collector(Collector):
                 if i["slo_attainment"] is not None:
                     fam["slo"].add_metric(lv, i["slo_attainment"])
                 sizes = {int(k): v for k, v in i["batch_sizes"].items()}
-                buckets = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in _BATCH_BOUNDS]
+                buckets = [(str(float(b)), sum(n for s, n in sizes.items() if s <= b)) for b in _BATCH_BOUNDS]
                 total = sum(sizes.values())
                 buckets.append(("+Inf", total))
                 batch.add_metric(lv, buckets, sum(s * n for s, n in sizes.items()))

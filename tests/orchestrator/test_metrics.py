@@ -1,0 +1,365 @@
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+
+from orchestrator.metrics import (
+    InstanceCounters,
+    LatencyHistogram,
+    MetricsServer,
+    NodeMetrics,
+    format_status,
+    status_name,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- latency histogram
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.01, 5000, allow_nan=False), min_size=1, max_size=300))
+def test_quantiles_within_bucket_error(values: list[float]) -> None:
+    h = LatencyHistogram()
+    h.record_many(values)
+    for q in (0.5, 0.99, 1.0):
+        exact = float(np.quantile(values, q, method="inverted_cdf"))
+        got = h.quantile(q)
+        assert got is not None
+        assert exact * (1 - 1e-9) <= got <= exact * LatencyHistogram.RATIO * (1 + 1e-9)
+    assert h.count == len(values) and h.max_ms == max(values)
+
+
+def test_histogram_basics() -> None:
+    h = LatencyHistogram()
+    assert h.quantile(0.5) is None and h.mean_ms is None
+    h.record(0.0)
+    h.record(2.0, n=3)
+    assert h.count == 4 and h.mean_ms == pytest.approx(1.5)
+    assert h.quantile(0.25) == pytest.approx(LatencyHistogram.MIN_MS)
+    h.record(1e12)
+    assert h.max_ms == 1e12 and max(h.buckets) == LatencyHistogram.MAX_BUCKET
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_histogram_refuses_bad_values(bad: float) -> None:
+    with pytest.raises(ValueError, match="latency_ms"):
+        LatencyHistogram().record(bad)
+
+
+def test_histogram_refuses_bad_n_and_q() -> None:
+    h = LatencyHistogram()
+    with pytest.raises(ValueError, match="n must"):
+        h.record(1.0, n=0)
+    with pytest.raises(ValueError, match="q must"):
+        h.quantile(0)
+    with pytest.raises(ValueError, match="q must"):
+        h.quantile(1.5)
+
+
+def test_merge_since_and_round_trip() -> None:
+    a, b = LatencyHistogram(), LatencyHistogram()
+    a.record_many([1, 2, 3])
+    b.record_many([10, 20])
+    early = a.copy()
+    a.record_many([50, 60])
+    w = a.since(early)
+    assert w.count == 2 and w.quantile(0.5) == pytest.approx(50, rel=0.021)
+    a.merge(b)
+    assert a.count == 7 and a.max_ms == 60
+    assert LatencyHistogram.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    # A restarted source (not a superset of the earlier one) gives its whole histogram.
+    assert b.since(a) == b
+
+
+@pytest.mark.parametrize(("d", "fragment"), [
+    ([], "mapping"),
+    ({"b": []}, "bucket -> count"),
+    ({"b": {"x": 1}}, "not an integer"),
+    ({"b": {"-1": 1}}, "out of range"),
+    ({"b": {"5": -1}}, "out of range"),
+    ({"b": {"5": 1.5}}, "out of range"),
+    ({"b": {"5": 2}, "n": 3}, "disagrees"),
+    ({"b": {}, "sum_ms": -1}, "sum_ms"),
+    ({"b": {}, "max_ms": "x"}, "max_ms"),
+])
+def test_histogram_from_dict_refuses(d: object, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        LatencyHistogram.from_dict(d)  # type: ignore[arg-type]
+
+
+# ---- instance counters
+
+
+def test_status_names() -> None:
+    assert status_name(1) == "deadline_missed" and status_name("OVERLOADED") == "overloaded"
+    for bad in (99, "nope", True, 1.0):
+        with pytest.raises(ValueError):
+            status_name(bad)  # type: ignore[arg-type]
+
+
+def test_counters_record_and_round_trip() -> None:
+    c = InstanceCounters(gpu_pct=40, queue_len=2, held=3)
+    c.record_arrivals(10)
+    c.record_batch([5.0, 15.0, 25.0], slo_ms=20)
+    c.record_error(1, n=2)
+    c.record_error("instance_failed")
+    assert (c.arrived, c.served, c.slo_met, c.answered) == (10, 3, 2, 6)
+    assert dict(c.errors) == {"deadline_missed": 2, "instance_failed": 1} and dict(c.batches) == {3: 1}
+    back = InstanceCounters.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back == c
+
+
+def test_counters_refuse_bad_records() -> None:
+    c = InstanceCounters()
+    with pytest.raises(ValueError, match="n must"):
+        c.record_arrivals(-1)
+    with pytest.raises(ValueError, match="slo_ms"):
+        c.record_batch([1.0], slo_ms=0)
+    with pytest.raises(ValueError, match="at least one"):
+        c.record_batch([], slo_ms=5)
+    with pytest.raises(ValueError, match="non-OK"):
+        c.record_error("ok")
+    with pytest.raises(ValueError, match="unknown status"):
+        c.record_error(42)
+    with pytest.raises(ValueError, match="n must"):
+        c.record_error(1, n=0)
+
+
+@pytest.mark.parametrize(("d", "fragment"), [
+    ("x", "mapping"),
+    ({"bogus": 1}, "unknown fields"),
+    ({"arrived": -1}, "arrived"),
+    ({"served": "3"}, "served"),
+    ({"queue_len": True}, "queue_len"),
+    ({"served": 1, "slo_met": 2}, "slo_met 2 > served 1"),
+    ({"errors": [1]}, "errors must map"),
+    ({"errors": {"deadline_missed": -2}}, "errors"),
+    ({"errors": {"made_up": 1}}, "unknown status"),
+    ({"batches": {"0": 1}}, "out of range"),
+    ({"batches": {"x": 1}}, "not an integer"),
+    ({"batches": 3}, "batch size -> count"),
+    ({"latency": {"b": {"x": 1}}}, "not an integer"),
+])
+def test_counters_from_dict_refuses(d: object, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        InstanceCounters.from_dict(d)  # type: ignore[arg-type]
+
+
+# ---- node model
+
+
+def _sampled(arrived: int, lat: list[float], slo_ms: float = 50, errors: int = 0, gpu_pct: int = 50,
+             queue_len: int = 0) -> dict:
+    c = InstanceCounters(gpu_pct=gpu_pct, queue_len=queue_len, held=queue_len)
+    c.record_arrivals(arrived)
+    if lat:
+        c.record_batch(lat, slo_ms)
+    if errors:
+        c.record_error("deadline_missed", errors)
+    return c.to_dict()
+
+
+def test_rates_and_windows() -> None:
+    clock = Clock()
+    m = NodeMetrics(clock=clock)
+    m.set_app("det", app_id=1, slo_ms=50)
+    m.update_instance("det", "det-0", _sampled(0, []), pid=7)
+    a = m.status()["apps"][0]
+    assert a["instances"][0]["arrival_rps"] is None and a["slo_attainment"] is None
+    clock.t += 2
+    m.update_instance("det", "det-0", _sampled(100, [10.0] * 60 + [90.0] * 20, errors=20, queue_len=4))
+    a = m.status()["apps"][0]
+    i = a["instances"][0]
+    assert i["arrival_rps"] == pytest.approx(50) and i["service_rps"] == pytest.approx(40)
+    assert i["slo_attainment"] == pytest.approx(60 / 100) and i["pid"] == 7
+    assert i["p50_ms"] == pytest.approx(10, rel=0.021) and i["p99_ms"] == pytest.approx(90, rel=0.021)
+    assert a["queue_len"] == 4 and a["errors"] == {"deadline_missed": 20} and a["slo_ms"] == 50
+    # The next window sees only what happened after the previous sample.
+    clock.t += 1
+    c = InstanceCounters.from_dict(_sampled(100, [10.0] * 60 + [90.0] * 20, errors=20))
+    c.record_arrivals(10)
+    c.record_batch([1.0] * 10, 50)
+    m.update_instance("det", "det-0", c)
+    i = m.status()["apps"][0]["instances"][0]
+    assert i["arrival_rps"] == pytest.approx(10) and i["slo_attainment"] == 1.0
+    assert i["p99_ms"] == pytest.approx(1.0, rel=0.021)
+
+
+def test_app_aggregates_and_roles() -> None:
+    clock = Clock()
+    m = NodeMetrics(clock=clock)
+    for inst in ("a-0", "a-1"):
+        m.update_instance("a", inst, _sampled(0, []))
+    m.update_instance("a", "a-s", _sampled(0, [], gpu_pct=70), role="shadow")
+    clock.t += 1
+    m.update_instance("a", "a-0", _sampled(10, [5.0] * 10))
+    m.update_instance("a", "a-1", _sampled(20, [100.0] * 20))
+    a = m.status()["apps"][0]
+    assert a["arrival_rps"] == pytest.approx(30) and a["service_rps"] == pytest.approx(30)
+    assert a["gpu_pct"] == 100  # the shadow's share is not counted
+    assert a["slo_attainment"] == pytest.approx(10 / 30)
+    m.set_role("a", "a-s", "active")
+    assert [i["role"] for i in m.status()["apps"][0]["instances"]] == ["active", "active", "active"]
+
+
+def test_app_counters_never_go_backwards() -> None:
+    clock = Clock()
+    m = NodeMetrics(clock=clock)
+    m.update_instance("a", "a-0", _sampled(10, [1.0] * 10))
+    clock.t += 1
+    # Restarted under the same name: its counters start again.
+    m.update_instance("a", "a-0", _sampled(2, [1.0] * 2))
+    a = m.status()["apps"][0]
+    assert a["arrived"] == 12 and a["served"] == 12
+    assert a["instances"][0]["arrival_rps"] == pytest.approx(2)
+    m.remove_instance("a", "a-0")
+    a = m.status()["apps"][0]
+    assert a["instances"] == [] and a["arrived"] == 12
+    m.remove_instance("a", "a-0")
+    m.remove_instance("nope", "x")
+
+
+def test_bad_heartbeat_keeps_previous_sample() -> None:
+    m = NodeMetrics()
+    m.update_instance("a", "a-0", _sampled(5, [1.0]))
+    with pytest.raises(ValueError):
+        m.update_instance("a", "a-0", {"arrived": -5})
+    assert m.status()["apps"][0]["arrived"] == 5
+
+
+def test_drops_and_info() -> None:
+    m = NodeMetrics()
+    m.set_ingest_drops({"bad_magic": 2, "timeout": 1})
+    m.set_control_rejected({"bad_token": 3})
+    m.set_node_info(backend="cpu", scheduler="spatial")
+    st_ = m.status()
+    assert st_["ingest_drops"] == {"bad_magic": 2, "timeout": 1} and st_["control_rejected"] == {"bad_token": 3}
+    assert st_["node"]["backend"] == "cpu" and st_["node"]["uptime_s"] >= 0
+    json.dumps(st_)
+    for bad in ({"x": -1}, {"x": 1.5}, {3: 1}):
+        with pytest.raises(ValueError, match="reason -> integer"):
+            m.set_ingest_drops(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="slo_ms"):
+        m.set_app("a", slo_ms=0)
+
+
+# ---- status table
+
+
+def test_format_status() -> None:
+    clock = Clock()
+    m = NodeMetrics(clock=clock)
+    m.set_app("detect", app_id=1, slo_ms=50)
+    m.set_app("idle", app_id=2, slo_ms=80)
+    m.update_instance("detect", "detect-0", _sampled(0, []))
+    clock.t += 1
+    m.update_instance("detect", "detect-0", _sampled(10, [12.0] * 9, errors=1, queue_len=3))
+    m.set_ingest_drops({"bad_magic": 4})
+    m.set_node_info(backend="cpu")
+    text = format_status(json.loads(json.dumps(m.status())))
+    lines = text.splitlines()
+    assert lines[0].startswith("node: uptime=1.0s") and "backend=cpu" in lines[0]
+    header = lines[1]
+    for col in ("APP / INSTANCE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "P50 ms", "P99 ms", "SLO att.", "ERRORS"):
+        assert col in header
+    app_line = next(ln for ln in lines if ln.startswith("detect (id 1)"))
+    assert "50 ms" in app_line and "90.0%" in app_line and "deadline_missed=1" in app_line
+    assert "10.0" in app_line and "12.00" in app_line
+    inst = next(ln for ln in lines if ln.startswith("  detect-0"))
+    assert "active" in inst
+    idle = next(ln for ln in lines if ln.startswith("idle (id 2)"))
+    assert " - " in idle
+    assert lines[-1] == "ingest drops: bad_magic=4 (total 4)"
+
+
+def test_format_status_tolerates_sparse_input() -> None:
+    assert format_status({}) == "node: -\nno apps\ningest drops: -"
+    text = format_status({"apps": [{"name": "x", "instances": [{"name": "x-0"}]}],
+                          "control_rejected": {"bad_token": 1}})
+    assert "x (id -)" in text and "  x-0" in text and "control messages rejected: bad_token=1" in text
+
+
+# ---- Prometheus over HTTP
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_metrics_endpoint() -> None:
+    clock = Clock()
+    m = NodeMetrics(clock=clock)
+    m.set_app("det", app_id=1, slo_ms=50)
+    m.update_instance("det", "det-0", _sampled(0, []))
+    clock.t += 1
+    m.update_instance("det", "det-0", _sampled(10, [5.0] * 8 + [80.0], errors=1, gpu_pct=40))
+    m.set_ingest_drops({"bad_magic": 3})
+    m.set_control_rejected({"bad_token": 2})
+    with MetricsServer(m, 0) as srv:
+        assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
+        body = _scrape(srv.url)
+    lab = 'app="det",instance="det-0"'
+    for line in (
+        f"gpuprims_requests_arrived_total{{{lab}}} 10.0",
+        f"gpuprims_requests_served_total{{{lab}}} 9.0",
+        f"gpuprims_requests_slo_met_total{{{lab}}} 8.0",
+        f'gpuprims_request_errors_total{{{lab},status="deadline_missed"}} 1.0',
+        f"gpuprims_arrival_rate_rps{{{lab}}} 10.0",
+        f"gpuprims_gpu_pct{{{lab}}} 40.0",
+        f"gpuprims_slo_attainment{{{lab}}} 0.8",
+        f'gpuprims_batch_size_bucket{{{lab},le="8.0"}} 0.0',
+        f'gpuprims_batch_size_bucket{{{lab},le="16.0"}} 1.0',
+        'gpuprims_app_requests_arrived_total{app="det"} 10.0',
+        'gpuprims_app_slo_ms{app="det"} 50.0',
+        'gpuprims_ingest_dropped_total{reason="bad_magic"} 3.0',
+        'gpuprims_control_rejected_total{reason="bad_token"} 2.0',
+    ):
+        assert line in body, line
+    assert f'gpuprims_latency_ms{{{lab},quantile="0.5"}}' in body
+    # Our metrics never land in the process-global registry.
+    assert REGISTRY.get_sample_value("gpuprims_requests_arrived_total", {"app": "det", "instance": "det-0"}) is None
+
+
+def test_metrics_server_stops_and_refuses() -> None:
+    m = NodeMetrics()
+    srv = MetricsServer(m, 0)
+    port = srv.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        srv.start()
+    assert "gpuprims_uptime_seconds" in _scrape(srv.url)
+    srv.close()
+    srv.close()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        _scrape(f"http://127.0.0.1:{port}/metrics")
+    with pytest.raises(ValueError, match="port"):
+        MetricsServer(m, 70000)
+    with pytest.raises(ValueError, match="port"):
+        MetricsServer(m, True)
+
+
+def test_metrics_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match="metrics_port"):
+            MetricsServer(NodeMetrics(), port).start()
