@@ -1,0 +1,64 @@
+"""``gpuprims-profile``: measure a model's latency/memory over batch sizes x GPU% into a profile file."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gpuprims.profile.format import save_profile
+from gpuprims.profile.measure import measure_profile, parse_int_list, plot_profile
+
+
+def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False):  # type: ignore[no-untyped-def]
+    def convert(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+        try:
+            return parse_int_list(value, label=label, lo=lo, hi=hi, ordered=ordered)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return convert
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model")
+@click.option("--batch", "batch", default="1,2,4,8", show_default=True, callback=_ints("--batch"),
+              help="Comma-separated batch sizes.")
+@click.option("--gpu-pct", "gpu_pct", default="25,50,75,100", show_default=True,
+              callback=_ints("--gpu-pct", 1, 100), help="Comma-separated GPU% (CPU backend: share of cores).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile JSON to write.")
+@click.option("--backend", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--input-shape", default="3,224,224", show_default=True, callback=_ints("--input-shape", ordered=True),
+              help="One sample's shape, comma-separated.")
+@click.option("--repeats", type=click.IntRange(min=2), default=20, show_default=True,
+              help="Timed forward passes per point.")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--width", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Channel width multiplier of zoo models (small test variants).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Seconds allowed per point.")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
+              help="Also draw latency vs GPU% per batch size, knee marked (PNG).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: str, input_shape: list[int],
+         repeats: int, warmup: int, width: float, timeout_s: float, plot: str | None, no_progress: bool) -> None:
+    """Measure MODEL (a zoo name or module:factory) at every --batch x --gpu-pct point.
+
+    Each point runs in a fresh process with its share applied before torch initialises (MPS thread
+    percentage on CUDA, a share of cores on CPU).
+    """
+    try:
+        prof = measure_profile(model, batch_sizes=batch, gpu_pcts=gpu_pct, backend=backend,
+                               input_shape=input_shape, repeats=repeats, warmup=warmup, width=width,
+                               timeout_s=timeout_s, progress=not no_progress)
+    except (ValueError, RuntimeError) as e:
+        click.echo(f"gpuprims-profile: {e}", err=True)
+        sys.exit(2)
+    path = save_profile(prof, out)
+    click.echo(f"backend {prof.backend} ({prof.device}); wrote {len(prof.points)} points to {path}")
+    if plot:
+        click.echo(f"plot: {plot_profile(prof, plot)}")
+
+
+if __name__ == "__main__":
+    main()

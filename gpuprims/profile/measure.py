@@ -1,0 +1,237 @@
+"""Measure a model's profile on this machine: latency p50/p99 and peak memory per (batch, GPU%).
+
+Every point runs in a fresh ``spawn`` process whose share is applied before torch initialises:
+
+- ``cuda``: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<gpu_pct>`` in the environment before torch is
+  imported. The share is only enforced when an MPS control daemon is running; without one the point
+  is still measured (at the whole GPU) and the profile's ``device`` says so.
+- ``cpu``: the share of cores that ``gpuprims.cpushare.plan_cpu_shares`` gives ``gpu_pct`` (affinity
+  and thread count), with ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` set before torch is imported.
+
+Latency is timed per forward pass (CUDA events on cuda, ``perf_counter_ns`` on cpu) after warm-up
+passes. Peak memory is ``torch.cuda.max_memory_allocated`` on cuda and, on cpu, the growth of the
+process's peak resident set (``getrusage`` ru_maxrss) over its size after importing torch, before the
+model was built.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from gpuprims.profile.format import Profile, ProfilePoint
+
+MPS_PIPE_DIR = "/tmp/nvidia-mps"
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """What one child process measures."""
+
+    model: str
+    batch_size: int
+    gpu_pct: int
+    backend: str
+    input_shape: tuple[int, ...]
+    repeats: int
+    warmup: int
+    width: float
+    seed: int
+    cores: tuple[int, ...] | None
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_point(spec: PointSpec) -> dict[str, Any]:
+    """Measure one point in THIS process; call it only in a fresh process (it sets the share first).
+
+    Returns a ProfilePoint-shaped dict plus ``"device"`` and ``"torch"``.
+    """
+    if spec.backend == "cuda":
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(spec.gpu_pct)
+        share = None
+    else:
+        from gpuprims.cpushare import plan_cpu_shares
+
+        share = plan_cpu_shares([("profile", spec.gpu_pct)], list(spec.cores) if spec.cores else None)["profile"]
+        os.environ.update(share.env())
+    import numpy as np
+    import torch
+
+    if share is not None:
+        from gpuprims.cpushare import apply_cpu_share
+
+        apply_cpu_share(share)
+    base_rss_mb = _rss_mb()  # after torch's own import, so only the model and its activations count
+    from apps.zoo import load_model
+
+    device = torch.device("cuda" if spec.backend == "cuda" else "cpu")
+    model = load_model(spec.model, seed=spec.seed, input_shape=tuple(spec.input_shape), width=spec.width,
+                       device=device)
+    gen = torch.Generator().manual_seed(spec.seed)
+    x = torch.rand((spec.batch_size, *spec.input_shape), generator=gen).to(device)
+    times_ms: list[float] = []
+    with torch.inference_mode():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(spec.warmup):
+                model(x)
+            torch.cuda.synchronize()
+            for _ in range(spec.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(x)
+                end.record()
+                end.synchronize()
+                times_ms.append(start.elapsed_time(end))
+            peak_mb = torch.cuda.max_memory_allocated() / 2**20
+            name = torch.cuda.get_device_name(0)
+            mps = os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIR), "control"))
+            dev = name + ("" if mps else " (no MPS daemon: GPU% not enforced)")
+        else:
+            import resource
+            import time
+
+            for _ in range(spec.warmup):
+                model(x)
+            for _ in range(spec.repeats):
+                t0 = time.perf_counter_ns()
+                model(x)
+                times_ms.append((time.perf_counter_ns() - t0) / 1e6)
+            peak_mb = max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss_mb)
+            dev = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, {share.threads} used)"
+    a = np.asarray(times_ms)
+    p50 = float(np.percentile(a, 50))
+    return {"batch_size": spec.batch_size, "gpu_pct": spec.gpu_pct, "latency_p50_ms": p50,
+            "latency_p99_ms": float(np.percentile(a, 99)), "peak_mem_mb": float(peak_mb),
+            "throughput_rps": spec.batch_size * 1000.0 / p50, "device": dev, "torch": torch.__version__}
+
+
+def parse_int_list(text: str, *, label: str, lo: int = 1, hi: int | None = None,
+                   ordered: bool = False) -> list[int]:
+    """"4,1,2" -> [1, 2, 4] (sorted, unique; as written with ``ordered``); ValueError naming the bad item."""
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            v = int(item)
+        except ValueError:
+            raise ValueError(f"{label}: {item!r} is not an integer (in {text!r})") from None
+        if v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise ValueError(f"{label}: {v} must be {rng} (in {text!r})")
+        out.append(v)
+    return out if ordered else sorted(set(out))
+
+
+def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequence[int], backend: str = "auto",
+                    input_shape: Sequence[int] = (3, 224, 224), repeats: int = 20, warmup: int = 3,
+                    width: float = 1.0, seed: int = 0, cores: Sequence[int] | None = None,
+                    timeout_s: float = 600.0, progress: bool = True,
+                    on_point: Callable[[dict[str, Any]], None] | None = None) -> Profile:
+    """Measure ``model`` (a zoo name or ``module:factory``) at every (batch, GPU%) and return the profile.
+
+    Each point runs in its own spawn process (module docstring). Raises ValueError for bad
+    arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
+    """
+    from gpuprims.backend import resolve_backend
+
+    if not model:
+        raise ValueError("model must be non-empty")
+    bs = sorted({int(b) for b in batch_sizes})
+    gs = sorted({int(g) for g in gpu_pcts})
+    if not bs or bs[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if not gs or gs[0] < 1 or gs[-1] > 100:
+        raise ValueError(f"gpu_pcts must be in 1..100, got {list(gpu_pcts)}")
+    if repeats < 2:
+        raise ValueError(f"repeats must be >= 2, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"input_shape must be positive integers, got {list(input_shape)}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    be = resolve_backend(backend)
+    specs = [PointSpec(model, b, g, be, shape, repeats, warmup, float(width), seed,
+                       tuple(cores) if cores is not None else None) for b in bs for g in gs]
+    from tqdm import tqdm
+
+    points: list[dict[str, Any]] = []
+    ctx = get_context("spawn")
+    bar = tqdm(specs, desc=f"profile {model} ({be})", unit="point", disable=not progress, file=sys.stderr)
+    for spec in bar:
+        bar.set_postfix(batch=spec.batch_size, gpu_pct=spec.gpu_pct)
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            fut = pool.submit(measure_point, spec)
+            try:
+                res = fut.result(timeout=timeout_s)
+            except FutureTimeout:
+                for p in list(getattr(pool, "_processes", {}).values()):
+                    p.kill()
+                raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} took "
+                                   f"longer than timeout_s={timeout_s}") from None
+            except Exception as e:
+                raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} "
+                                   f"failed: {type(e).__name__}: {e}") from e
+        points.append(res)
+        if on_point is not None:
+            on_point(res)
+    from gpuprims import __version__
+
+    return Profile(
+        model=model, source="measured", backend=be, device=points[0]["device"],
+        source_note=f"gpuprims-profile, {asdict(specs[0]) | {'batch_size': bs, 'gpu_pct': gs}}",
+        versions={"torch": points[0]["torch"], "gpuprims": __version__, "python": platform.python_version()},
+        conditions={"input_shape": shape, "dtype": "float32",
+                    "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+                    "repeats": repeats},
+        points=[ProfilePoint(**{k: v for k, v in p.items() if k in ProfilePoint.model_fields}) for p in points],
+    )
+
+
+def plot_profile(profile: Profile, path: str | Path, *, tolerance: float = 0.10) -> Path:
+    """Latency (p50) vs GPU% per batch size, knee marked (paper Fig. 2a); writes a PNG and returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gpuprims.sched.knee import knee
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in profile.batch_sizes:
+        xs = profile.gpu_pcts
+        ax.plot(xs, [profile.point(b, g).latency_p50_ms for g in xs], marker="o", label=f"batch {b}")
+        k = knee(profile, b, tolerance=tolerance)
+        ax.plot([k], [profile.latency_ms(b, k)], marker="*", markersize=14, color="k")
+    ax.plot([], [], "k*", markersize=10, label=f"knee (within {tolerance:.0%} of full share)")
+    ax.set_xlabel("GPU% (CPU backend: share of cores)" if profile.backend == "cpu" else "GPU%")
+    ax.set_ylabel("latency p50 (ms)")
+    ax.set_title(f"{profile.model} ({profile.source}, {profile.backend})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

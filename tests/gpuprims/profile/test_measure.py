@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuprims.profile import load_profile
+from gpuprims.profile.cli import main
+from gpuprims.profile.measure import measure_profile, parse_int_list, plot_profile
+from tests.gpuprims.sched._profiles import grid
+
+TINY = ["mobilenet", "--batch", "2", "--gpu-pct", "50,100", "--input-shape", "3,32,32", "--width", "0.25",
+        "--repeats", "3", "--warmup", "1", "--backend", "cpu", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_cli_measures_each_point_in_its_own_process(tmp_path: Path) -> None:
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    res = CliRunner().invoke(main, [*TINY, "--out", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    p = load_profile(out)
+    assert p.source == "measured" and p.backend == "cpu" and p.model == "mobilenet"
+    assert p.batch_sizes == [2] and p.gpu_pcts == [50, 100]
+    assert p.conditions.input_shape == (3, 32, 32) and p.conditions.repeats == 3
+    for pt in p.points:
+        assert 0 < pt.latency_p50_ms <= pt.latency_p99_ms
+        assert pt.throughput_rps == pytest.approx(2000 / pt.latency_p50_ms)
+        assert pt.peak_mem_mb >= 0
+    # 50% of this machine's cores vs all of them, recorded in the device string of the last point
+    assert "cores" in p.device
+    assert png.stat().st_size > 1000
+
+
+def test_child_failure_names_the_point() -> None:
+    with pytest.raises(RuntimeError, match="batch=1 gpu_pct=100 failed: ValueError: unknown model"):
+        measure_profile("no_such_net", batch_sizes=[1], gpu_pcts=[100], backend="cpu", repeats=2,
+                        progress=False)
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"batch_sizes": [0]}, "batch sizes"), ({"batch_sizes": []}, "batch sizes"),
+    ({"gpu_pcts": [0]}, "gpu_pcts"), ({"gpu_pcts": [101]}, "gpu_pcts"),
+    ({"repeats": 1}, "repeats"), ({"warmup": -1}, "warmup"), ({"input_shape": (3, 0, 4)}, "input_shape"),
+    ({"timeout_s": 0}, "timeout_s"), ({"backend": "tpu"}, "backend"),
+])
+def test_measure_bad_input(kw: dict, needle: str) -> None:
+    args = {"batch_sizes": [1], "gpu_pcts": [100], "backend": "cpu", "progress": False} | kw
+    with pytest.raises(ValueError, match=needle):
+        measure_profile("mobilenet", **args)
+    with pytest.raises(ValueError, match="model"):
+        measure_profile("", batch_sizes=[1], gpu_pcts=[1])
+
+
+def test_parse_int_list() -> None:
+    assert parse_int_list("4, 1,2,2", label="x") == [1, 2, 4]
+    assert parse_int_list("3,32,32", label="x", ordered=True) == [3, 32, 32]
+    with pytest.raises(ValueError, match="x: 'a' is not an integer"):
+        parse_int_list("1,a", label="x")
+    with pytest.raises(ValueError, match="x: 0 must be >= 1"):
+        parse_int_list("0", label="x")
+    with pytest.raises(ValueError, match=r"must be in 1\.\.100"):
+        parse_int_list("101", label="x", hi=100)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["m", "--out", "x.json", "--batch", "1,x"], "--batch: 'x' is not an integer"),
+    (["m", "--out", "x.json", "--gpu-pct", "0"], "--gpu-pct: 0 must be in 1..100"),
+    (["m", "--out", "x.json", "--repeats", "1"], "repeats"),
+    (["m", "--out", "x.json", "--backend", "tpu"], "backend"),
+    (["m"], "--out"),
+])
+def test_cli_bad_input(args: list[str], needle: str) -> None:
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and needle in res.output
+
+
+def test_plot_marks_the_knee(tmp_path: Path) -> None:
+    p = grid("toy", {25: {1: 8.0, 4: 20.0}, 50: {1: 4.0, 4: 10.0}, 100: {1: 3.8, 4: 6.0}})
+    out = plot_profile(p, tmp_path / "k.png")
+    assert out.stat().st_size > 1000
