@@ -81,6 +81,7 @@ class Profile(BaseModel):
     conditions: Conditions
     points: tuple[ProfilePoint, ...] = Field(min_length=1)
     _tables: dict[str, dict[tuple[int, int], float]] = PrivateAttr(default_factory=dict)
+    _axes: dict[str, list[int]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _full_grid(self) -> Profile:
@@ -112,12 +113,16 @@ class Profile(BaseModel):
     @property
     def batch_sizes(self) -> list[int]:
         """Measured batch sizes, ascending."""
-        return sorted({p.batch_size for p in self.points})
+        if "batch_sizes" not in self._axes:
+            self._axes["batch_sizes"] = sorted({p.batch_size for p in self.points})
+        return list(self._axes["batch_sizes"])
 
     @property
     def gpu_pcts(self) -> list[int]:
         """Measured GPU percentages, ascending."""
-        return sorted({p.gpu_pct for p in self.points})
+        if "gpu_pcts" not in self._axes:
+            self._axes["gpu_pcts"] = sorted({p.gpu_pct for p in self.points})
+        return list(self._axes["gpu_pcts"])
 
     def point(self, batch_size: int, gpu_pct: int) -> ProfilePoint:
         """The measured point at exactly (batch_size, gpu_pct); ValueError if it was not measured."""

@@ -3,11 +3,13 @@
 Both schedulers share one interface, free of simulation details so that the orchestrator can drive
 them live with wall-clock time:
 
-- ``plan(now_ms, queues) -> list[Dispatch]``: ``queues`` maps a stage's queue key ``"<app>/<stage>"``
+- ``plan(now_ms, queues, gpus=None) -> list[Dispatch]``: ``queues`` maps a stage's queue key ``"<app>/<stage>"``
   to the absolute deadlines (ms) of its waiting requests, oldest first. The caller applies the
   returned dispatches in list order, each taking ``batch_size`` requests from the front of its
   queue: ``action == "run"`` starts them now on ``gpu`` at ``gpu_pct``; ``action == "reject"``
   answers them at once with a deadline-miss status (they cannot meet their deadline any more).
+  ``gpus`` optionally limits the work to the GPUs whose queues or runs changed since the last call
+  (an optimisation for callers that know; None considers every GPU).
 - ``completed(dispatch, measured_ms)``: a run finished after ``measured_ms``; the caller has routed
   its outputs to the next stages' queues before calling ``plan`` again.
 - ``next_wakeup_ms(now_ms)``: when ``plan`` wants to be called again even if nothing else happens
@@ -46,7 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -156,6 +158,17 @@ class Scheduler(ABC):
         self._stage_of: dict[str, tuple[App, str]] = {a.key(s.name): (a, s.name) for a in apps for s in a.stages}
         self._apps_on: list[list[App]] = [[a for a in self.apps.values() if self.placement[a.name] == g]
                                           for g in range(num_gpus)]
+        # (app index on its GPU, app, stage name, queue key, is entry) per GPU, in app then stage order
+        self._keys_on: list[list[tuple[int, App, str, str, bool]]] = [
+            [(i, a, s.name, a.key(s.name), j == 0) for i, a in enumerate(self._apps_on[g])
+             for j, s in enumerate(a.stages)] for g in range(num_gpus)]
+        self._chain_cache: dict[str, float] = {}
+        self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
+                                                        for a in apps for st in a.stages}
+        self._caps: dict[str, tuple[int, int]] = {}
+        for m, prof in self.profiles.items():
+            bs = prof.batch_sizes
+            self._caps[m] = (bs[0], bs[-1] if max_batch is None else min(bs[-1], max_batch))
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -179,24 +192,34 @@ class Scheduler(ABC):
 
     def predict_ms(self, model: str, batch_size: int, gpu_pct: int) -> float:
         """Predicted latency: profile latency (``stat``) times the learned correction."""
+        return self._base_ms(model, batch_size, gpu_pct) * self._correction.get((model, gpu_pct), 1.0)
+
+    def _base_ms(self, model: str, batch_size: int, gpu_pct: int) -> float:
         k = (model, batch_size, gpu_pct)
         base = self._base_cache.get(k)
         if base is None:
-            base = self.profiles[model].latency_ms(batch_size, gpu_pct, stat=self.stat)
-            self._base_cache[k] = base
-        return base * self._correction.get((model, gpu_pct), 1.0)
+            base = self._base_cache[k] = self.profiles[model].latency_ms(batch_size, gpu_pct, stat=self.stat)
+        return base
 
     def _batch_cap(self, model: str) -> int:
-        top = self.profiles[model].batch_sizes[-1]
-        return top if self.max_batch is None else min(top, self.max_batch)
+        return self._caps[model][1]
 
     def _min_batch(self, model: str) -> int:
-        return self.profiles[model].batch_sizes[0]
+        return self._caps[model][0]
 
     # --- the interface -----------------------------------------------------------------------------
     @abstractmethod
-    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
+             gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """Dispatches to apply now, in order (module docstring)."""
+
+    def _gpu_list(self, gpus: Iterable[int] | None) -> list[int]:
+        if gpus is None:
+            return list(range(self.num_gpus))
+        out = sorted(set(gpus))
+        if out and not (out[0] >= 0 and out[-1] < self.num_gpus):
+            raise ValueError(f"gpus {out} must be in 0..{self.num_gpus - 1}")
+        return out
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """When ``plan`` wants to run again even without a completion or arrival; None if never."""
@@ -213,12 +236,13 @@ class Scheduler(ABC):
         if gs is None or dispatch.id not in gs.running:
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
-        base = self.profiles[dispatch.model].latency_ms(dispatch.batch_size, dispatch.gpu_pct, stat=self.stat)
+        base = self._base_ms(dispatch.model, dispatch.batch_size, dispatch.gpu_pct)
         if base > 0 and self.learn_rate > 0:
             ratio = min(10.0, max(0.1, measured_ms / base))
             k = (dispatch.model, dispatch.gpu_pct)
             old = self._correction.get(k, 1.0)
             self._correction[k] = (1 - self.learn_rate) * old + self.learn_rate * ratio
+            self._chain_cache.clear()
         for r in gs.reservations:
             if r.upstream == dispatch.id:
                 r.ready = True
@@ -246,28 +270,37 @@ class Scheduler(ABC):
         """Predicted time from starting ``stage`` with batch 1 to the end of its slowest continuation."""
         s = app.stage(stage)
         own = self.predict_ms(s.model, self._min_batch(s.model), self._stage_pct(app, stage))
-        nxt = [self._min_chain_ms(app, n, sequential=sequential) for n in app.successors(stage)]
+        nxt = [self._min_chain_ms(app, n, sequential=sequential) for n in self._succ[(app.name, stage)]]
         if not nxt:
             return own
         return own + (sum(nxt) if sequential else max(nxt))
 
-    def _rejects(self, now: float, queues: Mapping[str, Sequence[float]], consumed: dict[str, int], *,
-                 sequential: bool) -> list[Dispatch]:
+    def _rejects(self, now: float, queues: Mapping[str, Sequence[float]], consumed: dict[str, int],
+                 gpus: list[int], *, sequential: bool) -> list[Dispatch]:
         out: list[Dispatch] = []
-        for key, q in queues.items():
-            if not q or key not in self._stage_of:
-                continue
-            app, stage = self._stage_of[key]
-            slack_needed = now + self._min_chain_ms(app, stage, sequential=sequential)
-            n = 0
-            while n < len(q) and q[n] < slack_needed - _EPS:
-                n += 1
-            if n:
-                consumed[key] = n
-                gpu = self.placement[app.name]
-                out.append(self._new_dispatch(app, stage, gpu, self._stage_pct(app, stage), n, now, 0.0,
-                                              action="reject"))
+        for g in gpus:
+            for _, app, stage, key, _ in self._keys_on[g]:
+                q = queues.get(key)
+                if q:
+                    d = self._reject_head(now, q, app, stage, key, consumed, sequential)
+                    if d is not None:
+                        out.append(d)
         return out
+
+    def _reject_head(self, now: float, q: Sequence[float], app: App, stage: str, key: str,
+                     consumed: dict[str, int], sequential: bool) -> Dispatch | None:
+        chain = self._chain_cache.get(key)
+        if chain is None:
+            chain = self._chain_cache[key] = self._min_chain_ms(app, stage, sequential=sequential)
+        slack_needed = now + chain
+        if q[0] >= slack_needed - _EPS:
+            return None
+        n = 0
+        while n < len(q) and q[n] < slack_needed - _EPS:
+            n += 1
+        consumed[key] = n
+        gpu = self.placement[app.name]
+        return self._new_dispatch(app, stage, gpu, self._stage_pct(app, stage), n, now, 0.0, action="reject")
 
 
 class SpatioTemporalScheduler(Scheduler):
@@ -303,17 +336,23 @@ class SpatioTemporalScheduler(Scheduler):
                     nxt = r.start
         return nxt
 
-    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
+             gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
         rnd = math.floor(now_ms / self.round_ms + _EPS)
+        glist = self._gpu_list(gpus)
         if rnd != self._round:
             self._round = rnd
             self._launched.clear()
+            glist = list(range(self.num_gpus))  # a new round concerns every GPU
         consumed: dict[str, int] = {}
-        out = self._rejects(now_ms, queues, consumed, sequential=False)
-        for g, gs in enumerate(self.gpus):
-            out += self._start_reservations(g, gs, now_ms, queues, consumed)
-        for g, gs in enumerate(self.gpus):
+        out = self._rejects(now_ms, queues, consumed, glist, sequential=False)
+        for g in glist:
+            gs = self.gpus[g]
+            if gs.reservations:
+                out += self._start_reservations(g, gs, now_ms, queues, consumed)
+        for g in glist:
+            gs = self.gpus[g]
             if gs.running_pct() >= 100:
                 continue
             for first_pass in (True, False):
@@ -364,18 +403,18 @@ class SpatioTemporalScheduler(Scheduler):
                     first_pass: bool) -> list[tuple[App, str]]:
         """(app, stage) pairs on GPU g with waiting requests and no reservation, earliest deadline first."""
         gs = self.gpus[g]
-        reserved = {r.key for r in gs.reservations}
+        reserved = {r.key for r in gs.reservations} if gs.reservations else ()
+        busy = {d.key for d in gs.running.values()} if gs.running else ()
         cands: list[tuple[float, int, App, str]] = []
-        for i, app in enumerate(self._apps_on[g]):
-            if first_pass and app.name in self._launched:
+        for i, app, st, key, is_entry in self._keys_on[g]:
+            if first_pass and (not is_entry or app.name in self._launched):
                 continue
-            stages = [app.entry.name] if first_pass else [s.name for s in app.stages]
-            for st in stages:
-                key = app.key(st)
-                q = queues.get(key, ())
-                c = consumed.get(key, 0)
-                if len(q) > c and key not in reserved:
-                    cands.append((q[c], i, app, st))
+            q = queues.get(key)
+            if not q:
+                continue
+            c = consumed.get(key, 0)
+            if len(q) > c and key not in reserved and key not in busy:
+                cands.append((q[c], i, app, st))
         cands.sort(key=lambda t: (t[0], t[1]))
         return [(a, s) for _, _, a, s in cands]
 
@@ -438,7 +477,7 @@ class SpatioTemporalScheduler(Scheduler):
         work = list(ivs)
         work.append(_Interval(now, now + pred, s.gpu_pct, app.key(stage)))
         res: list[_Reservation] = []
-        frontier = [(n, now + pred) for n in app.successors(stage)]
+        frontier = [(n, now + pred) for n in self._succ[(app.name, stage)]]
         while frontier:
             name, not_before = frontier.pop(0)
             ns = app.stage(name)
@@ -452,7 +491,7 @@ class SpatioTemporalScheduler(Scheduler):
                 return None
             work.append(_Interval(start, start + dur, ns.gpu_pct, key))
             res.append(_Reservation(key, app.name, name, g, ns.gpu_pct, nb, start, start + dur, upstream=0))
-            frontier.extend((n, start + dur) for n in app.successors(name))
+            frontier.extend((n, start + dur) for n in self._succ[(app.name, name)])
         return res, pred
 
 
@@ -495,11 +534,14 @@ class TemporalScheduler(Scheduler):
     def _stage_pct(self, app: App, stage: str) -> int:
         return 100
 
-    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]]) -> list[Dispatch]:
+    def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
+             gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """Rejects, then on every idle GPU: a DAG's pending later stage, else the next app's turn."""
         consumed: dict[str, int] = {}
-        out = self._rejects(now_ms, queues, consumed, sequential=True)
-        for g, gs in enumerate(self.gpus):
+        glist = self._gpu_list(gpus)
+        out = self._rejects(now_ms, queues, consumed, glist, sequential=True)
+        for g in glist:
+            gs = self.gpus[g]
             if gs.running or not self._order[g]:
                 continue
             d = self._next(g, now_ms, queues, consumed)

@@ -142,6 +142,8 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     profiles: Mapping[str, Profile] = scheduler.profiles
     apps = [w.app for w in workloads]
     queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
+    placement = scheduler.placement
+    lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
     routes: dict[str, tuple[list[str | None], np.ndarray]] = {}
@@ -158,6 +160,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
 
     arrivals = [w.arrival.times_ms(duration_ms, rng) for w in workloads]
     next_idx = [0] * len(workloads)
+    last_arrival = max((float(a[-1]) for a in arrivals if a.size), default=0.0)
     heap: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, data); kind 0 completion, 1 arrival, 2 wake
     seq = 0
     for i, arr in enumerate(arrivals):
@@ -184,6 +187,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
         if t > end_ms:
             break
         need_plan = False
+        touched: set[int] | None = set()  # GPUs whose queues or runs changed; None: all of them
         while heap and heap[0][0] <= t + _EPS:
             _, kind, _, data = heapq.heappop(heap)
             if kind == 0:
@@ -191,6 +195,8 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 running_pct[d.gpu] -= d.gpu_pct
                 busy_keys.discard(d.key)
                 scheduler.completed(d, measured)
+                if touched is not None:
+                    touched.add(d.gpu)
                 app = scheduler.apps[d.app]
                 st = stats[d.app]
                 route = routes.get(d.key)
@@ -218,6 +224,8 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 q = queues[a.key(a.entry.name)]
                 if not q:
                     need_plan = True
+                    if touched is not None:
+                        touched.add(placement[a.name])
                 k = next_idx[i]
                 dl_ms = a.deadline_ms
                 st = stats[a.name]
@@ -233,10 +241,11 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             else:
                 wakes.discard(data)
                 need_plan = True
+                touched = None
         if not need_plan:
             continue
         plans += 1
-        for d in scheduler.plan(t, queues):
+        for d in scheduler.plan(t, queues, touched):
             q = queues[d.key]
             if d.batch_size < 1 or d.batch_size > len(q):
                 raise RuntimeError(f"scheduler dispatched {d.batch_size} from {d.key} holding {len(q)}")
@@ -257,7 +266,10 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 raise RuntimeError(f"scheduler started {d.key} at t={t} ms while its instance was busy")
             running_pct[d.gpu] += d.gpu_pct
             busy_keys.add(d.key)
-            actual = profiles[d.model].latency_ms(d.batch_size, d.gpu_pct) * scale.get(d.model, 1.0)
+            lk = (d.model, d.batch_size, d.gpu_pct)
+            actual = lat_cache.get(lk)
+            if actual is None:
+                actual = lat_cache[lk] = profiles[d.model].latency_ms(*lk[1:]) * scale.get(d.model, 1.0)
             if jitter_sigma > 0:
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
             gpu_busy_pct_ms[d.gpu] += d.gpu_pct * actual
@@ -269,8 +281,8 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
         w = scheduler.next_wakeup_ms(t)
-        pending = any(queues.values()) or in_flight or any(next_idx[i] < a.size for i, a in enumerate(arrivals))
-        if w is not None and w > t + _EPS and w not in wakes and pending:
+        if w is not None and w > t + _EPS and w not in wakes and (
+                in_flight or t < last_arrival or any(queues.values())):
             wakes.add(w)
             heapq.heappush(heap, (w, 2, seq, w))
             seq += 1
