@@ -25,7 +25,6 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -441,7 +440,7 @@ class NodeConfig(BaseModel):
 
     @field_validator("apps")
     @classmethod
-    def _some_apps(cls, v: tuple[AppConfig, ...], info: ValidationInfo) -> tuple[AppConfig, ...]:
+    def _some_apps(cls, v: tuple[AppConfig, ...]) -> tuple[AppConfig, ...]:
         if not v:
             raise ValueError("must list at least one app")
         return v

@@ -45,6 +45,7 @@ import os
 import queue
 import re
 import secrets
+import socket
 import stat
 import tempfile
 import threading
@@ -443,7 +444,7 @@ class ControlServer(ABC):
                                           f"{type(msg).__name__} from {peer} claims to be {claimed}")
                         continue
                 self._pending.append(Incoming(source, peer, msg, route))
-            if not raw and remaining_ms <= 0:
+            if remaining_ms <= 0:
                 break
         return self._pending.popleft() if self._pending else None
 
@@ -493,9 +494,28 @@ def _close_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, paths: list[Path]) -
             p.unlink()
 
 
+def _refuse_live_ipc(endpoint: str) -> None:
+    """Refuse to bind over the ipc socket of a node that is still running (zmq would steal it)."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # stale socket file of a node that has gone; binding replaces it
+    raise ControlError(f"another node is already serving {endpoint}; give each node its own node.run_dir")
+
+
 class _ZmqServer(ControlServer):
     def __init__(self, address: ControlAddress, token: str, *, hwm: int, linger_ms: int) -> None:
         super().__init__(address, token)
+        for endpoint in (address.instances, address.commands):
+            _check_endpoint(endpoint)
+            _refuse_live_ipc(endpoint)
         self._ctx = zmq.Context()
         try:
             self._inst = make_socket(self._ctx, zmq.ROUTER, address.instances, bind=True, hwm=hwm,
@@ -683,6 +703,8 @@ class InstanceClient(ABC):
             msg = _accept(frames, self._token, FROM_ORCHESTRATOR, self._rejects, "orchestrator")
             if msg is not None:
                 return msg
+            if remaining_ms <= 0:
+                return None
 
     def recv(self, timeout_ms: float, *, setting: str) -> Message:
         """The next accepted command; raises ControlTimeout naming ``setting`` if none comes in time."""
@@ -836,6 +858,8 @@ class CommandClient(ABC):
             reply = _accept(frames, self._token, TO_CLI, self._rejects, "node")
             if reply is not None:
                 return reply
+            if remaining_ms <= 0:
+                raise ControlTimeout(f"the node sent no valid answer to {type(msg).__name__}", timeout_ms, setting)
 
     def close(self) -> None:
         """Release the socket; idempotent."""

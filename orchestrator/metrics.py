@@ -21,6 +21,7 @@ difference of two cumulative histograms.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "MetricsServer",
     "NodeMetrics",
     "format_status",
+    "normalize_status",
     "status_name",
 ]
 
@@ -388,7 +390,7 @@ class NodeMetrics:
         self._node_info: dict[str, Any] = {}
         self._started_s = clock()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))
+        self.registry.register(_Collector(self.status))
 
     def set_app(self, app: str, *, app_id: int | None = None, slo_ms: float | None = None) -> None:
         """Declare an app (so it is listed before its first heartbeat) with its id and SLO."""
@@ -517,98 +519,156 @@ class NodeMetrics:
         }
 
 
-class _Collector(Collector):
-    """Renders a NodeMetrics at scrape time; registered on the model's own registry."""
+def _as_count(v: Any) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
 
-    def __init__(self, metrics: NodeMetrics) -> None:
-        self._ref = weakref.ref(metrics)
+
+def _normalize_entry(d: Mapping[str, Any], name: str | None) -> dict[str, Any]:
+    out = dict(d)
+    if name is not None:
+        out.setdefault("name", name)
+    for canon, alias in (("arrived", "received"), ("served", "ok"), ("slo_met", "within_slo")):
+        if canon not in out and alias in out:
+            out[canon] = out[alias]
+    errors = out.get("errors")
+    if not isinstance(errors, Mapping):
+        # The node's own summary counts errors as plain numbers next to deadline misses.
+        built = {"deadline_missed": _as_count(out.get("deadline_missed")), "error": _as_count(errors)}
+        out["errors"] = {k: v for k, v in built.items() if v}
+    insts = out.get("instances")
+    if isinstance(insts, Mapping):
+        insts = [_normalize_entry(v, k) for k, v in insts.items() if isinstance(v, Mapping)]
+    elif isinstance(insts, list):
+        insts = [_normalize_entry(v, None) for v in insts if isinstance(v, Mapping)]
+    else:
+        insts = []
+    out["instances"] = insts
+    return out
+
+
+def normalize_status(status: Mapping[str, Any]) -> dict[str, Any]:
+    """A status dict in the shape `NodeMetrics.status` returns.
+
+    Also accepts the node's own summary: ``apps`` keyed by name instead of a list, counters named
+    ``received`` / ``ok`` / ``within_slo``, errors as plain numbers, and drops under ``drops``.
+    Missing values stay missing (`format_status` prints ``-``; Prometheus skips them).
+    """
+    apps = status.get("apps") or []
+    if isinstance(apps, Mapping):
+        apps = [_normalize_entry(v, str(k)) for k, v in apps.items() if isinstance(v, Mapping)]
+    else:
+        apps = [_normalize_entry(v, None) for v in apps if isinstance(v, Mapping)]
+    drops = status.get("ingest_drops")
+    if drops is None:
+        drops = status.get("drops")
+    return {"node": dict(status.get("node") or {}), "apps": apps, "ingest_drops": dict(drops or {}),
+            "control_rejected": dict(status.get("control_rejected") or {})}
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+class _Collector(Collector):
+    """Renders a status dict (from ``source``) at scrape time on a private registry."""
+
+    def __init__(self, source: Callable[[], Mapping[str, Any]]) -> None:
+        self._source = source
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> Iterator[Any]:
-        m = self._ref()
-        if m is None:
-            return
-        st = m.status()
+        st = normalize_status(self._source())
         il = ["app", "instance"]
         fam = {
             "arrived": CounterMetricFamily("gpuprims_requests_arrived", "Requests routed to an instance", labels=il),
             "served": CounterMetricFamily("gpuprims_requests_served", "Requests answered OK", labels=il),
             "slo_met": CounterMetricFamily("gpuprims_requests_slo_met", "Requests answered OK within the SLO",
                                            labels=il),
-            "errors": CounterMetricFamily("gpuprims_request_errors", "Requests answered with an error status",
-                                          labels=[*il, "status"]),
             "arrival_rps": GaugeMetricFamily("gpuprims_arrival_rate_rps", "Arrival rate, requests/s", labels=il),
             "service_rps": GaugeMetricFamily("gpuprims_service_rate_rps", "Service rate, requests/s", labels=il),
             "queue_len": GaugeMetricFamily("gpuprims_queue_length", "Requests queued at the instance", labels=il),
             "held": GaugeMetricFamily("gpuprims_requests_held", "Requests held (queued plus running)", labels=il),
             "gpu_pct": GaugeMetricFamily("gpuprims_gpu_pct", "GPU share of the instance, percent", labels=il),
-            "latency": GaugeMetricFamily("gpuprims_latency_ms", "Latency quantile over the last sample window, ms",
-                                         labels=[*il, "quantile"]),
-            "slo": GaugeMetricFamily("gpuprims_slo_attainment", "Fraction answered within the SLO, last window",
-                                     labels=il),
+            "slo_attainment": GaugeMetricFamily("gpuprims_slo_attainment",
+                                                "Fraction answered within the SLO, last window", labels=il),
         }
+        errors = CounterMetricFamily("gpuprims_request_errors", "Requests answered with an error status",
+                                     labels=[*il, "status"])
+        latency = GaugeMetricFamily("gpuprims_latency_ms", "Latency quantile over the last sample window, ms",
+                                    labels=[*il, "quantile"])
         app_fam = {
             "arrived": CounterMetricFamily("gpuprims_app_requests_arrived", "Requests of the app", labels=["app"]),
             "served": CounterMetricFamily("gpuprims_app_requests_served", "Requests of the app answered OK",
                                           labels=["app"]),
             "slo_met": CounterMetricFamily("gpuprims_app_requests_slo_met", "Requests of the app within the SLO",
                                            labels=["app"]),
-            "errors": CounterMetricFamily("gpuprims_app_request_errors", "Requests of the app answered with an "
-                                          "error", labels=["app", "status"]),
-            "latency": GaugeMetricFamily("gpuprims_app_latency_ms", "App latency quantile, last window, ms",
-                                         labels=["app", "quantile"]),
-            "slo": GaugeMetricFamily("gpuprims_app_slo_attainment", "App SLO attainment, last window",
-                                     labels=["app"]),
+            "gpu_pct": GaugeMetricFamily("gpuprims_app_gpu_pct", "GPU share of the app's active instances, percent",
+                                         labels=["app"]),
+            "slo_attainment": GaugeMetricFamily("gpuprims_app_slo_attainment", "App SLO attainment, last window",
+                                                labels=["app"]),
             "slo_ms": GaugeMetricFamily("gpuprims_app_slo_ms", "The app's latency SLO, ms", labels=["app"]),
         }
+        app_errors = CounterMetricFamily("gpuprims_app_request_errors", "Requests of the app answered with an "
+                                         "error", labels=["app", "status"])
+        app_latency = GaugeMetricFamily("gpuprims_app_latency_ms", "App latency quantile, last window, ms",
+                                        labels=["app", "quantile"])
         batch = HistogramMetricFamily("gpuprims_batch_size", "Batch sizes run by an instance", labels=il)
         for a in st["apps"]:
-            for k in ("arrived", "served", "slo_met"):
-                app_fam[k].add_metric([a["name"]], a[k])
+            app = str(a.get("name", "?"))
+            for k, f in app_fam.items():
+                v = _num(a.get(k))
+                if v is not None:
+                    f.add_metric([app], v)
             for s, n in sorted(a["errors"].items()):
-                app_fam["errors"].add_metric([a["name"], s], n)
+                app_errors.add_metric([app, str(s)], _as_count(n))
             for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
-                if a[key] is not None:
-                    app_fam["latency"].add_metric([a["name"], str(q)], a[key])
-            if a["slo_attainment"] is not None:
-                app_fam["slo"].add_metric([a["name"]], a["slo_attainment"])
-            if a["slo_ms"] is not None:
-                app_fam["slo_ms"].add_metric([a["name"]], a["slo_ms"])
+                v = _num(a.get(key))
+                if v is not None:
+                    app_latency.add_metric([app, str(q)], v)
             for i in a["instances"]:
-                lv = [a["name"], i["name"]]
-                for k in ("arrived", "served", "slo_met", "queue_len", "held", "gpu_pct"):
-                    fam[k].add_metric(lv, i[k])
-                for k in ("arrival_rps", "service_rps"):
-                    if i[k] is not None:
-                        fam[k].add_metric(lv, i[k])
+                lv = [app, str(i.get("name", "?"))]
+                for k, f in fam.items():
+                    v = _num(i.get(k))
+                    if v is not None:
+                        f.add_metric(lv, v)
                 for s, n in sorted(i["errors"].items()):
-                    fam["errors"].add_metric([*lv, s], n)
+                    errors.add_metric([*lv, str(s)], _as_count(n))
                 for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
-                    if i[key] is not None:
-                        fam["latency"].add_metric([*lv, str(q)], i[key])
-                if i["slo_attainment"] is not None:
-                    fam["slo"].add_metric(lv, i["slo_attainment"])
-                sizes = {int(k): v for k, v in i["batch_sizes"].items()}
-                buckets = [(str(float(b)), sum(n for s, n in sizes.items() if s <= b)) for b in _BATCH_BOUNDS]
-                total = sum(sizes.values())
-                buckets.append(("+Inf", total))
-                batch.add_metric(lv, buckets, sum(s * n for s, n in sizes.items()))
+                    v = _num(i.get(key))
+                    if v is not None:
+                        latency.add_metric([*lv, str(q)], v)
+                raw = i.get("batch_sizes")
+                if isinstance(raw, Mapping):
+                    sizes: dict[int, int] = {}
+                    for k, n in raw.items():
+                        with contextlib.suppress(TypeError, ValueError):
+                            sizes[int(k)] = _as_count(n)
+                    buckets = [(str(float(b)), sum(n for sz, n in sizes.items() if sz <= b)) for b in _BATCH_BOUNDS]
+                    buckets.append(("+Inf", sum(sizes.values())))
+                    batch.add_metric(lv, buckets, sum(sz * n for sz, n in sizes.items()))
         yield from fam.values()
+        yield errors
+        yield latency
         yield from app_fam.values()
+        yield app_errors
+        yield app_latency
         yield batch
         drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams/requests the ingest dropped",
                                     labels=["reason"])
         for r, n in sorted(st["ingest_drops"].items()):
-            drops.add_metric([r], n)
+            drops.add_metric([str(r)], _as_count(n))
         yield drops
         rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped", labels=["reason"])
         for r, n in sorted(st["control_rejected"].items()):
-            rej.add_metric([r], n)
+            rej.add_metric([str(r)], _as_count(n))
         yield rej
-        yield GaugeMetricFamily("gpuprims_uptime_seconds", "Seconds since the node started",
-                                value=st["node"]["uptime_s"])
+        uptime = _num(st["node"].get("uptime_s"))
+        if uptime is not None:
+            yield GaugeMetricFamily("gpuprims_uptime_seconds", "Seconds since the node started", value=uptime)
 
 
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
@@ -616,23 +676,45 @@ _BATCH_BOUNDS = tuple(2**k for k in range(13))
 
 
 class MetricsServer:
-    """Serves a NodeMetrics registry over HTTP (``/metrics``) on loopback until closed."""
+    """Serves Prometheus metrics over HTTP (``/metrics``) on loopback until closed.
 
-    def __init__(self, metrics: NodeMetrics, port: int, host: str = "127.0.0.1") -> None:
+    With ``metrics`` it renders that NodeMetrics at every scrape. Without, it renders the last status
+    dict given to `update` (either shape `normalize_status` accepts). Either way on a private
+    `CollectorRegistry`, never the process-global one. ``port`` 0 picks a free port.
+    """
+
+    def __init__(self, port: int, metrics: NodeMetrics | None = None, *, host: str = "127.0.0.1") -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 = any free port), got {port!r}")
-        self._metrics = metrics
         self._host = host
         self._port = port
+        self._snapshot: Mapping[str, Any] = {}
+        self._snapshot_lock = threading.Lock()
+        if metrics is not None:
+            self.registry = metrics.registry
+        else:
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(_Collector(self._current))
         self._httpd: Any = None
         self._finalizer: weakref.finalize | None = None
+
+    def update(self, status: Mapping[str, Any]) -> None:
+        """Replace the status served (only for a server made without a NodeMetrics)."""
+        if not isinstance(status, Mapping):
+            raise ValueError(f"status must be a mapping, got {type(status).__name__}")
+        with self._snapshot_lock:
+            self._snapshot = status
+
+    def _current(self) -> Mapping[str, Any]:
+        with self._snapshot_lock:
+            return self._snapshot
 
     def start(self) -> int:
         """Start serving; return the bound port. Raises OSError (e.g. address in use) naming the port."""
         if self._httpd is not None:
             raise RuntimeError("the metrics server is already started")
         try:
-            httpd, thread = start_http_server(self._port, addr=self._host, registry=self._metrics.registry)
+            httpd, thread = start_http_server(self._port, addr=self._host, registry=self.registry)
         except OSError as e:
             raise OSError(e.errno, f"cannot serve metrics on {self._host}:{self._port} ({e.strerror}); "
                                    "choose another node.metrics_port or 0 to disable") from None
@@ -657,6 +739,8 @@ class MetricsServer:
             self._finalizer()
         self._httpd = None
 
+    stop = close
+
     def __enter__(self) -> MetricsServer:
         if self._httpd is None:
             self.start()
@@ -676,15 +760,18 @@ def _stop_http(httpd: Any, thread: threading.Thread) -> None:
 
 
 def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
-    if v is None:
+    if v is None or isinstance(v, bool):
         return none
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        return format(v, spec)
+    if isinstance(v, int | float):
+        if not math.isfinite(v):
+            return none
+        return format(int(v) if spec == "d" else v, spec)
     return str(v)
 
 
 def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
+    n = _num(v)
+    return "-" if n is None else f"{100 * n:.1f}%"
 
 
 def _counts(d: Mapping[str, Any] | None) -> str:
@@ -697,25 +784,27 @@ def format_status(status: Mapping[str, Any]) -> str:
     """The table ``gpuprims-orchestrator status`` prints, from `NodeMetrics.status` (or its JSON).
 
     One line per app (totals over its instances) followed by one line per instance, then the ingest's
-    drops by reason. Missing values print as ``-``.
+    drops by reason. Missing values print as ``-``. Any shape `normalize_status` accepts will do.
     """
-    node = status.get("node") or {}
-    head = [f"{k}={v}" for k, v in sorted(node.items()) if k != "uptime_s"]
-    if "uptime_s" in node:
+    st = normalize_status(status)
+    node = st["node"]
+    head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
+            for k, v in sorted(node.items()) if k != "uptime_s" and not isinstance(v, Mapping)]
+    if _num(node.get("uptime_s")) is not None:
         head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
     lines = ["node: " + ("  ".join(head) if head else "-")]
     cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
             "SLO att.", "ERRORS"]
     rows: list[list[str]] = []
-    for a in status.get("apps") or []:
-        slo = a.get("slo_ms")
+    for a in st["apps"]:
+        slo = _num(a.get("slo_ms"))
         name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
         rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
                      _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
                      _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
                      "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
                      _counts(a.get("errors"))])
-        for i in a.get("instances") or []:
+        for i in a["instances"]:
             rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
                          _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
                          _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
@@ -732,10 +821,9 @@ def format_status(status: Mapping[str, Any]) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("no apps")
-    drops = status.get("ingest_drops") or {}
-    total = sum(v for v in drops.values() if isinstance(v, int))
+    drops = st["ingest_drops"]
+    total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
-    rejected = status.get("control_rejected") or {}
-    if rejected:
-        lines.append(f"control messages rejected: {_counts(rejected)}")
+    if st["control_rejected"]:
+        lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
     return "\n".join(lines)

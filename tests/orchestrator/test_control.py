@@ -468,3 +468,22 @@ def test_env_helpers(token: str) -> None:
         connect_instance_from_env({control.ENV_ADDRESS: "a b", control.ENV_INSTANCE: "x"})
     with pytest.raises(ControlError, match="two addresses"):
         connect_instance_from_env({**env, control.ENV_ADDRESS: "queue://x/instances"})
+
+
+def test_second_node_on_same_run_dir_refused(run_dir: Path, token: str) -> None:
+    addr = control_address("zmq", run_dir)
+    with open_server(addr, token), pytest.raises(ControlError, match="already serving"):
+        open_server(addr, token)
+
+
+def test_stale_socket_file_is_replaced(run_dir: Path, token: str) -> None:
+    import socket as pysocket
+
+    path = run_dir / "control.sock"
+    with pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM) as s:
+        s.bind(str(path))  # bound, never listening, then closed: a stale file
+    assert path.exists()
+    with open_server(control_address("zmq", run_dir), token) as server, \
+            connect_instance(server.address, "a", token) as c:
+        c.send(Heartbeat(instance="a"))
+        assert _recv(server).peer == "a"

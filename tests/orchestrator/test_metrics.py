@@ -17,6 +17,7 @@ from orchestrator.metrics import (
     MetricsServer,
     NodeMetrics,
     format_status,
+    normalize_status,
     status_name,
 )
 
@@ -314,7 +315,7 @@ def test_metrics_endpoint() -> None:
     m.update_instance("det", "det-0", _sampled(10, [5.0] * 8 + [80.0], errors=1, gpu_pct=40))
     m.set_ingest_drops({"bad_magic": 3})
     m.set_control_rejected({"bad_token": 2})
-    with MetricsServer(m, 0) as srv:
+    with MetricsServer(0, m) as srv:
         assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
         body = _scrape(srv.url)
     lab = 'app="det",instance="det-0"'
@@ -341,7 +342,7 @@ def test_metrics_endpoint() -> None:
 
 def test_metrics_server_stops_and_refuses() -> None:
     m = NodeMetrics()
-    srv = MetricsServer(m, 0)
+    srv = MetricsServer(0, m)
     port = srv.start()
     with pytest.raises(RuntimeError, match="already started"):
         srv.start()
@@ -351,9 +352,9 @@ def test_metrics_server_stops_and_refuses() -> None:
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         _scrape(f"http://127.0.0.1:{port}/metrics")
     with pytest.raises(ValueError, match="port"):
-        MetricsServer(m, 70000)
+        MetricsServer(70000, m)
     with pytest.raises(ValueError, match="port"):
-        MetricsServer(m, True)
+        MetricsServer(True)  # type: ignore[arg-type]
 
 
 def test_metrics_port_in_use() -> None:
@@ -362,4 +363,69 @@ def test_metrics_port_in_use() -> None:
         s.listen(1)
         port = s.getsockname()[1]
         with pytest.raises(OSError, match="metrics_port"):
-            MetricsServer(NodeMetrics(), port).start()
+            MetricsServer(port, NodeMetrics()).start()
+
+
+# ---- the node's own summary shape (apps keyed by name, received/ok/within_slo counters)
+
+NODE_SUMMARY = {
+    "node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
+    "ingest": {"packets": 10, "drop_bad_magic": 2},
+    "drops": {"bad_magic": 2},
+    "apps": {
+        "detect": {
+            "app_id": 1, "model": "resnet18", "slo_ms": 50, "gpu_pct": 50, "restarts": 0,
+            "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7, "slo_attainment": 0.7,
+            "instances": [{"name": "detect-0", "pid": 5, "role": "active", "ready": True, "gpu_pct": 50,
+                           "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7,
+                           "slo_attainment": 0.7, "p50_ms": 4.0, "p99_ms": 9.5, "arrival_rps": 3.3,
+                           "service_rps": 3.3, "queue_len": 0, "held": 0, "batch_sizes": {"1": 4, "2": 3}}],
+        },
+    },
+}
+
+
+def test_normalize_node_summary() -> None:
+    st_ = normalize_status(NODE_SUMMARY)
+    a = st_["apps"][0]
+    assert a["name"] == "detect" and a["arrived"] == 10 and a["served"] == 8 and a["slo_met"] == 7
+    assert a["errors"] == {"deadline_missed": 1, "error": 1}
+    assert a["instances"][0]["errors"] == {"deadline_missed": 1, "error": 1}
+    assert st_["ingest_drops"] == {"bad_magic": 2}
+    # The canonical shape passes through unchanged in substance.
+    m = NodeMetrics()
+    m.update_instance("a", "a-0", _sampled(3, [1.0]))
+    canon = m.status()
+    assert normalize_status(canon)["apps"][0]["arrived"] == 3
+
+
+def test_format_node_summary() -> None:
+    text = format_status(NODE_SUMMARY)
+    assert "detect (id 1)" in text and "  detect-0" in text and "70.0%" in text
+    assert "deadline_missed=1 error=1" in text and "ingest drops: bad_magic=2 (total 2)" in text
+    assert "backend=cpu" in text and "ports=9000" in text
+
+
+def test_format_status_garbage_values() -> None:
+    text = format_status({"apps": {"x": {"gpu_pct": "lots", "p50_ms": float("nan"), "instances": {"x-0": {}}},
+                                   "y": 3}})
+    assert "x (id -)" in text and "  x-0" in text
+
+
+def test_metrics_server_from_snapshots() -> None:
+    with MetricsServer(0) as srv:
+        assert "gpuprims_requests_arrived_total{" not in _scrape(srv.url)
+        srv.update(NODE_SUMMARY)
+        body = _scrape(srv.url)
+    lab = 'app="detect",instance="detect-0"'
+    for line in (f"gpuprims_requests_arrived_total{{{lab}}} 10.0",
+                 f'gpuprims_request_errors_total{{{lab},status="error"}} 1.0',
+                 f'gpuprims_latency_ms{{{lab},quantile="0.99"}} 9.5',
+                 f'gpuprims_batch_size_bucket{{{lab},le="2.0"}} 7.0',
+                 'gpuprims_app_slo_attainment{app="detect"} 0.7',
+                 'gpuprims_ingest_dropped_total{reason="bad_magic"} 2.0',
+                 "gpuprims_uptime_seconds 3.0"):
+        assert line in body, line
+    with pytest.raises(ValueError, match="mapping"):
+        srv.update([])  # type: ignore[arg-type]
+    srv.stop()
