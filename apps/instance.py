@@ -219,8 +219,8 @@ class Instance:
         if expired:
             recs = np.array([r for r, _ in expired], np.uint32)
             info = np.array([row for _, row in expired], dtype=RECORD_DTYPE)
-            self.consumer.release(recs)
             self.responder.send_status(info, Status.DEADLINE_MISSED)
+            self.consumer.release(recs)
             self.stats.counts["deadline_missed"] += len(expired)
 
     def _serve_batch(self, take: int) -> None:
@@ -233,8 +233,8 @@ class Instance:
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
         bad = info["total_len"] != self.row_bytes
         if bad.any():
-            self.consumer.release(recs[bad])
             self.responder.send_status(info[bad], Status.BAD_REQUEST)
+            self.consumer.release(recs[bad])
             self.stats.counts["error"] += int(bad.sum())
             recs, info = recs[~bad], info[~bad]
             if not recs.size:
@@ -242,7 +242,8 @@ class Instance:
         n = recs.size
         host = torch.empty((n, *self.spec.input_shape), dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
         self.pool.gather(recs, host)
-        self.consumer.release(recs)  # payloads copied: slots go back to the ingest now
+        # Records are released only once answered: if this process dies before that, the ingest
+        # still holds them and answers INSTANCE_FAILED, so no request is ever silently lost.
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -257,12 +258,14 @@ class Instance:
         except Exception as e:  # a failing model answers its batch with INTERNAL, then carries on
             log.error("model failed on a batch of %d: %s", n, e)
             self.responder.send_status(info, Status.INTERNAL)
+            self.consumer.release(recs)
             self.stats.counts["error"] += n
             return
         model_ms = (time.perf_counter() - t0) * 1e3
         self.policy.observe(n, model_ms)
         self.stats.model_ms.append(model_ms)
         self.responder.send(info, Status.OK, logits)
+        self.consumer.release(recs)
         done_ns = time.monotonic_ns()
         lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
         deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
