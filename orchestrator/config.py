@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     PlainValidator,
     ValidationError,
     field_validator,
@@ -166,11 +167,18 @@ def _model_ref(v: Any) -> str:
     return v
 
 
+def _plain(v: Any) -> Any:
+    # Serialise validated tuples as lists (JSON arrays); a PlainValidator has no serialiser of its own.
+    return list(v) if isinstance(v, tuple) else v
+
+
+_AS_PLAIN = PlainSerializer(_plain, return_type=Any)
+
 PctOrAuto = Annotated[int | Literal["auto"], PlainValidator(_pct_or_auto)]
 CountOrAuto = Annotated[int | Literal["auto"], PlainValidator(_count_or_auto)]
-Ports = Annotated[tuple[int, ...], PlainValidator(_ports)]
-Gpus = Annotated[tuple[int, ...] | Literal["all"], PlainValidator(_gpus)]
-Shape = Annotated[tuple[int, int, int], PlainValidator(_shape)]
+Ports = Annotated[tuple[int, ...], PlainValidator(_ports), _AS_PLAIN]
+Gpus = Annotated[tuple[int, ...] | Literal["all"], PlainValidator(_gpus), _AS_PLAIN]
+Shape = Annotated[tuple[int, int, int], PlainValidator(_shape), _AS_PLAIN]
 MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]

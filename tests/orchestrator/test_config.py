@@ -297,3 +297,16 @@ def test_gpu_budget_property(claims: list[tuple[int, int]]) -> None:
     else:
         with pytest.raises(ConfigError, match=f"{total}%"):
             parse_config({"apps": apps})
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("name", ["apps.yaml", "apps-paper.yaml"])
+def test_round_trips_for_child_processes(name: str) -> None:
+    import json
+    import pickle
+
+    cfg = load_config(REPO / "examples" / name)
+    assert NodeConfig.model_validate(cfg.model_dump()) == cfg
+    assert NodeConfig.model_validate_json(cfg.model_dump_json()) == cfg
+    assert parse_config(json.loads(cfg.model_dump_json())) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
