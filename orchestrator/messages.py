@@ -168,6 +168,8 @@ class InitGpu(Message):
     TAG: ClassVar[int] = 8
     instance: str
     gpu_pct: int
+    # Backend-specific placement decided by the orchestrator, e.g. {"cores": [0], "threads": 1} on cpu.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_pct(self.gpu_pct)
