@@ -114,9 +114,10 @@ class _Reservation:
 class _GpuState:
     running: dict[int, Dispatch] = field(default_factory=dict)
     reservations: list[_Reservation] = field(default_factory=list)
+    pct: int = 0  # GPU% of the runs in ``running``
 
     def running_pct(self) -> int:
-        return sum(d.gpu_pct for d in self.running.values())
+        return self.pct
 
 
 class Scheduler(ABC):
@@ -236,6 +237,7 @@ class Scheduler(ABC):
         if gs is None or dispatch.id not in gs.running:
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
+        gs.pct -= dispatch.gpu_pct
         base = self._base_ms(dispatch.model, dispatch.batch_size, dispatch.gpu_pct)
         if base > 0 and self.learn_rate > 0:
             ratio = min(10.0, max(0.1, measured_ms / base))
@@ -261,6 +263,7 @@ class Scheduler(ABC):
             if gs.running_pct() + pct > 100:
                 raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.running_pct()} + {pct})")
             gs.running[d.id] = d
+            gs.pct += pct
         return d
 
     def _stage_pct(self, app: App, stage: str) -> int:

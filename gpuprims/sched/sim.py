@@ -158,14 +158,14 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             p.append(max(0.0, 1.0 - sum(p)))
             routes[w.app.key(s.name)] = (labels, np.asarray(p) / sum(p))
 
-    arrivals = [w.arrival.times_ms(duration_ms, rng) for w in workloads]
+    arrivals: list[list[float]] = [w.arrival.times_ms(duration_ms, rng).tolist() for w in workloads]
     next_idx = [0] * len(workloads)
-    last_arrival = max((float(a[-1]) for a in arrivals if a.size), default=0.0)
+    last_arrival = max((a[-1] for a in arrivals if a), default=0.0)
     heap: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, data); kind 0 completion, 1 arrival, 2 wake
     seq = 0
     for i, arr in enumerate(arrivals):
-        if arr.size:
-            heap.append((float(arr[0]), 1, seq, i))
+        if arr:
+            heap.append((arr[0], 1, seq, i))
             seq += 1
     heapq.heapify(heap)
     in_flight: dict[int, tuple[Dispatch, list[float], float]] = {}
@@ -229,14 +229,16 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 k = next_idx[i]
                 dl_ms = a.deadline_ms
                 st = stats[a.name]
-                while k < arr.size and arr[k] <= t + _EPS:
-                    q.append(float(arr[k]) + dl_ms)
-                    if in_window(float(arr[k])):
+                n_arr = len(arr)
+                while k < n_arr and arr[k] <= t + _EPS:
+                    at = arr[k]
+                    q.append(at + dl_ms)
+                    if warmup_ms <= at < duration_ms:
                         st.offered += 1
                     k += 1
                 next_idx[i] = k
-                if k < arr.size:
-                    heapq.heappush(heap, (float(arr[k]), 1, seq, i))
+                if k < n_arr:
+                    heapq.heappush(heap, (arr[k], 1, seq, i))
                     seq += 1
             else:
                 wakes.discard(data)
