@@ -6,13 +6,20 @@ CPU, module by module in registration order, so the same architecture and key gi
 tensors in any process, with any thread count, whatever the global RNG state; the global RNG is never
 touched. Different keys give different weights.
 
-The distributions keep activations at a sensible scale in inference mode (`.eval()`), so outputs differ
-between inputs and are neither constant nor overflowing:
+The distributions stand in for training: every layer's output keeps about unit variance and zero mean
+in inference mode (`.eval()`), so outputs depend on the input (different inputs land in different
+classes; the DNN-Recog router sends some to "person" and some to "vehicle") and neither vanish nor
+overflow, at 224x224 as at 32x32:
 
-- Conv2d / Linear weights: normal with std sqrt(2 / fan_in) (He et al.), biases normal with std 0.01.
-- BatchNorm2d: weight uniform in [0.5, 1.0] (in [0.1, 0.3] for the last norm of a residual branch, so
+- Conv2d / Linear weights: normal, std sqrt(gain / fan_in), with every output unit's weights summing to
+  zero (`_zero_sum_rows_normal_`); gain 1 where the input is not rectified (the image, a linear
+  bottleneck: marked by the architecture), else `RECTIFIED_GAIN`. Biases normal with std 0.01.
+- BatchNorm2d: weight uniform in [0.8, 1.2] (in [0.1, 0.3] for the last norm of a residual branch, so
   the residual stream of a deep network grows slowly), bias normal with std 0.05, running mean normal
-  with std 0.05, running variance uniform in [0.5, 1.5], num_batches_tracked 0.
+  with std 0.05, running variance uniform in [0.8, 1.25], num_batches_tracked 0.
+
+Bit-identical means: on the same torch build and CPU type. The normal draws go through vectorised
+log/sin/cos, which may round differently on CPUs with other vector units.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from apps.zoo.nets import RESIDUAL_BN_ATTR
+from apps.zoo.nets import LINEAR_INPUT_ATTR, RESIDUAL_BN_ATTR
 
 
 def generator_for(key: str) -> torch.Generator:
@@ -36,9 +43,35 @@ def generator_for(key: str) -> torch.Generator:
     return generator
 
 
+#: 1 / Var(ReLU(z)) for z ~ N(0, 1). A zero-sum unit (see `_zero_sum_rows_normal_`) passes only the
+#: variance of its rectified inputs, not their mean, so this gain (not He's 2, which assumes E[x^2])
+#: keeps unit output variance layer after layer.
+RECTIFIED_GAIN = 1.0 / (0.5 - 1.0 / (2.0 * math.pi))
+
+
 def _fan_in(weight: torch.Tensor) -> int:
     # Conv weights are (out, in / groups, kh, kw) and Linear (out, in): fan_in is all but dim 0.
     return max(1, math.prod(weight.shape[1:]))
+
+
+def _zero_sum_rows_normal_(weight: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Fill `weight` with normal values of std `std` whose every row (one output unit) sums to zero.
+
+    Each row is ``(a - roll(a, s)) / sqrt(2)`` for a normal row `a` and a random shift `s`: elementwise
+    operations only (no reduction whose rounding could depend on the thread count or vector width).
+    A unit then ignores the mean of its inputs, as a trained one mostly does: without that, the
+    rectified (positive) activations of a random network add the same large offset to every input's
+    output and all inputs end up in one class.
+    """
+    rows = weight.view(weight.shape[0], -1)
+    width = rows.shape[1]
+    if width == 1:
+        weight.normal_(0.0, std, generator=generator)
+        return
+    shift = int(torch.randint(1, width, (1,), generator=generator).item())
+    drawn = torch.empty_like(rows).normal_(0.0, std, generator=generator)
+    torch.sub(drawn, torch.roll(drawn, shift, dims=1), out=rows)
+    rows.mul_(1.0 / math.sqrt(2.0))
 
 
 @torch.no_grad()
@@ -56,13 +89,14 @@ def init_weights(model: nn.Module, key: str) -> None:
     done: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            module.weight.normal_(0.0, math.sqrt(2.0 / _fan_in(module.weight)), generator=generator)
+            gain = 1.0 if getattr(module, LINEAR_INPUT_ATTR, False) else RECTIFIED_GAIN
+            _zero_sum_rows_normal_(module.weight, math.sqrt(gain / _fan_in(module.weight)), generator)
             done.add(id(module.weight))
             if module.bias is not None:
                 module.bias.normal_(0.0, 0.01, generator=generator)
                 done.add(id(module.bias))
         elif isinstance(module, nn.BatchNorm2d):
-            low, high = (0.1, 0.3) if getattr(module, RESIDUAL_BN_ATTR, False) else (0.5, 1.0)
+            low, high = (0.1, 0.3) if getattr(module, RESIDUAL_BN_ATTR, False) else (0.8, 1.2)
             tensors: list[torch.Tensor | None] = [
                 module.weight, module.bias, module.running_mean, module.running_var,
             ]  # fmt: skip
@@ -71,7 +105,7 @@ def init_weights(model: nn.Module, key: str) -> None:
             module.weight.uniform_(low, high, generator=generator)
             module.bias.normal_(0.0, 0.05, generator=generator)
             module.running_mean.normal_(0.0, 0.05, generator=generator)  # type: ignore[union-attr]
-            module.running_var.uniform_(0.5, 1.5, generator=generator)  # type: ignore[union-attr]
+            module.running_var.uniform_(0.8, 1.25, generator=generator)  # type: ignore[union-attr]
             done.update(id(t) for t in tensors)
             if module.num_batches_tracked is not None:
                 module.num_batches_tracked.zero_()

@@ -20,6 +20,7 @@ The constructors only create layers; weights are set by `apps.zoo.init.init_weig
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -54,9 +55,22 @@ def _fitting_max_pool(kernel: int, stride: int, hw: tuple[int, int]) -> tuple[nn
     return nn.MaxPool2d(kernel_size=kernels, stride=strides), (out[0], out[1])
 
 
+#: Marks a convolution whose input is not rectified (the image, a linear bottleneck): `init_weights`
+#: uses gain 1 instead of ReLU's 2 for it, so every layer's output keeps about unit variance.
+LINEAR_INPUT_ATTR = "_zoo_linear_input"
+
+
 def _mark_residual(bn: nn.BatchNorm2d) -> nn.BatchNorm2d:
     setattr(bn, RESIDUAL_BN_ATTR, True)
     return bn
+
+
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
+
+def _mark_linear_input(conv: _ModuleT) -> _ModuleT:
+    setattr(conv, LINEAR_INPUT_ATTR, True)
+    return conv
 
 
 class AlexNet(nn.Module):
@@ -77,7 +91,7 @@ class AlexNet(nn.Module):
         pool2, hw = _fitting_max_pool(3, 2, hw)
         pool3, hw = _fitting_max_pool(3, 2, hw)
         self.features = nn.Sequential(
-            nn.Conv2d(in_ch, c1, kernel_size=11, stride=4, padding=2),
+            _mark_linear_input(nn.Conv2d(in_ch, c1, kernel_size=11, stride=4, padding=2)),
             nn.ReLU(inplace=True),
             pool1,
             nn.Conv2d(c1, c2, kernel_size=5, padding=2),
@@ -138,7 +152,10 @@ class VGG(nn.Module):
                 layers.append(pool)
             else:
                 out = scale_channels(int(item), width)
-                layers += [nn.Conv2d(channels, out, kernel_size=3, padding=1), nn.ReLU(inplace=True)]
+                conv = nn.Conv2d(channels, out, kernel_size=3, padding=1)
+                if not layers:
+                    _mark_linear_input(conv)
+                layers += [conv, nn.ReLU(inplace=True)]
                 channels = out
         hidden = scale_channels(4096, width)
         self.features = nn.Sequential(*layers)
@@ -243,7 +260,7 @@ class ResNet(nn.Module):
             raise ValueError(f"ResNet needs 4 stage depths, got {layers}")
         in_ch = input_shape[0]
         stem = scale_channels(64, width)
-        self.conv1 = nn.Conv2d(in_ch, stem, kernel_size=7, stride=2, padding=3, bias=False)
+        self.conv1 = _mark_linear_input(nn.Conv2d(in_ch, stem, kernel_size=7, stride=2, padding=3, bias=False))
         self.bn1 = nn.BatchNorm2d(stem)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
@@ -284,7 +301,9 @@ class InvertedResidual(nn.Module):
         self.use_shortcut = stride == 1 and in_ch == out_ch
         layers: list[nn.Module] = []
         if expand_ratio != 1:
-            layers.append(_conv_bn_relu6(in_ch, hidden, kernel=1))
+            expand = _conv_bn_relu6(in_ch, hidden, kernel=1)
+            _mark_linear_input(expand[0])  # the block input is a linear bottleneck
+            layers.append(expand)
         project_bn = nn.BatchNorm2d(out_ch)
         if self.use_shortcut:
             _mark_residual(project_bn)
@@ -319,13 +338,17 @@ class MobileNetV2(nn.Module):
         super().__init__()
         channels = make_divisible(32 * width)
         self.last_channel = make_divisible(1280 * max(1.0, width))
-        features: list[nn.Module] = [_conv_bn_relu6(input_shape[0], channels, stride=2)]
+        stem = _conv_bn_relu6(input_shape[0], channels, stride=2)
+        _mark_linear_input(stem[0])
+        features: list[nn.Module] = [stem]
         for expand, out_base, repeats, first_stride in MOBILENET_V2_SETTINGS:
             out_ch = make_divisible(out_base * width)
             for index in range(repeats):
                 features.append(InvertedResidual(channels, out_ch, first_stride if index == 0 else 1, expand))
                 channels = out_ch
-        features.append(_conv_bn_relu6(channels, self.last_channel, kernel=1))
+        head = _conv_bn_relu6(channels, self.last_channel, kernel=1)
+        _mark_linear_input(head[0])
+        features.append(head)
         self.features = nn.Sequential(*features)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.classifier = nn.Sequential(nn.Dropout(p=0.2), nn.Linear(self.last_channel, num_classes))

@@ -354,3 +354,28 @@ def test_request_in_a_batch_matches_the_direct_run_within_documented_tolerance(n
         batched = model(x)
         alone = torch.cat([model(x[i : i + 1]) for i in range(8)])
     torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_recog_router_routes_different_inputs_differently() -> None:
+    model = build_model("recog_router", input_shape=SMALL, width=0.25)
+    x = torch.cat([_input(16, seed=2), torch.rand(16, *SMALL, generator=torch.Generator().manual_seed(3))])
+    with torch.inference_mode():
+        labels = route_labels(model(x))
+    assert len(set(labels)) >= 2
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2"])
+def test_inputs_spread_over_classes(name: str) -> None:
+    model = build_model(name, input_shape=SMALL, width=TINY_WIDTH[name])
+    with torch.inference_mode():
+        classes = model(_input(16)).argmax(dim=1)
+    assert len(set(classes.tolist())) >= 4  # random weights, but not one class for every input
+
+
+def test_every_output_unit_ignores_the_mean_of_its_inputs() -> None:
+    model = build_model("mobilenet_v2", input_shape=SMALL, width=0.25)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            rows = module.weight.view(module.weight.shape[0], -1)
+            if rows.shape[1] > 1:
+                assert rows.sum(dim=1).abs().max().item() < 1e-5, name
