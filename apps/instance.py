@@ -328,6 +328,9 @@ class Instance:
         from orchestrator.messages import Ended, Finish, InitGpu, Ready, Shutdown, StatsReply, StatsRequest
 
         if isinstance(msg, InitGpu):
+            if "cores" in msg.settings:
+                self.spec.cores = [int(c) for c in msg.settings["cores"]]
+                self.spec.threads = int(msg.settings.get("threads") or len(self.spec.cores))
             self.init_compute(msg.gpu_pct)
             self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
                                     info={"initialized": True, "gpu_pct": msg.gpu_pct}))

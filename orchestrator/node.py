@@ -78,6 +78,7 @@ class InstanceState:
     last_beat: float = 0.0
     started: float = field(default_factory=time.monotonic)
     ended: bool = False
+    error: str | None = None
 
     @property
     def pid(self) -> int:
@@ -128,6 +129,7 @@ class Node:
         self._stop_drain = True
         self.started_at = 0.0
         self.events: list[dict[str, Any]] = []
+        self.changing: set[str] = set()
         self._lock = threading.RLock()
 
     # -- start ---------------------------------------------------------------------------------------
@@ -180,6 +182,8 @@ class Node:
         self._await_ready(list(self.instances.values()))
         for app in self.cfg.apps:
             self._update_route(app.name)
+            if app.shadow:
+                self.spawn_shadow(app.name)
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
@@ -241,6 +245,18 @@ class Node:
         self.instances[name] = st
         log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
         return st
+
+    def spawn_shadow(self, app_name: str) -> InstanceState:
+        """Start a shadow of the app: CPU side initialised, model loaded only on InitGpu."""
+        app = self.apps[app_name].cfg
+        return self._spawn(app, f"{app_name}-s{next(self._seq)}", None, defer_init=True)
+
+    def shadow_of(self, app_name: str) -> InstanceState | None:
+        """A live shadow of the app (ready or still starting), if there is one."""
+        for st in self.instances.values():
+            if st.app == app_name and st.role == "shadow" and st.error is None:
+                return st
+        return None
 
     def _await_ready(self, pending: list[InstanceState]) -> None:
         assert self.server is not None
@@ -325,6 +341,9 @@ class Node:
                 st.ended = True
                 log.info("%s ended after draining %d request(s)", msg.instance, msg.drained_count)
         elif isinstance(msg, Error):
+            st = self.instances.get(msg.instance)
+            if st is not None:
+                st.error = f"{msg.kind}: {msg.message}"
             log.error("instance %s reported %s: %s", msg.instance, msg.kind, msg.message)
         elif isinstance(msg, StatusRequest):
             self.server.reply(item, StatusReply(status=self.status()))  # type: ignore[union-attr]
@@ -347,11 +366,28 @@ class Node:
             if rc is None:
                 continue
             del self.instances[st.name]
-            if st.role in ("finishing", "stopping") or st.ended:
+            if st.ended or st.role == "stopping":
                 self._retire(st)
                 self._release_consumer(st)
-                continue
-            self._on_crash(st, rc)
+            elif st.role == "finishing":
+                # Died while draining during a switch: what it held goes to the new active.
+                self._retire(st)
+                failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=True)  # type: ignore[union-attr]
+                app = self.apps[st.app]
+                app.failed_by_crash += failed
+                app.requeued_by_crash += requeued
+                self._free_consumers.insert(0, st.spec.consumer)
+                log.error("%s died while draining (status %s): %d requeued, %d answered INSTANCE_FAILED",
+                          st.name, rc, requeued, failed)
+                self.events.append({"t": time.monotonic(), "event": "died_draining", "instance": st.name,
+                                    "failed": failed, "requeued": requeued})
+            elif st.role == "shadow":
+                self._release_consumer(st)
+                st.error = st.error or f"exited with status {rc}"
+                log.error("shadow %s exited (status %s)", st.name, rc)
+                self.events.append({"t": time.monotonic(), "event": "shadow_died", "instance": st.name, "rc": rc})
+            else:
+                self._on_crash(st, rc)
 
     def _retire(self, st: InstanceState) -> None:
         app = self.apps[st.app]
