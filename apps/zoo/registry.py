@@ -188,7 +188,8 @@ def build_model(
     with torch.device("meta"):
         model = spec.builder(classes, shape, float(width))
     if target.type != "meta":
-        model = model.to_empty(device="cpu")
+        # float32 whatever torch's default dtype is, so the draws (and so the weights) never change.
+        model = model.to_empty(device="cpu").float()
         # Height and width only change parameter-free pooling windows, so they are not in the key:
         # the weights of a model built for 224x224 and for 64x64 inputs are the same tensors.
         key = f"{canonical}:seed={seed}:classes={classes}:channels={shape[0]}:width={float(width)!r}"

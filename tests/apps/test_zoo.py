@@ -379,3 +379,15 @@ def test_every_output_unit_ignores_the_mean_of_its_inputs() -> None:
             rows = module.weight.view(module.weight.shape[0], -1)
             if rows.shape[1] > 1:
                 assert rows.sum(dim=1).abs().max().item() < 1e-5, name
+
+
+def test_weights_are_float32_whatever_the_default_dtype() -> None:
+    reference = build_model("resnet18", seed=2, input_shape=SMALL, width=0.25)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = build_model("resnet18", seed=2, input_shape=SMALL, width=0.25)
+    finally:
+        torch.set_default_dtype(previous)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert _digest(model) == _digest(reference)
