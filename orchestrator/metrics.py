@@ -558,6 +558,14 @@ def normalize_status(status: Mapping[str, Any]) -> dict[str, Any]:
         apps = [_normalize_entry(v, str(k)) for k, v in apps.items() if isinstance(v, Mapping)]
     else:
         apps = [_normalize_entry(v, None) for v in apps if isinstance(v, Mapping)]
+    for a in apps:
+        # Sums an app summary may leave out are the sums over its instances (shadows serve nothing).
+        for key in ("arrival_rps", "service_rps", "queue_len", "held"):
+            if _num(a.get(key)) is None:
+                vals = [_num(i.get(key)) for i in a["instances"] if i.get("role") != "shadow"]
+                known = [v for v in vals if v is not None]
+                if known:
+                    a[key] = int(sum(known)) if key in ("queue_len", "held") else sum(known)
     drops = status.get("ingest_drops")
     if drops is None:
         drops = status.get("drops")

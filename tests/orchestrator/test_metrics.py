@@ -392,6 +392,7 @@ def test_normalize_node_summary() -> None:
     assert a["errors"] == {"deadline_missed": 1, "error": 1}
     assert a["instances"][0]["errors"] == {"deadline_missed": 1, "error": 1}
     assert st_["ingest_drops"] == {"bad_magic": 2}
+    assert a["arrival_rps"] == pytest.approx(3.3) and a["queue_len"] == 0  # summed from the instances
     # The canonical shape passes through unchanged in substance.
     m = NodeMetrics()
     m.update_instance("a", "a-0", _sampled(3, [1.0]))
