@@ -166,7 +166,11 @@ def gen(output: str | None, **kw: Any) -> None:
 @click.option("--src", default="127.0.0.1", show_default=True, help="Source IPv4 address of the frames.")
 @click.option("--src-ports", default="40000", show_default=True, help="Source port or LOW-HIGH range (per request in turn).")
 @click.option("--nanosecond", is_flag=True, help="Nanosecond timestamps (pcap magic a1b23c4d).")
-def pcap_cmd(output: str, src: str, src_ports: str, nanosecond: bool, **kw: Any) -> None:
+@click.option("--src-mac", default="02:00:00:00:00:01", show_default=True, help="Source MAC of the frames.")
+@click.option("--dst-mac", default="00:00:00:00:00:00", show_default=True,
+              help="Destination MAC (the default is lo's, so tcpreplay -i lo delivers the frames).")
+def pcap_cmd(output: str, src: str, src_ports: str, nanosecond: bool, src_mac: str, dst_mac: str,
+             **kw: Any) -> None:
     """Write an app stream as an Ethernet/IPv4/UDP pcap, timestamped by its schedule."""
     from gpuprims.traffic.pcap import write_pcap
     from gpuprims.traffic.sender import parse_port_range
@@ -174,7 +178,8 @@ def pcap_cmd(output: str, src: str, src_ports: str, nanosecond: bool, **kw: Any)
     stream = _build_stream(kw)
     assert stream is not None
     try:
-        res = write_pcap(output, stream.plan(), src_ip=src, sports=parse_port_range(src_ports), nanosecond=nanosecond)
+        res = write_pcap(output, stream.plan(), src_ip=src, sports=parse_port_range(src_ports), nanosecond=nanosecond,
+                         src_mac=src_mac, dst_mac=dst_mac)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _emit(res, None)
@@ -261,8 +266,8 @@ def _given(name: str) -> bool:
 @click.option("--listen", "listen", multiple=True, required=True, help="HOST:PORT to receive answers on (repeat).")
 @click.option("--pcap", "pcap_path", type=click.Path(exists=True, dir_okay=False),
               help="The requests that were sent (e.g. by tcpreplay), to match answers against.")
-@click.option("--duration", type=float, default=None, help="Seconds to listen (default: until Ctrl-C, or with "
-              "--pcap until every request is answered).")
+@click.option("--duration", type=float, default=None, help="Most seconds to listen (default: until Ctrl-C; with "
+              "--pcap it also stops once every request is answered or --idle passes).")
 @click.option("--idle", type=float, default=2.0, show_default=True,
               help="With --pcap: stop after this many seconds without a datagram once one has come.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report here.")
@@ -286,6 +291,7 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
         tracker = Tracker(plan, np.zeros(plan.n_events, np.int64), timeout_ns=2**62)
         rx = Receiver(socks.sockets)
         rx.start()
+        click.echo("listening on " + ", ".join(f"{h}:{p}" for h, p in socks.addresses), err=True)
         t0 = time.monotonic()
         last_seen = t0
         interrupted = False
@@ -299,7 +305,7 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
                     last_seen = now
                 if duration is not None and now - t0 >= duration:
                     break
-                if duration is None and pcap_path and tracker.datagrams and (
+                if pcap_path and tracker.datagrams and (
                         tracker.outstanding() == 0 or now - last_seen >= idle):
                     break
         except KeyboardInterrupt:

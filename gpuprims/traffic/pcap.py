@@ -32,8 +32,11 @@ _MAGIC_US = 0xA1B2C3D4
 _MAGIC_NS = 0xA1B23C4D
 _PCAPNG = 0x0A0D0D0A
 
+#: MACs of written frames. The destination is the loopback device's own address (all zeros): a frame
+#: injected into `lo` (tcpreplay -i lo) is dropped as PACKET_OTHERHOST unless it is addressed to lo.
+#: For a real NIC, rewrite them (tcprewrite --enet-dmac/--enet-smac) or pass src_mac/dst_mac.
 SRC_MAC = bytes.fromhex("020000000001")
-DST_MAC = bytes.fromhex("020000000002")
+DST_MAC = bytes(6)
 #: Timestamps of a written pcap start here (fixed, so a seeded stream gives the same file).
 DEFAULT_START_EPOCH_S = 1_700_000_000
 
@@ -78,7 +81,7 @@ class _Frames:
 
 
 def frame_headers(plan: Plan, ev: np.ndarray, src_ip: str, sport: np.ndarray, ip_id0: int,
-                  rid: np.ndarray, ts: np.ndarray) -> _Frames:
+                  rid: np.ndarray, ts: np.ndarray, src_mac: bytes = SRC_MAC, dst_mac: bytes = DST_MAC) -> _Frames:
     """Ethernet/IPv4/UDP headers for every packet of events `ev` (with request ids and stamps)."""
     cnt = plan.unit_count[plan.ev_unit[ev]].astype(np.int64)
     first = plan.unit_first[plan.ev_unit[ev]].astype(np.int64)
@@ -112,8 +115,8 @@ def frame_headers(plan: Plan, ev: np.ndarray, src_ip: str, sport: np.ndarray, ip
     u_ck = (~_ones_sum(u_sum)) & 0xFFFF
     u_ck = np.where(u_ck == 0, 0xFFFF, u_ck)
     hdr = np.zeros((n, 42), np.uint8)
-    hdr[:, 0:6] = np.frombuffer(DST_MAC, np.uint8)
-    hdr[:, 6:12] = np.frombuffer(SRC_MAC, np.uint8)
+    hdr[:, 0:6] = np.frombuffer(dst_mac, np.uint8)
+    hdr[:, 6:12] = np.frombuffer(src_mac, np.uint8)
     hdr[:, 12:14] = (0x08, 0x00)
     ip = hdr[:, 14:34]
     ip[:, 0] = 0x45
@@ -164,12 +167,14 @@ def _packet_field_sums(plan: Plan) -> np.ndarray:
 
 def write_pcap(path: str | Path, plan: Plan, *, src_ip: str = "127.0.0.1",
                sports: Sequence[int] = (40000,), start_epoch_s: float = DEFAULT_START_EPOCH_S,
-               nanosecond: bool = False, stamp: str = "schedule", batch_events: int = 4096) -> dict:
+               nanosecond: bool = False, stamp: str = "schedule", src_mac: str | bytes = SRC_MAC,
+               dst_mac: str | bytes = DST_MAC, batch_events: int = 4096) -> dict:
     """Write every event of `plan` as Ethernet/IPv4/UDP frames; returns counts.
 
     Request ids come from the plan; client_ts_ns holds the scheduled send offset in ns (stamp =
     'schedule') or 0 ('zero'). Requests take source ports from `sports` in turn, as the sender does.
     """
+    src_mac, dst_mac = _mac(src_mac), _mac(dst_mac)
     if stamp not in ("schedule", "zero"):
         raise ValueError(f"stamp must be 'schedule' or 'zero', got {stamp!r}")
     src_ip = parse_addr((src_ip, 1))[0]
@@ -188,7 +193,7 @@ def write_pcap(path: str | Path, plan: Plan, *, src_ip: str = "127.0.0.1",
             ev = np.arange(lo, min(plan.n_events, lo + batch_events))
             rid = plan.ev_rid[ev]
             ts = plan.ev_time_ns[ev] if stamp == "schedule" else np.zeros(len(ev), np.int64)
-            fr = frame_headers(plan, ev, src_ip, sports_a[ev % len(sports_a)], n_pkts, rid, ts)
+            fr = frame_headers(plan, ev, src_ip, sports_a[ev % len(sports_a)], n_pkts, rid, ts, src_mac, dst_mac)
             n = len(fr.pkt)
             ln = plan.pkt_len[fr.pkt].astype(np.int64)
             # Record headers: seconds, fraction, captured length, original length.
@@ -223,6 +228,19 @@ def write_pcap(path: str | Path, plan: Plan, *, src_ip: str = "127.0.0.1",
             n_bytes += int(ln.sum())
     return {"path": str(path), "frames": n_pkts, "requests": int((plan.ev_app >= 0).sum()),
             "udp_payload_bytes": n_bytes}
+
+
+def _mac(m: str | bytes) -> bytes:
+    if isinstance(m, str):
+        try:
+            b = bytes.fromhex(m.replace(":", "").replace("-", ""))
+        except ValueError:
+            b = b""
+    else:
+        b = bytes(m)
+    if len(b) != 6:
+        raise ValueError(f"a MAC address has 6 bytes (like 02:00:00:00:00:01), got {m!r}")
+    return b
 
 
 def write_datagrams(path: str | Path, datagrams: Sequence[bytes], *, dst: str | tuple[str, int] = "127.0.0.1:9000",

@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gpuprims.traffic import EchoServer, read_pcap
+from gpuprims.traffic.cli import main, parse_app
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpuprims.traffic.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_app_spec_parsing() -> None:
+    a = parse_app("3:224x224x3:uint8,rate=50,to=127.0.0.1:9005", {"count": 10, "pps": 1000})
+    assert (a.app_id, a.shape, a.dtype, a.rate, a.pps, a.count, a.to) == \
+        (3, (224, 224, 3), "uint8", 50.0, None, 10, ("127.0.0.1", 9005))
+    b = parse_app("4:16", {"rate": 5.0, "duration": 2.0, "dtype": "float32"})
+    assert (b.shape, b.dtype, b.rate, b.duration_s) == ((16,), "float32", 5.0, 2.0)
+    import click
+
+    with pytest.raises(click.BadParameter, match="unknown key 'speed'"):
+        parse_app("1:16:uint8,speed=3", {"count": 1, "rate": 1})
+    with pytest.raises(click.BadParameter, match="expected ID:SHAPE"):
+        parse_app("1", {})
+
+
+def test_gen_and_pcap_commands(tmp_path) -> None:
+    r = CliRunner().invoke(main, ["gen", "--app", "1:224x224x3:float32", "--app", "2:3x32x32:uint8", "-o",
+                                  str(tmp_path / "r.npz")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [a["packets_per_request"] for a in doc["apps"]] == [588, 3]
+    arrays = np.load(tmp_path / "r.npz")
+    assert arrays["app1_v0"].shape == (224, 224, 3) and arrays["app2_v0"].dtype == np.uint8
+    r = CliRunner().invoke(main, ["pcap", "--app", "1:8x8x3:uint8", "--rate", "100", "--count", "7", "--to",
+                                  "127.0.0.1:9001", "--src-ports", "40000-40002", "-o", str(tmp_path / "s.pcap")])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["frames"] == 7
+    cap = read_pcap(tmp_path / "s.pcap")
+    assert {f.src[1] for f in cap.frames} == {40000, 40001, 40002}
+    assert {f.dst for f in cap.frames} == {("127.0.0.1", 9001)}
+
+
+def test_replay_reports_json_with_plots(tmp_path) -> None:
+    with EchoServer(delay_s=0.0002) as echo:
+        r = CliRunner().invoke(main, ["replay", "--app", f"1:32x32x3:uint8,rate=500,to=127.0.0.1:{echo.port}",
+                                      "--app", f"2:1000:uint8,rate=1000,to=127.0.0.1:{echo.port}", "--count", "100",
+                                      "--warmup", "0.02", "--ports", "0", "--timeout", "0.3", "--no-progress",
+                                      "--json", str(tmp_path / "r.json"), "--cdf", str(tmp_path / "cdf.png"),
+                                      "--timeline", str(tmp_path / "tl.png"), "--samples", str(tmp_path / "s.npz"),
+                                      "--slo-ms", "100"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["sent"] == 200 and doc["answered"] == 200 and doc["lost"] == 0 and doc["slo_attainment"] == 1.0
+    assert doc["apps"]["1"]["packets_sent"] == 300 and doc["warmup"]["sent"] == 10 + 20
+    assert json.loads((tmp_path / "r.json").read_text())["sent"] == 200
+    assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "tl.png").exists()
+    assert len(np.load(tmp_path / "s.npz")["latency_ns"]) == 230
+
+
+def test_replay_of_a_pcap_looped(tmp_path) -> None:
+    with EchoServer() as echo:
+        r = CliRunner().invoke(main, ["pcap", "--app", "5:2000:uint8", "--rate", "1000", "--count", "10", "--to",
+                                      f"127.0.0.1:{echo.port}", "-o", str(tmp_path / "s.pcap")])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(main, ["replay", "--pcap", str(tmp_path / "s.pcap"), "--loop", "3", "--speed", "2",
+                                      "--timeout", "0.3", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert (doc["sent"], doc["answered"], doc["packets_sent"]) == (30, 30, 60)
+
+
+def test_bad_pcap_error_names_file_and_frame(tmp_path) -> None:
+    bad = tmp_path / "bad.pcap"
+    r = CliRunner().invoke(main, ["pcap", "--app", "1:3000:uint8", "--rate", "10", "--count", "2",
+                                  "-o", str(bad)])
+    assert r.exit_code == 0
+    bad.write_bytes(bad.read_bytes()[:-7])
+    r = CliRunner().invoke(main, ["replay", "--pcap", str(bad), "--no-progress"])
+    assert r.exit_code == 1
+    assert f"Error: {bad}: frame 6: truncated" in r.output
+
+
+def test_rate_not_achieved_is_said(tmp_path) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sink:
+        sink.bind(("127.0.0.1", 0))
+        r = CliRunner().invoke(main, ["replay", "--app", f"1:1024:uint8,to=127.0.0.1:{sink.getsockname()[1]}",
+                                      "--pps", "4e7", "--count", "50000", "--timeout", "0.05", "--linger", "0",
+                                      "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert "target rate NOT achieved" in r.stderr and "of 40,000,000 packets/s" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["sent"] == 50000 and doc["rate"]["achieved"] is False and doc["rate"]["achieved_pps"] > 0
+
+
+def test_ctrl_c_prints_the_partial_report() -> None:
+    with EchoServer() as echo:
+        p = _cli("replay", "--app", f"1:3x32x32:uint8,to=127.0.0.1:{echo.port}", "--rate", "200", "--duration", "60",
+                 "--no-progress", "--timeout", "0.2")
+        deadline = time.monotonic() + 60
+        while echo.counters.requests < 50 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    doc = json.loads(out)
+    assert doc["interrupted"] is True
+    assert 50 <= doc["sent"] < doc["scheduled"] == 12000
+    assert doc["answered"] >= doc["sent"] - 2
+    assert "partial" in err
+
+
+def test_recv_counts_answers_to_someone_elses_requests(tmp_path) -> None:
+    import socket
+
+    from gpuprims import wire
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    r = CliRunner().invoke(main, ["pcap", "--app", "1:100:uint8", "--rate", "10", "--count", "4", "-o",
+                                  str(tmp_path / "s.pcap")])
+    assert r.exit_code == 0
+    p = _cli("recv", "--listen", f"127.0.0.1:{port}", "--pcap", str(tmp_path / "s.pcap"), "--idle", "0.5")
+    assert p.stderr is not None and "listening on" in p.stderr.readline()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as node:
+        for rid in (1, 2, 2, 3, 99):
+            for d in wire.encode_response(1, rid, wire.Status.OK, b"r" * 10):
+                node.sendto(d, ("127.0.0.1", port))
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    doc = json.loads(out)
+    assert (doc["requests"], doc["answered"], doc["not_answered"], doc["duplicates"], doc["unmatched"]) == \
+        (4, 3, 1, 1, 1)
