@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
