@@ -199,3 +199,13 @@ def test_never_above_100_pct_and_stage_order(scn: tuple, name: str) -> None:
             # one run at a time per stage instance
             keys = [r.key for r, _, _ in running.values()]
             assert len(keys) == len(set(keys))
+
+
+def test_gpu_hint_limits_planning_and_is_validated() -> None:
+    apps = [single("a", "m1", 50, 30, gpu=0), single("b", "m1", 50, 30, gpu=1)]
+    s = TemporalScheduler(apps, PROFILES, num_gpus=2)
+    q = {"a/m1": [30.0], "b/m1": [30.0]}
+    assert [d.app for d in s.plan(0.0, q, gpus=[1])] == ["b"]
+    assert [d.app for d in s.plan(0.0, q, gpus=[0, 1])] == ["a"]  # b is already running
+    with pytest.raises(ValueError, match=r"gpus \[2\] must be in 0..1"):
+        s.plan(0.0, q, gpus=[2])
