@@ -913,10 +913,11 @@ class _QueueCommandClient(CommandClient):
         super().__init__(address, token)
         self._hub = _find_hub(address.commands)
         self._n = 0
+        self._replies: queue.Queue[list[bytes]] = queue.Queue(maxsize=4)
 
     def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None:
         # A fresh reply queue per request, so a late reply to an earlier request is never read.
-        self._replies: queue.Queue[list[bytes]] = queue.Queue(maxsize=4)
+        self._replies = queue.Queue(maxsize=4)
         self._n += 1
         try:
             self._hub.inbox.put(("command", f"cli:{id(self):x}:{self._n}", self._replies, frames),
@@ -932,7 +933,8 @@ class _QueueCommandClient(CommandClient):
             return None
 
     def _close(self) -> None:
-        pass
+        # Reply queues belong to single requests; dropping the last one is all there is to release.
+        self._replies = queue.Queue(maxsize=1)
 
 
 def connect_command(address: ControlAddress, token: str) -> CommandClient:

@@ -487,3 +487,15 @@ def test_stale_socket_file_is_replaced(run_dir: Path, token: str) -> None:
             connect_instance(server.address, "a", token) as c:
         c.send(Heartbeat(instance="a"))
         assert _recv(server).peer == "a"
+
+
+def test_late_reply_is_not_taken_for_the_next_request(server: ControlServer, token: str) -> None:
+    with connect_command(server.address, token) as cli:
+        with pytest.raises(ControlTimeout):
+            cli.request(StatusRequest(), timeout_ms=100)
+        first = _recv(server)
+        server.reply(first, Result(ok=True, message="late"))
+        t = _serve(server, 1)
+        assert cli.request(StopRequest(drain=False), timeout_ms=5000) == Result(ok=True, message="StopRequest")
+        t.join(10)
+        assert not t.is_alive()
