@@ -19,6 +19,7 @@ Run: ``python3 -m bench.sched [--quick]``. Reports, never asserts.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -96,9 +97,12 @@ def main() -> None:
         t0 = time.perf_counter()
         r = simulate(sch, wl, duration_ms=speed_ms)
         wall = time.perf_counter() - t0
-        speed[name] = {"simulated_s": speed_ms / 1000, "wall_s": wall, "requests": r["total"]["offered"],
-                       "requests_per_wall_s": r["total"]["offered"] / wall, "plans": r["plans"],
+        speed[name] = {"simulated_s": speed_ms / 1000, "wall_s": wall, "cpu_s": r["cpu_s"],
+                       "requests": r["total"]["offered"],
+                       "requests_per_wall_s": r["total"]["offered"] / wall,
+                       "requests_per_cpu_s": r["sim_requests_per_cpu_s"], "plans": r["plans"],
                        "one_hour_trace_wall_s_est": wall * 3_600_000.0 / speed_ms,
+                       "one_hour_trace_cpu_s_est": r["cpu_s"] * 3_600_000.0 / speed_ms,
                        "miss_rate": r["total"]["miss_rate"], "gpu_util_mean": sum(r["gpu_util"]) / 8}
     samples["sim_speed_8gpu_32apps_50rps"] = speed
 
@@ -116,6 +120,9 @@ def main() -> None:
         / sum(v["temporal_rps"] for v in PAPER_TABLE3.values()),
         "sim_requests_per_wall_s": min(v["requests_per_wall_s"] for v in speed.values()),
         "sim_one_hour_trace_wall_s_est": max(v["one_hour_trace_wall_s_est"] for v in speed.values()),
+        "sim_requests_per_cpu_s": min(v["requests_per_cpu_s"] for v in speed.values()),
+        "sim_one_hour_trace_cpu_s_est": max(v["one_hour_trace_cpu_s_est"] for v in speed.values()),
+        "machine_load_avg_1min": os.getloadavg()[0],
     }
     for app in PAPER_TABLE3:
         for n, res in head.items():
@@ -130,7 +137,8 @@ def main() -> None:
     plot(head, sweep, results_dir("cpu") / "sched.png")
     print(f"wrote {path}")
     for k in ("throughput_ratio", "miss_rate", "temporal_miss_rate", "throughput_ratio_poisson",
-              "sim_requests_per_wall_s", "sim_one_hour_trace_wall_s_est"):
+              "sim_requests_per_wall_s", "sim_requests_per_cpu_s", "sim_one_hour_trace_cpu_s_est",
+              "machine_load_avg_1min"):
         print(f"  {k}: {summary[k]}")
 
 

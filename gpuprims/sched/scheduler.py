@@ -226,6 +226,24 @@ class Scheduler(ABC):
         """When ``plan`` wants to run again even without a completion or arrival; None if never."""
         return None
 
+    def can_start(self, key: str) -> bool:
+        """False when no run of stage ``key`` could start now (its instance or GPU% is taken).
+
+        A caller may skip ``plan`` after an arrival at ``key`` when this is False: the completion that
+        frees the instance or the GPU% triggers ``plan`` anyway. Raises ValueError for an unknown key.
+        """
+        if key not in self._stage_of:
+            raise ValueError(f"unknown queue key {key!r}")
+        return True
+
+    def stage_deadlines_ms(self) -> dict[str, float]:
+        """Each stage's share of its app's deadline (given, or split by ``App.with_deadline_split``)."""
+        out: dict[str, float] = {}
+        for a in self.apps.values():
+            split = a.with_deadline_split(self.profiles)
+            out.update({split.key(s.name): float(s.deadline_ms or 0.0) for s in split.stages})
+        return out
+
     def completed(self, dispatch: Dispatch, measured_ms: float) -> None:
         """Record that a run dispatch finished after ``measured_ms`` and learn from the error.
 
@@ -320,6 +338,13 @@ class SpatioTemporalScheduler(Scheduler):
         self._round = -1
         self._launched: set[str] = set()
         self._route_frac: dict[str, float] = {}
+
+    def can_start(self, key: str) -> bool:
+        """False when ``key``'s instance is running or its GPU% is not free now (see ``Scheduler``)."""
+        super().can_start(key)
+        app, stage = self._stage_of[key]
+        gs = self.gpus[self.placement[app.name]]
+        return gs.pct + app.stage(stage).gpu_pct <= 100 and not self._key_busy(gs, key)
 
     def route_fraction(self, key: str) -> float:
         """Learned fraction of a predecessor's batch that reaches stage ``key`` (1.0 until observed)."""
@@ -536,6 +561,11 @@ class TemporalScheduler(Scheduler):
 
     def _stage_pct(self, app: App, stage: str) -> int:
         return 100
+
+    def can_start(self, key: str) -> bool:
+        """False while ``key``'s GPU runs anything (exclusive access; see ``Scheduler``)."""
+        super().can_start(key)
+        return not self.gpus[self.placement[self._stage_of[key][0].name]].running
 
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:

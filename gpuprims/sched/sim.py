@@ -143,6 +143,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     apps = [w.app for w in workloads]
     queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
     placement = scheduler.placement
+    entry_keys = [w.app.key(w.app.entry.name) for w in workloads]
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
@@ -177,7 +178,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     end_ms = duration_ms + drain
     plans = 0
     t = 0.0
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     def in_window(arrival_ms: float) -> bool:
         return warmup_ms <= arrival_ms < duration_ms
@@ -221,8 +222,9 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 i = data
                 arr = arrivals[i]
                 a = workloads[i].app
-                q = queues[a.key(a.entry.name)]
-                if not q:
+                entry_key = entry_keys[i]
+                q = queues[entry_key]
+                if not q and scheduler.can_start(entry_key):
                     need_plan = True
                     if touched is not None:
                         touched.add(placement[a.name])
@@ -288,7 +290,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             wakes.add(w)
             heapq.heappush(heap, (w, 2, seq, w))
             seq += 1
-    wall_s = time.perf_counter() - wall0
+    wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
 
     window_s = (duration_ms - warmup_ms) / 1000.0
     unfinished_extra = {name: 0 for name in stats}
@@ -315,7 +317,9 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
         "gpu_util": [round(b / (100.0 * span_ms), 4) for b in gpu_busy_pct_ms],
         "plans": plans,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,
         "sim_requests_per_wall_s": (total.offered / wall_s) if wall_s > 0 else float("inf"),
+        "sim_requests_per_cpu_s": (total.offered / cpu_s) if cpu_s > 0 else float("inf"),
     }
     if record_dispatches:
         out["dispatches"] = trace

@@ -209,3 +209,20 @@ def test_gpu_hint_limits_planning_and_is_validated() -> None:
     assert [d.app for d in s.plan(0.0, q, gpus=[0, 1])] == ["a"]  # b is already running
     with pytest.raises(ValueError, match=r"gpus \[2\] must be in 0..1"):
         s.plan(0.0, q, gpus=[2])
+
+
+def test_can_start_and_stage_deadlines() -> None:
+    app = App("r", (Stage("s1", "m3", 25, {"x": "s2"}), Stage("s2", "m2", 100)), 40.0)
+    s = SpatioTemporalScheduler([app, single("f", "m1", 80, 40)], PROFILES)
+    assert s.can_start("r/s1") and s.can_start("f/m1")
+    s.plan(0.0, {"r/s1": [40.0], "f/m1": []})
+    assert not s.can_start("r/s1")  # running
+    assert not s.can_start("f/m1")  # 25 + 80 > 100
+    with pytest.raises(ValueError, match="unknown queue key"):
+        s.can_start("nope/x")
+    t = TemporalScheduler([single("f", "m1", 80, 40), single("g", "m2", 10, 40)], PROFILES)
+    t.plan(0.0, {"f/m1": [40.0], "g/m2": []})
+    assert not t.can_start("g/m2")
+    dl = s.stage_deadlines_ms()
+    assert set(dl) == {"r/s1", "r/s2", "f/m1"} and dl["f/m1"] == 40.0
+    assert dl["r/s1"] + dl["r/s2"] == pytest.approx(40.0)
