@@ -11,7 +11,8 @@ them live with wall-clock time:
   ``gpus`` optionally limits the work to the GPUs whose queues or runs changed since the last call
   (an optimisation for callers that know; None considers every GPU).
 - ``completed(dispatch, measured_ms)``: a run finished after ``measured_ms``; the caller has routed
-  its outputs to the next stages' queues before calling ``plan`` again.
+  its outputs to the next stages' queues before calling ``plan`` again. ``aborted(dispatch)``: a run
+  ended without a result (crashed instance); its GPU% and reserved later slots are released.
 - ``next_wakeup_ms(now_ms)``: when ``plan`` wants to be called again even if nothing else happens
   (the next scheduling round), or None.
 
@@ -267,6 +268,16 @@ class Scheduler(ABC):
             if r.upstream == dispatch.id:
                 r.ready = True
 
+    def aborted(self, dispatch: Dispatch) -> None:
+        """Forget a run that ended without a result (its instance crashed): free its GPU% and drop the
+        slots reserved for its later stages; nothing is learned. ValueError if it is not running."""
+        gs = self.gpus[dispatch.gpu] if 0 <= dispatch.gpu < self.num_gpus else None
+        if gs is None or dispatch.id not in gs.running:
+            raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
+        del gs.running[dispatch.id]
+        gs.pct -= dispatch.gpu_pct
+        gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
+
     def running(self, gpu: int) -> list[Dispatch]:
         """Run dispatches started on ``gpu`` and not yet completed."""
         return list(self.gpus[gpu].running.values())
@@ -474,6 +485,14 @@ class SpatioTemporalScheduler(Scheduler):
         if hi < lo:
             return None
         deadline = q[c]
+        if not gs.reservations and not self._succ[(app.name, stage)]:
+            # Fast path, same answer: nothing is reserved ahead and the running slices only end, so
+            # a stage that fits now fits throughout; only the deadline bounds the batch.
+            b = self._largest_within(s.model, s.gpu_pct, lo, hi, deadline - now)
+            if not b:
+                return None
+            consumed[key] = c + b
+            return self._new_dispatch(app, stage, g, s.gpu_pct, b, now, self.predict_ms(s.model, b, s.gpu_pct))
         ivs = self._intervals(gs, now)
         best: tuple[int, list[_Reservation], float] | None = None
         # Binary search for the largest batch whose chain fits; every candidate is checked in full.
@@ -495,6 +514,16 @@ class SpatioTemporalScheduler(Scheduler):
             r.upstream_batch = batch
         gs.reservations.extend(reservations)
         return d
+
+    def _largest_within(self, model: str, pct: int, lo: int, hi: int, budget_ms: float) -> int:
+        best = 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.predict_ms(model, mid, pct) <= budget_ms + _EPS:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
 
     def _place_chain(self, ivs: list[_Interval], app: App, stage: str, batch: int, now: float,
                      deadline: float, g: int) -> tuple[list[_Reservation], float] | None:

@@ -226,3 +226,14 @@ def test_can_start_and_stage_deadlines() -> None:
     dl = s.stage_deadlines_ms()
     assert set(dl) == {"r/s1", "r/s2", "f/m1"} and dl["f/m1"] == 40.0
     assert dl["r/s1"] + dl["r/s2"] == pytest.approx(40.0)
+
+
+def test_aborted_frees_gpu_and_reservations() -> None:
+    app = App("r", (Stage("s1", "m3", 25, {"x": "s2"}), Stage("s2", "m2", 100)), 40.0)
+    s = SpatioTemporalScheduler([app], PROFILES)
+    (d,) = s.plan(0.0, {"r/s1": [40.0], "r/s2": []})
+    assert s.gpus[0].reservations
+    s.aborted(d)
+    assert s.running(0) == [] and s.gpus[0].reservations == [] and s.correction("m3", 25) == 1.0
+    with pytest.raises(ValueError, match="not running"):
+        s.aborted(d)
