@@ -346,13 +346,13 @@ def test_cuda_model_has_the_cpu_weights() -> None:
         assert torch.equal(a, b.cpu()), name
 
 
-@pytest.mark.parametrize("name", ["alexnet", "vgg19", "resnet50"])
+@pytest.mark.parametrize("name", ["alexnet", "vgg19", "resnet18"])
 def test_request_in_a_batch_matches_the_direct_run_within_documented_tolerance(name: str) -> None:
     model = build_model(name, input_shape=SMALL, width=TINY_WIDTH[name])
-    x = _input(8)
+    x = _input(4)
     with torch.inference_mode():
         batched = model(x)
-        alone = torch.cat([model(x[i : i + 1]) for i in range(8)])
+        alone = torch.cat([model(x[i : i + 1]) for i in range(4)])
     torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
 
 
@@ -364,7 +364,7 @@ def test_recog_router_routes_different_inputs_differently() -> None:
     assert len(set(labels)) >= 2
 
 
-@pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet18", "vgg19", "mobilenet_v2"])
 def test_inputs_spread_over_classes(name: str) -> None:
     model = build_model(name, input_shape=SMALL, width=TINY_WIDTH[name])
     with torch.inference_mode():
