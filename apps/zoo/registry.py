@@ -224,7 +224,8 @@ def load_model(spec: str, **kwargs: Any) -> nn.Module:
 
     For a zoo name this is `build_model(spec, **kwargs)`. For a user model the module is imported, the
     (possibly dotted) attribute looked up and called with those of `kwargs` its signature accepts
-    (all of them if it takes ``**kwargs``), while the global torch RNG is seeded with
+    (all of them if it takes ``**kwargs``; a None value is left out so the factory's default applies),
+    while the global torch RNG is seeded with
     ``kwargs.get("seed", 0)`` and restored afterwards, so a factory that initialises with torch's
     default initialisers is deterministic too. The result is put in `.eval()` mode with
     `requires_grad` off, and moved to ``kwargs["device"]`` if the factory did not take `device`.
@@ -249,7 +250,8 @@ def load_model(spec: str, **kwargs: Any) -> nn.Module:
     if not callable(factory):
         raise ValueError(f"user model {spec!r}: {attr_path!r} is not callable (it is {type(factory).__name__})")
     seed = _check_int("seed", kwargs.get("seed", 0), -(1 << 63))
-    accepted = _accepted_kwargs(factory, kwargs)
+    # None means "the factory's own default" (as num_classes=None does for zoo models).
+    accepted = _accepted_kwargs(factory, {k: v for k, v in kwargs.items() if v is not None})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed & ((1 << 63) - 1))
         model = factory(**accepted)

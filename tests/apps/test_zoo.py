@@ -307,8 +307,10 @@ def test_load_user_model_passes_only_accepted_kwargs_and_is_deterministic(user_m
     assert _digest(a) == _digest(b) != _digest(c)
     assert not a.training and all(not p.requires_grad for p in a.parameters())
 
-    load_model(f"{user_module}:takes_all", seed=1, width=0.5)
+    load_model(f"{user_module}:takes_all", seed=1, width=0.5, num_classes=None)
     assert seen["all"] == {"seed": 1, "width": 0.5}
+    load_model(f"{user_module}:tiny", num_classes=None)
+    assert seen["kwargs"]["num_classes"] == 3  # None leaves the factory's default
     nested = load_model(f"{user_module}:Factories.nested", num_classes=3, device="meta")
     assert next(nested.parameters()).device.type == "meta"  # moved, as the factory takes no device
 
