@@ -116,6 +116,7 @@ class _GpuState:
     running: dict[int, Dispatch] = field(default_factory=dict)
     reservations: list[_Reservation] = field(default_factory=list)
     pct: int = 0  # GPU% of the runs in ``running``
+    busy: set[str] = field(default_factory=set)  # queue keys of the runs in ``running``
 
     def running_pct(self) -> int:
         return self.pct
@@ -257,6 +258,7 @@ class Scheduler(ABC):
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
         gs.pct -= dispatch.gpu_pct
+        gs.busy.discard(dispatch.key)
         base = self._base_ms(dispatch.model, dispatch.batch_size, dispatch.gpu_pct)
         if base > 0 and self.learn_rate > 0:
             ratio = min(10.0, max(0.1, measured_ms / base))
@@ -276,6 +278,7 @@ class Scheduler(ABC):
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
         gs.pct -= dispatch.gpu_pct
+        gs.busy.discard(dispatch.key)
         gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
 
     def running(self, gpu: int) -> list[Dispatch]:
@@ -293,6 +296,7 @@ class Scheduler(ABC):
                 raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.running_pct()} + {pct})")
             gs.running[d.id] = d
             gs.pct += pct
+            gs.busy.add(d.key)
         return d
 
     def _stage_pct(self, app: App, stage: str) -> int:
@@ -443,7 +447,7 @@ class SpatioTemporalScheduler(Scheduler):
         """(app, stage) pairs on GPU g with waiting requests and no reservation, earliest deadline first."""
         gs = self.gpus[g]
         reserved = {r.key for r in gs.reservations} if gs.reservations else ()
-        busy = {d.key for d in gs.running.values()} if gs.running else ()
+        busy = gs.busy
         cands: list[tuple[float, int, App, str]] = []
         for i, app, st, key, is_entry in self._keys_on[g]:
             if first_pass and (not is_entry or app.name in self._launched):
@@ -458,7 +462,7 @@ class SpatioTemporalScheduler(Scheduler):
         return [(a, s) for _, _, a, s in cands]
 
     def _key_busy(self, gs: _GpuState, key: str) -> bool:
-        return any(d.key == key for d in gs.running.values())
+        return key in gs.busy
 
     def _intervals(self, gs: _GpuState, now: float, exclude: _Reservation | None = None) -> list[_Interval]:
         ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, d.key)

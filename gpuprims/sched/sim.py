@@ -144,10 +144,11 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
     placement = scheduler.placement
     entry_keys = [w.app.key(w.app.entry.name) for w in workloads]
+    entry_key_set = set(entry_keys)
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
-    routes: dict[str, tuple[list[str | None], np.ndarray]] = {}
+    routes: dict[str, tuple[list[str | None], np.ndarray]] = {}  # key -> (next stages, cumulative probs)
     for w in workloads:
         for s in w.app.stages:
             if not s.routes:
@@ -157,7 +158,9 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             p = list(probs.values())
             labels.append(None)
             p.append(max(0.0, 1.0 - sum(p)))
-            routes[w.app.key(s.name)] = (labels, np.asarray(p) / sum(p))
+            cum = np.cumsum(np.asarray(p) / sum(p))
+            cum[-1] = 1.0
+            routes[w.app.key(s.name)] = (labels, cum)
 
     arrivals: list[list[float]] = [w.arrival.times_ms(duration_ms, rng).tolist() for w in workloads]
     next_idx = [0] * len(workloads)
@@ -179,9 +182,6 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     plans = 0
     t = 0.0
     wall0, cpu0 = time.perf_counter(), time.process_time()
-
-    def in_window(arrival_ms: float) -> bool:
-        return warmup_ms <= arrival_ms < duration_ms
 
     while heap:
         t = heap[0][0]
@@ -205,13 +205,13 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                     nexts: list[str | None] = [None] * len(dls)
                 else:
                     labels, p = route
-                    nexts = [labels[k] for k in rng.choice(len(labels), size=len(dls), p=p)]
+                    nexts = [labels[k] for k in np.searchsorted(p, rng.random(len(dls)), side="right").tolist()]
                 for dl, nxt in zip(dls, nexts):
                     if nxt is not None:
                         queues[app.key(nxt)].append(dl)
                         continue
                     arrival = dl - deadline_of[d.app]
-                    if in_window(arrival):
+                    if warmup_ms <= arrival < duration_ms:
                         st.latencies.append(t - arrival)
                         if t <= dl + _EPS:
                             st.met += 1
@@ -258,7 +258,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
                 dl_app = deadline_of[d.app]
                 st = stats[d.app]
                 for dl in dls:
-                    if in_window(dl - dl_app):
+                    if warmup_ms <= dl - dl_app < duration_ms:
                         st.rejected += 1
                 if record_dispatches:
                     trace.append(_trace_row(d, t))
@@ -280,7 +280,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             in_flight[d.id] = (d, dls, actual)
             heapq.heappush(heap, (t + actual, 0, seq, d.id))
             seq += 1
-            if d.stage == scheduler.apps[d.app].entry.name:
+            if d.key in entry_key_set:
                 stats[d.app].entry_batches.append(d.batch_size)
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
