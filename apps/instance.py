@@ -99,6 +99,7 @@ class LatencyStats:
         self.model_ms: collections.deque[float] = collections.deque(maxlen=512)
         self.counts: collections.Counter[str] = collections.Counter()
         self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self.busy_ms = 0.0  # time spent running the model
         self.started = time.monotonic()
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
@@ -121,6 +122,7 @@ class LatencyStats:
             "service_rps": served / elapsed,
             "queue_len": queue_len,
             "held": held,
+            "busy_ms": self.busy_ms,
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "uptime_s": elapsed,
@@ -264,6 +266,7 @@ class Instance:
         model_ms = (time.perf_counter() - t0) * 1e3
         self.policy.observe(n, model_ms)
         self.stats.model_ms.append(model_ms)
+        self.stats.busy_ms += model_ms
         self.responder.send(info, Status.OK, logits)
         self.consumer.release(recs)
         done_ns = time.monotonic_ns()

@@ -103,7 +103,7 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, *, ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
                  python: str = sys.executable, control_kind: str = "zmq", heartbeat_ms: float = 500.0,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, monitor: Any = None) -> None:
         if ready_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("ready_timeout_s and stop_timeout_s must be positive")
         self.cfg = cfg
@@ -130,6 +130,8 @@ class Node:
         self.started_at = 0.0
         self.events: list[dict[str, Any]] = []
         self.changing: set[str] = set()
+        self.monitor = monitor  # orchestrator.monitor.Monitor: automatic GPU% changes when set
+        self._next_sample = 0.0
         self._lock = threading.RLock()
 
     # -- start ---------------------------------------------------------------------------------------
@@ -314,8 +316,21 @@ class Node:
             if time.monotonic() >= deadline:
                 break
         self._check_processes()
+        if self.monitor is not None and time.monotonic() >= self._next_sample and not self.changing:
+            self._next_sample = time.monotonic() + self.monitor.policy.interval_s
+            self._autoscale()
         if self.metrics is not None:
             self.metrics.update(self.status())
+
+    def _autoscale(self) -> None:
+        for d in self.monitor.sample(time.monotonic(), self.status()):
+            log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, d.to_pct, d.reason)
+            ok, text = self.set_gpu(d.app, d.to_pct)
+            self.events.append({"t": d.t, "event": "decision", "app": d.app, "verdict": d.verdict,
+                                "reason": d.reason, "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": ok,
+                                "result": text})
+            if not ok:
+                log.warning("monitor: change of %s failed: %s", d.app, text)
 
     def request_stop(self, drain: bool = True) -> None:
         """Ask serve() to stop (safe from signal handlers and other threads)."""
@@ -391,7 +406,7 @@ class Node:
 
     def _retire(self, st: InstanceState) -> None:
         app = self.apps[st.app]
-        for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
+        for k in ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms"):
             app.retired[k] = app.retired.get(k, 0) + int(st.stats.get(k) or 0)
 
     def _release_consumer(self, st: InstanceState) -> None:
@@ -457,6 +472,7 @@ class Node:
             "ingest": counters,
             "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
             "apps": apps,
+            "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
         }
 
     # -- stop -----------------------------------------------------------------------------------------

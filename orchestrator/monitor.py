@@ -1,0 +1,182 @@
+"""Monitoring and detection: when an app is overloaded or under-uses its share, change its GPU%.
+
+Every ``interval_s`` the node's status is sampled. Per app, over the last ``window_s``:
+arrival rate, service rate (answered per second), queue length, SLO attainment of what was answered,
+and utilisation (fraction of wall time its instances spent running the model, per instance).
+
+- **Overloaded**: attainment below ``slo_target``, or arrivals exceed service by ``overload_ratio``
+  while the queue grows. The app's share goes up: to what its profile says is needed for the arrival
+  rate when a profile is given (``needed_pct``), else one ``step_pct``; never above what the other
+  apps leave free on the device.
+- **Under-using**: utilisation below ``underuse_util`` with attainment at target and no queue. The
+  share goes down by ``step_pct`` (not below ``min_pct``, nor below what the profile says is needed).
+
+A verdict must hold for ``confirm`` consecutive samples (hysteresis), and an app is not changed again
+within ``dwell_s`` of its last change, so it does not flap. Every decision carries its reason; the node
+logs it, keeps it in ``status()["decisions"]`` and counts it in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("gpuprims.monitor")
+
+
+@dataclass(frozen=True)
+class MonitorPolicy:
+    """Thresholds of the detector (see the module docstring)."""
+
+    interval_s: float = 1.0
+    window_s: float = 5.0
+    slo_target: float = 0.99
+    overload_ratio: float = 1.05
+    underuse_util: float = 0.3
+    step_pct: int = 10
+    min_pct: int = 5
+    confirm: int = 3
+    dwell_s: float = 15.0
+    min_served: int = 20  # answered requests in the window before attainment counts
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s < self.interval_s:
+            raise ValueError(f"need 0 < interval_s <= window_s, got {self.interval_s}, {self.window_s}")
+        if not 0 < self.slo_target <= 1:
+            raise ValueError(f"slo_target must be in (0, 1], got {self.slo_target}")
+        if self.overload_ratio < 1:
+            raise ValueError(f"overload_ratio must be >= 1, got {self.overload_ratio}")
+        if not 1 <= self.step_pct <= 100 or not 1 <= self.min_pct <= 100:
+            raise ValueError("step_pct and min_pct must be in 1..100")
+        if self.confirm < 1 or self.dwell_s < 0:
+            raise ValueError("confirm must be >= 1 and dwell_s >= 0")
+
+
+@dataclass
+class AppWindow:
+    """Rates of one app over the sampling window."""
+
+    arrival_rps: float
+    service_rps: float
+    queue: int
+    queue_delta: int
+    attainment: float | None
+    served: int
+    utilisation: float
+
+
+@dataclass
+class Decision:
+    """A change the monitor asks for, with its reason and the figures behind it."""
+
+    t: float
+    app: str
+    from_pct: int
+    to_pct: int
+    verdict: str  # "overloaded" | "underused"
+    reason: str
+    window: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _AppTrack:
+    samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    streak_verdict: str = ""
+    streak: int = 0
+    last_change: float = -1e18
+
+
+NeededPct = Callable[[str, float], int | None]
+
+
+class Monitor:
+    """Samples a node's status and proposes GPU% changes (pure: the caller applies them)."""
+
+    def __init__(self, policy: MonitorPolicy | None = None, *, needed_pct: NeededPct | None = None) -> None:
+        self.policy = policy or MonitorPolicy()
+        self.needed_pct = needed_pct
+        self._apps: dict[str, _AppTrack] = {}
+        self.decisions: list[Decision] = []
+
+    @staticmethod
+    def _totals(app: Mapping[str, Any]) -> dict[str, float]:
+        insts = app.get("instances") or []
+        return {
+            "received": float(app.get("received") or 0),
+            "served": float((app.get("ok") or 0) + (app.get("deadline_missed") or 0) + (app.get("errors") or 0)),
+            "within": float(app.get("within_slo") or 0),
+            "queue": float(sum(int(i.get("queue_len") or 0) for i in insts if i.get("role") == "active")),
+            "busy_ms": float(sum(float(i.get("busy_ms") or 0) for i in insts) + float(app.get("busy_ms") or 0)),
+            "instances": float(max(1, sum(1 for i in insts if i.get("role") == "active"))),
+        }
+
+    def window(self, app: str) -> AppWindow | None:
+        """The app's rates over the current window, or None before two samples exist."""
+        tr = self._apps.get(app)
+        if tr is None or len(tr.samples) < 2:
+            return None
+        (t0, a), (t1, b) = tr.samples[0], tr.samples[-1]
+        dt = max(t1 - t0, 1e-9)
+        served = int(b["served"] - a["served"])
+        return AppWindow(
+            arrival_rps=(b["received"] - a["received"]) / dt,
+            service_rps=served / dt,
+            queue=int(b["queue"]),
+            queue_delta=int(b["queue"] - a["queue"]),
+            attainment=(b["within"] - a["within"]) / served if served >= self.policy.min_served else None,
+            served=served,
+            utilisation=max(0.0, (b["busy_ms"] - a["busy_ms"]) / 1e3 / dt / b["instances"]),
+        )
+
+    def sample(self, now: float, status: Mapping[str, Any]) -> list[Decision]:
+        """Feed one status snapshot taken at ``now`` (seconds); return the changes to make now."""
+        p = self.policy
+        out: list[Decision] = []
+        apps = status.get("apps", {})
+        used = {name: int(a.get("gpu_pct") or 0) * max(1, len([i for i in a.get("instances") or []
+                                                               if i.get("role") == "active"]))
+                for name, a in apps.items()}
+        for name, a in apps.items():
+            tr = self._apps.setdefault(name, _AppTrack())
+            tr.samples.append((now, self._totals(a)))
+            while len(tr.samples) > 2 and now - tr.samples[1][0] >= p.window_s:
+                tr.samples.pop(0)
+            w = self.window(name)
+            if w is None:
+                continue
+            verdict, reason = self._verdict(w)
+            if verdict != tr.streak_verdict:
+                tr.streak_verdict, tr.streak = verdict, 0
+            tr.streak += 1 if verdict else 0
+            if not verdict or tr.streak < p.confirm or now - tr.last_change < p.dwell_s:
+                continue
+            pct = int(a.get("gpu_pct") or 0)
+            n = max(1, len([i for i in a.get("instances") or [] if i.get("role") == "active"]))
+            free = 100 - sum(v for k, v in used.items() if k != name)
+            need = self.needed_pct(name, w.arrival_rps) if self.needed_pct else None
+            if verdict == "overloaded":
+                target = need if need is not None and need > pct else pct + p.step_pct
+                target = min(target, free // n, 100)
+            else:
+                target = max(pct - p.step_pct, p.min_pct, need or 0)
+            if target == pct or target < 1:
+                continue
+            d = Decision(now, name, pct, int(target), verdict, reason, dict(vars(w)))
+            tr.last_change, tr.streak = now, 0
+            self.decisions.append(d)
+            out.append(d)
+        return out
+
+    def _verdict(self, w: AppWindow) -> tuple[str, str]:
+        p = self.policy
+        if w.attainment is not None and w.attainment < p.slo_target:
+            return "overloaded", f"SLO attainment {w.attainment:.1%} < {p.slo_target:.0%}"
+        if w.arrival_rps > w.service_rps * p.overload_ratio and w.queue_delta > 0:
+            return "overloaded", (f"arrivals {w.arrival_rps:.0f}/s exceed service {w.service_rps:.0f}/s "
+                                  f"and the queue grew by {w.queue_delta}")
+        if (w.utilisation < p.underuse_util and w.queue == 0 and w.served > 0
+                and (w.attainment is None or w.attainment >= p.slo_target)):
+            return "underused", f"busy {w.utilisation:.0%} of the time < {p.underuse_util:.0%}, no queue"
+        return "", ""
