@@ -29,15 +29,19 @@ NONE, ANSWERED, LATE = 0, 1, 2
 
 
 class Receiver:
-    """Receives on `sockets` in a background thread until `stop()`; `drain()` hands over records."""
+    """Receives on `sockets` in a background thread until `stop()`; `drain()` hands over records.
+
+    With `record=False` it only counts (a sink); with `gro` the sockets take UDP GRO, so coalesced
+    datagrams arrive in one buffer and are split again (counts stay per datagram).
+    """
 
     def __init__(self, sockets: Sequence, *, batch: int = 256, keep_payloads: bool = False,
-                 record: bool = True) -> None:
+                 record: bool = True, gro: bool = False) -> None:
         from gpuprims import _native
 
         assert RECORD_DTYPE.itemsize == _native.TRAFFIC_RECORD_SIZE
         self.sockets = list(sockets)
-        self._native = _native.TrafficReceiver([s.fileno() for s in self.sockets], batch, record, keep_payloads)
+        self._native = _native.TrafficReceiver([s.fileno() for s in self.sockets], batch, record, keep_payloads, gro)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 

@@ -31,6 +31,9 @@
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 #ifndef SO_RXQ_OVFL
 #define SO_RXQ_OVFL 40
 #endif
@@ -444,12 +447,18 @@ inline int check_response(const uint8_t* data, size_t len, w::Header* h) {
 // as the call returns, and recording each datagram's header (or only counting, record = false).
 class Receiver {
  public:
-  Receiver(std::vector<int> fds, uint32_t batch, bool record, bool keep_payloads)
+  Receiver(std::vector<int> fds, uint32_t batch, bool record, bool keep_payloads, bool gro)
       : fds_(std::move(fds)), batch_(std::max<uint32_t>(1, batch)), record_(record), keep_(keep_payloads) {
     if (fds_.empty()) throw std::invalid_argument("Receiver needs at least one socket");
     if (batch_ > 1024) throw std::invalid_argument("batch must be <= 1024");
     int one = 1;
-    for (int fd : fds_) setsockopt(fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof(one));
+    for (int fd : fds_) {
+      setsockopt(fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof(one));
+      // With UDP_GRO the kernel may hand over several equal-size datagrams as one buffer (and on
+      // loopback it then skips segmenting a GSO send); handle() splits them again.
+      if (gro && setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof(one)) != 0)
+        throw std::runtime_error(std::string("setsockopt(UDP_GRO): ") + std::strerror(errno));
+    }
     ovfl_.assign(fds_.size(), 0);
   }
 
@@ -463,7 +472,7 @@ class Receiver {
     std::vector<uint8_t> bufs(static_cast<size_t>(batch_) * buf_size);
     std::vector<iovec> iov(batch_);
     std::vector<mmsghdr> msgs(batch_);
-    const size_t ctl_size = CMSG_SPACE(sizeof(uint32_t)) + 64;
+    const size_t ctl_size = CMSG_SPACE(sizeof(uint32_t)) + CMSG_SPACE(sizeof(int)) + 64;
     std::vector<char> ctl(static_cast<size_t>(batch_) * ctl_size);
     std::vector<pollfd> pfd(fds_.size());
     for (size_t k = 0; k < fds_.size(); ++k) pfd[k] = {fds_[k], POLLIN, 0};
@@ -540,14 +549,28 @@ class Receiver {
  private:
   void handle(const mmsghdr& m, const uint8_t* data, int64_t now, uint16_t sock, std::vector<Record>& out,
               std::vector<uint8_t>& payload) {
+    size_t seg = 0;
     for (cmsghdr* cm = CMSG_FIRSTHDR(&m.msg_hdr); cm; cm = CMSG_NXTHDR(const_cast<msghdr*>(&m.msg_hdr), cm)) {
       if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SO_RXQ_OVFL) {
         uint32_t v;
         std::memcpy(&v, CMSG_DATA(cm), sizeof(v));
         ovfl_[sock] = v;  // the socket's running count of datagrams dropped for a full buffer
+      } else if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
+        int v;
+        std::memcpy(&v, CMSG_DATA(cm), sizeof(v));
+        seg = v > 0 ? static_cast<size_t>(v) : 0;
       }
     }
-    const size_t len = m.msg_len;
+    const size_t total = m.msg_len;
+    if (seg == 0 || seg >= total) {
+      handle_one(data, total, now, sock, out, payload);
+      return;
+    }
+    for (size_t off = 0; off < total; off += seg) handle_one(data + off, std::min(seg, total - off), now, sock, out, payload);
+  }
+
+  void handle_one(const uint8_t* data, size_t len, int64_t now, uint16_t sock, std::vector<Record>& out,
+                  std::vector<uint8_t>& payload) {
     datagrams_.fetch_add(1, std::memory_order_relaxed);
     bytes_.fetch_add(len, std::memory_order_relaxed);
     w::Header h{};
@@ -611,8 +634,8 @@ void bind_traffic(nb::module_& m) {
       .def("stats", &Sender::stats);
 
   nb::class_<Receiver>(m, "TrafficReceiver", "Batch receiver (recvmmsg) of response datagrams.")
-      .def(nb::init<std::vector<int>, uint32_t, bool, bool>(), nb::arg("fds"), nb::arg("batch") = 256,
-           nb::arg("record") = true, nb::arg("keep_payloads") = false)
+      .def(nb::init<std::vector<int>, uint32_t, bool, bool, bool>(), nb::arg("fds"), nb::arg("batch") = 256,
+           nb::arg("record") = true, nb::arg("keep_payloads") = false, nb::arg("gro") = false)
       .def("run", &Receiver::run, nb::arg("until_ns") = 0, "Receive until stop() or until_ns (GIL released).")
       .def("stop", &Receiver::stop)
       .def("drain", &Receiver::drain, "(records, payload bytes) received since the last drain.")
