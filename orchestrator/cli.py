@@ -15,15 +15,28 @@ log = logging.getLogger("gpuprims.cli")
 
 
 def _find_run_dir(run_dir: str | None) -> Path:
+    """The run dir to talk to: the one given, else the only live node of this user.
+
+    With several nodes running it refuses to guess (a command for one must not reach another).
+    """
     from orchestrator.control import runtime_base
-    from orchestrator.node import CURRENT_LINK
 
     if run_dir:
         return Path(run_dir)
-    link = runtime_base() / CURRENT_LINK
-    if not link.exists():
-        raise click.ClickException(f"no running node found ({link} does not exist); pass --run-dir")
-    return link.resolve()
+    base = runtime_base()
+    live = sorted(p.parent for p in base.glob("*/command.sock"))
+    if not live:
+        raise click.ClickException(f"no running node found under {base}; pass --run-dir")
+    if len(live) > 1:
+        raise click.ClickException("several nodes are running (" + ", ".join(map(str, live)) +
+                                   "); pass --run-dir to say which")
+    return live[0]
+
+
+def _known_models() -> set[str]:
+    from apps.zoo.registry import ALIASES, MODELS
+
+    return set(MODELS) | set(ALIASES)
 
 
 def _command(run_dir: str | None, msg: object, timeout_ms: float) -> object:
@@ -53,7 +66,7 @@ def start(config: str, ready_timeout: float, duration: float | None) -> None:
     from orchestrator.node import Node, StartError, install_signal_handlers
 
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, known_models=_known_models())
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     setup_logging(cfg.node.log_level, cfg.node.log_format)
@@ -75,7 +88,7 @@ def start(config: str, ready_timeout: float, duration: float | None) -> None:
 def validate(config: str) -> None:
     """Check CONFIG and print the apps it defines, or say precisely what is wrong."""
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, known_models=_known_models())
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     for app in cfg.apps:

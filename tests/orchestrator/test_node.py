@@ -36,9 +36,9 @@ node:
   pool: {slot_count: 4096, max_chunks: 64, record_count: 512}
   reassembly_timeout_ms: 200
 apps:
-  - {name: cls, model: mobilenet_v2, input_shape: [3, 32, 32], slo_ms: 2000, gpu_pct: 50, max_batch: 8,
+  - {name: cls, model: mobilenet_v2, input_shape: [3, 32, 32], slo_ms: 5000, gpu_pct: 50, max_batch: 8,
      app_id: 1, num_classes: 10, seed: 3}
-  - {name: det, model: resnet18, input_shape: [3, 32, 32], dtype: uint8, slo_ms: 2000, gpu_pct: 50,
+  - {name: det, model: resnet18, input_shape: [3, 32, 32], dtype: uint8, slo_ms: 5000, gpu_pct: 50,
      max_batch: 8, app_id: 2, num_classes: 10, seed: 4}
 """
 
@@ -252,7 +252,8 @@ def test_start_failure_names_the_instance_and_cleans_up(tmp_path: Path) -> None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
-    assert {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("gpuprims")} == set()
+    mine = f"gpuprims-{os.getpid()}-"  # pools this test process created (others may run beside it)
+    assert {f for f in set(os.listdir("/dev/shm")) - before if f.startswith(mine)} == set()
 
 
 def test_ready_timeout_names_the_setting(tmp_path: Path) -> None:
