@@ -1,7 +1,7 @@
 """Receiving responses: a thread driving the native recvmmsg loop, and matching them to requests.
 
-`Receiver` records the header of every datagram that arrives on the client sockets (stamped with
-CLOCK_MONOTONIC as recvmmsg returns). `Tracker` reassembles responses, matches each to a sent
+`Receiver` records the header of every datagram that arrives on the client sockets, with its
+receive time on CLOCK_MONOTONIC (the kernel's receive timestamp where there is one). `Tracker` reassembles responses, matches each to a sent
 request by (app_id, request_id) and classifies it: the first answer within the timeout is
 *answered*, a first answer after it is *late*, later answers are *duplicates*, and answers to
 requests never sent are *unmatched*; datagrams that are not valid responses are *invalid*, by reason.
@@ -31,17 +31,20 @@ NONE, ANSWERED, LATE = 0, 1, 2
 class Receiver:
     """Receives on `sockets` in a background thread until `stop()`; `drain()` hands over records.
 
+    Receive times are the kernel's receive timestamps mapped to CLOCK_MONOTONIC (`kernel_ts`, the
+    default), so they do not include this thread's wake-up; else the time recvmmsg returned.
     With `record=False` it only counts (a sink); with `gro` the sockets take UDP GRO, so coalesced
     datagrams arrive in one buffer and are split again (counts stay per datagram).
     """
 
     def __init__(self, sockets: Sequence, *, batch: int = 256, keep_payloads: bool = False,
-                 record: bool = True, gro: bool = False) -> None:
+                 record: bool = True, gro: bool = False, kernel_ts: bool = True) -> None:
         from gpuprims import _native
 
         assert RECORD_DTYPE.itemsize == _native.TRAFFIC_RECORD_SIZE
         self.sockets = list(sockets)
-        self._native = _native.TrafficReceiver([s.fileno() for s in self.sockets], batch, record, keep_payloads, gro)
+        self._native = _native.TrafficReceiver([s.fileno() for s in self.sockets], batch, record, keep_payloads, gro,
+                                               kernel_ts)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 

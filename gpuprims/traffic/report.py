@@ -269,6 +269,7 @@ def build_report(plan, sender, tracker, receiver_stats: dict, *, timeout_s: floa
                          "sockets": len(sender.sockets), "cpu_s": cpu_s,
                          "cpu_s_per_mpkt": cpu_s / st["packets"] * 1e6 if st["packets"] else None}
     summary["receiver"] = {"datagrams": receiver_stats.get("datagrams"), "socket_drops": receiver_stats.get("socket_drops"),
+                           "kernel_timestamps": receiver_stats.get("kernel_stamped", 0),
                            "cpu_s": receiver_stats.get("cpu_ns", 0) / 1e9}
     summary["duration_s"] = ((listen_end_ns or sender.end_ns) - t0) / 1e9
     summary["interrupted"] = interrupted

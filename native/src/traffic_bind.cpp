@@ -443,17 +443,22 @@ inline int check_response(const uint8_t* data, size_t len, w::Header* h) {
   return w::kOk;
 }
 
-// Batch receiver: recvmmsg on every socket it is given, stamping each batch with CLOCK_MONOTONIC
-// as the call returns, and recording each datagram's header (or only counting, record = false).
+// Batch receiver: recvmmsg on every socket it is given, recording each datagram's header (or only
+// counting, record = false) with its receive time on CLOCK_MONOTONIC: the kernel's receive timestamp
+// where the socket gives one (kernel_ts), else the time recvmmsg returned.
 class Receiver {
  public:
-  Receiver(std::vector<int> fds, uint32_t batch, bool record, bool keep_payloads, bool gro)
-      : fds_(std::move(fds)), batch_(std::max<uint32_t>(1, batch)), record_(record), keep_(keep_payloads) {
+  Receiver(std::vector<int> fds, uint32_t batch, bool record, bool keep_payloads, bool gro, bool kernel_ts)
+      : fds_(std::move(fds)), batch_(std::max<uint32_t>(1, batch)), record_(record), keep_(keep_payloads),
+        kernel_ts_(kernel_ts) {
     if (fds_.empty()) throw std::invalid_argument("Receiver needs at least one socket");
     if (batch_ > 1024) throw std::invalid_argument("batch must be <= 1024");
     int one = 1;
     for (int fd : fds_) {
       setsockopt(fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof(one));
+      // Kernel receive timestamps: the time the datagram entered the host's receive path, free of
+      // this thread's wake-up delay. They come on CLOCK_REALTIME and are mapped to CLOCK_MONOTONIC.
+      if (kernel_ts_ && setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof(one)) != 0) kernel_ts_ = false;
       // With UDP_GRO the kernel may hand over several equal-size datagrams as one buffer (and on
       // loopback it then skips segmenting a GSO send); handle() splits them again.
       if (gro && setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof(one)) != 0)
@@ -472,7 +477,7 @@ class Receiver {
     std::vector<uint8_t> bufs(static_cast<size_t>(batch_) * buf_size);
     std::vector<iovec> iov(batch_);
     std::vector<mmsghdr> msgs(batch_);
-    const size_t ctl_size = CMSG_SPACE(sizeof(uint32_t)) + CMSG_SPACE(sizeof(int)) + 64;
+    const size_t ctl_size = CMSG_SPACE(sizeof(uint32_t)) + CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(timespec)) + 64;
     std::vector<char> ctl(static_cast<size_t>(batch_) * ctl_size);
     std::vector<pollfd> pfd(fds_.size());
     for (size_t k = 0; k < fds_.size(); ++k) pfd[k] = {fds_[k], POLLIN, 0};
@@ -500,10 +505,14 @@ class Receiver {
           }
           const int r = recvmmsg(fds_[k], msgs.data(), batch_, MSG_DONTWAIT, nullptr);
           const int64_t now = mono_ns();
+          timespec rt;
+          clock_gettime(CLOCK_REALTIME, &rt);
+          // CLOCK_REALTIME - CLOCK_MONOTONIC now; steady over the microseconds a stamp is old.
+          const int64_t offset = static_cast<int64_t>(rt.tv_sec) * 1000000000LL + rt.tv_nsec - now;
           syscalls_.fetch_add(1, std::memory_order_relaxed);
           if (r <= 0) break;
-          for (int i = 0; i < r; ++i) handle(msgs[i], &bufs[i * buf_size], now, static_cast<uint16_t>(k), local,
-                                             local_payload);
+          for (int i = 0; i < r; ++i)
+            handle(msgs[i], &bufs[i * buf_size], now, offset, static_cast<uint16_t>(k), local, local_payload);
           if (record_ && !local.empty()) {
             std::lock_guard<std::mutex> lock(mu_);
             const uint64_t shift = payload_.size();
@@ -543,18 +552,28 @@ class Receiver {
     uint64_t drops = 0;
     for (uint32_t v : ovfl_) drops += v;
     d["socket_drops"] = drops;
+    d["kernel_timestamps"] = kernel_ts_;
+    d["kernel_stamped"] = kernel_stamped_.load();
     return d;
   }
 
  private:
-  void handle(const mmsghdr& m, const uint8_t* data, int64_t now, uint16_t sock, std::vector<Record>& out,
-              std::vector<uint8_t>& payload) {
+  void handle(const mmsghdr& m, const uint8_t* data, int64_t now, int64_t rt_offset, uint16_t sock,
+              std::vector<Record>& out, std::vector<uint8_t>& payload) {
     size_t seg = 0;
     for (cmsghdr* cm = CMSG_FIRSTHDR(&m.msg_hdr); cm; cm = CMSG_NXTHDR(const_cast<msghdr*>(&m.msg_hdr), cm)) {
       if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SO_RXQ_OVFL) {
         uint32_t v;
         std::memcpy(&v, CMSG_DATA(cm), sizeof(v));
         ovfl_[sock] = v;  // the socket's running count of datagrams dropped for a full buffer
+      } else if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_TIMESTAMPNS) {
+        timespec ts;
+        std::memcpy(&ts, CMSG_DATA(cm), sizeof(ts));
+        const int64_t k = static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec - rt_offset;
+        if (ts.tv_sec && k <= now) {
+          now = k;
+          kernel_stamped_.fetch_add(1, std::memory_order_relaxed);
+        }
       } else if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
         int v;
         std::memcpy(&v, CMSG_DATA(cm), sizeof(v));
@@ -605,8 +624,9 @@ class Receiver {
 
   std::vector<int> fds_;
   uint32_t batch_;
-  bool record_, keep_;
+  bool record_, keep_, kernel_ts_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> kernel_stamped_{0};
   std::mutex mu_;
   std::vector<Record> records_;
   std::vector<uint8_t> payload_;
@@ -634,8 +654,9 @@ void bind_traffic(nb::module_& m) {
       .def("stats", &Sender::stats);
 
   nb::class_<Receiver>(m, "TrafficReceiver", "Batch receiver (recvmmsg) of response datagrams.")
-      .def(nb::init<std::vector<int>, uint32_t, bool, bool, bool>(), nb::arg("fds"), nb::arg("batch") = 256,
-           nb::arg("record") = true, nb::arg("keep_payloads") = false, nb::arg("gro") = false)
+      .def(nb::init<std::vector<int>, uint32_t, bool, bool, bool, bool>(), nb::arg("fds"), nb::arg("batch") = 256,
+           nb::arg("record") = true, nb::arg("keep_payloads") = false, nb::arg("gro") = false,
+           nb::arg("kernel_ts") = true)
       .def("run", &Receiver::run, nb::arg("until_ns") = 0, "Receive until stop() or until_ns (GIL released).")
       .def("stop", &Receiver::stop)
       .def("drain", &Receiver::drain, "(records, payload bytes) received since the last drain.")

@@ -46,6 +46,8 @@ def test_echo_timestamps_bracket_the_hold(echo: EchoServer) -> None:
     arrive, reply = s["echo_aux0"][ok].astype(np.int64), s["echo_aux1"][ok].astype(np.int64)
     assert (s["sent_ns"][ok] < arrive).all() and (arrive < reply).all() and (reply < s["recv_ns"][ok]).all()
     assert ((reply - arrive) >= 500_000).all()
+    # Receive times are the kernel's receive stamps (mapped to CLOCK_MONOTONIC).
+    assert r["receiver"]["kernel_timestamps"] == r["receiver"]["datagrams"] == 50
 
 
 @pytest.mark.parametrize(("fault", "key", "expect"), [
