@@ -16,7 +16,9 @@ them live with wall-clock time:
 - ``next_wakeup_ms(now_ms)``: when ``plan`` wants to be called again even if nothing else happens
   (the next scheduling round), or None.
 
-The caller calls ``plan`` after every completion, when a queue turns non-empty, and at the wakeup.
+The caller calls ``plan`` after every completion, when a queue turns non-empty (it may skip that
+call while ``can_start(key)`` is False), and at the wakeup. Times are milliseconds on any one
+monotonic clock, the same for ``now_ms`` and the deadlines.
 
 ``SpatioTemporalScheduler`` ("spatiotemporal", paper V-F, Fig. 10): every stage runs in its own
 instance at its fixed GPU%, and instances on one GPU run concurrently as long as the GPU% of what
