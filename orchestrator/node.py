@@ -120,6 +120,7 @@ class Node:
         self.ingest: Ingest | None = None
         self.server: ControlServer | None = None
         self.metrics: Any = None
+        self.mps: Any = None  # orchestrator.mps.MpsDaemon on the cuda backend
         self.token = new_token()
         self.apps: dict[str, AppState] = {}
         self.instances: dict[str, InstanceState] = {}
@@ -154,6 +155,14 @@ class Node:
         self.run_dir = make_run_dir(node.run_dir)
         write_token(self.run_dir, self.token)
         self._link_current()
+        if self.backend == "cuda":
+            from orchestrator.mps import MpsDaemon, MpsUnavailable
+
+            self.mps = MpsDaemon(self.run_dir, mode=node.mps)
+            try:
+                self.mps.ensure()
+            except MpsUnavailable as e:
+                raise StartError(f"node.mps is 'require' but MPS cannot be used: {e}") from e
 
         for app in self.cfg.apps:
             n = app.instances if isinstance(app.instances, int) else 1
@@ -239,8 +248,11 @@ class Node:
         env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
         if share is not None:
             env.update(share.env())
-        if self.backend == "cuda" and not defer_init:
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
+        if self.backend == "cuda" and self.mps is not None:
+            env.update(self.mps.env(pct))
+            if defer_init:
+                # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
+                env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
         proc = subprocess.Popen([self.python, "-m", "apps.instance"], env=env, stdin=subprocess.DEVNULL,
                                 cwd=str(Path(__file__).resolve().parent.parent))
         st = InstanceState(name=name, app=app.name, spec=spec, proc=proc, role="shadow" if defer_init else "active")
@@ -467,6 +479,8 @@ class Node:
             }
         return {
             "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
+                     "mps": None if self.mps is None else {"active": self.mps.active, "started": self.mps.started,
+                                                           "reason": self.mps.reason},
                      "ports": self.ingest.ports if self.ingest else [],
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0},
             "ingest": counters,
@@ -517,6 +531,9 @@ class Node:
                 with contextlib.suppress(Exception):
                     self.metrics.stop()
                 self.metrics = None
+            if self.mps is not None:
+                self.mps.stop()
+                self.mps = None
             if self.ingest is not None:
                 self.ingest.stop()
             if self.server is not None:

@@ -1,0 +1,126 @@
+"""The CUDA MPS control daemon: use a running one, or start ours inside the run directory.
+
+Controlled spatial sharing on CUDA is MPS: each instance's GPU% is
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, read when CUDA initialises in that process. The node needs a
+control daemon for that. ``MpsDaemon.ensure()`` looks for one answering on the pipe directory
+(``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``); if there is none it starts
+``nvidia-cuda-mps-control -d`` with pipe and log directories inside the node's run directory, and
+``stop()`` quits only a daemon it started. ``env()`` gives the variables every instance needs to
+reach it.
+
+Policy (apps.yaml ``node.mps``): ``require`` refuses to start without MPS; ``best_effort`` says so at
+start and runs the instances without isolation (GPU% is then not enforced); ``off`` never uses MPS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger("gpuprims.mps")
+
+CONTROL = "nvidia-cuda-mps-control"
+DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
+
+
+class MpsUnavailable(RuntimeError):
+    """MPS is required but cannot be used on this machine; the message says why."""
+
+
+def _query(binary: str, pipe_dir: str, command: str, timeout_s: float = 5.0) -> tuple[bool, str]:
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe_dir)
+    try:
+        r = subprocess.run([binary], input=command + "\n", capture_output=True, text=True, env=env,
+                           timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    return r.returncode == 0, (r.stdout + r.stderr).strip()
+
+
+class MpsDaemon:
+    """Finds or starts the MPS control daemon for one node (see the module docstring)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, mode: str = "best_effort", binary: str | None = None,
+                 start_timeout_s: float = 10.0) -> None:
+        if mode not in ("require", "best_effort", "off"):
+            raise ValueError(f"mps mode must be 'require', 'best_effort' or 'off', got {mode!r}")
+        self.run_dir = Path(run_dir)
+        self.mode = mode
+        self.binary = binary or shutil.which(CONTROL)
+        self.start_timeout_s = start_timeout_s
+        self.pipe_dir: str | None = None
+        self.log_dir: str | None = None
+        self.started = False
+        self.active = False
+        self.reason = ""
+
+    def ensure(self) -> bool:
+        """Make MPS usable for this node. Returns whether instances run under MPS."""
+        if self.mode == "off":
+            self.reason = "node.mps is off"
+            return False
+        try:
+            self._ensure()
+        except MpsUnavailable as e:
+            self.reason = str(e)
+            if self.mode == "require":
+                raise
+            log.warning("MPS unavailable (%s): GPU%% is NOT enforced; instances share the GPU without "
+                        "isolation (set node.mps: require to refuse instead)", e)
+            return False
+        self.active = True
+        return True
+
+    def _ensure(self) -> None:
+        if not self.binary:
+            raise MpsUnavailable(f"{CONTROL} is not installed (not on PATH)")
+        existing = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR)
+        ok, out = _query(self.binary, existing, "get_server_list")
+        if ok:
+            self.pipe_dir = existing
+            log.info("using the running MPS control daemon (pipe directory %s)", existing)
+            return
+        pipe = self.run_dir / "mps-pipe"
+        logs = self.run_dir / "mps-log"
+        pipe.mkdir(mode=0o700, exist_ok=True)
+        logs.mkdir(mode=0o700, exist_ok=True)
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
+        try:
+            r = subprocess.run([self.binary, "-d"], env=env, capture_output=True, text=True, timeout=self.start_timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise MpsUnavailable(f"cannot start {CONTROL} -d: {e}") from e
+        if r.returncode != 0:
+            raise MpsUnavailable(f"{CONTROL} -d exited with {r.returncode}: {(r.stdout + r.stderr).strip()}")
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            ok, out = _query(self.binary, str(pipe), "get_server_list")
+            if ok:
+                break
+            if time.monotonic() > deadline:
+                raise MpsUnavailable(f"the MPS daemon started but does not answer on {pipe}: {out}")
+            time.sleep(0.1)
+        self.pipe_dir, self.log_dir, self.started = str(pipe), str(logs), True
+        log.info("started an MPS control daemon (pipe %s, log %s)", pipe, logs)
+
+    def env(self, gpu_pct: int) -> dict[str, str]:
+        """Variables for an instance that runs at ``gpu_pct`` under this daemon (none without MPS)."""
+        if not self.active or self.pipe_dir is None:
+            return {}
+        env = {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(gpu_pct)}
+        if self.log_dir:
+            env["CUDA_MPS_LOG_DIRECTORY"] = self.log_dir
+        return env
+
+    def stop(self) -> None:
+        """Quit the daemon if this node started it (a daemon found running is left alone)."""
+        if not self.started or self.binary is None or self.pipe_dir is None:
+            return
+        ok, out = _query(self.binary, self.pipe_dir, "quit")
+        if not ok:
+            log.warning("MPS daemon did not quit cleanly: %s", out)
+        self.started = False
+        self.active = False
