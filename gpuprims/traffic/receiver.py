@@ -167,7 +167,8 @@ class Tracker:
         pos_c = np.minimum(pos, len(self._keys) - 1)
         hit = (pos < len(self._keys)) & (self._keys[pos_c] == keys) & (done["request_id"] < np.uint64(2**48))
         idx = np.where(hit, self._order[pos_c], -1)
-        hit &= np.where(hit, self.sent_ns[np.maximum(idx, 0)] >= 0, False)
+        safe = np.maximum(idx, 0)
+        hit &= np.where(hit, (self.sent_ns[safe] >= 0) & (self.plan.ev_app[safe] >= 0), False)
         self.unmatched += int((~hit).sum())
         idx_h = idx[hit]
         d = done[hit]
