@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuprims.cuda import DeviceMemory, PinnedBuffer, PinnedRegion, mem_get_info, runtime, set_schedule
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_memory_owners_validate_sizes_before_touching_cuda(bad: object) -> None:
+    with pytest.raises(ValueError, match="nbytes"):
+        DeviceMemory(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nbytes"):
+        PinnedBuffer(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nbytes"):
+        PinnedRegion(4096, bad)  # type: ignore[arg-type]
+
+
+def test_pinned_region_validates_address() -> None:
+    with pytest.raises(ValueError, match="address"):
+        PinnedRegion(0, 4096)
+    with pytest.raises(ValueError, match="address"):
+        PinnedRegion(-5, 4096)
+
+
+def test_schedule_and_device_validation() -> None:
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        set_schedule(0, "busy")  # type: ignore[arg-type]
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="device must be a non-negative int"):
+            runtime.check_device(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("src", sorted(p.name for p in (ROOT / "native" / "cuda").glob("*.cu")))
+def test_cuda_sources_compile(src: str, tmp_path: Path) -> None:
+    proc = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-I",
+                           str(ROOT / "native" / "include"), "-c", str(ROOT / "native" / "cuda" / src), "-o",
+                           str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.gpu
+def test_memory_owners_on_gpu() -> None:
+    free0, total = mem_get_info(0)
+    assert 0 < free0 <= total
+    mem = DeviceMemory(1 << 20, 0)
+    t = torch.as_tensor(mem, device="cuda:0")
+    t.fill_(7)
+    assert t.shape == (1 << 20,) and int(t.sum()) == 7 << 20
+    del t
+    mem.close()
+    buf = PinnedBuffer(4096)
+    buf.array()[:] = 3
+    dst = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
+    runtime.cuda().cuda_memcpy_async(dst.data_ptr(), buf.address, 4096, 0)
+    torch.cuda.synchronize()
+    assert int(dst.sum()) == 3 * 4096
+    assert buf.device_pointer(0) != 0
+    buf.close()
+    host = torch.zeros(1 << 16, dtype=torch.uint8)
+    with PinnedRegion(host.data_ptr(), host.numel(), owner=host) as region:
+        assert region.device_pointer(0) != 0
+    assert region.closed
+    with pytest.raises(ValueError, match="closed"):
+        region.device_pointer(0)
+
+
+@pytest.mark.gpu
+def test_schedule_flag_round_trips() -> None:
+    before = runtime.get_schedule(0)
+    set_schedule(0, "blocking_sync")
+    assert runtime.get_schedule(0) == "blocking_sync"
+    set_schedule(0, before if before in runtime.SCHEDULE_FLAGS else "auto")  # type: ignore[arg-type]
