@@ -4,8 +4,8 @@ Two parts:
 - the paper-derived profiles (``gpuprims/profile/paper``; synthesised from the paper's figures, not
   measured): their knee at batch 1 and 8 (``knee()``, 10% tolerance);
 - a profile measured on this machine with ``gpuprims.profile.measure`` (each point in a fresh
-  process with its share applied first). Without a GPU, GPU% is a share of CPU cores, so on a
-  2-core machine 25/50% mean one core and 75/100% two: the curve has two levels, not a knee.
+  process with its share applied first): MobileNetV2 at 224x224, batches 1 and 8. Without a GPU,
+  GPU% is a share of CPU cores; a 2-core machine has only two levels (50% = one core, 100% = two).
 
 Run: ``python3 -m bench.knee [--quick]``. Reports, never asserts.
 """
@@ -39,8 +39,12 @@ def main() -> None:
         model, kw = "mobilenet", {"input_shape": (3, 32, 32), "width": 0.25, "batch_sizes": [1, 4],
                                   "gpu_pcts": [50, 100], "repeats": 5}
     else:
-        model, kw = "resnet50", {"input_shape": (3, 224, 224), "width": 1.0, "batch_sizes": [1, 4],
-                                 "gpu_pcts": [25, 50, 75, 100], "repeats": 10}
+        # A 2-core CPU has two share levels (1 or 2 cores); a GPU gets the paper's grid.
+        from gpuprims.backend import resolve_backend
+
+        pcts = [10, 25, 50, 75, 100] if resolve_backend(args.backend) == "cuda" else [50, 100]
+        model, kw = "mobilenet", {"input_shape": (3, 224, 224), "width": 1.0, "batch_sizes": [1, 8],
+                                  "gpu_pcts": pcts, "repeats": 10}
     prof = measure_profile(model, backend=args.backend, progress=True, **kw)
     samples["measured"] = prof.model_dump(mode="json")
     summary["measured_model"] = model

@@ -1,7 +1,7 @@
 """bench/sched: spatio-temporal scheduling with Batch-Latency vs temporal round-robin (paper Table III).
 
 Mode ``simulated``: the paper's Table III mix (DNN-Recog = mobilenet -> vgg_face | resnet_car, a
-YOLO-class model at 60% GPU, ResNeXt-50 at 50%; 30 ms deadline, 30 ms rounds) runs through the
+YOLO-class model at 60% GPU (simulated only: the zoo has no YOLO), ResNeXt-50 at 50%; 30 ms deadline, 30 ms rounds) runs through the
 simulator with the paper-derived profiles (``gpuprims/profile/paper``), under both schedulers:
 
 - at the load the paper's Table III implies (8 DNN-Recog, 2 Yolo, 1 ResNext request per 30 ms
@@ -98,7 +98,7 @@ def main() -> None:
     for learn in (0.0, 0.2):
         noisy[f"learn_rate_{learn}"] = {k: slim(v) for k, v in run_pair(
             paper_table3(load=1.0, kind="constant"), dur_ms, jitter_sigma=0.1,
-            true_scale={"vgg_face": 1.2, "resnet_car": 1.2, "yolov3": 1.2, "resnext50": 1.2, "mobilenet": 1.2},
+            true_scale={"vgg_face": 1.2, "resnet_car": 1.2, "yolov3": 1.2, "resnext50": 1.2, "recog_router": 1.2},
             learn_rate=learn, seed=1).items()}
     samples["jitter10_profile_20pct_optimistic"] = noisy
 

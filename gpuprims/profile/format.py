@@ -240,7 +240,8 @@ def load_profiles(paths: Iterable[str | Path]) -> dict[str, Profile]:
     return out
 
 
-PAPER_MODELS = ("alexnet", "mobilenet", "resnet50", "vgg19", "resnext50", "vgg_face", "resnet_car", "yolov3")
+PAPER_MODELS = ("alexnet", "mobilenet", "recog_router", "resnet50", "vgg19", "resnext50", "vgg_face", "resnet_car",
+                "yolov3")
 
 
 def paper_profile(model: str) -> Profile:

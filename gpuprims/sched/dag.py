@@ -1,7 +1,8 @@
 """DAG apps: an inference app as a tree of model stages with routing on a stage's output.
 
-The paper's DNN-Recog (Fig. 10) is ``mobilenet`` (25% GPU) routing "person" to ``vgg_face`` (40%)
-and "vehicle" to ``resnet_car`` (50%); any other label ends the request after the first stage. A
+The paper's DNN-Recog (Fig. 10) is a MobileNet router (zoo model ``recog_router``, 25% GPU) routing
+"person" to ``vgg_face`` (40%) and "vehicle" to ``resnet_car`` (50%); any other label ends the
+request after the first stage. A
 single-model app is a DAG with one stage.
 
 Each stage has a fixed GPU% (the share of the instance that runs it) and its share of the app's
@@ -190,9 +191,10 @@ def single(name: str, model: str, gpu_pct: int, deadline_ms: float, *, gpu: int 
 
 def dnn_recog(name: str = "dnn_recog", deadline_ms: float = 30.0, *, router_pct: int = 25,
               face_pct: int = 40, car_pct: int = 50, gpu: int | None = None) -> App:
-    """The paper's DNN-Recog (Fig. 10): mobilenet routes "person" to vgg_face, "vehicle" to resnet_car."""
+    """The paper's DNN-Recog (Fig. 10): recog_router (a MobileNetV2) routes "person" to vgg_face and
+    "vehicle" to resnet_car; "other" ends the request. Model names are the zoo's (``apps.zoo``)."""
     return App(name, (
-        Stage("router", "mobilenet", router_pct, {"person": "face", "vehicle": "car"}),
+        Stage("router", "recog_router", router_pct, {"person": "face", "vehicle": "car"}),
         Stage("face", "vgg_face", face_pct),
         Stage("car", "resnet_car", car_pct),
     ), deadline_ms, gpu)

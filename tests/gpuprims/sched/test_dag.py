@@ -8,7 +8,7 @@ from gpuprims.sched.dag import App, Stage, dnn_recog, single, stage_latency_ms, 
 
 def test_dnn_recog_structure() -> None:
     a = dnn_recog()
-    assert a.entry.model == "mobilenet"
+    assert a.entry.model == "recog_router"
     assert a.successors("router") == ["face", "car"]
     assert a.paths() == [["router", "face"], ["router", "car"]]
     assert a.key("face") == "dnn_recog/face"

@@ -17,7 +17,7 @@ apps:
   - name: recog
     deadline_ms: 30
     stages:
-      - {name: router, model: mobilenet, gpu_pct: 25, routes: {person: face, vehicle: car}}
+      - {name: router, model: recog_router, gpu_pct: 25, routes: {person: face, vehicle: car}}
       - {name: face, model: vgg_face, gpu_pct: 40}
       - {name: car, model: resnet_car, gpu_pct: 50}
     route_probs: {router: {person: 0.5, vehicle: 0.4}}
