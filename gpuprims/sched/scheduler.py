@@ -346,9 +346,11 @@ class SpatioTemporalScheduler(Scheduler):
 
     name = "spatiotemporal"
 
-    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *,
-                 route_margin_sigma: float = 1.0, **kw: object) -> None:
-        super().__init__(apps, profiles, **kw)  # type: ignore[arg-type]
+    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
+                 round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
+                 max_batch: int | None = None, route_margin_sigma: float = 1.0) -> None:
+        super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
+                         learn_rate=learn_rate, max_batch=max_batch)
         if not route_margin_sigma >= 0:
             raise ValueError(f"route_margin_sigma must be >= 0, got {route_margin_sigma}")
         self.route_margin_sigma = route_margin_sigma
@@ -584,8 +586,11 @@ class TemporalScheduler(Scheduler):
 
     name = "temporal"
 
-    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], **kw: object) -> None:
-        super().__init__(apps, profiles, **kw)  # type: ignore[arg-type]
+    def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
+                 round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
+                 max_batch: int | None = None) -> None:
+        super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
+                         learn_rate=learn_rate, max_batch=max_batch)
         for a in apps:
             for s in a.stages:
                 if self.profiles[s.model].gpu_pcts[-1] < 100:
