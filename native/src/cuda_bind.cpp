@@ -153,9 +153,11 @@ int64_t gather_cpu(const uint8_t* base, const PoolGeometry& g, const uint32_t* r
           std::memcpy(row_out + at, payload, len);
         } else {
           float* dst = reinterpret_cast<float*>(row_out) + at;
+          uint32_t ch = uint32_t(at % channels);
           for (uint32_t i = 0; i < len; ++i) {
-            const uint32_t ch = channels == 1 ? 0u : uint32_t((at + i) % channels);
-            dst[i] = float(payload[i]) * a[ch] + b[ch];
+            const float m = float(payload[i]) * a[ch];  // two roundings, as the kernel's __fmul_rn/__fadd_rn
+            dst[i] = m + b[ch];
+            if (++ch == channels) ch = 0;
           }
         }
       }
