@@ -1,0 +1,218 @@
+"""Param-Share (paper V-E, Table II): memory per added instance with and without shared weights.
+
+    python3 -m bench.share [--quick] [--backend auto|cpu|cuda]
+
+For ResNet-50, VGG-19 and ResNeXt-50, instances are started one after another as spawn processes,
+each loading the model and running one batch-1 inference, and all kept alive:
+* unshared: every instance loads its own weights;
+* shared: the first instance exports its parameters (export_parameters) and the others map them
+  (share_parameters) from a model built on the meta device, so they allocate no weights.
+
+CUDA: the memory an instance adds is the drop of the device's free memory (cudaMemGetInfo, read by
+the parent) from just before it starts to when it is ready (context, weights, activations and
+workspace). CPU: the USS (private memory) of each instance, with PSS beside it. The instances that
+fit in a fixed budget (16 GiB, the paper's T4) follow from these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import write_result
+from gpuprims.backend import resolve_backend
+
+MODELS = ("resnet50", "vgg19", "resnext50")
+BUDGET_MIB = 16 * 1024
+PAPER = {"resnet50": (10, 11), "vgg19": (8, 10), "resnext50": (10, 12)}  # instances without / with P.S.
+
+
+def instance(backend: str, name: str, mode: str, blob: bytes | None, conn: Any) -> None:
+    """One model instance: load (own weights, export them, or map shared ones), infer once, report
+    ready, then wait for the word to stop."""
+    try:
+        import torch
+
+        from apps.zoo import build_model
+        from gpuprims.cuda import export_parameters, share_parameters
+
+        cuda = backend == "cuda"
+        dev = "cuda:0" if cuda else "cpu"
+        shared = exp = None
+        if mode == "import":
+            model = build_model(name, device="meta")
+            shared = share_parameters(blob, model)  # type: ignore[arg-type]
+        else:
+            model = build_model(name, device=dev)
+        if mode == "export":
+            exp = export_parameters(model)
+            if cuda:
+                torch.cuda.empty_cache()  # the pre-export copies are free now; give them back
+        with torch.no_grad():
+            model(torch.randn(1, 3, 224, 224, device=dev))
+        if cuda:
+            torch.cuda.synchronize()
+        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        conn.send({"ready": True, "pid": os.getpid(), "blob": exp.to_bytes() if exp else None,
+                   "weights_bytes": weights})
+        conn.recv()
+        if shared is not None:
+            shared.close()
+        if exp is not None:
+            exp.close()
+    except Exception as exc:
+        conn.send({"error": repr(exc)})
+
+
+class Fleet:
+    """Instances started one by one and kept alive; always reaped."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[tuple[Any, Any]] = []
+
+    def start(self, *args: Any, timeout_s: float = 600) -> dict[str, Any]:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=instance, args=(*args, child))
+        p.start()
+        self.procs.append((p, parent))
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"instance {args} not ready within {timeout_s} s")
+        msg = parent.recv()
+        if "error" in msg:
+            raise RuntimeError(f"instance {args} failed: {msg['error']}")
+        return msg
+
+    def stop(self) -> None:
+        # Importers before the exporter: release in the order CUDA IPC requires.
+        for p, conn in reversed(self.procs):
+            try:
+                conn.send("stop")
+            except (BrokenPipeError, OSError):
+                pass
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs.clear()
+
+
+def device_used_mib() -> float:
+    import torch
+
+    free, total = torch.cuda.mem_get_info(0)
+    return (total - free) / 2**20
+
+
+def host_mem_mib(pid: int) -> tuple[float, float]:
+    import psutil
+
+    info = psutil.Process(pid).memory_full_info()
+    return info.uss / 2**20, info.pss / 2**20
+
+
+def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    cuda = backend == "cuda"
+    samples: dict[str, Any] = {}
+    for mode in ("unshared", "shared"):
+        fleet = Fleet()
+        per: list[float] = []
+        pss: list[float] = []
+        weights = 0
+        try:
+            blob = None
+            for i in range(added + 1):
+                role = "unshared" if mode == "unshared" else ("export" if i == 0 else "import")
+                before = device_used_mib() if cuda else 0.0
+                msg = fleet.start(backend, name, role, blob)
+                if role == "export":
+                    blob = msg["blob"]
+                    weights = msg["weights_bytes"]
+                if cuda:
+                    per.append(device_used_mib() - before)
+                else:
+                    uss, p = host_mem_mib(msg["pid"])
+                    per.append(uss)
+                    pss.append(p)
+                weights = weights or msg["weights_bytes"]
+        finally:
+            fleet.stop()
+        samples[mode] = {"mem_mib_per_instance": per, "pss_mib_per_instance": pss, "weights_bytes": weights}
+    s: dict[str, Any] = {}
+    un = samples["unshared"]["mem_mib_per_instance"]
+    sh = samples["shared"]["mem_mib_per_instance"]
+    s[f"{name}_weights_mb"] = samples["unshared"]["weights_bytes"] / 2**20
+    s[f"{name}_mem_per_instance_mb_unshared"] = float(np.mean(un[1:] if len(un) > 1 else un))
+    s[f"{name}_mem_per_instance_mb_shared"] = float(np.mean(sh[1:])) if len(sh) > 1 else float("nan")
+    s[f"{name}_first_instance_mb"] = float(sh[0])
+    s[f"{name}_instances_fit_unshared"] = int(BUDGET_MIB // max(s[f"{name}_mem_per_instance_mb_unshared"], 1e-9))
+    s[f"{name}_instances_fit_shared"] = int(
+        1 + max(0.0, BUDGET_MIB - s[f"{name}_first_instance_mb"]) // max(s[f"{name}_mem_per_instance_mb_shared"], 1e-9))
+    if not cuda:
+        s[f"{name}_pss_per_instance_mb_unshared"] = float(np.mean(samples["unshared"]["pss_mib_per_instance"]))
+        s[f"{name}_pss_per_instance_mb_shared"] = float(np.mean(samples["shared"]["pss_mib_per_instance"][1:]))
+    s[f"{name}_paper_instances_fit_unshared"], s[f"{name}_paper_instances_fit_shared"] = PAPER[name]
+    return s, samples
+
+
+def plot(summary: dict[str, Any], models: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = np.arange(len(models))
+    for ax, key, label in ((ax1, "mem_per_instance_mb", "memory per added instance (MiB)"),
+                           (ax2, "instances_fit", f"instances in {BUDGET_MIB // 1024} GiB")):
+        ax.bar(x - 0.2, [summary[f"{m}_{key}_unshared"] for m in models], 0.4, label="own weights", color="tab:red")
+        ax.bar(x + 0.2, [summary[f"{m}_{key}_shared"] for m in models], 0.4, label="Param-Share", color="tab:green")
+        ax.set_xticks(x, models)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one added instance per mode instead of two")
+    ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--models", default=",".join(MODELS))
+    args = ap.parse_args(argv)
+    backend = resolve_backend(args.backend)
+    print(f"bench.share: backend {backend}")
+    added = 1 if args.quick else 2
+    models = [m for m in args.models.split(",") if m]
+    summary: dict[str, Any] = {"budget_mib": BUDGET_MIB, "added_instances": added}
+    samples: dict[str, Any] = {}
+    for name in models:
+        s, smp = run_model(backend, name, added)
+        summary.update(s)
+        samples[name] = smp
+        print(f"  {name}: {s}")
+    if backend == "cuda":
+        import torch
+
+        summary["device_total_mib"] = torch.cuda.mem_get_info(0)[1] / 2**20
+        notes = ("CUDA: memory an instance adds = drop of device free memory (cudaMemGetInfo in the parent) from "
+                 "before its start to its first inference; includes its CUDA context. Shared instances map the "
+                 "first instance's parameters with CUDA IPC. Instances fit = 16 GiB budget (the paper's T4).")
+    else:
+        notes = ("backend: cpu (no GPU): memory per instance = USS (private memory) of each instance process after "
+                 "its first inference, PSS beside it; shared instances map the first instance's parameters from "
+                 "POSIX shared memory (read-only). Instances fit = a 16 GiB budget, as for the paper's T4.")
+    path = write_result("share", backend, summary, samples, notes=notes)
+    plot(summary, models, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
