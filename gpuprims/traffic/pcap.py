@@ -63,11 +63,10 @@ def _be16_sum(buf: np.ndarray) -> int:
     return int(buf.view(">u2").astype(np.uint64).sum())
 
 
-def _be_words(x: np.ndarray, nbytes: int, little: bool = True) -> np.ndarray:
-    """Sum of the big-endian 16-bit words of each value stored as `nbytes` bytes (little-endian on
-    the wire when `little`), as a u64 vector."""
-    b = x.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :nbytes] if little else None
-    assert b is not None
+def _be_words(x: np.ndarray, nbytes: int) -> np.ndarray:
+    """Per value, the sum of the big-endian 16-bit words of its first `nbytes` little-endian bytes
+    (a u64 header field as it lies in the datagram), as a u64 vector."""
+    b = x.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :nbytes]
     return (b[:, 0::2].astype(np.uint64) << 8).sum(axis=1) + b[:, 1::2].astype(np.uint64).sum(axis=1)
 
 

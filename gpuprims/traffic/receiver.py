@@ -101,14 +101,17 @@ class Tracker:
         self.echo_mismatch = 0
         self.datagrams = 0
         self.last_recv_ns = -1
+        self.resolved = 0  # requests with a first answer (answered or late)
         self._partial: dict[tuple[int, int, int], dict] = {}
 
     @property
     def answered(self) -> int:
         return int((self.state == ANSWERED).sum())
 
-    def outstanding(self) -> int:
-        """Requests sent and neither answered nor late yet."""
+    def outstanding(self, n_sent: int | None = None) -> int:
+        """Requests sent and neither answered nor late yet (`n_sent`: requests sent, if known)."""
+        if n_sent is not None:
+            return n_sent - self.resolved
         return int(((self.sent_ns >= 0) & (self.state == NONE) & (self.plan.ev_app >= 0)).sum())
 
     def incomplete(self) -> int:
@@ -184,6 +187,7 @@ class Tracker:
         fd = d[first]
         lat = fd["recv_ns"] - self.sent_ns[fi]
         self.state[fi] = np.where(lat > self.timeout_ns, LATE, ANSWERED)
+        self.resolved += len(fi)
         self.recv_ns[fi] = fd["recv_ns"]
         self.status[fi] = fd["status"]
         self.echo_ts[fi] = fd["client_ts_ns"]

@@ -77,10 +77,11 @@ def _run(plan: Plan, sockets: list[socket.socket], *, timeout_s: float, linger_s
                 bar.set_description("waiting for answers")
             deadline = time.monotonic_ns() + round(linger_s * 1e9)
             settle = None
+            n_sent = int(((sender.sent_ns >= 0) & (plan.ev_app >= 0)).sum())
             while time.monotonic_ns() < deadline:
                 time.sleep(0.005)
                 _pump(receiver, tracker, sender, bar)
-                if tracker.outstanding() == 0 and tracker.incomplete() == 0:
+                if tracker.outstanding(n_sent) == 0 and tracker.incomplete() == 0:
                     # Everything answered: listen a moment longer for duplicates, then stop.
                     settle = settle or time.monotonic_ns() + 20_000_000
                     if time.monotonic_ns() >= min(settle, deadline):
