@@ -118,6 +118,18 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     scheduler's apps or an argument is out of range, and RuntimeError if the scheduler ever takes a
     GPU above 100% or starts a run on a busy stage instance.
     """
+    scale, drain = _check_args(scheduler, workloads, duration_ms, warmup_ms, jitter_sigma, true_scale, drain_ms)
+    wall0 = time.perf_counter()
+    raw = _simulate(scheduler, workloads, duration_ms=duration_ms, warmup_ms=warmup_ms, seed=seed,
+                    jitter_sigma=jitter_sigma, scale=scale, record_dispatches=record_dispatches, drain=drain)
+    return _report([raw], scheduler_name=scheduler.name, num_gpus=scheduler.num_gpus, duration_ms=duration_ms,
+                   warmup_ms=warmup_ms, seed=seed, wall_s=time.perf_counter() - wall0)
+
+
+def _check_args(scheduler: Scheduler, workloads: Sequence[Workload], duration_ms: float, warmup_ms: float,
+                jitter_sigma: float, true_scale: Mapping[str, float] | None,
+                drain_ms: float | None) -> tuple[dict[str, float], float]:
+    """Validate simulation arguments; returns (true_scale as a dict, drain in ms)."""
     if not duration_ms > 0:
         raise ValueError(f"duration_ms must be > 0, got {duration_ms}")
     if not 0 <= warmup_ms < duration_ms:
@@ -137,7 +149,24 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     drain = 4 * max(w.app.deadline_ms for w in workloads) if drain_ms is None else drain_ms
     if drain < 0:
         raise ValueError(f"drain_ms must be >= 0, got {drain}")
+    return scale, drain
 
+
+@dataclass
+class _Raw:
+    """What one simulation (or one shard of one) hands back for reporting."""
+
+    stats: dict[str, _AppStats]
+    gpu_busy_pct_ms: dict[int, float]  # global GPU index -> sum of GPU% x ms
+    span_ms: float
+    plans: int
+    cpu_s: float
+    trace: list[dict[str, Any]]
+
+
+def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms: float, warmup_ms: float,
+              seed: int, jitter_sigma: float, scale: Mapping[str, float], record_dispatches: bool,
+              drain: float, gpu_ids: Sequence[int] | None = None) -> _Raw:
     rng = np.random.default_rng(seed)
     profiles: Mapping[str, Profile] = scheduler.profiles
     apps = [w.app for w in workloads]
@@ -181,7 +210,7 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
     end_ms = duration_ms + drain
     plans = 0
     t = 0.0
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    cpu0 = time.process_time()
 
     while heap:
         t = heap[0][0]
@@ -290,39 +319,53 @@ def simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms
             wakes.add(w)
             heapq.heappush(heap, (w, 2, seq, w))
             seq += 1
-    wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+    ids = list(gpu_ids) if gpu_ids is not None else list(range(scheduler.num_gpus))
+    if record_dispatches:
+        for row in trace:
+            row["gpu"] = ids[row["gpu"]]
+    return _Raw(stats, {ids[g]: b for g, b in enumerate(gpu_busy_pct_ms)}, max(t, duration_ms), plans,
+                time.process_time() - cpu0, trace)
 
+
+def _report(raws: Sequence[_Raw], *, scheduler_name: str, num_gpus: int, duration_ms: float, warmup_ms: float,
+            seed: int, wall_s: float) -> dict[str, Any]:
+    stats: dict[str, _AppStats] = {}
+    busy: dict[int, float] = {}
+    for r in raws:
+        stats.update(r.stats)
+        busy.update(r.gpu_busy_pct_ms)
     window_s = (duration_ms - warmup_ms) / 1000.0
-    unfinished_extra = {name: 0 for name in stats}
     per_app: dict[str, dict[str, Any]] = {}
+    unfinished_total = 0
     for name, st in stats.items():
         unfinished = st.offered - st.met - st.late - st.rejected
-        unfinished_extra[name] = unfinished
+        unfinished_total += unfinished
         per_app[name] = _summary(st, unfinished, window_s)
     total = _AppStats(
         offered=sum(s.offered for s in stats.values()), met=sum(s.met for s in stats.values()),
         late=sum(s.late for s in stats.values()), rejected=sum(s.rejected for s in stats.values()),
         latencies=[x for s in stats.values() for x in s.latencies],
         entry_batches=[x for s in stats.values() for x in s.entry_batches])
-    span_ms = max(t, duration_ms)
+    span_ms = max(r.span_ms for r in raws)
+    cpu_s = sum(r.cpu_s for r in raws)
     out: dict[str, Any] = {
         "simulated": True,
-        "scheduler": scheduler.name,
-        "num_gpus": scheduler.num_gpus,
+        "scheduler": scheduler_name,
+        "num_gpus": num_gpus,
         "duration_ms": duration_ms,
         "warmup_ms": warmup_ms,
         "seed": seed,
         "apps": per_app,
-        "total": _summary(total, sum(unfinished_extra.values()), window_s),
-        "gpu_util": [round(b / (100.0 * span_ms), 4) for b in gpu_busy_pct_ms],
-        "plans": plans,
+        "total": _summary(total, unfinished_total, window_s),
+        "gpu_util": [round(busy.get(g, 0.0) / (100.0 * span_ms), 4) for g in range(num_gpus)],
+        "plans": sum(r.plans for r in raws),
         "wall_s": wall_s,
         "cpu_s": cpu_s,
         "sim_requests_per_wall_s": (total.offered / wall_s) if wall_s > 0 else float("inf"),
         "sim_requests_per_cpu_s": (total.offered / cpu_s) if cpu_s > 0 else float("inf"),
     }
-    if record_dispatches:
-        out["dispatches"] = trace
+    if any(r.trace for r in raws):
+        out["dispatches"] = sorted((row for r in raws for row in r.trace), key=lambda row: row["start_ms"])
     return out
 
 
@@ -348,3 +391,61 @@ def _summary(st: _AppStats, unfinished: int, window_s: float) -> dict[str, Any]:
         **pct,
         "mean_entry_batch": float(np.mean(st.entry_batches)) if st.entry_batches else None,
     }
+
+
+def _run_shard(args: tuple[Any, ...]) -> _Raw:
+    (name, sched_kw, profiles, workloads, gpu_ids, sim_kw) = args
+    from gpuprims.sched.scheduler import make_scheduler
+
+    sch = make_scheduler(name, [w.app for w in workloads], profiles, num_gpus=len(gpu_ids), **sched_kw)
+    return _simulate(sch, workloads, gpu_ids=gpu_ids, **sim_kw)
+
+
+def simulate_sharded(scheduler_name: str, workloads: Sequence[Workload], profiles: Mapping[str, Profile], *,
+                     num_gpus: int, processes: int, duration_ms: float, scheduler_kw: Mapping[str, Any] | None = None,
+                     warmup_ms: float = 0.0, seed: int = 0, jitter_sigma: float = 0.0,
+                     true_scale: Mapping[str, float] | None = None, record_dispatches: bool = False,
+                     drain_ms: float | None = None) -> dict[str, Any]:
+    """``simulate`` split by GPU over ``processes`` spawn processes, for long many-GPU traces.
+
+    Apps are placed as ``make_scheduler(scheduler_name, ..., num_gpus=num_gpus)`` places them, then
+    each process simulates its share of the GPUs with its own scheduler of the same class (schedulers
+    place each app on one GPU, so GPUs only share time and the learned corrections). Differences from
+    one ``simulate``: corrections are learned per shard, and each shard draws from its own random
+    stream (seed ``seed * 1000 + shard``). The result has the same shape, plus ``"processes"``.
+    Raises ValueError for bad arguments (as ``simulate``) or ``processes`` < 1.
+    """
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import replace
+    from multiprocessing import get_context
+
+    from gpuprims.sched.scheduler import make_scheduler
+
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    kw = dict(scheduler_kw or {})
+    whole = make_scheduler(scheduler_name, [w.app for w in workloads], profiles, num_gpus=num_gpus, **kw)
+    scale, drain = _check_args(whole, workloads, duration_ms, warmup_ms, jitter_sigma, true_scale, drain_ms)
+    n = min(processes, num_gpus)
+    jobs = []
+    for k in range(n):
+        gpu_ids = list(range(k, num_gpus, n))
+        local = {g: i for i, g in enumerate(gpu_ids)}
+        mine = [Workload(replace(w.app, gpu=local[whole.placement[w.app.name]]), w.arrival, w.route_probs)
+                for w in workloads if whole.placement[w.app.name] in local]
+        if not mine:
+            continue
+        sim_kw = {"duration_ms": duration_ms, "warmup_ms": warmup_ms, "seed": seed * 1000 + k,
+                  "jitter_sigma": jitter_sigma, "scale": scale, "record_dispatches": record_dispatches,
+                  "drain": drain}
+        jobs.append((scheduler_name, kw, dict(profiles), mine, gpu_ids, sim_kw))
+    wall0 = time.perf_counter()
+    if n == 1:
+        raws = [_run_shard(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
+            raws = list(pool.map(_run_shard, jobs))
+    out = _report(raws, scheduler_name=whole.name, num_gpus=num_gpus, duration_ms=duration_ms,
+                  warmup_ms=warmup_ms, seed=seed, wall_s=time.perf_counter() - wall0)
+    out["processes"] = n
+    return out

@@ -37,7 +37,7 @@ from gpuprims.profile.format import Profile, ProfileError, load_profiles, paper_
 from gpuprims.sched.dag import App, Stage
 from gpuprims.sched.scenarios import many_apps, paper_table3
 from gpuprims.sched.scheduler import SCHEDULERS, make_scheduler
-from gpuprims.sched.sim import Arrival, Workload, simulate
+from gpuprims.sched.sim import Arrival, Workload, simulate, simulate_sharded
 
 
 class _StageCfg(BaseModel):
@@ -112,11 +112,20 @@ def load_config(path: str | Path) -> tuple[list[Workload], dict[str, Profile], i
 
 
 def run(workloads: list[Workload], profiles: dict[str, Profile], *, schedulers: list[str], num_gpus: int,
-        round_ms: float, duration_ms: float, warmup_ms: float, seed: int, jitter: float) -> dict[str, Any]:
-    """Simulate the workloads under each scheduler; returns {"simulated": True, "runs": {name: result}}."""
+        round_ms: float, duration_ms: float, warmup_ms: float, seed: int, jitter: float,
+        processes: int = 1) -> dict[str, Any]:
+    """Simulate the workloads under each scheduler; returns {"simulated": True, "runs": {name: result}}.
+
+    ``processes`` > 1 splits the GPUs over that many processes (``simulate_sharded``).
+    """
     apps = [w.app for w in workloads]
     out: dict[str, Any] = {"simulated": True, "runs": {}}
     for name in schedulers:
+        if processes > 1:
+            out["runs"][name] = simulate_sharded(name, workloads, profiles, num_gpus=num_gpus, processes=processes,
+                                                 scheduler_kw={"round_ms": round_ms}, duration_ms=duration_ms,
+                                                 warmup_ms=warmup_ms, seed=seed, jitter_sigma=jitter)
+            continue
         sch = make_scheduler(name, apps, profiles, num_gpus=num_gpus, round_ms=round_ms)
         out["runs"][name] = simulate(sch, workloads, duration_ms=duration_ms, warmup_ms=warmup_ms, seed=seed,
                                      jitter_sigma=jitter)
@@ -145,10 +154,12 @@ def run(workloads: list[Workload], profiles: dict[str, Profile], *, schedulers: 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--jitter", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Log-normal sigma of simulated execution times.")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the GPUs over this many processes (learned corrections then stay per process).")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None, help="Write the JSON here too.")
 def main(scenario: str | None, config: str | None, scheduler: str, duration_s: float, warmup_s: float,
          load: float, arrival: str, gpus: int | None, num_apps: int, rate: float, seed: int, jitter: float,
-         out: str | None) -> None:
+         processes: int, out: str | None) -> None:
     """Simulate a workload under the spatio-temporal and/or temporal scheduler (results are simulated)."""
     if scenario and config:
         raise click.UsageError("give --scenario or --config, not both")
@@ -168,7 +179,8 @@ def main(scenario: str | None, config: str | None, scheduler: str, duration_s: f
             workloads, profiles = paper_table3(load=load, kind=arrival), paper_profiles()
         names = sorted(SCHEDULERS) if scheduler == "both" else [scheduler]
         res = run(workloads, profiles, schedulers=names, num_gpus=num_gpus, round_ms=round_ms,
-                  duration_ms=duration_s * 1000, warmup_ms=warmup_s * 1000, seed=seed, jitter=jitter)
+                  duration_ms=duration_s * 1000, warmup_ms=warmup_s * 1000, seed=seed, jitter=jitter,
+                  processes=processes)
     except ValueError as e:
         click.echo(f"gpuprims-sim: {e}", err=True)
         sys.exit(2)

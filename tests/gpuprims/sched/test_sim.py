@@ -141,3 +141,23 @@ def test_paper_mix_never_oversubscribes_and_keeps_stage_order(name: str, seed: i
             assert router_ends and router_ends[0] <= d["start_ms"]
     t = res["total"]
     assert t["offered"] == t["met"] + t["late"] + t["rejected"] + t["unfinished"]
+
+
+def test_sharded_simulation_matches_one_process_and_splits_by_gpu() -> None:
+    from gpuprims.sched.scenarios import many_apps
+    from gpuprims.sched.sim import simulate_sharded
+
+    ps = paper_profiles()
+    wl = many_apps(num_gpus=4, num_apps=8, rate_rps=100.0)
+    one = simulate(make_scheduler("spatiotemporal", [w.app for w in wl], ps, num_gpus=4), wl, duration_ms=500.0)
+    same = simulate_sharded("spatiotemporal", wl, ps, num_gpus=4, processes=1, duration_ms=500.0)
+    for k in ("offered", "met", "late", "rejected"):
+        assert same["total"][k] == one["total"][k]
+    assert same["gpu_util"] == one["gpu_util"] and same["processes"] == 1
+    two = simulate_sharded("temporal", wl, ps, num_gpus=4, processes=2, duration_ms=500.0, record_dispatches=True)
+    assert two["simulated"] and two["processes"] == 2 and set(two["apps"]) == {w.app.name for w in wl}
+    assert {d["gpu"] for d in two["dispatches"]} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="processes"):
+        simulate_sharded("temporal", wl, ps, num_gpus=4, processes=0, duration_ms=500.0)
+    with pytest.raises(ValueError, match="duration_ms"):
+        simulate_sharded("temporal", wl, ps, num_gpus=4, processes=2, duration_ms=0.0)

@@ -98,3 +98,11 @@ def test_scenario_bad_input() -> None:
         paper_table3(kind="bursty")
     with pytest.raises(ValueError, match="num_gpus"):
         many_apps(num_gpus=0, num_apps=1, rate_rps=1.0)
+
+
+def test_processes_option_splits_gpus() -> None:
+    res = CliRunner().invoke(main, ["--scenario", "many", "--gpus", "2", "--apps", "4", "--duration-s", "0.2",
+                                    "--scheduler", "temporal", "--processes", "2"])
+    assert res.exit_code == 0, res.output
+    run = json.loads(res.output)["runs"]["temporal"]
+    assert run["processes"] == 2 and run["simulated"] is True
