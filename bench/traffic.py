@@ -238,7 +238,7 @@ def main() -> None:
              "kernel segments every GSO send in the sender's call, so that path is bounded by loopback "
              "delivery (see *_plain_sink). cpu_s_per_mpkt is the sender thread's CPU (user+system) at the highest "
              "held rate, including its spin-waits between sends; flat_out_cpu_s_per_mpkt is the bare cost.")
-    path = write_result("traffic", "cpu", summary, samples, notes=notes)
+    path = write_result("traffic", "cpu", summary, samples, notes=notes, large_samples=True)
     plot(rows, lat, path.with_suffix(".png"))
     print(f"wrote {path}")
 
