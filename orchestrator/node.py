@@ -56,6 +56,7 @@ from orchestrator.messages import (
 
 log = logging.getLogger("gpuprims.node")
 
+RATE_WINDOW_S = 5.0  # status rates are over about this many seconds of heartbeats
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
 
 
@@ -79,6 +80,7 @@ class InstanceState:
     started: float = field(default_factory=time.monotonic)
     ended: bool = False
     error: str | None = None
+    history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
 
     @property
     def pid(self) -> int:
@@ -354,7 +356,18 @@ class Node:
         if isinstance(msg, Heartbeat):
             st = self.instances.get(msg.instance)
             if st is not None:
-                st.stats, st.last_beat = dict(msg.stats), time.monotonic()
+                now = time.monotonic()
+                stats = dict(msg.stats)
+                # Rates over the last few seconds of heartbeats rather than since the process started.
+                st.history.append((now, float(stats.get("received") or 0),
+                                   float((stats.get("ok") or 0) + (stats.get("deadline_missed") or 0)
+                                         + (stats.get("errors") or 0))))
+                while len(st.history) > 2 and now - st.history[1][0] >= RATE_WINDOW_S:
+                    st.history.pop(0)
+                (t0, r0, s0), (t1, r1, s1) = st.history[0], st.history[-1]
+                if t1 - t0 > 0.2:
+                    stats["arrival_rps"], stats["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+                st.stats, st.last_beat = stats, now
         elif isinstance(msg, Ready):
             st = self.instances.get(msg.instance)
             if st is not None:
@@ -471,6 +484,15 @@ class Node:
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
+            live = [i for i in insts if i.get("role") == "active" and i.get("p50_ms") is not None]
+            weight = sum(max(1, int(i.get("ok") or 0)) for i in live)
+            # App-level latency from the instances' recent windows: p50 weighted by what each served,
+            # p99 the worst instance's (an upper bound of the app's p99).
+            totals["p50_ms"] = (sum(i["p50_ms"] * max(1, int(i.get("ok") or 0)) for i in live) / weight
+                                if live else None)
+            totals["p99_ms"] = max((i["p99_ms"] for i in live if i.get("p99_ms") is not None), default=None)
+            totals["arrival_rps"] = sum(float(i.get("arrival_rps") or 0) for i in insts)
+            totals["service_rps"] = sum(float(i.get("service_rps") or 0) for i in insts)
             apps[name] = {
                 "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
                 "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
