@@ -235,8 +235,11 @@ def replay(pcap_path: str | None, speed: float, loops: int, raw: bool, skip_fore
         raise click.ClickException(str(e)) from None
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    report = run(plan, ports=port_list, bind_host=bind, timeout_s=timeout, linger_s=linger, slo_ms=slo_ms,
-                 progress=progress, gso=gso, max_batch_pkts=batch)
+    try:
+        report = run(plan, ports=port_list, bind_host=bind, timeout_s=timeout, linger_s=linger, slo_ms=slo_ms,
+                     progress=progress, gso=gso, max_batch_pkts=batch)
+    except OSError as e:  # a client port in use, an address not on this host
+        raise click.ClickException(str(e)) from None
     s = report.summary
     rate = s["rate"]
     if rate.get("achieved") is False:

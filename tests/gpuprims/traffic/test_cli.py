@@ -143,3 +143,15 @@ def test_recv_counts_answers_to_someone_elses_requests(tmp_path) -> None:
     doc = json.loads(out)
     assert (doc["requests"], doc["answered"], doc["not_answered"], doc["duplicates"], doc["unmatched"]) == \
         (4, 3, 1, 1, 1)
+
+
+def test_busy_client_port_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(main, ["replay", "--app", "1:64:uint8", "--rate", "10", "--count", "1", "--ports",
+                                      str(port), "--no-progress"])
+    assert r.exit_code == 1
+    assert f"cannot bind client port 127.0.0.1:{port}" in r.output
