@@ -116,7 +116,9 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
                 model(x)
                 times_ms.append((time.perf_counter_ns() - t0) / 1e6)
             peak_mb = max(0.0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss_mb)
-            dev = f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, {share.threads} used)"
+            # What the child actually got, not what was asked for: affinity set and torch threads.
+            dev = (f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores; this share: "
+                   f"{len(os.sched_getaffinity(0))} cores, {torch.get_num_threads()} threads)")
     a = np.asarray(times_ms)
     p50 = float(np.percentile(a, 50))
     return {"batch_size": spec.batch_size, "gpu_pct": spec.gpu_pct, "latency_p50_ms": p50,

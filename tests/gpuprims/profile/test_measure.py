@@ -27,8 +27,11 @@ def test_cli_measures_each_point_in_its_own_process(tmp_path: Path) -> None:
         assert 0 < pt.latency_p50_ms <= pt.latency_p99_ms
         assert pt.throughput_rps == pytest.approx(2000 / pt.latency_p50_ms)
         assert pt.peak_mem_mb >= 0
-    # 50% of this machine's cores vs all of them, recorded in the device string of the last point
-    assert "cores" in p.device
+    # the first point (50%) ran confined to its core share, set before torch started its thread pool
+    from gpuprims.cpushare import available_cores, cores_for_pct
+
+    k = cores_for_pct(50, len(available_cores()))
+    assert p.device.endswith(f"this share: {k} cores, {k} threads)")
     assert png.stat().st_size > 1000
 
 
