@@ -203,8 +203,9 @@ def plot(summary: dict[str, Any], models: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    schemes = sorted({k[len(models[0]) + 1:-len("_p99_ms")] for k in summary
-                      if k.startswith(models[0] + "_") and k.endswith("_p99_ms") and "best" not in k})
+    # Measured schemes only (the BENCH.md short names are aliases of some of them).
+    schemes = sorted({k[len(models[0]) + 1:-len("_gpu_idle_us_per_inference")] for k in summary
+                      if k.startswith(models[0] + "_") and k.endswith("_gpu_idle_us_per_inference")})
     x = np.arange(len(schemes))
     for i, m in enumerate(models):
         off = (i - (len(models) - 1) / 2) * 0.8 / len(models)

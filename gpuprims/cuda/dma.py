@@ -308,8 +308,7 @@ class _Engine:
         rt = runtime.cuda()
         self.device = device
         self.status = runtime.DeviceMemory(MAX_BATCH * 4, device)
-        rt.cuda_memset_async(self.status.ptr, 0, self.status.nbytes, 0)
-        rt.cuda_device_synchronize(device)
+        rt.cuda_memset(device, self.status.ptr, 0, self.status.nbytes)
         self.result = runtime.PinnedBuffer((1 + MAX_BATCH) * 4, mapped=True)
         self.result_dev = self.result.device_pointer(device)
         self.result_view = self.result.array(np.int32)

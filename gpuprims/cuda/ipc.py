@@ -166,7 +166,8 @@ class _IpcMapping:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, True), "version": 3,
+        # Not flagged read-only: torch has no read-only tensors and may refuse the flag.
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
                 "strides": None, "stream": None}
 
 

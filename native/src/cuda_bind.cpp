@@ -448,8 +448,11 @@ void bind_runtime(nb::module_& m) {
     DeviceGuard g(dev);
     check(cudaFree(as_ptr(p)), "cudaFree");
   });
-  m.def("cuda_memset_async", [](uintptr_t p, int value, size_t n, uintptr_t s) {
-    check(cudaMemsetAsync(as_ptr(p), value, n, as_stream(s)), "cudaMemsetAsync");
+  m.def("cuda_memset", [](int dev, uintptr_t p, int value, size_t n) {
+    DeviceGuard g(dev);
+    nb::gil_scoped_release release;
+    check(cudaMemset(as_ptr(p), value, n), "cudaMemset");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   });
   m.def("cuda_memcpy_async", [](uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
     check(cudaMemcpyAsync(as_ptr(dst), as_ptr(src), n, cudaMemcpyDefault, as_stream(s)), "cudaMemcpyAsync");

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 from gpuprims.backend import cuda_available
 from gpuprims.cuda import CudaError, CudaUnavailableError, check_status, runtime
 from gpuprims.cuda.errors import CUDA_ERROR_MEMORY_ALLOCATION, CUDA_ERROR_NO_DEVICE
+
+needs_kernels = pytest.mark.skipif(not runtime.kernels_built(), reason="extension built without CUDA (no nvcc)")
 
 
 def test_cuda_error_fields_message_and_pickle() -> None:
@@ -23,6 +26,7 @@ def test_cuda_error_fields_message_and_pickle() -> None:
     assert isinstance(e, RuntimeError)
 
 
+@needs_kernels
 def test_check_status_uses_the_runtime_names() -> None:
     check_status(0)
     with pytest.raises(CudaError) as info:
@@ -33,6 +37,7 @@ def test_check_status_uses_the_runtime_names() -> None:
         check_status(CUDA_ERROR_NO_DEVICE)
 
 
+@needs_kernels
 def test_native_choke_point_raises_cuda_error() -> None:
     native = runtime.native()
     native.cuda_raise(0, "nothing")
@@ -41,6 +46,7 @@ def test_native_choke_point_raises_cuda_error() -> None:
     assert (info.value.status, info.value.name, info.value.call) == (700, "cudaErrorIllegalAddress", "cudaMemcpy")
 
 
+@needs_kernels
 @pytest.mark.skipif(cuda_available(), reason="checks the error a machine without a GPU driver gives")
 def test_real_cuda_call_without_driver_raises_cuda_error() -> None:
     from gpuprims.cuda import Event
@@ -61,6 +67,7 @@ def _child_uses_cuda(q: mp.Queue) -> None:  # type: ignore[type-arg]
         q.put(str(exc))
 
 
+@needs_kernels
 def test_forked_child_after_cuda_use_is_told_to_use_spawn() -> None:
     try:
         runtime.device_count()  # reaches the runtime (fails without a driver; that still counts)
@@ -97,6 +104,12 @@ def test_lazy_exports_resolve_and_unknown_name_fails() -> None:
         c.no_such_thing  # noqa: B018
 
 
-def test_kernels_built_here() -> None:
-    # This machine and CI have nvcc, so the kernels are compiled in.
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernels_built_where_nvcc_is() -> None:
     assert runtime.kernels_built()
+
+
+@pytest.mark.skipif(runtime.kernels_built(), reason="checks a build without CUDA")
+def test_without_kernels_cuda_calls_say_so() -> None:
+    with pytest.raises(CudaUnavailableError, match="built without CUDA"):
+        runtime.cuda()
