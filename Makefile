@@ -16,6 +16,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 test: setup
+	scripts/install-tools.sh
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

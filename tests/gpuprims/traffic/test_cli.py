@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,9 +16,17 @@ from gpuprims.traffic import EchoServer, read_pcap
 from gpuprims.traffic.cli import main, parse_app
 
 
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gpuprims.traffic.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _cli(*args: str) -> Iterator[subprocess.Popen]:
+    """The CLI in a subprocess that is always reaped, whatever the test asserts."""
+    p = subprocess.Popen([sys.executable, "-m", "gpuprims.traffic.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
 
 
 def test_app_spec_parsing() -> None:
@@ -105,9 +115,8 @@ def test_rate_not_achieved_is_said(tmp_path) -> None:
 
 
 def test_ctrl_c_prints_the_partial_report() -> None:
-    with EchoServer() as echo:
-        p = _cli("replay", "--app", f"1:3x32x32:uint8,to=127.0.0.1:{echo.port}", "--rate", "200", "--duration", "60",
-                 "--no-progress", "--timeout", "0.2")
+    with EchoServer() as echo, _cli("replay", "--app", f"1:3x32x32:uint8,to=127.0.0.1:{echo.port}", "--rate",
+                                    "200", "--duration", "60", "--no-progress", "--timeout", "0.2") as p:
         deadline = time.monotonic() + 60
         while echo.counters.requests < 50 and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)
@@ -132,13 +141,13 @@ def test_recv_counts_answers_to_someone_elses_requests(tmp_path) -> None:
     r = CliRunner().invoke(main, ["pcap", "--app", "1:100:uint8", "--rate", "10", "--count", "4", "-o",
                                   str(tmp_path / "s.pcap")])
     assert r.exit_code == 0
-    p = _cli("recv", "--listen", f"127.0.0.1:{port}", "--pcap", str(tmp_path / "s.pcap"), "--idle", "0.5")
-    assert p.stderr is not None and "listening on" in p.stderr.readline()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as node:
-        for rid in (1, 2, 2, 3, 99):
-            for d in wire.encode_response(1, rid, wire.Status.OK, b"r" * 10):
-                node.sendto(d, ("127.0.0.1", port))
-    out, err = p.communicate(timeout=30)
+    with _cli("recv", "--listen", f"127.0.0.1:{port}", "--pcap", str(tmp_path / "s.pcap"), "--idle", "0.5") as p:
+        assert p.stderr is not None and "listening on" in p.stderr.readline()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as node:
+            for rid in (1, 2, 2, 3, 99):
+                for d in wire.encode_response(1, rid, wire.Status.OK, b"r" * 10):
+                    node.sendto(d, ("127.0.0.1", port))
+        out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     doc = json.loads(out)
     assert (doc["requests"], doc["answered"], doc["not_answered"], doc["duplicates"], doc["unmatched"]) == \
