@@ -393,21 +393,39 @@ class SpatioTemporalScheduler(Scheduler):
             self._launched.clear()
             glist = list(range(self.num_gpus))  # a new round concerns every GPU
         consumed: dict[str, int] = {}
-        out = self._rejects(now_ms, queues, consumed, glist, sequential=False)
+        out: list[Dispatch] = []
         for g in glist:
             gs = self.gpus[g]
+            # One scan of the GPU's queues: reject what cannot make it, collect what waits.
+            waiting: list[tuple[float, int, App, str, str, bool]] = []
+            for i, app, stage, key, is_entry in self._keys_on[g]:
+                q = queues.get(key)
+                if not q:
+                    continue
+                rej = self._reject_head(now_ms, q, app, stage, key, consumed, False)
+                if rej is not None:
+                    out.append(rej)
+                c = consumed.get(key, 0)
+                if len(q) > c:
+                    waiting.append((q[c], i, app, stage, key, is_entry))
             if gs.reservations:
                 out += self._start_reservations(g, gs, now_ms, queues, consumed)
-        for g in glist:
-            gs = self.gpus[g]
-            if gs.running_pct() >= 100:
+            if gs.pct >= 100 or not waiting:
                 continue
+            waiting.sort(key=lambda w: (w[0], w[1]))  # earliest deadline first, then app order
+            reserved = {r.key for r in gs.reservations}
+            # First the apps that have not launched in this round (their entry stage), then anything.
             for first_pass in (True, False):
-                for app, stage in self._candidates(g, queues, consumed, first_pass):
+                for _, _, app, stage, key, is_entry in waiting:
+                    if first_pass and (not is_entry or app.name in self._launched):
+                        continue
+                    if key in reserved or key in gs.busy or len(queues[key]) <= consumed.get(key, 0):
+                        continue
                     d = self._try_launch(g, app, stage, now_ms, queues, consumed)
                     if d is not None:
                         out.append(d)
                         self._launched.add(app.name)
+                        reserved = {r.key for r in gs.reservations}
         return out
 
     # --- pieces of plan ----------------------------------------------------------------------------
@@ -445,25 +463,6 @@ class SpatioTemporalScheduler(Scheduler):
             consumed[r.key] = consumed.get(r.key, 0) + batch
             out.append(self._new_dispatch(app, stage, g, r.pct, batch, now, pred))
         return out
-
-    def _candidates(self, g: int, queues: Mapping[str, Sequence[float]], consumed: dict[str, int],
-                    first_pass: bool) -> list[tuple[App, str]]:
-        """(app, stage) pairs on GPU g with waiting requests and no reservation, earliest deadline first."""
-        gs = self.gpus[g]
-        reserved = {r.key for r in gs.reservations} if gs.reservations else ()
-        busy = gs.busy
-        cands: list[tuple[float, int, App, str]] = []
-        for i, app, st, key, is_entry in self._keys_on[g]:
-            if first_pass and (not is_entry or app.name in self._launched):
-                continue
-            q = queues.get(key)
-            if not q:
-                continue
-            c = consumed.get(key, 0)
-            if len(q) > c and key not in reserved and key not in busy:
-                cands.append((q[c], i, app, st))
-        cands.sort(key=lambda t: (t[0], t[1]))
-        return [(a, s) for _, _, a, s in cands]
 
     def _key_busy(self, gs: _GpuState, key: str) -> bool:
         return key in gs.busy
