@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from gpuprims.profile.format import Profile, Stat
-from gpuprims.sched.dag import App, validate_apps
+from gpuprims.sched.dag import App, Stage, validate_apps
 
 Action = Literal["run", "reject"]
 _EPS = 1e-9
@@ -76,11 +76,10 @@ class Dispatch:
     start_ms: float
     predicted_ms: float
     action: Action = "run"
+    key: str = field(init=False, repr=False, compare=False)  # "<app>/<stage>": the queue it takes from
 
-    @property
-    def key(self) -> str:
-        """The queue key ``"<app>/<stage>"`` the requests come from."""
-        return f"{self.app}/{self.stage}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.app}/{self.stage}")
 
     @property
     def predicted_end_ms(self) -> float:
@@ -170,6 +169,7 @@ class Scheduler(ABC):
         self._chain_cache: dict[str, float] = {}
         self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
                                                         for a in apps for st in a.stages}
+        self._stage_obj: dict[tuple[str, str], Stage] = {(a.name, st.name): st for a in apps for st in a.stages}
         self._caps: dict[str, tuple[int, int]] = {}
         for m, prof in self.profiles.items():
             bs = prof.batch_sizes
@@ -266,8 +266,10 @@ class Scheduler(ABC):
             ratio = min(10.0, max(0.1, measured_ms / base))
             k = (dispatch.model, dispatch.gpu_pct)
             old = self._correction.get(k, 1.0)
-            self._correction[k] = (1 - self.learn_rate) * old + self.learn_rate * ratio
-            self._chain_cache.clear()
+            new = (1 - self.learn_rate) * old + self.learn_rate * ratio
+            if new != old:
+                self._correction[k] = new
+                self._chain_cache.clear()
         for r in gs.reservations:
             if r.upstream == dispatch.id:
                 r.ready = True
@@ -290,7 +292,7 @@ class Scheduler(ABC):
     # --- shared helpers ----------------------------------------------------------------------------
     def _new_dispatch(self, app: App, stage: str, gpu: int, pct: int, batch: int, now: float,
                       predicted: float, action: Action = "run") -> Dispatch:
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         d = Dispatch(next(self._ids), app.name, stage, s.model, gpu, pct, batch, now, predicted, action)
         if action == "run":
             gs = self.gpus[gpu]
@@ -302,11 +304,11 @@ class Scheduler(ABC):
         return d
 
     def _stage_pct(self, app: App, stage: str) -> int:
-        return app.stage(stage).gpu_pct
+        return self._stage_obj[(app.name, stage)].gpu_pct
 
     def _min_chain_ms(self, app: App, stage: str, *, sequential: bool) -> float:
         """Predicted time from starting ``stage`` with batch 1 to the end of its slowest continuation."""
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         own = self.predict_ms(s.model, self._min_batch(s.model), self._stage_pct(app, stage))
         nxt = [self._min_chain_ms(app, n, sequential=sequential) for n in self._succ[(app.name, stage)]]
         if not nxt:
@@ -363,7 +365,7 @@ class SpatioTemporalScheduler(Scheduler):
         super().can_start(key)
         app, stage = self._stage_of[key]
         gs = self.gpus[self.placement[app.name]]
-        return gs.pct + app.stage(stage).gpu_pct <= 100 and not self._key_busy(gs, key)
+        return gs.pct + self._stage_obj[(app.name, stage)].gpu_pct <= 100 and not self._key_busy(gs, key)
 
     def route_fraction(self, key: str) -> float:
         """Learned fraction of a predecessor's batch that reaches stage ``key`` (1.0 until observed)."""
@@ -449,7 +451,7 @@ class SpatioTemporalScheduler(Scheduler):
             if self._key_busy(gs, r.key):
                 continue
             app, stage = self._stage_of[r.key]
-            s = app.stage(stage)
+            s = self._stage_obj[(app.name, stage)]
             batch = min(avail, self._batch_cap(s.model))
             while batch > r.batch_size and now + self.predict_ms(s.model, batch, r.pct) > q[c] + _EPS:
                 batch -= 1
@@ -482,7 +484,7 @@ class SpatioTemporalScheduler(Scheduler):
                     consumed: dict[str, int]) -> Dispatch | None:
         gs = self.gpus[g]
         key = app.key(stage)
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         if gs.running_pct() + s.gpu_pct > 100 or self._key_busy(gs, key):
             return None
         q = queues.get(key, ())
@@ -534,7 +536,7 @@ class SpatioTemporalScheduler(Scheduler):
 
     def _place_chain(self, ivs: list[_Interval], app: App, stage: str, batch: int, now: float,
                      deadline: float, g: int) -> tuple[list[_Reservation], float] | None:
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         pred = self.predict_ms(s.model, batch, s.gpu_pct)
         if now + pred > deadline + _EPS or not _fits(ivs, s.gpu_pct, now, now + pred, app.key(stage)):
             return None
@@ -544,7 +546,7 @@ class SpatioTemporalScheduler(Scheduler):
         frontier = [(n, now + pred) for n in self._succ[(app.name, stage)]]
         while frontier:
             name, not_before = frontier.pop(0)
-            ns = app.stage(name)
+            ns = self._stage_obj[(app.name, name)]
             key = app.key(name)
             nb = min(self._branch_batch(key, batch), self._batch_cap(ns.model))
             if nb < self._min_batch(ns.model):
@@ -640,7 +642,7 @@ class TemporalScheduler(Scheduler):
         return None
 
     def _chain_ms(self, app: App, stage: str, batch: int) -> float:
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         own = self.predict_ms(s.model, min(batch, self._batch_cap(s.model)), 100)
         return own + sum(self._chain_ms(app, n, batch) for n in app.successors(stage))
 
@@ -649,7 +651,7 @@ class TemporalScheduler(Scheduler):
         key = app.key(stage)
         q = queues.get(key, ())
         c = consumed.get(key, 0)
-        s = app.stage(stage)
+        s = self._stage_obj[(app.name, stage)]
         hi = min(len(q) - c, self._batch_cap(s.model))
         lo = self._min_batch(s.model)
         if hi < lo:
