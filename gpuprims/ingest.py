@@ -31,12 +31,15 @@ class Ingest:
     ``listen`` is a list of ``(host, port)`` or ``(host, port, app_id)``; port 0 picks a free one
     (see ``ports``); with an ``app_id`` only that app is accepted on the port. ``timeout_ms`` bounds
     how long an incomplete request may hold slots; ``dedup_window_ms`` how long a finished request's
-    id is remembered so duplicates and late chunks are recognised.
+    id is remembered so duplicates and late chunks are recognised. With ``gro`` (UDP GRO, the
+    default) the kernel may deliver a run of datagrams of one flow in one buffer, and each datagram
+    is copied into its slot; without it every datagram is received straight into a slot (no copy)
+    but costs the kernel more per datagram.
     """
 
     def __init__(self, pool: PacketPool, listen: Sequence[ListenAddr] = (("127.0.0.1", 0),), *,
                  timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64,
-                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True) -> None:
+                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True, gro: bool = True) -> None:
         if not listen:
             raise ValueError("listen needs at least one (host, port) address")
         specs = []
@@ -56,7 +59,7 @@ class Ingest:
             raise ValueError(f"batch must be in 1..1024, got {batch}")
         self.pool = pool
         self._native = _native.Ingest(pool.native, specs, timeout_ms, dedup_window_ms, batch, rcvbuf_bytes,
-                                      answer_drops)
+                                      answer_drops, gro)
         self._finalizer = weakref.finalize(self, self._native.stop)
 
     @property

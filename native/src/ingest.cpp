@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <netinet/udp.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -11,9 +12,15 @@
 #include <cstring>
 #include <future>
 
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+
 namespace gpuprims {
 
 namespace {
+constexpr size_t kGroBuffer = 65536;
+
 const char* kCounterNames[kCounterCount] = {
     "packets_received",
     "bytes_received",
@@ -49,9 +56,10 @@ const char* kCounterNames[kCounterCount] = {
     "response_send_errors",
     "kernel_drops",
     "recv_calls",
+    "gro_buffers",
 };
 
-int open_socket(const ListenSpec& spec, int rcvbuf, int* bound_port) {
+int open_socket(const ListenSpec& spec, int rcvbuf, bool gro, int* bound_port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_DGRAM;
@@ -70,6 +78,12 @@ int open_socket(const ListenSpec& spec, int rcvbuf, int* bound_port) {
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf);
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_RXQ_OVFL, &one, sizeof one);
+  if (gro && setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof one) != 0) {
+    ::close(fd);
+    freeaddrinfo(res);
+    throw std::runtime_error(std::string("setsockopt(UDP_GRO): ") + std::strerror(errno) +
+                             " (pass gro=False on kernels without UDP GRO)");
+  }
   if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
     std::string msg = "cannot bind " + spec.host + ":" + port + ": " + std::strerror(errno);
     freeaddrinfo(res);
@@ -99,7 +113,7 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
     for (const auto& spec : listen) {
       if (spec.app_id > 0xFFFF) throw std::invalid_argument("listen app_id must be a u16");
       int port = 0;
-      socks_.push_back(open_socket(spec, opt_.rcvbuf_bytes, &port));
+      socks_.push_back(open_socket(spec, opt_.rcvbuf_bytes, opt_.gro, &port));
       sock_app_.push_back(spec.app_id);
       ports_.push_back(port);
     }
@@ -539,12 +553,14 @@ void Ingest::publish_gauges() {
 void Ingest::run() {
   const uint32_t B = opt_.batch;
   const size_t slot_size = v_.hdr->slot_size;
+  // With GRO every message gets a buffer big enough for a coalesced run of datagrams.
+  const size_t buf_size = opt_.gro ? kGroBuffer : slot_size;
   std::vector<mmsghdr> msgs(B);
   std::vector<iovec> iov(B);
   std::vector<sockaddr_in6> addrs(B);
-  constexpr size_t kCmsgSpace = CMSG_SPACE(sizeof(uint32_t));
+  constexpr size_t kCmsgSpace = CMSG_SPACE(sizeof(uint32_t)) + CMSG_SPACE(sizeof(int));
   std::vector<uint8_t> cbufs(B * kCmsgSpace);
-  std::vector<uint8_t> scratch(B * slot_size);
+  std::vector<uint8_t> scratch(B * buf_size);
   std::vector<uint32_t> lent(B);
   std::vector<uint32_t> kernel_drops(socks_.size(), 0);
   epoll_event events[16];
@@ -555,14 +571,15 @@ void Ingest::run() {
     drain_releases();
     size_t got_total = 0;
     for (size_t s = 0; s < socks_.size(); ++s) {
-      const uint32_t m = uint32_t(std::min<size_t>(B, free_slots_.size()));
+      // Without GRO, lend free slots to the kernel so datagrams land in the pool with no copy.
+      const uint32_t m = opt_.gro ? 0u : uint32_t(std::min<size_t>(B, free_slots_.size()));
       for (uint32_t i = 0; i < m; ++i) {
         lent[i] = free_slots_.back();
         free_slots_.pop_back();
       }
       for (uint32_t i = 0; i < B; ++i) {
-        iov[i].iov_base = i < m ? v_.slot(lent[i]) : &scratch[size_t(i) * slot_size];
-        iov[i].iov_len = slot_size;
+        iov[i].iov_base = i < m ? v_.slot(lent[i]) : &scratch[size_t(i) * buf_size];
+        iov[i].iov_len = i < m ? slot_size : buf_size;
         msghdr& mh = msgs[i].msg_hdr;
         mh.msg_name = &addrs[i];
         mh.msg_namelen = sizeof(sockaddr_in6);
@@ -578,6 +595,7 @@ void Ingest::run() {
       const uint32_t got = n > 0 ? uint32_t(n) : 0;
       for (uint32_t i = 0; i < got; ++i) {
         msghdr& mh = msgs[i].msg_hdr;
+        size_t seg = 0;
         for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
           if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SO_RXQ_OVFL) {
             uint32_t d;
@@ -586,10 +604,25 @@ void Ingest::run() {
               bump(kKernelDrops, d - kernel_drops[s]);
               kernel_drops[s] = d;
             }
+          } else if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
+            int g;
+            std::memcpy(&g, CMSG_DATA(cm), sizeof g);
+            seg = g > 0 ? size_t(g) : 0;
           }
         }
-        handle_packet(int(s), static_cast<uint8_t*>(iov[i].iov_base), msgs[i].msg_len, mh.msg_flags, addrs[i],
-                      mh.msg_namelen, i < m, i < m ? lent[i] : 0);
+        uint8_t* data = static_cast<uint8_t*>(iov[i].iov_base);
+        const size_t len = msgs[i].msg_len;
+        if (seg == 0 || seg >= len) {
+          if (i >= m && len > slot_size && !(mh.msg_flags & MSG_TRUNC)) mh.msg_flags |= MSG_TRUNC;
+          handle_packet(int(s), data, len, mh.msg_flags, addrs[i], mh.msg_namelen, i < m, i < m ? lent[i] : 0);
+        } else {
+          // A coalesced buffer: datagrams of `seg` bytes back to back, the last one possibly shorter.
+          bump(kGroBuffers);
+          for (size_t off = 0; off < len; off += seg) {
+            const size_t n = std::min(seg, len - off);
+            handle_packet(int(s), data + off, n, n > slot_size ? MSG_TRUNC : 0, addrs[i], mh.msg_namelen, false, 0);
+          }
+        }
       }
       for (uint32_t i = got; i < m; ++i) free_slots_.push_back(lent[i]);
       got_total += got;

@@ -54,6 +54,7 @@ enum Counter : int {
   kResponseSendErrors,
   kKernelDrops,              // datagrams the kernel dropped on our sockets (SO_RXQ_OVFL)
   kRecvCalls,
+  kGroBuffers,               // receive buffers that held more than one datagram (UDP GRO)
   kCounterCount
 };
 
@@ -71,6 +72,9 @@ struct IngestOptions {
   uint32_t batch = 64;                     // datagrams per recvmmsg
   int rcvbuf_bytes = 32 << 20;
   bool answer_drops = true;                // send a status response for refused / timed-out requests
+  // UDP_GRO: the kernel may hand over many equal-size datagrams of a flow in one buffer (loopback
+  // GSO sends, NIC GRO). Each is then copied into a slot; without GRO they land in slots directly.
+  bool gro = true;
 };
 
 class Ingest {

@@ -219,7 +219,8 @@ void bind_pool(nb::module_& m) {
       .def(
           "__init__",
           [](Ingest* self, Pool& pool, const std::vector<std::tuple<std::string, int, int>>& listen,
-             double timeout_ms, double dedup_window_ms, uint32_t batch, int rcvbuf_bytes, bool answer_drops) {
+             double timeout_ms, double dedup_window_ms, uint32_t batch, int rcvbuf_bytes, bool answer_drops,
+             bool gro) {
             if (!(timeout_ms > 0)) throw std::invalid_argument("timeout_ms must be positive");
             if (!(dedup_window_ms >= 0)) throw std::invalid_argument("dedup_window_ms must be >= 0");
             std::vector<ListenSpec> specs;
@@ -233,11 +234,12 @@ void bind_pool(nb::module_& m) {
             o.batch = batch;
             o.rcvbuf_bytes = rcvbuf_bytes;
             o.answer_drops = answer_drops;
+            o.gro = gro;
             new (self) Ingest(&pool, specs, o);
           },
           nb::arg("pool"), nb::arg("listen"), nb::arg("timeout_ms") = 500.0, nb::arg("dedup_window_ms") = 2000.0,
           nb::arg("batch") = 64, nb::arg("rcvbuf_bytes") = 32 << 20, nb::arg("answer_drops") = true,
-          nb::keep_alive<1, 2>())
+          nb::arg("gro") = true, nb::keep_alive<1, 2>())
       .def("start", &Ingest::start)
       .def("stop", &Ingest::stop, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("running", &Ingest::running)
