@@ -3,8 +3,8 @@
 Both schedulers share one interface, free of simulation details so that the orchestrator can drive
 them live with wall-clock time:
 
-- ``plan(now_ms, queues, gpus=None) -> list[Dispatch]``: ``queues`` maps a stage's queue key ``"<app>/<stage>"``
-  to the absolute deadlines (ms) of its waiting requests, oldest first. The caller applies the
+- ``plan(now_ms, queues, gpus=None) -> list[Dispatch]``: ``queues`` maps a stage's queue key
+  ``"<app>/<stage>"`` to the absolute deadlines (ms) of its waiting requests, oldest first. The caller applies the
   returned dispatches in list order, each taking ``batch_size`` requests from the front of its
   queue: ``action == "run"`` starts them now on ``gpu`` at ``gpu_pct``; ``action == "reject"``
   answers them at once with a deadline-miss status (they cannot meet their deadline any more).
@@ -24,8 +24,8 @@ monotonic clock, the same for ``now_ms`` and the deadlines.
 instance at its fixed GPU%, and instances on one GPU run concurrently as long as the GPU% of what
 runs at any instant sums to at most 100. A launch places the whole remaining chain of a request
 batch: the stage starts now, each following stage is reserved at the earliest time its GPU% is free
-after its predecessor's predicted end (conservatively assuming the whole batch takes every branch),
-and the batch size is the largest whose predicted chain end meets the oldest request's deadline.
+after its predecessor's predicted end, and the batch size is the largest whose predicted chain end
+meets the oldest request's deadline.
 A later stage's slot is sized for the share of the batch expected to take that branch: the learned
 fraction (exponential average of what earlier batches routed there; 1.0 until observed) plus
 ``route_margin_sigma`` binomial standard deviations, capped at the whole batch. When more requests
