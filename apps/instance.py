@@ -63,6 +63,10 @@ class InstanceSpec:
     chunk_payload: int = 1024
     warmup: bool = True
     share_params: str | None = None
+    # A DAG app: [{"name", "model", "routes": [stage, ...]}, ...]; the first stage named in `entry`
+    # runs first and class i of its output continues at routes[i] (classes past the list end there).
+    stages: list[dict[str, Any]] | None = None
+    entry: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -88,6 +92,53 @@ def preprocess(batch: Any, dtype: str) -> Any:
     if dtype == "uint8":
         return batch.to(torch.float32).div_(255.0)
     return batch
+
+
+class DagModel:
+    """The stages of a DAG app in one process: run the entry stage on the batch, then send each
+    request on by the class its output picks (class i -> routes[i]); a request whose class has no
+    route (or a stage with no routes) is answered with that stage's output.
+
+    Calling it returns ``[(rows, output), ...]``: the batch rows each final output belongs to.
+    """
+
+    def __init__(self, models: dict[str, Any], routes: dict[str, list[str]], entry: str) -> None:
+        if entry not in models:
+            raise ValueError(f"entry stage {entry!r} is not one of {sorted(models)}")
+        for name, targets in routes.items():
+            unknown = [t for t in targets if t not in models]
+            if unknown:
+                raise ValueError(f"stage {name!r} routes to unknown stage(s) {unknown}")
+        self.models, self.routes, self.entry = models, routes, entry
+
+    def __call__(self, x: Any) -> list[tuple[np.ndarray, Any]]:
+        done: list[tuple[np.ndarray, Any]] = []
+        pending = [(self.entry, np.arange(x.shape[0]))]
+        for _ in range(len(self.models) + 1):  # a DAG has no cycles: at most one pass per stage
+            if not pending:
+                break
+            nxt = []
+            for stage, rows in pending:
+                out = self.models[stage](x[rows])
+                targets = self.routes.get(stage) or []
+                if not targets:
+                    done.append((rows, out))
+                    continue
+                cls = out.argmax(dim=1).cpu().numpy()
+                stay = cls >= len(targets)
+                if stay.any():
+                    done.append((rows[stay], out[stay]))
+                for i, target in enumerate(targets):
+                    sel = cls == i
+                    if sel.any():
+                        nxt.append((target, rows[sel]))
+            pending = nxt
+        return done
+
+    def run_all(self, x: Any) -> None:
+        """Run every stage on x (warm-up: each stage's one-time costs and latency)."""
+        for m in self.models.values():
+            m(x)
 
 
 class LatencyStats:
@@ -172,9 +223,18 @@ class Instance:
 
                 apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
                                          gpu_pct=gpu_pct))
-        model = load_model(self.spec.model, seed=self.spec.seed, num_classes=self.spec.num_classes,
-                           input_shape=tuple(self.spec.input_shape))
-        self.model = model.to(self.device).eval()
+        if self.spec.stages:
+            self.stage_models = {
+                st["name"]: load_model(st["model"], seed=self.spec.seed, input_shape=tuple(self.spec.input_shape))
+                .to(self.device).eval()
+                for st in self.spec.stages}
+            self.routes = {st["name"]: list(st.get("routes") or []) for st in self.spec.stages}
+            entry = self.spec.entry or self.spec.stages[0]["name"]
+            self.model = DagModel(self.stage_models, self.routes, entry)
+        else:
+            model = load_model(self.spec.model, seed=self.spec.seed, num_classes=self.spec.num_classes,
+                               input_shape=tuple(self.spec.input_shape))
+            self.model = model.to(self.device).eval()
         if self.spec.warmup:
             self._warm_up()
         self.initialized = True
@@ -187,9 +247,10 @@ class Instance:
         with torch.inference_mode():
             for b in sizes:
                 x = torch.zeros((b, *self.spec.input_shape), device=self.device)
-                self.model(x)  # first call pays one-time costs
+                run = self.model.run_all if isinstance(self.model, DagModel) else self.model
+                run(x)  # first call pays one-time costs
                 t = time.perf_counter()
-                self.model(x)
+                run(x)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.policy.observe(b, (time.perf_counter() - t) * 1e3)
@@ -250,13 +311,15 @@ class Instance:
         try:
             with torch.inference_mode():
                 x = preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
-                if self.device.type == "cuda":
+                if isinstance(self.model, DagModel):
+                    groups = self.model(x)
+                elif self.device.type == "cuda":
                     from gpuprims.cuda import sync_lite
 
-                    out = sync_lite(self.model, x, interval_us=100)
+                    groups = [(np.arange(n), sync_lite(self.model, x, interval_us=100))]
                 else:
-                    out = self.model(x)
-                logits = out.float().cpu().numpy().reshape(n, -1)
+                    groups = [(np.arange(n), self.model(x))]
+                results = [(rows, out.float().cpu().numpy().reshape(len(rows), -1)) for rows, out in groups]
         except Exception as e:  # a failing model answers its batch with INTERNAL, then carries on
             log.error("model failed on a batch of %d: %s", n, e)
             self.responder.send_status(info, Status.INTERNAL)
@@ -267,7 +330,8 @@ class Instance:
         self.policy.observe(n, model_ms)
         self.stats.model_ms.append(model_ms)
         self.stats.busy_ms += model_ms
-        self.responder.send(info, Status.OK, logits)
+        for rows, logits in results:
+            self.responder.send(info[rows], Status.OK, logits)
         self.consumer.release(recs)
         done_ns = time.monotonic_ns()
         lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6

@@ -203,11 +203,17 @@ class Node:
 
     def _assign_pcts(self) -> None:
         fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values() if isinstance(a.cfg.gpu_pct, int))
-        autos = [a for a in self.apps.values() if not isinstance(a.cfg.gpu_pct, int)]
+        for a in self.apps.values():
+            if a.cfg.is_dag and a.cfg.fixed_pct_per_instance():
+                # A DAG app runs its stages in one process, with the sum of their shares.
+                a.gpu_pct = min(100, a.cfg.fixed_pct_per_instance())
+        fixed += sum(a.gpu_pct * a.instances for a in self.apps.values() if a.cfg.is_dag and a.gpu_pct)
+        autos = [a for a in self.apps.values() if not isinstance(a.cfg.gpu_pct, int) and not a.gpu_pct]
         auto_instances = sum(a.instances for a in autos)
         each = max(1, (100 - fixed) // auto_instances) if auto_instances else 0
         for a in self.apps.values():
-            a.gpu_pct = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else each
+            if not a.gpu_pct:
+                a.gpu_pct = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else each
 
     def _plan_shares(self) -> dict[str, Any]:
         if self.backend != "cpu":
@@ -242,6 +248,9 @@ class Node:
             cores=list(share.cores) if share is not None else None,
             threads=share.threads if share is not None else None, defer_init=defer_init,
             heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
+            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
+            if app.stages else None,
+            entry=app.entry_stages()[0] if app.stages else None,
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))
