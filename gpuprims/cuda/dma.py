@@ -102,8 +102,8 @@ class PinnedPool:
 
         self.layout = PoolLayout.of(pool)
         self.address = int(pool.address)
-        if self.address <= 0:
-            raise ValueError(f"pool address must be positive, got {self.address}")
+        if self.address <= 0 or self.address % 16:
+            raise ValueError(f"pool address must be positive and 16-byte aligned, got 0x{self.address:x}")
         self._geometry = self.layout.geometry()
         self.pool = pool
         self.backend = resolve_backend(backend)

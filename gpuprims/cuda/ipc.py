@@ -272,7 +272,7 @@ def export_parameters(model: Any) -> ExportedParameters:
         dev = device.index if device.index is not None else torch.cuda.current_device()
         holder: Any = runtime.DeviceMemory(total, dev)
         flat = torch.as_tensor(holder, device=f"cuda:{dev}")
-        handle = bytes(runtime.cuda().cuda_ipc_get_mem_handle(holder.ptr))
+        handle = bytes(runtime.cuda().cuda_ipc_get_mem_handle(dev, holder.ptr))
         bus = runtime.pci_bus_id(dev)
         backend: Literal["cuda", "cpu"] = "cuda"
     else:

@@ -459,7 +459,8 @@ void bind_runtime(nb::module_& m) {
   });
 
   // IPC.
-  m.def("cuda_ipc_get_mem_handle", [](uintptr_t p) {
+  m.def("cuda_ipc_get_mem_handle", [](int dev, uintptr_t p) {
+    DeviceGuard g(dev);
     cudaIpcMemHandle_t h{};
     check(cudaIpcGetMemHandle(&h, as_ptr(p)), "cudaIpcGetMemHandle");
     return nb::bytes(h.reserved, sizeof(h.reserved));

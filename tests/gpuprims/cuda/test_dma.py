@@ -551,3 +551,15 @@ def test_compute_sanitizer_reports_no_errors(tool: str) -> None:
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+
+
+def test_misaligned_pool_address_is_refused() -> None:
+    sp = SyntheticPool(slot_count=16, max_payload=64, record_count=2, max_chunks=2)
+
+    class Shifted:
+        address = sp.address + 8
+        nbytes = sp.nbytes - 8
+        layout = sp.layout
+
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        PinnedPool(Shifted(), backend="cpu")

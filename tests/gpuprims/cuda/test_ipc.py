@@ -27,7 +27,7 @@ def test_cpu_share_across_spawn_process_gives_identical_output() -> None:
         shm = Path("/dev/shm") / exp.handles.handle.decode()
         assert shm.exists() and shm.stat().st_size == exp.handles.nbytes
         report = run_spawned(import_cpu, exp.to_bytes(), x)
-        assert torch.equal(report["out"], ref)
+        assert torch.equal(torch.from_numpy(report["out"]), ref)
         assert report["tied"] and report["in_shm"] and report["no_grad"]
         assert report["meta_after_close"] and report["closed"]
     finally:
@@ -145,7 +145,7 @@ def test_cuda_ipc_share_across_spawn_processes() -> None:
         with pytest.raises(ValueError, match="exported by this process"):
             share_parameters(exp.to_bytes(), Big())
         report = run_spawned(import_cuda, exp.to_bytes(), x, timeout_s=300)
-        assert torch.equal(report["out"], ref)
+        assert torch.equal(torch.from_numpy(report["out"]), ref)
         # The importer's added device memory excludes the 128 MiB of weights.
         assert report["added_bytes"] < exp.handles.weights_nbytes // 2, report["added_bytes"]
     finally:

@@ -59,7 +59,7 @@ def import_cpu(blob: bytes, x: torch.Tensor, q: mp.Queue) -> None:  # type: igno
         in_shm = all(any(name in p for p in _mapped_paths(t.data_ptr()))
                      for t in [*model.parameters(), *model.buffers()] if t.numel())
         report: dict[str, Any] = {
-            "out": out, "tied": model.enc.weight is model.dec.weight, "in_shm": in_shm,
+            "out": out.numpy(), "tied": model.enc.weight is model.dec.weight, "in_shm": in_shm,
             "no_grad": not any(p.requires_grad for p in model.parameters()),
         }
         shared.close()
@@ -101,7 +101,7 @@ def import_cuda(blob: bytes, x: torch.Tensor, q: mp.Queue) -> None:  # type: ign
             out = model(x.to("cuda:0"))
         torch.cuda.synchronize()
         free_after, _ = runtime.mem_get_info(0)
-        q.put({"out": out.cpu(), "added_bytes": free_before - free_after})
+        q.put({"out": out.cpu().numpy(), "added_bytes": free_before - free_after})
         shared.close()
         del model, out
     except Exception as exc:
@@ -109,7 +109,10 @@ def import_cuda(blob: bytes, x: torch.Tensor, q: mp.Queue) -> None:  # type: ign
 
 
 def run_spawned(target: Any, *args: Any, timeout_s: float = 120) -> dict[str, Any]:
-    """Run target(*args, queue) in a spawn child, return what it put, and always reap it."""
+    """Run target(*args, queue) in a spawn child, return what it put, and always reap it.
+
+    Reports carry numpy arrays, not tensors: once torch.multiprocessing is imported, a tensor on a
+    queue travels as a file descriptor that dies with the child."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=target, args=(*args, q))
