@@ -342,6 +342,7 @@ class DmaJob:
         self._placed = placed
         self._statuses = np.zeros(n, dtype=np.int32) if statuses is None else statuses
         self._user_statuses: np.ndarray | None = None
+        self._keepalive: Any = None
 
     @property
     def event(self) -> Event | None:
@@ -361,6 +362,7 @@ class DmaJob:
             eng.event.wait(interval_us, timeout_s=timeout_s)
             self._placed = int(eng.result_view[0])
             self._statuses[:] = eng.result_view[1:1 + self.n]
+            self._keepalive = None
             with eng.lock:
                 eng.pending = None
             if self._user_statuses is not None:
@@ -410,6 +412,7 @@ def gpu_dma_async(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: i
         eng.event.record(handle)
         job = DmaJob(eng, n)
         job._user_statuses = statuses
+        job._keepalive = t.keepalive  # the destination must outlive the kernel writing it
         eng.pending = job
     return job
 
