@@ -403,18 +403,23 @@ def gpu_dma_async(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: i
         if eng.pending is not None:
             raise RuntimeError("a GPU-DMA job on this pool and device is still in flight: wait() for it first")
         handle = _default_stream(stream, t)
-        chunks = -(-plan.row_src_bytes // (packets.pool.layout.slot_size - 48))
-        blocks_per_row = max(1, min(64, -(-chunks // _WARPS_PER_BLOCK)))
-        rt = runtime.cuda()
-        rt.dma_launch(t.device, handle, packets.pool._geometry, packets.pool.device_pointer(t.device), plan.records,
-                      t.ptr, t.nbytes, t.row_stride, plan.row_src_bytes, plan.expect_dtype, plan.mode, plan.channels,
-                      plan.a, plan.b, eng.status.ptr, eng.result_dev, blocks_per_row)
+        _launch(plan, t.device, handle, packets.pool.device_pointer(t.device), eng.status.ptr, eng.result_dev)
         eng.event.record(handle)
         job = DmaJob(eng, n)
         job._user_statuses = statuses
         job._keepalive = t.keepalive  # the destination must outlive the kernel writing it
         eng.pending = job
     return job
+
+
+def _launch(plan: _Plan, device: int, stream: int, pool_dev: int, status_ptr: int, result_dev: int) -> None:
+    """One native launch of the gather and finalize kernels (no synchronisation)."""
+    t = plan.target
+    chunks = -(-plan.row_src_bytes // (plan.packets.pool.layout.slot_size - 48))
+    blocks_per_row = max(1, min(64, -(-chunks // _WARPS_PER_BLOCK)))
+    runtime.cuda().dma_launch(device, stream, plan.packets.pool._geometry, pool_dev, plan.records, t.ptr, t.nbytes,
+                              t.row_stride, plan.row_src_bytes, plan.expect_dtype, plan.mode, plan.channels, plan.a,
+                              plan.b, status_ptr, result_dev, blocks_per_row)
 
 
 def gpu_dma(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, *, stream: StreamLike = None,

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuprims import _native, wire
+from gpuprims.backend import cuda_available
 from gpuprims.cuda import (
     DmaStatus,
     Normalize,
@@ -563,3 +564,27 @@ def test_misaligned_pool_address_is_refused() -> None:
 
     with pytest.raises(ValueError, match="16-byte aligned"):
         PinnedPool(Shifted(), backend="cpu")
+
+
+@pytest.mark.skipif(cuda_available(), reason="passes fake device pointers; only safe where no GPU can run them")
+@pytest.mark.skipif(not _native.CUDA_KERNELS_BUILT, reason="extension built without CUDA")
+@pytest.mark.parametrize("normalize", [None, Normalize(mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))])
+def test_native_launch_binding_accepts_what_python_passes(normalize: Normalize | None) -> None:
+    from gpuprims.cuda import CudaError
+
+    bodies = images(2)
+    sp, recs = make_pool(bodies)
+    pp = PinnedPool(sp, backend="cpu")
+    out = np.zeros((2, *bodies[0].shape), np.float32 if normalize else np.uint8)
+    plan = dma_mod._plan(pp.packets(recs), 2, out, None, normalize, None)
+    # The arguments convert and pass the native checks; the first CUDA call then fails for want of a driver.
+    with pytest.raises(CudaError) as info:
+        dma_mod._launch(plan, 0, 0, 0x10000, 0x20000, 0x30000)
+    assert info.value.name in ("cudaErrorInsufficientDriver", "cudaErrorNoDevice")
+    many = SyntheticPool(slot_count=1024, max_payload=64, record_count=600, max_chunks=2)
+    rs = [many.add_request(APP, i, np.zeros(8, np.uint8)) for i in range(513)]
+    big = dma_mod._plan(PinnedPool(many, backend="cpu").packets(rs), 512, np.zeros((513, 8), np.uint8), None, None,
+                        None)
+    big.records = PinnedPool(many, backend="cpu").packets(rs).records  # 513 rows: past the native limit
+    with pytest.raises(ValueError, match="at most 512"):
+        dma_mod._launch(big, 0, 0, 0x10000, 0x20000, 0x30000)
