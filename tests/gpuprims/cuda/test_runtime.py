@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpuprims.backend import cuda_available
 from gpuprims.cuda import DeviceMemory, PinnedBuffer, PinnedRegion, mem_get_info, runtime, set_schedule
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -78,3 +79,32 @@ def test_schedule_flag_round_trips() -> None:
     set_schedule(0, "blocking_sync")
     assert runtime.get_schedule(0) == "blocking_sync"
     set_schedule(0, before if before in runtime.SCHEDULE_FLAGS else "auto")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not runtime.kernels_built(), reason="extension built without CUDA")
+@pytest.mark.skipif(cuda_available(), reason="checks what a machine without a GPU driver reports")
+def test_every_cuda_entry_point_converts_its_arguments_and_reports_cuda_error() -> None:
+    """Without a driver each call gets past argument conversion and fails in the runtime with a
+    CudaError, which shows the Python call shapes match the native signatures."""
+    from gpuprims.cuda import CudaError, Event, Stream
+    from gpuprims.cuda.ipc import _IpcMapping
+
+    rt = runtime.cuda()
+    host = torch.zeros(4096, dtype=torch.uint8)
+    calls = [
+        lambda: DeviceMemory(4096, 0), lambda: PinnedBuffer(4096), lambda: PinnedRegion(host.data_ptr(), 4096),
+        lambda: Stream(0), lambda: Event(0, blocking=True), lambda: set_schedule(0, "spin"),
+        lambda: runtime.get_schedule(0), lambda: mem_get_info(0), lambda: runtime.pci_bus_id(0),
+        lambda: runtime.device_by_pci_bus_id("0000:00:00.0"), lambda: runtime.synchronize(0),
+        lambda: _IpcMapping(0, bytes(64), 4096), lambda: rt.cuda_event_poll(0, 0, 100, 1000),
+        lambda: rt.cuda_callback_wait(0, 1000), lambda: rt.cuda_memset(0, 0, 0, 16),
+        lambda: rt.cuda_memcpy_async(0, 0, 16, 0), lambda: rt.cuda_ipc_get_mem_handle(0, 0),
+        lambda: rt.cuda_stream_synchronize(0), lambda: rt.cuda_runtime_version() and rt.cuda_device_count(),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(CudaError):
+            call()
+            raise AssertionError(f"call {i} did not fail")
+    assert rt.cuda_driver_version() == 0  # no driver installed
+    with pytest.raises(ValueError, match="64 bytes"):
+        rt.cuda_ipc_open_mem_handle(0, b"short")
