@@ -202,6 +202,9 @@ class Instance:
         self.finishing = False
         self.stopping = False
         self.initialized = False
+        self.params_mode = "own"  # own | exported | imported (Param-Share)
+        self.exported: Any = None
+        self.shared: Any = None
         self._last_beat = 0.0
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -232,12 +235,40 @@ class Instance:
             entry = self.spec.entry or self.spec.stages[0]["name"]
             self.model = DagModel(self.stage_models, self.routes, entry)
         else:
-            model = load_model(self.spec.model, seed=self.spec.seed, num_classes=self.spec.num_classes,
-                               input_shape=tuple(self.spec.input_shape))
-            self.model = model.to(self.device).eval()
+            self.model = self._load_single(load_model)
         if self.spec.warmup:
             self._warm_up()
         self.initialized = True
+
+    def _load_single(self, load_model: Any) -> Any:
+        """Load the app's model: its own weights, or (Param-Share) the weights another instance exported.
+
+        ``share_params`` is ``export:PATH`` (load, then move the weights into one shared allocation
+        and write its handles to PATH) or ``import:PATH`` (build on the meta device, so no weight
+        memory is allocated, and map the exported weights; CUDA IPC on a GPU, shared memory on CPU).
+        """
+        kw = {"seed": self.spec.seed, "num_classes": self.spec.num_classes, "input_shape": tuple(self.spec.input_shape)}
+        mode, _, path = (self.spec.share_params or "").partition(":")
+        if mode == "import":
+            from gpuprims.cuda.ipc import share_parameters
+
+            with open(path, "rb") as f:
+                handles = f.read()
+            model = load_model(self.spec.model, device="meta", **kw)
+            self.shared = share_parameters(handles, model)
+            self.params_mode = "imported"
+            return self.shared.model.eval()
+        model = load_model(self.spec.model, **kw).to(self.device).eval()
+        if mode == "export":
+            from gpuprims.cuda.ipc import export_parameters
+
+            self.exported = export_parameters(model)
+            tmp = f"{path}.{os.getpid()}"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(self.exported.to_bytes())
+            os.replace(tmp, path)  # importers never see a partial file
+            self.params_mode = "exported"
+        return model
 
     def _warm_up(self) -> None:
         """Run batches of 1 and max_batch once to seed the latency model."""
@@ -387,7 +418,8 @@ class Instance:
 
         self._last_beat = now
         snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
-        snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing)
+        snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
+                    params=self.params_mode)
         with contextlib.suppress(Exception):
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 

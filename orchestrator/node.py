@@ -105,7 +105,7 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, *, ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
                  python: str = sys.executable, control_kind: str = "zmq", heartbeat_ms: float = 500.0,
-                 warmup: bool = True, monitor: Any = None) -> None:
+                 warmup: bool = True, monitor: Any = None, share_params: bool = True) -> None:
         if ready_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("ready_timeout_s and stop_timeout_s must be positive")
         self.cfg = cfg
@@ -134,6 +134,8 @@ class Node:
         self.events: list[dict[str, Any]] = []
         self.changing: set[str] = set()
         self.monitor = monitor  # orchestrator.monitor.Monitor: automatic GPU% changes when set
+        self.share_params = share_params  # Param-Share between instances of the same model
+        self._exports: dict[str, dict[str, Any]] = {}
         self._next_sample = 0.0
         self._lock = threading.RLock()
 
@@ -189,10 +191,19 @@ class Node:
             self.metrics.start()
 
         shares = self._plan_shares()
+        # Param-Share: the first instance of each model exports its weights; the others start once
+        # the export exists and map it instead of loading their own copy.
+        later: list[tuple[AppConfig, str]] = []
         for app in self.cfg.apps:
             for i in range(self.apps[app.name].instances):
-                self._spawn(app, f"{app.name}-{i}", shares.get(f"{app.name}-{i}"))
+                key = self._param_key(app)
+                if key is not None and key in self._exports:
+                    later.append((app, f"{app.name}-{i}"))
+                else:
+                    self._spawn(app, f"{app.name}-{i}", shares.get(f"{app.name}-{i}"))
         self._await_ready(list(self.instances.values()))
+        if later:
+            self._await_ready([self._spawn(app, name, shares.get(name)) for app, name in later])
         for app in self.cfg.apps:
             self._update_route(app.name)
             if app.shadow:
@@ -233,6 +244,24 @@ class Node:
             tmp.symlink_to(self.run_dir)
             tmp.replace(link)
 
+    def _param_key(self, app: AppConfig) -> str | None:
+        """Instances with the same key have identical weights and share one copy (Param-Share)."""
+        if not self.share_params or app.is_dag or not app.model:
+            return None
+        return f"{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}"
+
+    def _share_mode(self, app: AppConfig, name: str) -> str | None:
+        key = self._param_key(app)
+        if key is None:
+            return None
+        assert self.run_dir is not None
+        exp = self._exports.get(key)
+        if exp is None:
+            path = self.run_dir / f"params-{len(self._exports)}.bin"
+            self._exports[key] = {"path": path, "exporter": name}
+            return f"export:{path}"
+        return f"import:{exp['path']}"
+
     def _spawn(self, app: AppConfig, name: str, share: Any, *, defer_init: bool = False,
                gpu_pct: int | None = None) -> InstanceState:
         assert self.pool is not None and self.server is not None and self.run_dir is not None
@@ -251,6 +280,7 @@ class Node:
             stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
             if app.stages else None,
             entry=app.entry_stages()[0] if app.stages else None,
+            share_params=self._share_mode(app, name),
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))
@@ -458,6 +488,18 @@ class Node:
         app.requeued_by_crash += requeued
         app.restarts += 1
         self._free_consumers.insert(0, st.spec.consumer)
+        key = self._param_key(app.cfg)
+        if self.backend == "cuda" and key is not None and self._exports.get(key, {}).get("exporter") == st.name:
+            # CUDA IPC memory dies with its exporter: forget the export (the replacement exports
+            # anew) and restart the importers rather than let them read freed device memory.
+            exp = self._exports.pop(key)
+            with contextlib.suppress(OSError):
+                Path(exp["path"]).unlink()
+            for other in self.instances.values():
+                if other.spec.share_params == f"import:{exp['path']}":
+                    log.error("restarting %s: the weights it imported were exported by %s, which died",
+                              other.name, st.name)
+                    other.proc.kill()
         why = f"signal {-rc}" if rc < 0 else f"status {rc}"
         log.error("instance %s (pid %d) died (%s): %d held request(s) answered INSTANCE_FAILED, %d requeued; "
                   "restarting", st.name, st.pid, why, failed, requeued)
@@ -573,6 +615,7 @@ class Node:
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
+            self._remove_exports()
             if self.run_dir is not None:
                 link = self.run_dir.parent / CURRENT_LINK
                 with contextlib.suppress(OSError):
@@ -584,6 +627,20 @@ class Node:
                     for leftover in ("token", "control.sock", "command.sock"):
                         with contextlib.suppress(OSError):
                             (self.run_dir / leftover).unlink()
+
+    def _remove_exports(self) -> None:
+        """Remove the shared-memory objects of exported weights (CPU). Every instance is gone by now."""
+        from gpuprims.cuda.ipc import ParameterHandles
+
+        for exp in self._exports.values():
+            path = Path(exp["path"])
+            with contextlib.suppress(OSError, ValueError):
+                h = ParameterHandles.from_bytes(path.read_bytes())
+                if h.backend == "cpu":
+                    os.unlink("/dev/shm/" + h.handle.decode())
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._exports.clear()
 
     def __enter__(self) -> Node:
         return self.start()
