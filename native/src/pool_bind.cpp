@@ -116,7 +116,6 @@ void bind_pool(nb::module_& m) {
 #undef GP_FIELD
     return d;
   });
-  m.def("monotonic_ns", &now_ns, "CLOCK_MONOTONIC in ns, the clock of Record.first_ns/complete_ns.");
 
   nb::class_<Pool>(m, "Pool")
       .def_static(
