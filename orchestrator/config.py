@@ -248,6 +248,8 @@ class NodeSettings(BaseModel):
     mps: Literal["require", "best_effort", "off"] = "best_effort"
     scheduler: Literal["spatial", "spatiotemporal", "temporal"] = "spatial"
     round_ms: float = Field(30.0, gt=0, le=10_000)
+    # Directory of profiles (gpuprims-profile output) that size apps whose instances/gpu_pct are auto.
+    profiles: str | None = None
 
     @field_validator("run_dir")
     @classmethod

@@ -168,9 +168,13 @@ class Node:
             except MpsUnavailable as e:
                 raise StartError(f"node.mps is 'require' but MPS cannot be used: {e}") from e
 
+        if node.scheduler != "spatial":
+            raise StartError(f"node.scheduler {node.scheduler!r} is available in the simulator (gpuprims-sim) but "
+                             "not yet on a live node; use 'spatial' (every instance in its own GPU%)")
         for app in self.cfg.apps:
             n = app.instances if isinstance(app.instances, int) else 1
             self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
+        self._size_auto_apps()
         self._assign_pcts()
         total = sum(a.instances for a in self.apps.values())
         # Room for a shadow per app and restarts, so a consumer index is never reused while a dead
@@ -212,19 +216,79 @@ class Node:
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
 
+    def _size_auto_apps(self) -> None:
+        """Multi-Model: apps with ``instances: auto`` get the instance count (and, with ``gpu_pct: auto``,
+        the share each) that ``multi_model`` finds best within their SLO on their model's profile."""
+        autos = [a for a in self.apps.values() if a.cfg.instances == "auto" and not a.cfg.is_dag]
+        if not autos:
+            return
+        profiles = self._load_profiles()
+        fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values()
+                    if isinstance(a.cfg.gpu_pct, int) and a.cfg.instances != "auto")
+        available = max(1, (100 - fixed) // len(autos))
+        from apps.zoo.registry import canonical_name
+        from gpuprims.sched import multi_model
+
+        for a in autos:
+            prof = profiles.get(canonical_name(a.cfg.model or ""))
+            if prof is None:
+                log.warning("%s: instances is auto but there is no profile of %s in node.profiles; running 1 "
+                            "instance (make one with gpuprims-profile)", a.cfg.name, a.cfg.model)
+                continue
+            budget = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else available
+            batch = max(b for b in prof.batch_sizes if b <= a.cfg.max_batch) if min(prof.batch_sizes) <= \
+                a.cfg.max_batch else min(prof.batch_sizes)
+            n, pct = multi_model(prof, budget, a.cfg.slo_ms, batch_size=batch)
+            if n < 1:
+                log.warning("%s: no instance count meets %.0f ms at %d%% by its profile; running 1",
+                            a.cfg.name, a.cfg.slo_ms, budget)
+                continue
+            a.instances = n
+            if not isinstance(a.cfg.gpu_pct, int):
+                a.gpu_pct = pct
+            log.info("%s: Multi-Model sizing from its profile: %d instance(s) x %d%% (budget %d%%, SLO %.0f ms)",
+                     a.cfg.name, n, pct, budget, a.cfg.slo_ms)
+
+    def _load_profiles(self) -> dict[str, Any]:
+        d = self.cfg.node.profiles
+        if not d:
+            return {}
+        from apps.zoo.registry import canonical_name
+        from gpuprims.profile import ProfileError, load_profile
+
+        out = {}
+        for path in sorted(Path(d).glob("*.json")):
+            try:
+                prof = load_profile(path)
+            except ProfileError as e:
+                raise StartError(f"node.profiles: {e}") from e
+            try:
+                out[canonical_name(prof.model)] = prof
+            except ValueError:
+                out[prof.model] = prof
+        return out
+
     def _assign_pcts(self) -> None:
-        fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values() if isinstance(a.cfg.gpu_pct, int))
+        """Every app's GPU% per instance: as configured; a DAG app the sum of its stages' shares;
+        what Multi-Model sized; the rest of ``auto`` apps split what is left evenly."""
         for a in self.apps.values():
-            if a.cfg.is_dag and a.cfg.fixed_pct_per_instance():
+            if a.gpu_pct:
+                continue  # sized by Multi-Model
+            if isinstance(a.cfg.gpu_pct, int):
+                a.gpu_pct = a.cfg.gpu_pct
+            elif a.cfg.is_dag and a.cfg.fixed_pct_per_instance():
                 # A DAG app runs its stages in one process, with the sum of their shares.
                 a.gpu_pct = min(100, a.cfg.fixed_pct_per_instance())
-        fixed += sum(a.gpu_pct * a.instances for a in self.apps.values() if a.cfg.is_dag and a.gpu_pct)
-        autos = [a for a in self.apps.values() if not isinstance(a.cfg.gpu_pct, int) and not a.gpu_pct]
+        taken = sum(a.gpu_pct * a.instances for a in self.apps.values() if a.gpu_pct)
+        autos = [a for a in self.apps.values() if not a.gpu_pct]
         auto_instances = sum(a.instances for a in autos)
-        each = max(1, (100 - fixed) // auto_instances) if auto_instances else 0
-        for a in self.apps.values():
-            if not a.gpu_pct:
-                a.gpu_pct = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else each
+        each = max(1, (100 - taken) // auto_instances) if auto_instances else 0
+        for a in autos:
+            a.gpu_pct = each
+        total = sum(a.gpu_pct * a.instances for a in self.apps.values())
+        if total > 100 and not self.cfg.node.allow_oversubscribe:
+            raise StartError(f"the apps' shares add up to {total}% (> 100) after sizing; set "
+                             "node.allow_oversubscribe or lower gpu_pct")
 
     def _plan_shares(self) -> dict[str, Any]:
         if self.backend != "cpu":
