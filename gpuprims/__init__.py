@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gpuprims._version import __version__
-from gpuprims.backend import cuda_available, cuda_kernels_built, native_available
+from gpuprims._version import __version__ as __version__
+from gpuprims.backend import cuda_available as cuda_available
+from gpuprims.backend import cuda_kernels_built as cuda_kernels_built
+from gpuprims.backend import native_available as native_available
 
 _LAZY: dict[str, str] = {
     # V-A Sync-lite, V-B GPU-DMA, V-E Param-Share (with their baselines)

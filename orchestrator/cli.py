@@ -70,7 +70,12 @@ def start(config: str, ready_timeout: float, duration: float | None) -> None:
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     setup_logging(cfg.node.log_level, cfg.node.log_format)
-    node = Node(cfg, ready_timeout_s=ready_timeout)
+    monitor = None
+    if cfg.node.autoscale:
+        from orchestrator.monitor import Monitor
+
+        monitor = Monitor()
+    node = Node(cfg, ready_timeout_s=ready_timeout, monitor=monitor)
     install_signal_handlers(node)
     try:
         node.start()

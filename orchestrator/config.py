@@ -250,6 +250,8 @@ class NodeSettings(BaseModel):
     round_ms: float = Field(30.0, gt=0, le=10_000)
     # Directory of profiles (gpuprims-profile output) that size apps whose instances/gpu_pct are auto.
     profiles: str | None = None
+    # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
+    autoscale: bool = True
 
     @field_validator("run_dir")
     @classmethod

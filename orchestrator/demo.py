@@ -79,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(cfg.node.log_level, cfg.node.log_format)
     log = logging.getLogger("gpuprims.demo")
-    node = Node(cfg)
+    monitor = None
+    if cfg.node.autoscale:
+        from orchestrator.monitor import Monitor
+
+        monitor = Monitor()
+    node = Node(cfg, monitor=monitor)
     install_signal_handlers(node)
     try:
         node.start()

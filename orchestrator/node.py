@@ -135,6 +135,9 @@ class Node:
         self.changing: set[str] = set()
         self.monitor = monitor  # orchestrator.monitor.Monitor: automatic GPU% changes when set
         self.share_params = share_params  # Param-Share between instances of the same model
+        self._profiles: dict[str, Any] | None = None
+        if monitor is not None and monitor.needed_pct is None:
+            monitor.needed_pct = self.needed_pct
         self._exports: dict[str, dict[str, Any]] = {}
         self._next_sample = 0.0
         self._lock = threading.RLock()
@@ -438,6 +441,31 @@ class Node:
             self._autoscale()
         if self.metrics is not None:
             self.metrics.update(self.status())
+
+    def needed_pct(self, app_name: str, arrival_rps: float) -> int | None:
+        """The smallest GPU% at which the app's instances serve ``arrival_rps`` (with 20% headroom)
+        within its SLO, by its model's profile; None without a profile."""
+        a = self.apps.get(app_name)
+        if a is None or not a.cfg.model:
+            return None
+        if self._profiles is None:
+            self._profiles = self._load_profiles()
+        from apps.zoo.registry import canonical_name
+
+        try:
+            prof = self._profiles.get(canonical_name(a.cfg.model))
+        except ValueError:
+            return None
+        if prof is None:
+            return None
+        for pct in sorted(prof.gpu_pcts):
+            for b in sorted(prof.batch_sizes):
+                if b > a.cfg.max_batch:
+                    break
+                ms = prof.latency_ms(b, pct, stat="p99")
+                if ms <= a.cfg.slo_ms and a.instances * b * 1000.0 / ms >= 1.2 * arrival_rps:
+                    return int(pct)
+        return None
 
     def _autoscale(self) -> None:
         for d in self.monitor.sample(time.monotonic(), self.status()):

@@ -62,7 +62,7 @@ def test_auto_pct_splits_what_fixed_apps_leave() -> None:
 def test_bad_profile_is_refused_with_its_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format_version": 1}')
     nd = node_for([{"name": "a", "model": "resnet18", "slo_ms": 30, "instances": "auto"}], tmp_path)
-    with pytest.raises(StartError, match="bad.json"):
+    with pytest.raises(StartError, match=r"bad\.json"):
         nd._size_auto_apps()
 
 
