@@ -419,7 +419,7 @@ class Instance:
         self._last_beat = now
         snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
         snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
-                    params=self.params_mode)
+                    params=self.params_mode, mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
         with contextlib.suppress(Exception):
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 

@@ -115,6 +115,19 @@ class MpsDaemon:
             env["CUDA_MPS_LOG_DIRECTORY"] = self.log_dir
         return env
 
+    def clients(self) -> set[int]:
+        """PIDs of the processes the MPS servers currently serve (get_server_list, get_client_list)."""
+        if not self.active or self.binary is None or self.pipe_dir is None:
+            return set()
+        ok, out = _query(self.binary, self.pipe_dir, "get_server_list")
+        pids: set[int] = set()
+        for server in (out.split() if ok else []):
+            if not server.isdigit():
+                continue
+            ok2, out2 = _query(self.binary, self.pipe_dir, f"get_client_list {server}")
+            pids.update(int(p) for p in (out2.split() if ok2 else []) if p.isdigit())
+        return pids
+
     def stop(self) -> None:
         """Quit the daemon if this node started it (a daemon found running is left alone)."""
         if not self.started or self.binary is None or self.pipe_dir is None:

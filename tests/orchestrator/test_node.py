@@ -260,3 +260,50 @@ def test_ready_timeout_names_the_setting(tmp_path: Path) -> None:
     cfg = load_config(write_config(tmp_path))
     with pytest.raises(StartError, match="ready_timeout_s"):
         Node(cfg, ready_timeout_s=0.01).start()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_status_and_metrics_match_the_traffic_tool(tmp_path: Path) -> None:
+    import threading
+    import urllib.request
+
+    from gpuprims.traffic.runner import run
+    from gpuprims.traffic.stream import AppStream, Stream
+
+    port = _free_port()
+    text = CONFIG.replace("  reassembly_timeout_ms: 200", f"  reassembly_timeout_ms: 200\n  metrics_port: {port}")
+    n = Node(load_config(write_config(tmp_path, text)), warmup=False, heartbeat_ms=100).start()
+    try:
+        stream = Stream([AppStream(app_id=1, shape=SHAPE, rate=40, count=40, to=("127.0.0.1", n.ingest.ports[0])),
+                         AppStream(app_id=2, shape=SHAPE, dtype="uint8", rate=40, count=30,
+                                   to=("127.0.0.1", n.ingest.ports[0]))], seed=3)
+        out: dict[str, object] = {}
+        t = threading.Thread(target=lambda: out.update(report=run(stream, timeout_s=5.0)))
+        t.start()
+        while t.is_alive():
+            n.step(20)
+        for _ in range(10):
+            n.step(30)  # heartbeats after the last answers
+        report = out["report"]
+        s = report.samples  # type: ignore[attr-defined]
+        answered = {app: int(((s["app_id"] == app) & (s["state"] == 1)).sum()) for app in (1, 2)}
+        assert answered == {1: 40, 2: 30} and report.summary["lost"] == 0  # type: ignore[attr-defined]
+        st = n.status()
+        assert st["apps"]["cls"]["received"] == 40 and st["apps"]["det"]["received"] == 30
+        assert st["apps"]["cls"]["ok"] + st["apps"]["cls"]["deadline_missed"] == 40
+        assert st["apps"]["det"]["ok"] + st["apps"]["det"]["deadline_missed"] == 30
+        assert st["ingest"]["requests_completed"] == 70
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        served = {}
+        for line in body.splitlines():
+            if line.startswith("gpuprims_app_requests_served") and "app=" in line:
+                app = line.split('app="', 1)[1].split('"', 1)[0]
+                served[app] = float(line.rsplit(" ", 1)[1])
+        assert served == {"cls": 40.0, "det": 30.0}, body[:2000]
+    finally:
+        n.stop()
