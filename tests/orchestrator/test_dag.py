@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +9,10 @@ import pytest
 import torch
 
 from apps.zoo import RECOG_ROUTER_LABELS, load_model
-from gpuprims import wire
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.node import Node
+from tests.orchestrator.client import ask
 
 pytestmark = pytest.mark.slow
 
@@ -43,28 +41,12 @@ def test_dnn_recog_answers_with_the_right_branch(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG)
     node = Node(load_config(p), warmup=False).start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
     try:
         assert node.status()["apps"]["recog"]["gpu_pct"] == 100
         rng = np.random.default_rng(0)
         xs = {rid: rng.random(SHAPE, dtype=np.float32) for rid in range(40)}
-        for rid, x in xs.items():
-            for d in wire.encode_request(5, rid, x):
-                sock.sendto(d, ("127.0.0.1", node.ingest.ports[0]))
-        asm, got = wire.ResponseAssembler(), {}
-        deadline = time.monotonic() + 120
-        while len(got) < len(xs) and time.monotonic() < deadline:
-            try:
-                r = asm.feed(sock.recv(65536))
-            except TimeoutError:
-                node.step(10)
-                continue
-            if r is not None:
-                got[r.request_id] = r
+        got = ask(node, {rid: (5, x) for rid, x in xs.items()})
     finally:
-        sock.close()
         node.stop()
     assert sorted(got) == sorted(xs)
     models = {name: load_model(name, seed=3, input_shape=SHAPE).eval()

@@ -5,8 +5,6 @@ Marked ``gpu``: skipped with a reason where no GPU with a driver is present.
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +12,10 @@ import pytest
 import torch
 
 from apps.zoo import load_model
-from gpuprims import wire
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.node import Node
+from tests.orchestrator.client import ask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -41,36 +39,13 @@ def _start(tmp_path: Path, mps: str) -> Node:
     return Node(load_config(p), heartbeat_ms=100).start()
 
 
-def _ask(node: Node, xs: dict[int, tuple[int, np.ndarray]]) -> dict[int, wire.Response]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
-    try:
-        for rid, (app, x) in xs.items():
-            for d in wire.encode_request(app, rid, x):
-                sock.sendto(d, ("127.0.0.1", node.ingest.ports[0]))
-        asm, got = wire.ResponseAssembler(), {}
-        deadline = time.monotonic() + 120
-        while len(got) < len(xs) and time.monotonic() < deadline:
-            try:
-                r = asm.feed(sock.recv(65536))
-            except TimeoutError:
-                node.step(10)
-                continue
-            if r is not None:
-                got[r.request_id] = r
-        return got
-    finally:
-        sock.close()
-
-
 def test_cuda_node_answers_like_torch(tmp_path: Path) -> None:
     node = _start(tmp_path, "best_effort")
     try:
         rng = np.random.default_rng(0)
         xs = {rid: (1, rng.random((3, 64, 64), dtype=np.float32)) if rid % 2 else
               (2, rng.integers(0, 256, (3, 64, 64), dtype=np.uint8)) for rid in range(32)}
-        got = _ask(node, xs)
+        got = ask(node, xs)
     finally:
         node.stop()
     models = {1: load_model("resnet50", seed=1, num_classes=10, input_shape=(3, 64, 64)).cuda().eval(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -13,10 +12,10 @@ import pytest
 import torch
 
 from apps.zoo import load_model
-from gpuprims import wire
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.node import Node
+from tests.orchestrator.client import ask
 
 pytestmark = pytest.mark.slow
 
@@ -32,30 +31,10 @@ apps:
 """
 
 
-def ask(node: Node, sock: socket.socket, xs: dict[int, np.ndarray]) -> dict[int, wire.Response]:
-    for rid, x in xs.items():
-        for d in wire.encode_request(1, rid, x):
-            sock.sendto(d, ("127.0.0.1", node.ingest.ports[0]))
-    asm, got = wire.ResponseAssembler(), {}
-    deadline = time.monotonic() + 60
-    while len(got) < len(xs) and time.monotonic() < deadline:
-        try:
-            r = asm.feed(sock.recv(65536))
-        except TimeoutError:
-            node.step(10)
-            continue
-        if r is not None:
-            got[r.request_id] = r
-    return got
-
-
 def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG)
     node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
     shm_names: list[str] = []
     try:
         insts = sorted(node.instances.values(), key=lambda st: st.name)
@@ -70,7 +49,7 @@ def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path
         ref_model = load_model("resnet18", seed=5, num_classes=10, input_shape=(3, 32, 32)).eval()
         rng = np.random.default_rng(0)
         xs = {rid: rng.random((3, 32, 32), dtype=np.float32) for rid in range(16)}
-        got = ask(node, sock, xs)
+        got = ask(node, {rid: (1, x) for rid, x in xs.items()})
         assert sorted(got) == sorted(xs)
         for rid, x in xs.items():
             with torch.inference_mode():
@@ -87,14 +66,13 @@ def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path
         repl = next(st for st in node.instances.values() if st.name.startswith("a-r"))
         assert repl.spec.share_params.startswith("import:")
         xs2 = {rid: rng.random((3, 32, 32), dtype=np.float32) for rid in range(100, 116)}
-        got2 = ask(node, sock, xs2)
+        got2 = ask(node, {rid: (1, x) for rid, x in xs2.items()})
         assert sorted(got2) == sorted(xs2) and all(r.status == Status.OK for r in got2.values())
         for rid, x in xs2.items():
             with torch.inference_mode():
                 ref = ref_model(torch.from_numpy(x)[None]).numpy()[0]
             np.testing.assert_allclose(got2[rid].array(), ref, rtol=1e-4, atol=1e-4)
     finally:
-        sock.close()
         node.stop()
     assert not any(os.path.exists("/dev/shm/" + n) for n in shm_names), "stop removes the shared weights"
 
