@@ -17,8 +17,11 @@ fresh node per mode:
   node. The turns are fixed (an app with nothing queued still has its turn) and preempt a batch at
   the turn's end.
 
-Instances start without warm-up batches; the first second of traffic warms them up. Per app and mode:
-p50, p99 (client-measured, requests answered OK) and SLO attainment (answered OK within the SLO / sent). Run: ``python3 -m bench.css [--quick]``. Reports, never asserts.
+The apps' own ``slo_ms`` is a loose 2 s so that no instance sheds requests (an instance whose batch
+estimate for one request passes its SLO answers everything DEADLINE_MISSED from then on, which under
+contention would hide the very latency measured here); the client measures SLO attainment against
+200 ms. Per app and mode: p50, p99 (client-measured, requests answered OK) and SLO attainment
+(answered OK within 200 ms / sent). Run: ``python3 -m bench.css [--quick]``. Reports, never asserts.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ from bench.common import write_result
 from orchestrator.node import Node
 
 SHAPE = (3, 32, 32)
-SLO_MS = 200.0
+SLO_MS = 200.0  # the SLO the client measures attainment against
+# The apps' own slo_ms: loose, so no instance sheds requests. An instance whose batch-latency estimate
+# for one request passes its SLO answers every later request DEADLINE_MISSED and never measures again
+# (a trap in the batching policy), which under contention would hide the latency this bench is after.
+NODE_SLO_MS = 2000.0
 TURN_MS = 30.0
 # name, model, app id, CSS share (the paper's), Poisson rate (req/s)
 APPS = [("alexnet", "alexnet", 1, 15, 15.0), ("mobilenet", "mobilenet_v2", 2, 15, 20.0),
@@ -46,7 +53,7 @@ MODES = ("css", "uncontrolled", "temporal")
 
 
 def config(mode: str) -> Any:
-    apps = [sv.app(name, model, aid, shape=SHAPE, slo_ms=SLO_MS, gpu_pct=pct if mode == "css" else 100,
+    apps = [sv.app(name, model, aid, shape=SHAPE, slo_ms=NODE_SLO_MS, gpu_pct=pct if mode == "css" else 100,
                    max_batch=8, max_wait_ms=2.0) for name, model, aid, pct, _ in APPS]
     return sv.node_config(apps, oversubscribe=mode != "css")
 
@@ -80,14 +87,11 @@ def take_turns(node: Node, sending: Any) -> dict[str, Any]:
 
 def one(mode: str, duration_s: float) -> dict[str, Any]:
     extra: dict[str, Any] = {}
-    # No warm-up batches at start: timed while four instances start at once on two cores, one over the SLO
-    # makes an instance answer everything DEADLINE_MISSED for good; the 1 s of warm-up traffic seeds
-    # the batch-latency model instead.
-    with sv.running_node(config(mode), warmup=False) as node:
+    with sv.running_node(config(mode)) as node:
         port = sv.port_of(node)
         streams = [sv.stream(aid, SHAPE, rate, duration_s, port, process="poisson") for _, _, aid, _, rate in APPS]
         during = (lambda n, sending: extra.update(take_turns(n, sending))) if mode == "temporal" else None
-        rep = sv.drive(node, streams, timeout_s=2.0, slo_ms=SLO_MS, seed=1, during=during)
+        rep = sv.drive(node, streams, timeout_s=5.0, slo_ms=SLO_MS, seed=1, during=during)
         status = node.status()["apps"]
     out: dict[str, Any] = {"apps": {}, **extra}
     for name, model, aid, _pct, rate in APPS:
@@ -136,18 +140,25 @@ def plot(result: dict[str, Any], path: str) -> None:
               "temporal": "(a) temporal sharing (emulated)"}
     hi = max((float(np.max(st["latencies_ms"])) for r in runs.values() for st in r["apps"].values()
               if len(st["latencies_ms"])), default=SLO_MS)
-    for ax, (mode, r) in zip(axes, runs.items()):
+    order = [m for m in ("temporal", "uncontrolled", "css") if m in runs]  # the paper's (a), (b), (c)
+    for ax, mode in zip(axes, order):
+        r = runs[mode]
         for name, st in r["apps"].items():
             x = np.sort(np.asarray(st["latencies_ms"]))
             if x.size:
                 ax.plot(x, np.arange(1, x.size + 1) / x.size, label=f"{name} ({st['slo_attainment']:.0%} in SLO)")
+        shed = [name for name, st in r["apps"].items() if st["shed_everything"]]
+        if shed:
+            ax.text(0.03, 0.97, "no OK answer (all DEADLINE_MISSED):\n" + ", ".join(shed), transform=ax.transAxes,
+                    va="top", fontsize=7)
         ax.axvline(SLO_MS, color="k", linestyle="--", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlim(1, hi * 1.2)
         ax.set_xlabel("latency (ms)")
         ax.set_title(titles[mode], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
     axes[0].set_ylabel("CDF of answered requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -160,17 +171,18 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args.quick)
     notes = ("CPU backend (no GPU), 2 cores, 3x32x32 float32 inputs, Poisson traffic (seed 1) at alexnet 15, "
-             "mobilenet 20, resnet50 10, vgg19 6 req/s, SLO 200 ms for all, max_batch 8. css: gpu_pct 15/15/30/40 "
+             "mobilenet 20, resnet50 10, vgg19 6 req/s, SLO 200 ms for all (measured at the client), max_batch 8. css: gpu_pct 15/15/30/40 "
              "-> one core and one thread each (plan_cpu_shares), alexnet+resnet50 on one core and mobilenet+vgg19 on "
              "the other, so isolation is per core pair, not per app (see css_cores). uncontrolled: gpu_pct 100 each "
              "with allow_oversubscribe -> every instance on both cores with 2 threads. temporal: emulated by the bench "
              "(the live node does not implement scheduler: temporal): all four at 100%, fixed 30 ms turns by "
              "SIGSTOP/SIGCONT, not work-conserving, preempting at turn ends. The node's ingest and the client share "
-             "the cores. Instances start without warm-up batches (Node(warmup=False)); the first second of traffic is the "
-             "warm-up. p50/p99 over requests answered OK (a DEADLINE_MISSED answer is fast and is not a latency). "
-             "shed_everything: an instance whose batch-latency estimate for one request went over the SLO answers "
-             "every later request DEADLINE_MISSED and never re-measures (a batching-policy trap; time-slicing inflates "
-             "the batch times it measures). slo_attainment = answered OK within the SLO / sent. Shared machine: noisy.")
+             "the cores. The apps' node-side slo_ms is 2000 ms so instances never shed (with 200 ms, an instance whose one "
+             "slow batch under contention put its estimate for one request over the SLO answered every later request "
+             "DEADLINE_MISSED for good: all four apps in uncontrolled mode, some in temporal); attainment is measured at "
+             "the client against 200 ms, so adaptive batching here batches what is queued (<= 8) rather than what the "
+             "200 ms deadline allows. p50/p99 over requests answered OK. shed_everything marks an app with no OK answer. "
+             "slo_attainment = answered OK within the SLO / sent. Shared machine: noisy.")
     path = write_result("css", "cpu", res["summary"], res["samples"], notes=notes, large_samples=True)
     plot(res, str(path.with_suffix(".png")))
     print(path)
