@@ -215,7 +215,9 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
 
         def via_node(rate: float, dur: float) -> dict[str, Any]:
             r = sv.drive(node, [sv.stream(1, SHAPE, rate, dur, port)], timeout_s=timeout_s, slo_ms=slo_ms)
-            return sv.app_stats(r, 1, slo_ms)
+            insts = sv.instance_stats(node, "e2e")["instances"]
+            # Batch sizes the instance chose so far (cumulative), to see how it batched near capacity.
+            return {**sv.app_stats(r, 1, slo_ms), "batch_sizes_so_far": insts[0]["batch_sizes"] if insts else None}
 
         node_steps = sweep(via_node, slo_ms, start, steps, step_s, "node")
     server = BaselineServer(model_name, cores, threads)
