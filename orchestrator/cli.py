@@ -24,7 +24,7 @@ def _find_run_dir(run_dir: str | None) -> Path:
     if run_dir:
         return Path(run_dir)
     base = runtime_base()
-    live = sorted(p.parent for p in base.glob("*/command.sock"))
+    live = sorted({p.parent.resolve() for p in base.glob("*/command.sock") if not p.parent.is_symlink()})
     if not live:
         raise click.ClickException(f"no running node found under {base}; pass --run-dir")
     if len(live) > 1:
