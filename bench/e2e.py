@@ -190,9 +190,9 @@ def best_rate(steps: list[dict[str, Any]]) -> float:
 
 def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     cores, threads = share()
-    low_s = 5.0 if quick else 15.0
+    low_s = 4.0 if quick else 15.0
     step_s = 1.5 if quick else 3.0
-    steps = 4 if quick else 6
+    steps = 3 if quick else 6
     n_low = int(LOW_RATE * low_s)
     timeout_s = max(1.0, 2 * slo_ms / 1e3)
 
