@@ -33,6 +33,9 @@ import numpy as np
 from gpuprims.pool import RECORD_DTYPE
 
 ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
+#: After this long without running a batch, a request is served even if the latency model predicts
+#: it will miss (see Instance._expire).
+PROBE_AFTER_S = 1.0
 log = logging.getLogger("gpuprims.instance")
 
 
@@ -203,6 +206,7 @@ class Instance:
         self.stopping = False
         self.initialized = False
         self.params_mode = "own"  # own | exported | imported (Param-Share)
+        self._last_served = 0.0
         self.exported: Any = None
         self.shared: Any = None
         self._last_beat = 0.0
@@ -300,14 +304,23 @@ class Instance:
         return d / 1e3 if d else self.spec.slo_ms
 
     def _expire(self, now_ns: int) -> None:
-        """Answer queued requests that cannot meet their deadline any more, oldest first."""
+        """Answer queued requests that cannot meet their deadline any more, oldest first.
+
+        A request past its deadline always expires. One that the latency model predicts will miss
+        expires only while that prediction is fresh (a batch ran within ``PROBE_AFTER_S``): otherwise
+        one slow measurement could make every later request look hopeless, nothing would run, and
+        the model would never learn that the instance is fast again. After that long without serving,
+        the next request is let through as a probe.
+        """
         from gpuprims.wire import Status
 
+        predictive = time.monotonic() - self._last_served < PROBE_AFTER_S
         expired = []
         while self.queue:
             row = self.queue[0][1]
-            age_ms = (now_ns - int(row["first_ns"])) / 1e6
-            if not self.policy.expired(age_ms, self._deadline_ms(row)):
+            age_ms = max(0.0, (now_ns - int(row["first_ns"])) / 1e6)
+            deadline_ms = self._deadline_ms(row)
+            if age_ms < deadline_ms and not (predictive and self.policy.expired(age_ms, deadline_ms)):
                 break
             expired.append(self.queue.popleft())
         if expired:
@@ -376,24 +389,23 @@ class Instance:
         """One iteration: pull, expire, decide, maybe serve."""
         now = time.monotonic_ns()
         if self.queue:
-            oldest_age = (now - int(self.queue[0][1]["first_ns"])) / 1e6
-            decision = self.policy.decide(len(self.queue), max(0.0, oldest_age))
+            oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+            decision = self.policy.decide(len(self.queue), oldest_age)
             if decision.take == 0:
                 self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
-                now = time.monotonic_ns()
         else:
             self._pull(max_wait_ms)
-            now = time.monotonic_ns()
         if not self.queue:
             return
         self._pull(0)
-        self._expire(now)
+        self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
         if not self.queue:
             return
         oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
         decision = self.policy.decide(len(self.queue), oldest_age)
         if decision.take:
             self._serve_batch(min(decision.take, len(self.queue)))
+            self._last_served = time.monotonic()
 
     def drain(self) -> int:
         """Serve everything already queued for this instance (its ring and local queue). Returns count."""

@@ -1,0 +1,88 @@
+"""The instance's serving loop against a real pool and ingest, in this process (no orchestrator)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from apps.instance import PROBE_AFTER_S, Instance, InstanceSpec
+from gpuprims import wire
+from gpuprims.ingest import Ingest
+from gpuprims.pool import PacketPool
+from gpuprims.wire import Status
+
+SHAPE = (3, 32, 32)
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+    pool = PacketPool.create(slot_count=1024, record_count=64, max_chunks=64, consumer_count=1)
+    ing = Ingest(pool, [("127.0.0.1", 0)]).start()
+    ing.set_route(1, [0])
+    spec = InstanceSpec(name="t-0", app="t", app_id=1, model="mobilenet_v2", pool=pool.name, consumer=0,
+                        input_shape=SHAPE, num_classes=10, slo_ms=500.0, max_batch=4, max_wait_ms=0.0, warmup=False)
+    inst = Instance(spec, control=None)
+    inst.init_compute(100)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(5.0)
+    yield inst, ing, sock
+    sock.close()
+    inst.close()
+    ing.stop()
+    pool.close()
+
+
+def _send(ing: Ingest, sock: socket.socket, rid: int) -> None:
+    x = np.random.default_rng(rid).random(SHAPE, dtype=np.float32)
+    for d in wire.encode_request(1, rid, x):
+        sock.sendto(d, ("127.0.0.1", ing.ports[0]))
+
+
+def _answer(inst: Instance, sock: socket.socket) -> wire.Response:
+    asm = wire.ResponseAssembler()
+    sock.settimeout(0.01)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        inst.step(max_wait_ms=10)
+        try:
+            r = asm.feed(sock.recv(65536))
+        except TimeoutError:
+            continue
+        if r is not None:
+            return r
+    raise AssertionError("no answer")
+
+
+def test_pessimistic_latency_model_recovers_through_a_probe(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    for _ in range(40):
+        inst.policy.observe(1, 10_000.0)  # one bad stretch: every request now "cannot make it"
+    assert inst.policy.expired(0.0, 500.0)
+    # Nothing has run for a while, so the request goes through as a probe instead of expiring.
+    _send(ing, sock, 1)
+    assert _answer(inst, sock).status == Status.OK
+    # Right after a run the (still pessimistic) prediction is trusted: a new request expires.
+    _send(ing, sock, 2)
+    assert _answer(inst, sock).status == Status.DEADLINE_MISSED
+    # Once the prediction is stale again, the next request is served and measured.
+    time.sleep(PROBE_AFTER_S + 0.1)
+    _send(ing, sock, 3)
+    assert _answer(inst, sock).status == Status.OK
+
+
+def test_expire_tolerates_a_request_newer_than_its_clock(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    _send(ing, sock, 7)
+    deadline = time.monotonic() + 5
+    while not inst.queue and time.monotonic() < deadline:
+        inst._pull(50)
+    assert inst.queue
+    before = int(inst.queue[0][1]["first_ns"]) - 1_000_000  # a clock read taken before the arrival
+    inst._expire(before)  # must not raise on the negative age
+    assert len(inst.queue) == 1
+    assert _answer(inst, sock).status == Status.OK
