@@ -42,6 +42,10 @@ exclusive access (100% GPU); apps take turns round-robin, a DAG app's later stag
 next app's turn, and each turn runs the largest batch whose predicted sequential chain meets the
 deadline.
 
+``instances`` (optional) maps stage keys to instance names: stages that share an instance (a DAG app
+whose stages run in one process, as on a live node) never run at the same time; by default every stage
+has its own instance.
+
 The hard invariant of both: at every instant, the GPU% of the runs started on a GPU and not yet
 completed sums to at most 100.
 """
@@ -117,7 +121,7 @@ class _GpuState:
     running: dict[int, Dispatch] = field(default_factory=dict)
     reservations: list[_Reservation] = field(default_factory=list)
     pct: int = 0  # GPU% of the runs in ``running``
-    busy: set[str] = field(default_factory=set)  # queue keys of the runs in ``running``
+    busy: set[str] = field(default_factory=set)  # instance keys of the runs in ``running``
 
     def running_pct(self) -> int:
         return self.pct
@@ -130,7 +134,7 @@ class Scheduler(ABC):
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, instances: Mapping[str, str] | None = None) -> None:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if not round_ms > 0:
@@ -160,6 +164,7 @@ class Scheduler(ABC):
         self._base_cache: dict[tuple[str, int, int], float] = {}
         self._ids = itertools.count(1)
         self._stage_of: dict[str, tuple[App, str]] = {a.key(s.name): (a, s.name) for a in apps for s in a.stages}
+        self._ikey = self._instance_keys(instances or {})
         self._apps_on: list[list[App]] = [[a for a in self.apps.values() if self.placement[a.name] == g]
                                           for g in range(num_gpus)]
         # (app index on its GPU, app, stage name, queue key, is entry) per GPU, in app then stage order
@@ -190,6 +195,23 @@ class Scheduler(ABC):
                 out[a.name] = g
                 load[g] += sum(s.gpu_pct for s in a.stages)
         return out
+
+    def _instance_keys(self, instances: Mapping[str, str]) -> dict[str, str]:
+        """Stage key -> the key of the instance that runs it (itself unless ``instances`` says)."""
+        unknown = sorted(set(instances) - set(self._stage_of))
+        if unknown:
+            raise ValueError(f"instances names unknown stage keys {unknown}; keys are '<app>/<stage>'")
+        owner: dict[str, str] = {}
+        for k, inst in instances.items():
+            app = self._stage_of[k][0].name
+            if owner.setdefault(inst, app) != app:
+                raise ValueError(f"instance {inst!r} runs stages of two apps ({owner[inst]!r} and {app!r}); "
+                                 "an instance serves one app")
+        return {k: f"instance:{instances[k]}" if k in instances else k for k in self._stage_of}
+
+    def instance_key(self, key: str) -> str:
+        """The key of the instance that runs stage ``key`` (stages with one instance run one at a time)."""
+        return self._ikey[key]
 
     def correction(self, model: str, gpu_pct: int) -> float:
         """Learned factor measured/profiled latency for ``model`` at ``gpu_pct`` (1.0 until measured)."""
@@ -260,7 +282,7 @@ class Scheduler(ABC):
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
         gs.pct -= dispatch.gpu_pct
-        gs.busy.discard(dispatch.key)
+        gs.busy.discard(self._ikey[dispatch.key])
         base = self._base_ms(dispatch.model, dispatch.batch_size, dispatch.gpu_pct)
         if base > 0 and self.learn_rate > 0:
             ratio = min(10.0, max(0.1, measured_ms / base))
@@ -282,7 +304,7 @@ class Scheduler(ABC):
             raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
         del gs.running[dispatch.id]
         gs.pct -= dispatch.gpu_pct
-        gs.busy.discard(dispatch.key)
+        gs.busy.discard(self._ikey[dispatch.key])
         gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
 
     def running(self, gpu: int) -> list[Dispatch]:
@@ -300,7 +322,7 @@ class Scheduler(ABC):
                 raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.running_pct()} + {pct})")
             gs.running[d.id] = d
             gs.pct += pct
-            gs.busy.add(d.key)
+            gs.busy.add(self._ikey[d.key])
         return d
 
     def _stage_pct(self, app: App, stage: str) -> int:
@@ -350,9 +372,10 @@ class SpatioTemporalScheduler(Scheduler):
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
-                 max_batch: int | None = None, route_margin_sigma: float = 1.0) -> None:
+                 max_batch: int | None = None, route_margin_sigma: float = 1.0,
+                 instances: Mapping[str, str] | None = None) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances)
         if not route_margin_sigma >= 0:
             raise ValueError(f"route_margin_sigma must be >= 0, got {route_margin_sigma}")
         self.route_margin_sigma = route_margin_sigma
@@ -421,7 +444,7 @@ class SpatioTemporalScheduler(Scheduler):
                 for _, _, app, stage, key, is_entry in waiting:
                     if first_pass and (not is_entry or app.name in self._launched):
                         continue
-                    if key in reserved or key in gs.busy or len(queues[key]) <= consumed.get(key, 0):
+                    if key in reserved or self._key_busy(gs, key) or len(queues[key]) <= consumed.get(key, 0):
                         continue
                     d = self._try_launch(g, app, stage, now_ms, queues, consumed)
                     if d is not None:
@@ -457,7 +480,7 @@ class SpatioTemporalScheduler(Scheduler):
                 batch -= 1
             pred = self.predict_ms(s.model, batch, r.pct)
             ivs = self._intervals(gs, now, exclude=r)
-            if now + _EPS < r.start and not _fits(ivs, r.pct, now, now + pred, r.key):
+            if now + _EPS < r.start and not _fits(ivs, r.pct, now, now + pred, self._ikey[r.key]):
                 continue  # early, and starting early would collide: wait for the reserved start
             if gs.running_pct() + r.pct > 100:
                 continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
@@ -467,17 +490,17 @@ class SpatioTemporalScheduler(Scheduler):
         return out
 
     def _key_busy(self, gs: _GpuState, key: str) -> bool:
-        return key in gs.busy
+        return self._ikey[key] in gs.busy
 
     def _intervals(self, gs: _GpuState, now: float, exclude: _Reservation | None = None) -> list[_Interval]:
-        ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, d.key)
+        ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, self._ikey[d.key])
                for d in gs.running.values()]
         for r in gs.reservations:
             if r is exclude:
                 continue
             # A slot whose start has passed without starting still needs its full length from now.
             shift = max(0.0, now - r.start)
-            ivs.append(_Interval(r.start + shift, r.end + shift, r.pct, r.key))
+            ivs.append(_Interval(r.start + shift, r.end + shift, r.pct, self._ikey[r.key]))
         return ivs
 
     def _try_launch(self, g: int, app: App, stage: str, now: float, queues: Mapping[str, Sequence[float]],
@@ -538,10 +561,11 @@ class SpatioTemporalScheduler(Scheduler):
                      deadline: float, g: int) -> tuple[list[_Reservation], float] | None:
         s = self._stage_obj[(app.name, stage)]
         pred = self.predict_ms(s.model, batch, s.gpu_pct)
-        if now + pred > deadline + _EPS or not _fits(ivs, s.gpu_pct, now, now + pred, app.key(stage)):
+        ikey = self._ikey[app.key(stage)]
+        if now + pred > deadline + _EPS or not _fits(ivs, s.gpu_pct, now, now + pred, ikey):
             return None
         work = list(ivs)
-        work.append(_Interval(now, now + pred, s.gpu_pct, app.key(stage)))
+        work.append(_Interval(now, now + pred, s.gpu_pct, ikey))
         res: list[_Reservation] = []
         frontier = [(n, now + pred) for n in self._succ[(app.name, stage)]]
         while frontier:
@@ -552,10 +576,10 @@ class SpatioTemporalScheduler(Scheduler):
             if nb < self._min_batch(ns.model):
                 return None
             dur = self.predict_ms(ns.model, nb, ns.gpu_pct)
-            start = _earliest_fit(work, ns.gpu_pct, dur, not_before, key)
+            start = _earliest_fit(work, ns.gpu_pct, dur, not_before, self._ikey[key])
             if start + dur > deadline + _EPS:
                 return None
-            work.append(_Interval(start, start + dur, ns.gpu_pct, key))
+            work.append(_Interval(start, start + dur, ns.gpu_pct, self._ikey[key]))
             res.append(_Reservation(key, app.name, name, g, ns.gpu_pct, nb, start, start + dur, upstream=0))
             frontier.extend((n, start + dur) for n in self._succ[(app.name, name)])
         return res, pred
@@ -589,9 +613,9 @@ class TemporalScheduler(Scheduler):
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, instances: Mapping[str, str] | None = None) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances)
         for a in apps:
             for s in a.stages:
                 if self.profiles[s.model].gpu_pcts[-1] < 100:

@@ -223,7 +223,7 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             if kind == 0:
                 d, dls, measured = in_flight.pop(data)
                 running_pct[d.gpu] -= d.gpu_pct
-                busy_keys.discard(d.key)
+                busy_keys.discard(scheduler.instance_key(d.key))
                 scheduler.completed(d, measured)
                 if touched is not None:
                     touched.add(d.gpu)
@@ -295,10 +295,10 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             if running_pct[d.gpu] + d.gpu_pct > 100:
                 raise RuntimeError(f"scheduler took GPU {d.gpu} above 100% at t={t} ms "
                                    f"({running_pct[d.gpu]} + {d.gpu_pct})")
-            if d.key in busy_keys:
+            if scheduler.instance_key(d.key) in busy_keys:
                 raise RuntimeError(f"scheduler started {d.key} at t={t} ms while its instance was busy")
             running_pct[d.gpu] += d.gpu_pct
-            busy_keys.add(d.key)
+            busy_keys.add(scheduler.instance_key(d.key))
             lk = (d.model, d.batch_size, d.gpu_pct)
             actual = lat_cache.get(lk)
             if actual is None:

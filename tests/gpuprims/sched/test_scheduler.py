@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import pytest
@@ -237,3 +238,35 @@ def test_aborted_frees_gpu_and_reservations() -> None:
     assert s.running(0) == [] and s.gpus[0].reservations == [] and s.correction("m3", 25) == 1.0
     with pytest.raises(ValueError, match="not running"):
         s.aborted(d)
+
+
+def _dag(name: str = "d", deadline: float = 60.0) -> App:
+    return App(name, (Stage("r", "m1", 25, {"x": "f"}), Stage("f", "m2", 50)), deadline)
+
+
+def test_stages_sharing_an_instance_never_overlap() -> None:
+    from gpuprims.sched.sim import Arrival, Workload, simulate
+
+    apps = [_dag()]
+    inst = {"d/r": "d-0", "d/f": "d-0"}
+    wl = [Workload(apps[0], Arrival("poisson", 400.0), {"r": {"x": 0.7}})]
+    for name in ("spatiotemporal", "temporal"):
+        sch = make_scheduler(name, apps, PROFILES, instances=inst)
+        assert sch.instance_key("d/r") == sch.instance_key("d/f") != "d/r"
+        res = simulate(sch, wl, duration_ms=2000.0, seed=3, record_dispatches=True)
+        runs = sorted((r for r in res["dispatches"] if r["action"] == "run"), key=lambda r: r["start_ms"])
+        assert any(r["stage"] == "f" for r in runs)
+        for a, b in itertools.pairwise(runs):
+            assert b["start_ms"] >= a["end_ms"] - 1e-9, (a, b)
+    # Without the mapping the two stages may run at once (each its own instance).
+    free = simulate(make_scheduler("spatiotemporal", apps, PROFILES), wl, duration_ms=2000.0, seed=3,
+                    record_dispatches=True)
+    runs = sorted((r for r in free["dispatches"] if r["action"] == "run"), key=lambda r: r["start_ms"])
+    assert any(b["start_ms"] < a["end_ms"] - 1e-9 for a, b in itertools.pairwise(runs))
+
+
+def test_instances_mapping_is_validated() -> None:
+    with pytest.raises(ValueError, match="unknown stage keys"):
+        SpatioTemporalScheduler([_dag()], PROFILES, instances={"d/zz": "x"})
+    with pytest.raises(ValueError, match="runs stages of two apps"):
+        SpatioTemporalScheduler([_dag("d"), _dag("e")], PROFILES, instances={"d/r": "x", "e/r": "x"})
