@@ -69,6 +69,11 @@ class Pool:
 
     def queue_depth(self, consumer: int) -> int: ...
 
+    def peek(self, consumer: int, from_pos: int, out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')]) -> tuple:
+        """
+        Copy deliver-ring entries from max(from_pos, head) without consuming them: (n, head, tail).
+        """
+
     def set_attached(self, consumer: int, pid: int) -> None: ...
 
     def gather(self, recs: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray, dict(order='C', device='cpu')]) -> None:

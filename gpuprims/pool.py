@@ -127,6 +127,20 @@ class PacketPool:
         """Copies of the records ``recs`` (RECORD_DTYPE): ids, sizes, client address, timestamps."""
         return self._records[np.asarray(recs, dtype=np.intp)].copy()
 
+    def peek(self, consumer: int, from_pos: int = 0, max_n: int | None = None) -> tuple[np.ndarray, int, int]:
+        """Look at consumer ``consumer``'s queue without taking anything: ``(recs, head, tail)``.
+
+        ``recs`` are the record indices at ring positions ``max(from_pos, head)`` onwards (at most
+        ``max_n``, default the ring capacity), in delivery order; ``head`` is the position of the
+        next request the consumer will take and ``tail`` one past the last delivered. Positions only
+        grow, so passing the last ``tail`` as ``from_pos`` returns just the new arrivals. Read-only:
+        the orchestrator's scheduler uses it to see queues it does not consume.
+        """
+        cap = self.layout["ring_capacity"]
+        out = np.empty(cap if max_n is None else max(0, min(max_n, cap)), dtype=np.uint32)
+        n, head, tail = self.native.peek(consumer, max(0, int(from_pos)), out)
+        return out[:n], int(head), int(tail)
+
     def gather(self, recs: np.ndarray, out: Any) -> Any:
         """Copy each request's payload into row i of ``out`` (numpy array or CPU torch tensor).
 

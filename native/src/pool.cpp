@@ -217,6 +217,22 @@ size_t Pool::queue_depth(uint32_t consumer) const {
   return size_t(r.tail.load(std::memory_order_acquire) - r.head.load(std::memory_order_acquire));
 }
 
+size_t Pool::peek(uint32_t consumer, uint64_t from, uint32_t* out, size_t max_n, uint64_t* head,
+                  uint64_t* tail) const {
+  check_consumer(consumer);
+  const pool::Ring& r = view_.consumer(consumer)->deliver;
+  const uint32_t* entries = view_.deliver_entries(consumer);
+  // tail first: every entry below it was fully written before the producer published it.
+  const uint64_t t = r.tail.load(std::memory_order_acquire);
+  const uint64_t h = r.head.load(std::memory_order_acquire);
+  *head = h;
+  *tail = t;
+  uint64_t pos = from > h ? from : h;
+  size_t n = 0;
+  for (; pos < t && n < max_n; ++pos, ++n) out[n] = entries[pos & r.mask];
+  return n;
+}
+
 std::string Pool::gather(const uint32_t* recs, size_t n, uint8_t* out, size_t row_bytes) const {
   check_open();
   const pool::PoolHeader* h = view_.hdr;

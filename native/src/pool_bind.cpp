@@ -190,6 +190,15 @@ void bind_pool(nb::module_& m) {
           nb::arg("consumer"), nb::arg("recs"))
       .def("queue_depth", &Pool::queue_depth, nb::arg("consumer"))
       .def(
+          "peek",
+          [](const Pool& p, uint32_t consumer, uint64_t from, U32Out out) {
+            uint64_t head = 0, tail = 0;
+            const size_t n = p.peek(consumer, from, out.data(), out.shape(0), &head, &tail);
+            return nb::make_tuple(n, head, tail);
+          },
+          nb::arg("consumer"), nb::arg("from_pos"), nb::arg("out"),
+          "Copy deliver-ring entries from max(from_pos, head) without consuming them: (n, head, tail).")
+      .def(
           "set_attached",
           [](Pool& p, uint32_t consumer, uint32_t pid) {
             p.check_consumer(consumer);

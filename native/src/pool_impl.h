@@ -56,6 +56,10 @@ class Pool {
   // Consumer side: hand records back so their slots are recycled. Returns how many were queued.
   size_t release(uint32_t consumer, const uint32_t* recs, size_t n);
   size_t queue_depth(uint32_t consumer) const;
+  // Observer side (any process, read-only): copy the deliver ring's entries from position
+  // max(from, head) up to tail, at most max_n, without consuming them. Positions are absolute (they
+  // only grow), so a caller can ask for just what arrived since its last look. Sets *head and *tail.
+  size_t peek(uint32_t consumer, uint64_t from, uint32_t* out, size_t max_n, uint64_t* head, uint64_t* tail) const;
   // Copy each record's payload into row i of out (row_bytes apart). Returns "" or an error message.
   std::string gather(const uint32_t* recs, size_t n, uint8_t* out, size_t row_bytes) const;
 

@@ -390,3 +390,25 @@ def test_ingest_argument_validation() -> None:
         with pytest.raises(ValueError, match="consumer 3 out of range"):
             ing.set_route(1, [3])
         ing.stop()
+
+
+def test_peek_sees_the_queue_without_taking_it(node: Node) -> None:
+    recs, head, tail = node.pool.peek(0)
+    assert recs.size == 0 and head == tail == 0
+    node.send([d for rid in range(5) for d in wire.encode_request(APP, rid, _body(rid, 100))])
+    node.wait(lambda c: c["requests_completed"] == 5)
+    recs, head, tail = node.pool.peek(0)
+    assert (head, tail, recs.size) == (0, 5, 5)
+    assert sorted(node.pool.requests(recs)["request_id"].tolist()) == list(range(5))
+    again, _, _ = node.pool.peek(0, from_pos=3)  # only what arrived after position 3
+    np.testing.assert_array_equal(again, recs[3:])
+    assert node.pool.peek(0, max_n=2)[0].size == 2
+    taken = node.pool.consumer(0).poll(2, 1000)
+    np.testing.assert_array_equal(taken, recs[:2])  # the consumer gets exactly what peek showed, in order
+    rest, head, tail = node.pool.peek(0)
+    assert (head, tail) == (2, 5)
+    np.testing.assert_array_equal(rest, recs[2:])
+    assert node.pool.peek(0, from_pos=99)[0].size == 0
+    with pytest.raises(IndexError):
+        node.pool.peek(7)
+    node.pool.consumer(0).release(np.concatenate([taken, node.take(3)]))
