@@ -31,6 +31,7 @@ __all__ = [
     "MAX_BLOBS",
     "MAX_HEADER_BYTES",
     "MESSAGE_TYPES",
+    "BatchDone",
     "Ended",
     "Error",
     "Finish",
@@ -40,6 +41,7 @@ __all__ = [
     "ProtocolError",
     "Ready",
     "Result",
+    "RunBatch",
     "SetGpuPct",
     "SetGpuRequest",
     "Shutdown",
@@ -184,6 +186,43 @@ class Shutdown(Message):
     drain: bool = True
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunBatch(Message):
+    """The live scheduler's decision for a dispatched instance: take ``batch`` requests from the front
+    of stage ``stage``'s queue and run them at ``gpu_pct`` (``action`` "run") or answer them
+    DEADLINE_MISSED ("reject"); the instance replies `BatchDone` with the same ``id``."""
+
+    TAG: ClassVar[int] = 16
+    instance: str
+    id: int
+    stage: str
+    batch: int
+    gpu_pct: int = 100
+    action: str = "run"
+
+    def __post_init__(self) -> None:
+        if self.id < 0 or self.batch < 1:
+            raise ValueError(f"RunBatch needs id >= 0 and batch >= 1, got id={self.id} batch={self.batch}")
+        if self.action not in ("run", "reject"):
+            raise ValueError(f"RunBatch action must be 'run' or 'reject', got {self.action!r}")
+        _check_pct(self.gpu_pct)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchDone(Message):
+    """A `RunBatch` finished: ``taken`` requests left the stage's queue, ``measured_ms`` of model time;
+    ``routed`` maps each later stage to the deadlines (ms, CLOCK_MONOTONIC) of the requests this
+    batch passed to it, in queue order; ``error`` is set when the batch failed (answered INTERNAL)."""
+
+    TAG: ClassVar[int] = 17
+    instance: str
+    id: int
+    taken: int
+    measured_ms: float
+    routed: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
 # ---- CLI <-> orchestrator
 
 
@@ -240,13 +279,15 @@ def _check_pct(v: object) -> None:
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ready, Finish, Ended, Heartbeat, StatsRequest, StatsReply, SetGpuPct, InitGpu, Shutdown,
-                Error, StatusRequest, StatusReply, StopRequest, SetGpuRequest, Result)
+                Error, StatusRequest, StatusReply, StopRequest, SetGpuRequest, Result, RunBatch, BatchDone)
 }
-assert len(MESSAGE_TYPES) == 15 and all(0 < t < 256 for t in MESSAGE_TYPES)
+assert len(MESSAGE_TYPES) == 17 and all(0 < t < 256 for t in MESSAGE_TYPES)
 
 #: Which tags each side may send; a receiver drops the rest as ``wrong_direction``.
-FROM_INSTANCE = frozenset({Ready.TAG, Ended.TAG, Heartbeat.TAG, StatsReply.TAG, Error.TAG, Result.TAG})
-FROM_ORCHESTRATOR = frozenset({Finish.TAG, StatsRequest.TAG, SetGpuPct.TAG, InitGpu.TAG, Shutdown.TAG})
+FROM_INSTANCE = frozenset({Ready.TAG, Ended.TAG, Heartbeat.TAG, StatsReply.TAG, Error.TAG, Result.TAG,
+                           BatchDone.TAG})
+FROM_ORCHESTRATOR = frozenset({Finish.TAG, StatsRequest.TAG, SetGpuPct.TAG, InitGpu.TAG, Shutdown.TAG,
+                               RunBatch.TAG})
 FROM_CLI = frozenset({StatusRequest.TAG, StopRequest.TAG, SetGpuRequest.TAG})
 TO_CLI = frozenset({StatusReply.TAG, Result.TAG})
 

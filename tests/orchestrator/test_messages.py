@@ -10,6 +10,7 @@ from orchestrator.messages import (
     MAX_BLOBS,
     MAX_HEADER_BYTES,
     MESSAGE_TYPES,
+    BatchDone,
     Ended,
     Error,
     Finish,
@@ -19,6 +20,7 @@ from orchestrator.messages import (
     ProtocolError,
     Ready,
     Result,
+    RunBatch,
     SetGpuPct,
     SetGpuRequest,
     Shutdown,
@@ -50,6 +52,8 @@ SAMPLES: list[Message] = [
     StopRequest(drain=True),
     SetGpuRequest(app="detect", gpu_pct=30),
     Result(ok=False, message="no such app", data={"known": ["a"]}),
+    RunBatch(instance="a-0", id=7, stage="router", batch=4, gpu_pct=25),
+    BatchDone(instance="a-0", id=7, taken=4, measured_ms=3.5, routed={"face": [1.5, 2.5]}),
 ]
 
 
@@ -169,3 +173,13 @@ def test_decode_never_crashes_on_wrong_bodies(tag: int, body: dict) -> None:
         assert e.reason == "malformed"
     else:
         assert tag == type(msg).TAG
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"id": -1}, "id >= 0"), ({"batch": 0}, "batch >= 1"), ({"action": "skip"}, "action"),
+    ({"gpu_pct": 0}, "gpu_pct"),
+])
+def test_run_batch_validates(kw: dict, needle: str) -> None:
+    args = {"instance": "a-0", "id": 1, "stage": "s", "batch": 2, **kw}
+    with pytest.raises(ValueError, match=needle):
+        RunBatch(**args)
