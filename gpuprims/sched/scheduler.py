@@ -90,6 +90,16 @@ class Dispatch:
         """``start_ms + predicted_ms``."""
         return self.start_ms + self.predicted_ms
 
+    @classmethod
+    def _make(cls, id: int, app: str, stage: str, model: str, gpu: int, gpu_pct: int, batch_size: int,
+              start_ms: float, predicted_ms: float, action: Action, key: str) -> Dispatch:
+        """The same object as ``Dispatch(...)`` with ``key == f"{app}/{stage}"`` given, built without the
+        frozen dataclass's field-by-field ``object.__setattr__`` (the schedulers' hot path)."""
+        d = object.__new__(cls)
+        d.__dict__.update(id=id, app=app, stage=stage, model=model, gpu=gpu, gpu_pct=gpu_pct, batch_size=batch_size,
+                          start_ms=start_ms, predicted_ms=predicted_ms, action=action, key=key)
+        return d
+
 
 @dataclass
 class _Interval:
@@ -125,6 +135,30 @@ class _GpuState:
 
     def running_pct(self) -> int:
         return self.pct
+
+
+class _KeyInfo:
+    """What the schedulers look up about one stage queue key, gathered once."""
+
+    __slots__ = ("app", "app_name", "cap", "gpu", "ikey", "index", "is_entry", "key", "lo", "model", "pct", "pred",
+                 "stage", "succ")
+
+    def __init__(self, key: str, app: App, stage: Stage, ikey: str, gpu: int, index: int, is_entry: bool,
+                 succ: tuple[str, ...], lo: int, cap: int, pred: dict[int, float]) -> None:
+        self.key = key
+        self.app = app
+        self.app_name = app.name
+        self.stage = stage.name
+        self.ikey = ikey
+        self.model = stage.model
+        self.pct = stage.gpu_pct
+        self.gpu = gpu
+        self.index = index  # the app's index on its GPU
+        self.is_entry = is_entry
+        self.succ = succ
+        self.lo = lo  # smallest and largest batch the profile (and max_batch) allow
+        self.cap = cap
+        self.pred = pred  # batch size -> predicted ms at the stage's own GPU% (see Scheduler._pred)
 
 
 class Scheduler(ABC):
@@ -179,6 +213,17 @@ class Scheduler(ABC):
         for m, prof in self.profiles.items():
             bs = prof.batch_sizes
             self._caps[m] = (bs[0], bs[-1] if max_batch is None else min(bs[-1], max_batch))
+        # (model, GPU%) -> {batch size: predicted ms}; emptied when that pair's correction changes.
+        self._pred_tabs: dict[tuple[str, int], dict[int, float]] = {}
+        self._kinfo: dict[str, _KeyInfo] = {}
+        for g in range(num_gpus):
+            for i, a in enumerate(self._apps_on[g]):
+                for j, st in enumerate(a.stages):
+                    k = a.key(st.name)
+                    self._kinfo[k] = _KeyInfo(k, a, st, self._ikey[k], g, i, j == 0, tuple(self._succ[(a.name, st.name)]),
+                                              *self._caps[st.model], self._pred_tab(st.model, st.gpu_pct))
+        self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
+                                                for g in range(num_gpus)]
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -221,6 +266,19 @@ class Scheduler(ABC):
         """Predicted latency: profile latency (``stat``) times the learned correction."""
         return self._base_ms(model, batch_size, gpu_pct) * self._correction.get((model, gpu_pct), 1.0)
 
+    def _pred_tab(self, model: str, gpu_pct: int) -> dict[int, float]:
+        tab = self._pred_tabs.get((model, gpu_pct))
+        if tab is None:
+            tab = self._pred_tabs[(model, gpu_pct)] = {}
+        return tab
+
+    def _pred(self, tab: dict[int, float], model: str, batch_size: int, gpu_pct: int) -> float:
+        """``predict_ms(model, batch_size, gpu_pct)`` through ``tab``, that pair's ``_pred_tab``."""
+        v = tab.get(batch_size)
+        if v is None:
+            v = tab[batch_size] = self.predict_ms(model, batch_size, gpu_pct)
+        return v
+
     def _base_ms(self, model: str, batch_size: int, gpu_pct: int) -> float:
         k = (model, batch_size, gpu_pct)
         base = self._base_cache.get(k)
@@ -258,9 +316,14 @@ class Scheduler(ABC):
         A caller may skip ``plan`` after an arrival at ``key`` when this is False: the completion that
         frees the instance or the GPU% triggers ``plan`` anyway. Raises ValueError for an unknown key.
         """
-        if key not in self._stage_of:
-            raise ValueError(f"unknown queue key {key!r}")
+        self._info_of(key)
         return True
+
+    def _info_of(self, key: str) -> _KeyInfo:
+        info = self._kinfo.get(key)
+        if info is None:
+            raise ValueError(f"unknown queue key {key!r}")
+        return info
 
     def stage_deadlines_ms(self) -> dict[str, float]:
         """Each stage's share of its app's deadline (given, or split by ``App.with_deadline_split``)."""
@@ -277,23 +340,32 @@ class Scheduler(ABC):
         """
         if not measured_ms >= 0:
             raise ValueError(f"measured_ms must be >= 0, got {measured_ms}")
-        gs = self.gpus[dispatch.gpu] if 0 <= dispatch.gpu < self.num_gpus else None
-        if gs is None or dispatch.id not in gs.running:
-            raise ValueError(f"dispatch {dispatch.id} ({dispatch.key}) is not running on this scheduler")
-        del gs.running[dispatch.id]
+        gpu = dispatch.gpu
+        gs = self.gpus[gpu] if 0 <= gpu < self.num_gpus else None
+        did = dispatch.id
+        if gs is None or gs.running.pop(did, None) is None:
+            raise ValueError(f"dispatch {did} ({dispatch.key}) is not running on this scheduler")
         gs.pct -= dispatch.gpu_pct
         gs.busy.discard(self._ikey[dispatch.key])
-        base = self._base_ms(dispatch.model, dispatch.batch_size, dispatch.gpu_pct)
-        if base > 0 and self.learn_rate > 0:
-            ratio = min(10.0, max(0.1, measured_ms / base))
-            k = (dispatch.model, dispatch.gpu_pct)
-            old = self._correction.get(k, 1.0)
-            new = (1 - self.learn_rate) * old + self.learn_rate * ratio
-            if new != old:
-                self._correction[k] = new
-                self._chain_cache.clear()
+        lr = self.learn_rate
+        if lr > 0:
+            model, pct = dispatch.model, dispatch.gpu_pct
+            base = self._base_cache.get((model, dispatch.batch_size, pct))
+            if base is None:
+                base = self._base_ms(model, dispatch.batch_size, pct)
+            if base > 0:
+                ratio = min(10.0, max(0.1, measured_ms / base))
+                k = (model, pct)
+                old = self._correction.get(k, 1.0)
+                new = (1 - lr) * old + lr * ratio
+                if new != old:
+                    self._correction[k] = new
+                    self._chain_cache.clear()
+                    tab = self._pred_tabs.get(k)
+                    if tab:
+                        tab.clear()
         for r in gs.reservations:
-            if r.upstream == dispatch.id:
+            if r.upstream == did:
                 r.ready = True
 
     def aborted(self, dispatch: Dispatch) -> None:
@@ -325,6 +397,18 @@ class Scheduler(ABC):
             gs.busy.add(self._ikey[d.key])
         return d
 
+    def _dispatch(self, info: _KeyInfo, gpu: int, pct: int, batch: int, now: float, predicted: float) -> Dispatch:
+        """``_new_dispatch`` of a run of ``info``'s stage."""
+        d = Dispatch._make(next(self._ids), info.app_name, info.stage, info.model, gpu, pct, batch, now, predicted,
+                           "run", info.key)
+        gs = self.gpus[gpu]
+        if gs.pct + pct > 100:
+            raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.pct} + {pct})")
+        gs.running[d.id] = d
+        gs.pct += pct
+        gs.busy.add(info.ikey)
+        return d
+
     def _stage_pct(self, app: App, stage: str) -> int:
         return self._stage_obj[(app.name, stage)].gpu_pct
 
@@ -340,11 +424,16 @@ class Scheduler(ABC):
     def _rejects(self, now: float, queues: Mapping[str, Sequence[float]], consumed: dict[str, int],
                  gpus: list[int], *, sequential: bool) -> list[Dispatch]:
         out: list[Dispatch] = []
+        chains = self._chain_cache
         for g in gpus:
-            for _, app, stage, key, _ in self._keys_on[g]:
+            for info in self._kinfo_on[g]:
+                key = info.key
                 q = queues.get(key)
                 if q:
-                    d = self._reject_head(now, q, app, stage, key, consumed, sequential)
+                    chain = chains.get(key)
+                    if chain is not None and q[0] >= now + chain - _EPS:
+                        continue  # _reject_head's own first test: nothing to reject
+                    d = self._reject_head(now, q, info.app, info.stage, key, consumed, sequential)
                     if d is not None:
                         out.append(d)
         return out
@@ -382,13 +471,14 @@ class SpatioTemporalScheduler(Scheduler):
         self._round = -1
         self._launched: set[str] = set()
         self._route_frac: dict[str, float] = {}
+        # GPUs with an app of more than one stage: launches reserve later slots there and nowhere else.
+        self._chain_gpus = [g for g in range(num_gpus) if any(len(a.stages) > 1 for a in self._apps_on[g])]
 
     def can_start(self, key: str) -> bool:
         """False when ``key``'s instance is running or its GPU% is not free now (see ``Scheduler``)."""
-        super().can_start(key)
-        app, stage = self._stage_of[key]
-        gs = self.gpus[self.placement[app.name]]
-        return gs.pct + self._stage_obj[(app.name, stage)].gpu_pct <= 100 and not self._key_busy(gs, key)
+        info = self._info_of(key)
+        gs = self.gpus[info.gpu]
+        return gs.pct + info.pct <= 100 and info.ikey not in gs.busy
 
     def route_fraction(self, key: str) -> float:
         """Learned fraction of a predecessor's batch that reaches stage ``key`` (1.0 until observed)."""
@@ -402,8 +492,9 @@ class SpatioTemporalScheduler(Scheduler):
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """The next round start, or an earlier start of a ready reservation still waiting for its slot."""
         nxt = (math.floor(now_ms / self.round_ms + _EPS) + 1) * self.round_ms
-        for gs in self.gpus:
-            for r in gs.reservations:
+        gpus = self.gpus
+        for g in self._chain_gpus:  # only these ever hold reservations
+            for r in gpus[g].reservations:
                 if r.ready and now_ms < r.start < nxt:
                     nxt = r.start
         return nxt
@@ -419,37 +510,46 @@ class SpatioTemporalScheduler(Scheduler):
             glist = list(range(self.num_gpus))  # a new round concerns every GPU
         consumed: dict[str, int] = {}
         out: list[Dispatch] = []
+        chains = self._chain_cache
+        launched = self._launched
         for g in glist:
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
-            waiting: list[tuple[float, int, App, str, str, bool]] = []
-            for i, app, stage, key, is_entry in self._keys_on[g]:
+            waiting: list[tuple[float, int, _KeyInfo]] = []
+            for info in self._kinfo_on[g]:
+                key = info.key
                 q = queues.get(key)
                 if not q:
                     continue
-                rej = self._reject_head(now_ms, q, app, stage, key, consumed, False)
+                chain = chains.get(key)
+                if chain is not None and q[0] >= now_ms + chain - _EPS:
+                    waiting.append((q[0], info.index, info))  # nothing to reject (_reject_head's own test)
+                    continue
+                rej = self._reject_head(now_ms, q, info.app, info.stage, key, consumed, False)
                 if rej is not None:
                     out.append(rej)
                 c = consumed.get(key, 0)
                 if len(q) > c:
-                    waiting.append((q[c], i, app, stage, key, is_entry))
+                    waiting.append((q[c], info.index, info))
             if gs.reservations:
                 out += self._start_reservations(g, gs, now_ms, queues, consumed)
             if gs.pct >= 100 or not waiting:
                 continue
-            waiting.sort(key=lambda w: (w[0], w[1]))  # earliest deadline first, then app order
+            if len(waiting) > 1:
+                waiting.sort(key=_deadline_then_app)  # earliest deadline first, then app order (stable)
             reserved = {r.key for r in gs.reservations}
             # First the apps that have not launched in this round (their entry stage), then anything.
             for first_pass in (True, False):
-                for _, _, app, stage, key, is_entry in waiting:
-                    if first_pass and (not is_entry or app.name in self._launched):
+                for _, _, info in waiting:
+                    if first_pass and (not info.is_entry or info.app_name in launched):
                         continue
-                    if key in reserved or self._key_busy(gs, key) or len(queues[key]) <= consumed.get(key, 0):
+                    key = info.key
+                    if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
                         continue
-                    d = self._try_launch(g, app, stage, now_ms, queues, consumed)
+                    d = self._try_launch(g, info, now_ms, queues, consumed)
                     if d is not None:
                         out.append(d)
-                        self._launched.add(app.name)
+                        launched.add(info.app_name)
                         reserved = {r.key for r in gs.reservations}
         return out
 
@@ -471,22 +571,23 @@ class SpatioTemporalScheduler(Scheduler):
             if avail <= 0:
                 gs.reservations.remove(r)  # the predecessor routed nothing here
                 continue
-            if self._key_busy(gs, r.key):
+            info = self._kinfo[r.key]
+            if info.ikey in gs.busy:
                 continue
-            app, stage = self._stage_of[r.key]
-            s = self._stage_obj[(app.name, stage)]
-            batch = min(avail, self._batch_cap(s.model))
-            while batch > r.batch_size and now + self.predict_ms(s.model, batch, r.pct) > q[c] + _EPS:
+            model = info.model
+            tab = info.pred if r.pct == info.pct else self._pred_tab(model, r.pct)
+            batch = min(avail, info.cap)
+            while batch > r.batch_size and now + self._pred(tab, model, batch, r.pct) > q[c] + _EPS:
                 batch -= 1
-            pred = self.predict_ms(s.model, batch, r.pct)
-            ivs = self._intervals(gs, now, exclude=r)
-            if now + _EPS < r.start and not _fits(ivs, r.pct, now, now + pred, self._ikey[r.key]):
+            pred = self._pred(tab, model, batch, r.pct)
+            if now + _EPS < r.start and not _fits(self._intervals(gs, now, exclude=r), r.pct, now, now + pred,
+                                                  info.ikey):
                 continue  # early, and starting early would collide: wait for the reserved start
-            if gs.running_pct() + r.pct > 100:
+            if gs.pct + r.pct > 100:
                 continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
             gs.reservations.remove(r)
             consumed[r.key] = consumed.get(r.key, 0) + batch
-            out.append(self._new_dispatch(app, stage, g, r.pct, batch, now, pred))
+            out.append(self._dispatch(info, g, r.pct, batch, now, pred))
         return out
 
     def _key_busy(self, gs: _GpuState, key: str) -> bool:
@@ -503,34 +604,33 @@ class SpatioTemporalScheduler(Scheduler):
             ivs.append(_Interval(r.start + shift, r.end + shift, r.pct, self._ikey[r.key]))
         return ivs
 
-    def _try_launch(self, g: int, app: App, stage: str, now: float, queues: Mapping[str, Sequence[float]],
+    def _try_launch(self, g: int, info: _KeyInfo, now: float, queues: Mapping[str, Sequence[float]],
                     consumed: dict[str, int]) -> Dispatch | None:
         gs = self.gpus[g]
-        key = app.key(stage)
-        s = self._stage_obj[(app.name, stage)]
-        if gs.running_pct() + s.gpu_pct > 100 or self._key_busy(gs, key):
+        pct = info.pct
+        if gs.pct + pct > 100 or info.ikey in gs.busy:
             return None
+        key = info.key
         q = queues.get(key, ())
         c = consumed.get(key, 0)
-        avail = len(q) - c
-        lo, hi = self._min_batch(s.model), min(avail, self._batch_cap(s.model))
+        lo, hi = info.lo, min(len(q) - c, info.cap)
         if hi < lo:
             return None
         deadline = q[c]
-        if not gs.reservations and not self._succ[(app.name, stage)]:
+        if not gs.reservations and not info.succ:
             # Fast path, same answer: nothing is reserved ahead and the running slices only end, so
             # a stage that fits now fits throughout; only the deadline bounds the batch.
-            b = self._largest_within(s.model, s.gpu_pct, lo, hi, deadline - now)
+            b = self._largest_within(info, lo, hi, deadline - now)
             if not b:
                 return None
             consumed[key] = c + b
-            return self._new_dispatch(app, stage, g, s.gpu_pct, b, now, self.predict_ms(s.model, b, s.gpu_pct))
+            return self._dispatch(info, g, pct, b, now, info.pred[b])
         ivs = self._intervals(gs, now)
         best: tuple[int, list[_Reservation], float] | None = None
         # Binary search for the largest batch whose chain fits; every candidate is checked in full.
         while lo <= hi:
             mid = (lo + hi) // 2
-            placed = self._place_chain(ivs, app, stage, mid, now, deadline, g)
+            placed = self._place_chain(ivs, info.app, info.stage, mid, now, deadline, g)
             if placed is None:
                 hi = mid - 1
             else:
@@ -540,18 +640,25 @@ class SpatioTemporalScheduler(Scheduler):
             return None
         batch, reservations, pred = best
         consumed[key] = c + batch
-        d = self._new_dispatch(app, stage, g, s.gpu_pct, batch, now, pred)
+        d = self._dispatch(info, g, pct, batch, now, pred)
         for r in reservations:
             r.upstream = d.id
             r.upstream_batch = batch
         gs.reservations.extend(reservations)
         return d
 
-    def _largest_within(self, model: str, pct: int, lo: int, hi: int, budget_ms: float) -> int:
+    def _largest_within(self, info: _KeyInfo, lo: int, hi: int, budget_ms: float) -> int:
+        """The largest batch in [lo, hi] predicted to take at most ``budget_ms`` at the stage's GPU%
+        (binary search, as if the prediction grows with the batch), or 0."""
         best = 0
+        tab, model, pct = info.pred, info.model, info.pct
+        limit = budget_ms + _EPS
         while lo <= hi:
             mid = (lo + hi) // 2
-            if self.predict_ms(model, mid, pct) <= budget_ms + _EPS:
+            p = tab.get(mid)
+            if p is None:
+                p = self._pred(tab, model, mid, pct)
+            if p <= limit:
                 best, lo = mid, mid + 1
             else:
                 hi = mid - 1
@@ -583,6 +690,10 @@ class SpatioTemporalScheduler(Scheduler):
             res.append(_Reservation(key, app.name, name, g, ns.gpu_pct, nb, start, start + dur, upstream=0))
             frontier.extend((n, start + dur) for n in self._succ[(app.name, name)])
         return res, pred
+
+
+def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
+    return w[0], w[1]
 
 
 def _occupancy(ivs: list[_Interval], t: float) -> int:
