@@ -206,6 +206,7 @@ class Scheduler(ABC):
             [(i, a, s.name, a.key(s.name), j == 0) for i, a in enumerate(self._apps_on[g])
              for j, s in enumerate(a.stages)] for g in range(num_gpus)]
         self._chain_cache: dict[str, float] = {}
+        self._chain_by_batch: dict[tuple[str, int], float] = {}  # TemporalScheduler's chain times
         self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
                                                         for a in apps for st in a.stages}
         self._stage_obj: dict[tuple[str, str], Stage] = {(a.name, st.name): st for a in apps for st in a.stages}
@@ -361,6 +362,7 @@ class Scheduler(ABC):
                 if new != old:
                     self._correction[k] = new
                     self._chain_cache.clear()
+                    self._chain_by_batch.clear()
                     tab = self._pred_tabs.get(k)
                     if tab:
                         tab.clear()
@@ -590,9 +592,6 @@ class SpatioTemporalScheduler(Scheduler):
             out.append(self._dispatch(info, g, r.pct, batch, now, pred))
         return out
 
-    def _key_busy(self, gs: _GpuState, key: str) -> bool:
-        return self._ikey[key] in gs.busy
-
     def _intervals(self, gs: _GpuState, now: float, exclude: _Reservation | None = None) -> list[_Interval]:
         ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, self._ikey[d.key])
                for d in gs.running.values()]
@@ -734,14 +733,16 @@ class TemporalScheduler(Scheduler):
                                      f"stops at {self.profiles[s.model].gpu_pcts[-1]}%")
         self._turn = [0] * self.num_gpus
         self._order = self._apps_on
+        self._entries_on = [[self._kinfo[a.key(a.entry.name)] for a in order] for order in self._order]
+        self._later_on = [[info for info in infos if not info.is_entry] for infos in self._kinfo_on]
+        self._tab100 = {k: self._pred_tab(info.model, 100) for k, info in self._kinfo.items()}
 
     def _stage_pct(self, app: App, stage: str) -> int:
         return 100
 
     def can_start(self, key: str) -> bool:
         """False while ``key``'s GPU runs anything (exclusive access; see ``Scheduler``)."""
-        super().can_start(key)
-        return not self.gpus[self.placement[self._stage_of[key][0].name]].running
+        return not self.gpus[self._info_of(key).gpu].running
 
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
@@ -760,49 +761,52 @@ class TemporalScheduler(Scheduler):
 
     def _next(self, g: int, now: float, queues: Mapping[str, Sequence[float]],
               consumed: dict[str, int]) -> Dispatch | None:
-        order = self._order[g]
         # Later stages of DAG apps first: a started request finishes before another app's turn.
-        for app in order:
-            for s in app.stages[1:]:
-                d = self._launch(g, app, s.name, now, queues, consumed)
-                if d is not None:
-                    return d
-        n = len(order)
-        for i in range(n):
-            app = order[(self._turn[g] + i) % n]
-            d = self._launch(g, app, app.entry.name, now, queues, consumed)
+        for info in self._later_on[g]:
+            d = self._launch(g, info, now, queues, consumed)
             if d is not None:
-                self._turn[g] = (self._turn[g] + i + 1) % n
+                return d
+        entries = self._entries_on[g]
+        n = len(entries)
+        turn = self._turn[g]
+        for i in range(n):
+            d = self._launch(g, entries[(turn + i) % n], now, queues, consumed)
+            if d is not None:
+                self._turn[g] = (turn + i + 1) % n
                 return d
         return None
 
-    def _chain_ms(self, app: App, stage: str, batch: int) -> float:
-        s = self._stage_obj[(app.name, stage)]
-        own = self.predict_ms(s.model, min(batch, self._batch_cap(s.model)), 100)
-        return own + sum(self._chain_ms(app, n, batch) for n in app.successors(stage))
+    def _chain_ms(self, info: _KeyInfo, batch: int) -> float:
+        """Predicted sequential time of ``info``'s stage and every stage after it, all at ``batch``."""
+        k = (info.key, batch)
+        v = self._chain_by_batch.get(k)
+        if v is None:
+            own = self._pred(self._tab100[info.key], info.model, min(batch, info.cap), 100)
+            v = self._chain_by_batch[k] = own + sum(self._chain_ms(self._kinfo[info.app.key(n)], batch)
+                                                    for n in info.succ)
+        return v
 
-    def _launch(self, g: int, app: App, stage: str, now: float, queues: Mapping[str, Sequence[float]],
+    def _launch(self, g: int, info: _KeyInfo, now: float, queues: Mapping[str, Sequence[float]],
                 consumed: dict[str, int]) -> Dispatch | None:
-        key = app.key(stage)
+        key = info.key
         q = queues.get(key, ())
         c = consumed.get(key, 0)
-        s = self._stage_obj[(app.name, stage)]
-        hi = min(len(q) - c, self._batch_cap(s.model))
-        lo = self._min_batch(s.model)
+        hi = min(len(q) - c, info.cap)
+        lo = info.lo
         if hi < lo:
             return None
-        deadline = q[c]
+        limit = q[c] + _EPS
         best = 0
         while lo <= hi:
             mid = (lo + hi) // 2
-            if now + self._chain_ms(app, stage, mid) <= deadline + _EPS:
+            if now + self._chain_ms(info, mid) <= limit:
                 best, lo = mid, mid + 1
             else:
                 hi = mid - 1
         if not best:
             return None
         consumed[key] = c + best
-        return self._new_dispatch(app, stage, g, 100, best, now, self.predict_ms(s.model, best, 100))
+        return self._dispatch(info, g, 100, best, now, self._pred(self._tab100[key], info.model, best, 100))
 
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
