@@ -101,12 +101,8 @@ class Dispatch:
         return d
 
 
-@dataclass
-class _Interval:
-    start: float
-    end: float
-    pct: int
-    key: str
+# A busy stretch of a GPU: (start ms, end ms, GPU%, instance key).
+_Interval = tuple[float, float, int, str]
 
 
 @dataclass
@@ -140,8 +136,8 @@ class _GpuState:
 class _KeyInfo:
     """What the schedulers look up about one stage queue key, gathered once."""
 
-    __slots__ = ("app", "app_name", "cap", "gpu", "ikey", "index", "is_entry", "key", "lo", "model", "pct", "pred",
-                 "stage", "succ")
+    __slots__ = ("app", "app_name", "cap", "gpu", "ikey", "index", "is_entry", "key", "lo", "model", "nexts", "pct",
+                 "pred", "stage", "succ")
 
     def __init__(self, key: str, app: App, stage: Stage, ikey: str, gpu: int, index: int, is_entry: bool,
                  succ: tuple[str, ...], lo: int, cap: int, pred: dict[int, float]) -> None:
@@ -159,6 +155,7 @@ class _KeyInfo:
         self.lo = lo  # smallest and largest batch the profile (and max_batch) allow
         self.cap = cap
         self.pred = pred  # batch size -> predicted ms at the stage's own GPU% (see Scheduler._pred)
+        self.nexts: tuple[_KeyInfo, ...] = ()  # the infos of ``succ``, filled in once all exist
 
 
 class Scheduler(ABC):
@@ -223,6 +220,8 @@ class Scheduler(ABC):
                     k = a.key(st.name)
                     self._kinfo[k] = _KeyInfo(k, a, st, self._ikey[k], g, i, j == 0, tuple(self._succ[(a.name, st.name)]),
                                               *self._caps[st.model], self._pred_tab(st.model, st.gpu_pct))
+        for info in self._kinfo.values():
+            info.nexts = tuple(self._kinfo[info.app.key(n)] for n in info.succ)
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
                                                 for g in range(num_gpus)]
 
@@ -310,6 +309,12 @@ class Scheduler(ABC):
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """When ``plan`` wants to run again even without a completion or arrival; None if never."""
         return None
+
+    def _quiet(self, now_ms: float, gpu: int) -> bool:
+        """True when ``plan(now_ms, queues, [gpu])`` with every queue of ``gpu`` empty would return
+        nothing and change nothing, and ``next_wakeup_ms(now_ms)`` would name no time it has not
+        named since the last ``plan``; a caller (the simulator) may then skip both. False: unknown."""
+        return False
 
     def can_start(self, key: str) -> bool:
         """False when no run of stage ``key`` could start now (its instance or GPU% is taken).
@@ -501,6 +506,12 @@ class SpatioTemporalScheduler(Scheduler):
                     nxt = r.start
         return nxt
 
+    def _quiet(self, now_ms: float, gpu: int) -> bool:
+        # Still the last plan's round and nothing reserved on the GPU: with its queues empty, plan
+        # has nothing to reject, start or launch there, and the wakeups stay what they were (the
+        # ready reservations they depend on change only in plans and completions of their own GPU).
+        return not self.gpus[gpu].reservations and math.floor(now_ms / self.round_ms + _EPS) == self._round
+
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
@@ -593,14 +604,16 @@ class SpatioTemporalScheduler(Scheduler):
         return out
 
     def _intervals(self, gs: _GpuState, now: float, exclude: _Reservation | None = None) -> list[_Interval]:
-        ivs = [_Interval(d.start_ms, max(d.predicted_end_ms, now + _EPS), d.gpu_pct, self._ikey[d.key])
+        ikey = self._ikey
+        soonest = now + _EPS
+        ivs = [(d.start_ms, max(d.start_ms + d.predicted_ms, soonest), d.gpu_pct, ikey[d.key])
                for d in gs.running.values()]
         for r in gs.reservations:
             if r is exclude:
                 continue
             # A slot whose start has passed without starting still needs its full length from now.
             shift = max(0.0, now - r.start)
-            ivs.append(_Interval(r.start + shift, r.end + shift, r.pct, self._ikey[r.key]))
+            ivs.append((r.start + shift, r.end + shift, r.pct, ikey[r.key]))
         return ivs
 
     def _try_launch(self, g: int, info: _KeyInfo, now: float, queues: Mapping[str, Sequence[float]],
@@ -629,7 +642,7 @@ class SpatioTemporalScheduler(Scheduler):
         # Binary search for the largest batch whose chain fits; every candidate is checked in full.
         while lo <= hi:
             mid = (lo + hi) // 2
-            placed = self._place_chain(ivs, info.app, info.stage, mid, now, deadline, g)
+            placed = self._place_chain(ivs, info, mid, now, deadline, g)
             if placed is None:
                 hi = mid - 1
             else:
@@ -663,31 +676,29 @@ class SpatioTemporalScheduler(Scheduler):
                 hi = mid - 1
         return best
 
-    def _place_chain(self, ivs: list[_Interval], app: App, stage: str, batch: int, now: float,
+    def _place_chain(self, ivs: list[_Interval], info: _KeyInfo, batch: int, now: float,
                      deadline: float, g: int) -> tuple[list[_Reservation], float] | None:
-        s = self._stage_obj[(app.name, stage)]
-        pred = self.predict_ms(s.model, batch, s.gpu_pct)
-        ikey = self._ikey[app.key(stage)]
-        if now + pred > deadline + _EPS or not _fits(ivs, s.gpu_pct, now, now + pred, ikey):
+        pct = info.pct
+        pred = self._pred(info.pred, info.model, batch, pct)
+        if now + pred > deadline + _EPS or not _fits(ivs, pct, now, now + pred, info.ikey):
             return None
         work = list(ivs)
-        work.append(_Interval(now, now + pred, s.gpu_pct, ikey))
+        work.append((now, now + pred, pct, info.ikey))
         res: list[_Reservation] = []
-        frontier = [(n, now + pred) for n in self._succ[(app.name, stage)]]
+        frontier = [(n, now + pred) for n in info.nexts]
+        limit = deadline + _EPS
         while frontier:
-            name, not_before = frontier.pop(0)
-            ns = self._stage_obj[(app.name, name)]
-            key = app.key(name)
-            nb = min(self._branch_batch(key, batch), self._batch_cap(ns.model))
-            if nb < self._min_batch(ns.model):
+            ni, not_before = frontier.pop(0)
+            nb = min(self._branch_batch(ni.key, batch), ni.cap)
+            if nb < ni.lo:
                 return None
-            dur = self.predict_ms(ns.model, nb, ns.gpu_pct)
-            start = _earliest_fit(work, ns.gpu_pct, dur, not_before, self._ikey[key])
-            if start + dur > deadline + _EPS:
+            dur = self._pred(ni.pred, ni.model, nb, ni.pct)
+            start = _earliest_fit(work, ni.pct, dur, not_before, ni.ikey)
+            if start + dur > limit:
                 return None
-            work.append(_Interval(start, start + dur, ns.gpu_pct, self._ikey[key]))
-            res.append(_Reservation(key, app.name, name, g, ns.gpu_pct, nb, start, start + dur, upstream=0))
-            frontier.extend((n, start + dur) for n in self._succ[(app.name, name)])
+            work.append((start, start + dur, ni.pct, ni.ikey))
+            res.append(_Reservation(ni.key, ni.app_name, ni.stage, g, ni.pct, nb, start, start + dur, upstream=0))
+            frontier.extend((n, start + dur) for n in ni.nexts)
         return res, pred
 
 
@@ -696,24 +707,37 @@ def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
 
 
 def _occupancy(ivs: list[_Interval], t: float) -> int:
-    return sum(iv.pct for iv in ivs if iv.start <= t + _EPS and t < iv.end - _EPS)
+    """GPU% of ``ivs`` busy at ``t``."""
+    upto = t + _EPS
+    occ = 0
+    for start, end, pct, _ in ivs:
+        if start <= upto and t < end - _EPS:
+            occ += pct
+    return occ
 
 
 def _fits(ivs: list[_Interval], pct: int, start: float, end: float, key: str) -> bool:
     """True if ``pct`` more fits on top of ``ivs`` throughout [start, end) and ``key`` is not busy then."""
-    points = [start] + [iv.start for iv in ivs if start < iv.start < end - _EPS]
-    for iv in ivs:
-        if iv.key == key and iv.start < end - _EPS and start < iv.end - _EPS:
+    before = end - _EPS
+    for s, e, _, k in ivs:
+        if k == key and s < before and start < e - _EPS:
             return False
-    return all(_occupancy(ivs, t) + pct <= 100 for t in points)
+    room = 100 - pct
+    if _occupancy(ivs, start) > room:
+        return False
+    for s, _, _, _ in ivs:  # noqa: SIM110 - a plain loop: all() over a generator costs more here
+        if start < s < before and _occupancy(ivs, s) > room:
+            return False
+    return True
 
 
 def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float, key: str) -> float:
     """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
-    for t in sorted({not_before, *(iv.end for iv in ivs if iv.end > not_before)}):
+    ends = [e for _, e, _, _ in ivs]
+    for t in sorted({not_before, *(e for e in ends if e > not_before)}):
         if _fits(ivs, pct, t, t + dur, key):
             return t
-    return max([not_before, *(iv.end for iv in ivs)])
+    return max([not_before, *ends])
 
 
 class TemporalScheduler(Scheduler):
@@ -739,6 +763,9 @@ class TemporalScheduler(Scheduler):
 
     def _stage_pct(self, app: App, stage: str) -> int:
         return 100
+
+    def _quiet(self, now_ms: float, gpu: int) -> bool:
+        return True  # no queued work on the GPU: no reject, no turn; and no wakeups ever
 
     def can_start(self, key: str) -> bool:
         """False while ``key``'s GPU runs anything (exclusive access; see ``Scheduler``)."""

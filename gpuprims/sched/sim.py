@@ -19,6 +19,7 @@ Every result dict carries ``"simulated": True``. Requests are counted when they 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -171,13 +172,20 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     profiles: Mapping[str, Profile] = scheduler.profiles
     apps = [w.app for w in workloads]
     queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
-    placement = scheduler.placement
+    ikey = {k: scheduler.instance_key(k) for k in queues}
     entry_keys = [w.app.key(w.app.entry.name) for w in workloads]
+    entry_queues = [queues[k] for k in entry_keys]
+    entry_gpus = [scheduler.placement[w.app.name] for w in workloads]
     entry_key_set = set(entry_keys)
+    gpu_queues: list[list[deque[float]]] = [[] for _ in range(scheduler.num_gpus)]
+    for a in apps:
+        gpu_queues[scheduler.placement[a.name]] += [queues[a.key(s.name)] for s in a.stages]
+    quiet = scheduler._quiet
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
-    routes: dict[str, tuple[list[str | None], np.ndarray]] = {}  # key -> (next stages, cumulative probs)
+    # key -> (the queue each label leads to, None where the request ends; cumulative probabilities)
+    routes: dict[str, tuple[list[deque[float] | None], list[float]]] = {}
     for w in workloads:
         for s in w.app.stages:
             if not s.routes:
@@ -189,19 +197,33 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             p.append(max(0.0, 1.0 - sum(p)))
             cum = np.cumsum(np.asarray(p) / sum(p))
             cum[-1] = 1.0
-            routes[w.app.key(s.name)] = (labels, cum)
+            routes[w.app.key(s.name)] = ([None if lb is None else queues[w.app.key(lb)] for lb in labels],
+                                         cum.tolist())
+    # Routing draws, in the order the completions ask for them. Without jitter nothing else draws after
+    # the arrivals, so the same uniforms come from the stream in blocks; with jitter the normal draws
+    # interleave with them and each completion draws its own.
+    block: list[float] = []
+    used = 0
 
-    arrivals: list[list[float]] = [w.arrival.times_ms(duration_ms, rng).tolist() for w in workloads]
-    next_idx = [0] * len(workloads)
-    last_arrival = max((a[-1] for a in arrivals if a), default=0.0)
-    heap: list[tuple[float, int, int, Any]] = []  # (time, kind, seq, data); kind 0 completion, 1 arrival, 2 wake
+    # Every app's arrivals merged in time order; requests of one app join its entry queue in order.
+    times = [w.arrival.times_ms(duration_ms, rng) for w in workloads]
+    for a, tm in zip(apps, times):
+        stats[a.name].offered = int(np.count_nonzero((tm >= warmup_ms) & (tm < duration_ms)))
+    all_t = np.concatenate([np.empty(0), *times])
+    order = np.argsort(all_t, kind="stable")
+    arr_t: list[float] = all_t[order].tolist()
+    arr_app: list[int] = np.repeat(np.arange(len(workloads)), [len(tm) for tm in times])[order].tolist()
+    arr_dl: list[float] = (all_t + np.repeat([a.deadline_ms for a in apps], [len(tm) for tm in times]))[order].tolist()
+    n_arr = len(arr_t)
+    ai = 0
+    next_arr = arr_t[0] if n_arr else math.inf
+    last_arrival = max((tm[-1] for tm in times if len(tm)), default=0.0)
+
+    # (time, kind, seq, data): kind 0 a completion with data (dispatch, its deadlines, its time), 2 a wakeup
+    heap: list[tuple[float, int, int, Any]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
     seq = 0
-    for i, arr in enumerate(arrivals):
-        if arr:
-            heap.append((arr[0], 1, seq, i))
-            seq += 1
-    heapq.heapify(heap)
-    in_flight: dict[int, tuple[Dispatch, list[float], float]] = {}
+    in_flight = 0
     running_pct = [0] * scheduler.num_gpus
     busy_keys: set[str] = set()
     gpu_busy_pct_ms = [0.0] * scheduler.num_gpus
@@ -212,77 +234,85 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     t = 0.0
     cpu0 = time.process_time()
 
-    while heap:
-        t = heap[0][0]
+    while heap or ai < n_arr:
+        t = heap[0][0] if heap else next_arr
+        if next_arr < t:
+            t = next_arr
         if t > end_ms:
             break
+        limit = t + _EPS
         need_plan = False
         touched: set[int] | None = set()  # GPUs whose queues or runs changed; None: all of them
-        while heap and heap[0][0] <= t + _EPS:
-            _, kind, _, data = heapq.heappop(heap)
-            if kind == 0:
-                d, dls, measured = in_flight.pop(data)
-                running_pct[d.gpu] -= d.gpu_pct
-                busy_keys.discard(scheduler.instance_key(d.key))
-                scheduler.completed(d, measured)
-                if touched is not None:
-                    touched.add(d.gpu)
-                app = scheduler.apps[d.app]
-                st = stats[d.app]
-                route = routes.get(d.key)
-                if route is None:
-                    nexts: list[str | None] = [None] * len(dls)
-                else:
-                    labels, p = route
-                    nexts = [labels[k] for k in np.searchsorted(p, rng.random(len(dls)), side="right").tolist()]
-                for dl, nxt in zip(dls, nexts):
-                    if nxt is not None:
-                        queues[app.key(nxt)].append(dl)
-                        continue
-                    arrival = dl - deadline_of[d.app]
-                    if warmup_ms <= arrival < duration_ms:
-                        st.latencies.append(t - arrival)
-                        if t <= dl + _EPS:
-                            st.met += 1
-                        else:
-                            st.late += 1
-                need_plan = True
-            elif kind == 1:
-                i = data
-                arr = arrivals[i]
-                a = workloads[i].app
-                entry_key = entry_keys[i]
-                q = queues[entry_key]
-                if not q and scheduler.can_start(entry_key):
-                    need_plan = True
-                    if touched is not None:
-                        touched.add(placement[a.name])
-                k = next_idx[i]
-                dl_ms = a.deadline_ms
-                st = stats[a.name]
-                n_arr = len(arr)
-                while k < n_arr and arr[k] <= t + _EPS:
-                    at = arr[k]
-                    q.append(at + dl_ms)
-                    if warmup_ms <= at < duration_ms:
-                        st.offered += 1
-                    k += 1
-                next_idx[i] = k
-                if k < n_arr:
-                    heapq.heappush(heap, (arr[k], 1, seq, i))
-                    seq += 1
-            else:
+        while heap and heap[0][0] <= limit:
+            _, kind, _, data = heappop(heap)
+            if kind == 2:
                 wakes.discard(data)
                 need_plan = True
                 touched = None
+                continue
+            d, dls, measured = data
+            in_flight -= 1
+            running_pct[d.gpu] -= d.gpu_pct
+            busy_keys.discard(ikey[d.key])
+            scheduler.completed(d, measured)
+            need_plan = True
+            if touched is not None:
+                touched.add(d.gpu)
+            route = routes.get(d.key)
+            nexts: list[deque[float] | None]
+            if route is None:
+                nexts = [None] * len(dls)
+            else:
+                to, p = route
+                if jitter_sigma > 0:
+                    us = rng.random(len(dls)).tolist()
+                else:
+                    if used + len(dls) > len(block):
+                        block = block[used:] + rng.random(max(4096, len(dls))).tolist()
+                        used = 0
+                    us = block[used:used + len(dls)]
+                    used += len(dls)
+                nexts = [to[bisect.bisect_right(p, u)] for u in us]
+            dl_app = deadline_of[d.app]
+            st = stats[d.app]
+            for dl, nxt in zip(dls, nexts):
+                if nxt is not None:
+                    nxt.append(dl)
+                    continue
+                arrival = dl - dl_app
+                if warmup_ms <= arrival < duration_ms:
+                    st.latencies.append(t - arrival)
+                    if t <= dl + _EPS:
+                        st.met += 1
+                    else:
+                        st.late += 1
+        while next_arr <= limit:
+            i = arr_app[ai]
+            q = entry_queues[i]
+            # A plan is due anyway once its GPU is touched; else only if the request could start now.
+            if not q and touched is not None and entry_gpus[i] not in touched and scheduler.can_start(entry_keys[i]):
+                need_plan = True
+                touched.add(entry_gpus[i])
+            q.append(arr_dl[ai])
+            ai += 1
+            next_arr = arr_t[ai] if ai < n_arr else math.inf
         if not need_plan:
             continue
+        if touched is not None:
+            # Skip the plan where it would do nothing and the wakeup would not change (Scheduler._quiet).
+            for g in touched:
+                if any(gpu_queues[g]) or not quiet(t, g):
+                    break
+            else:
+                continue
         plans += 1
         for d in scheduler.plan(t, queues, touched):
-            q = queues[d.key]
-            if d.batch_size < 1 or d.batch_size > len(q):
-                raise RuntimeError(f"scheduler dispatched {d.batch_size} from {d.key} holding {len(q)}")
-            dls = [q.popleft() for _ in range(d.batch_size)]
+            key = d.key
+            q = queues[key]
+            b = d.batch_size
+            if b < 1 or b > len(q):
+                raise RuntimeError(f"scheduler dispatched {b} from {key} holding {len(q)}")
+            dls = [q.popleft() for _ in range(b)]
             if d.action == "reject":
                 dl_app = deadline_of[d.app]
                 st = stats[d.app]
@@ -292,32 +322,33 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                 if record_dispatches:
                     trace.append(_trace_row(d, t))
                 continue
-            if running_pct[d.gpu] + d.gpu_pct > 100:
-                raise RuntimeError(f"scheduler took GPU {d.gpu} above 100% at t={t} ms "
-                                   f"({running_pct[d.gpu]} + {d.gpu_pct})")
-            if scheduler.instance_key(d.key) in busy_keys:
-                raise RuntimeError(f"scheduler started {d.key} at t={t} ms while its instance was busy")
-            running_pct[d.gpu] += d.gpu_pct
-            busy_keys.add(scheduler.instance_key(d.key))
-            lk = (d.model, d.batch_size, d.gpu_pct)
+            g, pct = d.gpu, d.gpu_pct
+            if running_pct[g] + pct > 100:
+                raise RuntimeError(f"scheduler took GPU {g} above 100% at t={t} ms ({running_pct[g]} + {pct})")
+            ik = ikey[key]
+            if ik in busy_keys:
+                raise RuntimeError(f"scheduler started {key} at t={t} ms while its instance was busy")
+            running_pct[g] += pct
+            busy_keys.add(ik)
+            lk = (d.model, b, pct)
             actual = lat_cache.get(lk)
             if actual is None:
-                actual = lat_cache[lk] = profiles[d.model].latency_ms(*lk[1:]) * scale.get(d.model, 1.0)
+                actual = lat_cache[lk] = profiles[d.model].latency_ms(b, pct) * scale.get(d.model, 1.0)
             if jitter_sigma > 0:
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
-            gpu_busy_pct_ms[d.gpu] += d.gpu_pct * actual
-            in_flight[d.id] = (d, dls, actual)
-            heapq.heappush(heap, (t + actual, 0, seq, d.id))
+            gpu_busy_pct_ms[g] += pct * actual
+            in_flight += 1
+            heappush(heap, (t + actual, 0, seq, (d, dls, actual)))
             seq += 1
-            if d.key in entry_key_set:
-                stats[d.app].entry_batches.append(d.batch_size)
+            if key in entry_key_set:
+                stats[d.app].entry_batches.append(b)
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
         w = scheduler.next_wakeup_ms(t)
-        if w is not None and w > t + _EPS and w not in wakes and (
+        if w is not None and w > limit and w not in wakes and (
                 in_flight or t < last_arrival or any(queues.values())):
             wakes.add(w)
-            heapq.heappush(heap, (w, 2, seq, w))
+            heappush(heap, (w, 2, seq, w))
             seq += 1
     ids = list(gpu_ids) if gpu_ids is not None else list(range(scheduler.num_gpus))
     if record_dispatches:
