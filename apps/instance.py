@@ -8,6 +8,13 @@ then loops: take complete requests from its queue, answer those that can no long
 with DEADLINE_MISSED, form a batch as large as the deadline allows (``gpuprims.batching``), gather the
 payloads into the batch, run the model, send each response to its client and release the slots.
 
+A *dispatched* instance (``spec.dispatched``, under the node's spatio-temporal or temporal scheduler)
+does not batch on its own: it waits for ``RunBatch`` messages, each naming a stage, a batch size and a
+GPU%, takes exactly that many requests from the front of the stage's queue (its ring for the entry
+stage; for a DAG app's later stages, the requests an earlier stage routed there, which it keeps
+holding), runs them and replies ``BatchDone`` with the model time and where the requests went. Its
+Ready carries the measured latency of every stage over ``profile_batches``.
+
 A *shadow* instance (``defer_init``) does everything CPU-side first and only loads the model when told
 ``InitGpu`` with its new GPU% (Overlapped-Execution, paper V-C). ``Finish`` tells an active instance
 to drain: it serves what is already queued, reports ``Ended`` and exits.
@@ -70,6 +77,10 @@ class InstanceSpec:
     # runs first and class i of its output continues at routes[i] (classes past the list end there).
     stages: list[dict[str, Any]] | None = None
     entry: str | None = None
+    # Scheduler-dispatched (node.scheduler spatiotemporal/temporal): serve only what RunBatch says,
+    # one stage at a time; the warm-up measures every stage at ``profile_batches`` for the scheduler.
+    dispatched: bool = False
+    profile_batches: list[int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -210,6 +221,10 @@ class Instance:
         self.exported: Any = None
         self.shared: Any = None
         self._last_beat = 0.0
+        # Dispatched mode: requests routed to a later DAG stage, held until a RunBatch for it.
+        self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
+        self.measured: dict[str, dict[str, float]] = {}  # stage -> {batch: ms}, from the warm-up
+        self._threads: int | None = None
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_compute(self, gpu_pct: int) -> None:
@@ -240,7 +255,9 @@ class Instance:
             self.model = DagModel(self.stage_models, self.routes, entry)
         else:
             self.model = self._load_single(load_model)
-        if self.spec.warmup:
+        if self.spec.dispatched:
+            self._measure_stages()  # the scheduler's starting profile, needed even without warm-up
+        elif self.spec.warmup:
             self._warm_up()
         self.initialized = True
 
@@ -274,9 +291,48 @@ class Instance:
             self.params_mode = "exported"
         return model
 
+    @property
+    def entry_stage(self) -> str:
+        """The stage whose queue is the ring: the DAG entry, or ``main`` for a one-model app."""
+        if self.spec.stages:
+            return self.spec.entry or self.spec.stages[0]["name"]
+        return "main"
+
+    def _stage_model(self, stage: str) -> Any:
+        if self.spec.stages:
+            return self.stage_models[stage]
+        if stage != "main":
+            raise KeyError(stage)
+        return self.model
+
+    def _measure_stages(self) -> None:
+        """Dispatched mode: median latency of every stage over ``profile_batches`` (the scheduler's
+        starting profile; it corrects itself from measured latencies later)."""
+        import torch
+
+        batches = sorted(set(self.spec.profile_batches or _default_profile_batches(self.spec.max_batch)))
+        stages = [st["name"] for st in self.spec.stages] if self.spec.stages else ["main"]
+        with torch.inference_mode():
+            for stage in stages:
+                model = self._stage_model(stage)
+                row: dict[str, float] = {}
+                for b in batches:
+                    x = torch.zeros((b, *self.spec.input_shape), device=self.device)
+                    model(x)
+                    times = []
+                    for _ in range(3):
+                        t = time.perf_counter()
+                        model(x)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                        times.append((time.perf_counter() - t) * 1e3)
+                    row[str(b)] = float(np.median(times))
+                self.measured[stage] = row
+
     def _warm_up(self) -> None:
         """Run batches of 1 and max_batch once to seed the latency model."""
         import torch
+
 
         sizes = sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
         with torch.inference_mode():
@@ -420,7 +476,165 @@ class Instance:
                 while self.queue:
                     self._serve_batch(min(len(self.queue), self.spec.max_batch))
                 idle_since = time.monotonic()
+        self._drain_stages()
         return self.stats.counts["ok"] + self.stats.counts["deadline_missed"] + self.stats.counts["error"] - served_before
+
+    # -- dispatched mode ----------------------------------------------------------------------------
+    def _take_from_ring(self, n: int, timeout_s: float = 0.2) -> list[tuple[int, np.ndarray]]:
+        """Exactly ``n`` requests from the ring (the scheduler saw them there), waiting briefly."""
+        got: list[tuple[int, np.ndarray]] = []
+        end = time.monotonic() + timeout_s
+        while len(got) < n:
+            recs = self.consumer.poll(n - len(got), max(0.0, (end - time.monotonic()) * 1e3))
+            if recs.size:
+                got += zip(recs.tolist(), self.pool.requests(recs))
+            elif time.monotonic() >= end:
+                log.warning("RunBatch asked for %d request(s) but only %d were queued", n, len(got))
+                break
+        self.stats.counts["received"] += len(got)
+        return got
+
+    def _set_threads(self, gpu_pct: int) -> None:
+        """CPU backend: run a stage with the threads its GPU% stands for, within the instance's cores."""
+        if self.device is None or self.device.type != "cpu":
+            return
+        import torch
+
+        cores = len(self.spec.cores) if self.spec.cores else (os.cpu_count() or 1)
+        n = max(1, min(cores, round((os.cpu_count() or 1) * gpu_pct / 100)))
+        if n != self._threads:
+            torch.set_num_threads(n)
+            self._threads = n
+
+    def run_batch(self, msg: Any) -> Any:
+        """Serve one RunBatch (see the module docstring) and return its BatchDone."""
+        import torch
+
+        from gpuprims.wire import Status
+        from orchestrator.messages import BatchDone
+
+        stage = msg.stage
+        if stage == self.entry_stage:
+            items = self._take_from_ring(msg.batch)
+        else:
+            q = self.stage_queues.get(stage)
+            if q is None:
+                try:
+                    self._stage_model(stage)
+                except KeyError:
+                    return BatchDone(instance=self.spec.name, id=msg.id, taken=0, measured_ms=0.0,
+                                     error=f"unknown stage {stage!r}")
+                q = self.stage_queues.setdefault(stage, collections.deque())
+            items = [q.popleft() for _ in range(min(msg.batch, len(q)))]
+        if not items:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=0, measured_ms=0.0)
+        recs = np.array([r for r, _ in items], np.uint32)
+        info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
+        if msg.action == "reject":
+            self.responder.send_status(info, Status.DEADLINE_MISSED)
+            self.consumer.release(recs)
+            self.stats.counts["deadline_missed"] += len(items)
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items), measured_ms=0.0)
+        bad = info["total_len"] != self.row_bytes
+        if bad.any():
+            self.responder.send_status(info[bad], Status.BAD_REQUEST)
+            self.consumer.release(recs[bad])
+            self.stats.counts["error"] += int(bad.sum())
+            recs, info = recs[~bad], info[~bad]
+            items = [it for it, b in zip(items, bad.tolist()) if not b]
+            if not items:
+                return BatchDone(instance=self.spec.name, id=msg.id, taken=int(bad.sum()), measured_ms=0.0)
+        n = recs.size
+        host = torch.empty((n, *self.spec.input_shape),
+                           dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
+        self.pool.gather(recs, host)
+        self._set_threads(msg.gpu_pct)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                x = preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
+                out = self._stage_model(stage)(x)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                targets = (self.routes.get(stage) or []) if self.spec.stages else []
+                cls = out.argmax(dim=1).cpu().numpy() if targets else None
+                logits = out.float().cpu().numpy().reshape(n, -1)
+        except Exception as e:  # the batch is answered INTERNAL; the instance carries on
+            log.error("stage %s failed on a batch of %d: %s", stage, n, e)
+            self.responder.send_status(info, Status.INTERNAL)
+            self.consumer.release(recs)
+            self.stats.counts["error"] += n
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items) + int(bad.sum()),
+                             measured_ms=(time.perf_counter() - t0) * 1e3, error=str(e))
+        model_ms = (time.perf_counter() - t0) * 1e3
+        self.stats.model_ms.append(model_ms)
+        self.stats.busy_ms += model_ms
+        routed: dict[str, list[float]] = {}
+        done = np.ones(n, dtype=bool)
+        if cls is not None:
+            for i, target in enumerate(targets):
+                sel = np.flatnonzero(cls == i)
+                if not sel.size:
+                    continue
+                done[sel] = False
+                q = self.stage_queues.setdefault(target, collections.deque())
+                for k in sel.tolist():
+                    q.append(items[k])
+                routed[target] = [self._abs_deadline_ms(info[k]) for k in sel.tolist()]
+        if done.any():
+            self._answer(recs[done], info[done], logits[done])
+        return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items) + int(bad.sum()),
+                         measured_ms=model_ms, routed=routed)
+
+    def _abs_deadline_ms(self, row: np.ndarray) -> float:
+        """A request's deadline in ms on CLOCK_MONOTONIC (the clock the scheduler plans on)."""
+        return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
+
+    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray) -> None:
+        from gpuprims.wire import Status
+
+        self.responder.send(info, Status.OK, logits)
+        self.consumer.release(recs)
+        lat_ms = (time.monotonic_ns() - info["first_ns"].astype(np.int64)) / 1e6
+        deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
+        self.stats.latencies_ms.extend(lat_ms.tolist())
+        self.stats.counts["ok"] += int(recs.size)
+        self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
+        self.stats.batch_sizes[int(recs.size)] += 1
+
+    def _drain_stages(self) -> None:
+        """Serve what earlier stages routed to later ones and no RunBatch took (drain, shutdown)."""
+        import torch
+
+        from gpuprims.wire import Status
+
+        for _ in range(len(self.stage_queues) + 1):
+            pending = [(st, q) for st, q in self.stage_queues.items() if q]
+            if not pending:
+                return
+            for stage, q in pending:
+                while q:
+                    items = [q.popleft() for _ in range(min(len(q), self.spec.max_batch))]
+                    recs = np.array([r for r, _ in items], np.uint32)
+                    info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
+                    host = torch.empty((len(items), *self.spec.input_shape),
+                                       dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
+                    self.pool.gather(recs, host)
+                    try:
+                        with torch.inference_mode():
+                            x = preprocess(host.to(self.device), self.spec.dtype)
+                            groups = DagModel({k: self.stage_models[k] for k in self.stage_models},
+                                              self.routes, stage)(x)
+                            results = [(rows, out.float().cpu().numpy().reshape(len(rows), -1))
+                                       for rows, out in groups]
+                    except Exception as e:
+                        log.error("stage %s failed while draining %d request(s): %s", stage, len(items), e)
+                        self.responder.send_status(info, Status.INTERNAL)
+                        self.consumer.release(recs)
+                        self.stats.counts["error"] += len(items)
+                        continue
+                    for rows, logits in results:
+                        self._answer(recs[rows], info[rows], logits)
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -429,14 +643,24 @@ class Instance:
         from orchestrator.messages import Heartbeat
 
         self._last_beat = now
-        snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
+        held = len(self.queue) + sum(len(q) for q in self.stage_queues.values())
+        snap = self.stats.snapshot(self.consumer.depth() + held, held)
         snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
                     params=self.params_mode, mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
         with contextlib.suppress(Exception):
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 
     def handle(self, msg: Any) -> None:
-        from orchestrator.messages import Ended, Finish, InitGpu, Ready, Shutdown, StatsReply, StatsRequest
+        from orchestrator.messages import (
+            Ended,
+            Finish,
+            InitGpu,
+            Ready,
+            RunBatch,
+            Shutdown,
+            StatsReply,
+            StatsRequest,
+        )
 
         if isinstance(msg, InitGpu):
             if "cores" in msg.settings:
@@ -444,7 +668,7 @@ class Instance:
                 self.spec.threads = int(msg.settings.get("threads") or len(self.spec.cores))
             self.init_compute(msg.gpu_pct)
             self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
-                                    info={"initialized": True, "gpu_pct": msg.gpu_pct}))
+                                    info={"initialized": True, "gpu_pct": msg.gpu_pct, "measured": self.measured}))
         elif isinstance(msg, Finish):
             self.finishing = True
             drained = self.drain()
@@ -457,6 +681,8 @@ class Instance:
                 self.heartbeat(force=True)
                 self.control.send(Ended(instance=self.spec.name, drained_count=drained))
             self.stopping = True
+        elif isinstance(msg, RunBatch):
+            self.control.send(self.run_batch(msg))
         elif isinstance(msg, StatsRequest):
             snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
             self.control.send(StatsReply(instance=self.spec.name, stats=snap))
@@ -475,7 +701,12 @@ class Instance:
                 if msg is not None:
                     self.handle(msg)
                     continue
-            if self.initialized:
+            if self.initialized and self.spec.dispatched:
+                msg = self.control.poll(min(100.0, self.spec.heartbeat_ms)) if self.control is not None else None
+                if msg is not None:
+                    self.handle(msg)
+                self.heartbeat()
+            elif self.initialized:
                 self.step()
                 self.heartbeat()
             else:
@@ -486,6 +717,15 @@ class Instance:
     def close(self) -> None:
         self.responder.close()
         self.pool.close()
+
+
+def _default_profile_batches(max_batch: int) -> list[int]:
+    """Powers of two up to ``max_batch``, and ``max_batch`` itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
 
 
 def _die_with_parent() -> None:
@@ -512,7 +752,8 @@ def main() -> int:
         if not spec.defer_init:
             inst.init_compute(spec.gpu_pct)
         control.send(Ready(instance=spec.name, pid=os.getpid(),
-                           info={"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer}))
+                           info={"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer,
+                                 "measured": inst.measured}))
         inst.serve()
         return 0
     except Exception as e:

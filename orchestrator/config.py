@@ -487,7 +487,9 @@ class NodeConfig(BaseModel):
                        f"a request of {list(a.input_shape)} {a.dtype} is {a.input_nbytes} bytes, more than "
                        f"node.pool.max_chunks * node.pool.max_payload = {pool.max_chunks} * "
                        f"{pool.max_payload} = {pool.max_request_bytes} bytes")
-        if not self.node.allow_oversubscribe:
+        # Under a live scheduler (spatiotemporal, temporal) shares may add up to more than 100: the
+        # scheduler keeps the GPU% of what runs at any instant within 100.
+        if not self.node.allow_oversubscribe and self.node.scheduler == "spatial":
             per_gpu: dict[int, list[tuple[str, int]]] = {}
             for a in self.apps:
                 pct = a.fixed_pct_per_instance()

@@ -42,6 +42,7 @@ from orchestrator.control import (
     write_token,
 )
 from orchestrator.messages import (
+    BatchDone,
     Ended,
     Error,
     Heartbeat,
@@ -81,6 +82,7 @@ class InstanceState:
     ended: bool = False
     error: str | None = None
     history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
+    info: dict[str, Any] = field(default_factory=dict)  # what its Ready said
 
     @property
     def pid(self) -> int:
@@ -141,6 +143,7 @@ class Node:
         self._exports: dict[str, dict[str, Any]] = {}
         self._next_sample = 0.0
         self._lock = threading.RLock()
+        self.dispatcher: Any = None  # orchestrator.dispatch.LiveScheduler under a live scheduler
 
     # -- start ---------------------------------------------------------------------------------------
     def start(self) -> Node:
@@ -171,13 +174,13 @@ class Node:
             except MpsUnavailable as e:
                 raise StartError(f"node.mps is 'require' but MPS cannot be used: {e}") from e
 
-        if node.scheduler != "spatial":
-            raise StartError(f"node.scheduler {node.scheduler!r} is available in the simulator (gpuprims-sim) but "
-                             "not yet on a live node; use 'spatial' (every instance in its own GPU%)")
         for app in self.cfg.apps:
             n = app.instances if isinstance(app.instances, int) else 1
             self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
-        self._size_auto_apps()
+        if self.scheduled:
+            self._check_scheduled()
+        else:
+            self._size_auto_apps()
         self._assign_pcts()
         total = sum(a.instances for a in self.apps.values())
         # Room for a shadow per app and restarts, so a consumer index is never reused while a dead
@@ -211,13 +214,80 @@ class Node:
         self._await_ready(list(self.instances.values()))
         if later:
             self._await_ready([self._spawn(app, name, shares.get(name)) for app, name in later])
+        if self.scheduled:
+            self._start_dispatcher()
         for app in self.cfg.apps:
             self._update_route(app.name)
-            if app.shadow:
+            if app.shadow and not self.scheduled:
                 self.spawn_shadow(app.name)
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
+
+    @property
+    def scheduled(self) -> bool:
+        """True when a live scheduler (``node.scheduler`` spatiotemporal or temporal) drives the instances."""
+        return self.cfg.node.scheduler != "spatial"
+
+    def _check_scheduled(self) -> None:
+        """A live scheduler runs one dispatched instance per app and owns the shares."""
+        many = [a.cfg.name for a in self.apps.values() if isinstance(a.cfg.instances, int) and a.cfg.instances > 1]
+        if many:
+            raise StartError(f"node.scheduler {self.cfg.node.scheduler!r} runs one instance per app (the scheduler "
+                             f"batches and times its runs); set instances: 1 for {', '.join(many)}")
+        if self.monitor is not None:
+            log.info("autoscale is off under node.scheduler %r: the scheduler owns the shares",
+                     self.cfg.node.scheduler)
+            self.monitor = None
+
+    def _stage_pcts(self, name: str) -> dict[str, int]:
+        from orchestrator.dispatch import stage_pcts
+
+        a = self.apps[name]
+        return stage_pcts(a.cfg, a.gpu_pct, self.cfg.node.scheduler)
+
+    def _start_dispatcher(self) -> None:
+        """Build the live scheduler from the instances' measured warm-up (or node.profiles) and bind them."""
+        from apps.zoo.registry import canonical_name
+        from orchestrator.dispatch import LiveScheduler, measured_profile, rename_profile, stage_names
+
+        assert self.pool is not None and self.server is not None
+        files = self._load_profiles()
+        profiles: dict[str, Any] = {}
+        pcts: dict[str, dict[str, int]] = {}
+        bound: list[tuple[str, InstanceState]] = []
+        for name, a in self.apps.items():
+            pcts[name] = self._stage_pcts(name)
+            st = next(s for s in self.instances.values() if s.app == name and s.role == "active")
+            bound.append((name, st))
+            models = {s.name: s.model for s in a.cfg.stages} if a.cfg.stages else {"main": a.cfg.model or ""}
+            for stage in stage_names(a.cfg):
+                key = f"{name}.{stage}"
+                try:
+                    prof = files.get(canonical_name(models[stage]))
+                except ValueError:
+                    prof = files.get(models[stage])
+                pct = pcts[name][stage]
+                if (prof is not None and tuple(prof.conditions.input_shape) == tuple(a.cfg.input_shape)
+                        and prof.gpu_pcts[0] <= pct <= prof.gpu_pcts[-1]):
+                    profiles[key] = rename_profile(prof, key)
+                    continue
+                measured = (st.info.get("measured") or {}).get(stage)
+                if not measured:
+                    raise StartError(f"{st.name} reported no warm-up latencies for stage {stage!r}; the live "
+                                     "scheduler needs them (or a matching profile in node.profiles)")
+                profiles[key] = measured_profile(key, measured, pct, backend=self.backend,
+                                                 input_shape=tuple(a.cfg.input_shape), dtype=a.cfg.dtype,
+                                                 note=f"warm-up of {st.name} at {pct}%")
+        try:
+            self.dispatcher = LiveScheduler(self.cfg.node.scheduler, list(self.cfg.apps), pcts, profiles, self.pool,
+                                            self.server.send, round_ms=self.cfg.node.round_ms)
+        except ValueError as e:
+            raise StartError(f"node.scheduler {self.cfg.node.scheduler!r}: {e}") from e
+        for name, st in bound:
+            self.dispatcher.bind(name, st.name, st.spec.consumer)
+        log.info("live %s scheduler: %d app(s), %d ms rounds", self.cfg.node.scheduler, len(bound),
+                 self.cfg.node.round_ms)
 
     def _size_auto_apps(self) -> None:
         """Multi-Model: apps with ``instances: auto`` get the instance count (and, with ``gpu_pct: auto``,
@@ -289,7 +359,7 @@ class Node:
         for a in autos:
             a.gpu_pct = each
         total = sum(a.gpu_pct * a.instances for a in self.apps.values())
-        if total > 100 and not self.cfg.node.allow_oversubscribe:
+        if total > 100 and not self.cfg.node.allow_oversubscribe and not self.scheduled:
             raise StartError(f"the apps' shares add up to {total}% (> 100) after sizing; set "
                              "node.allow_oversubscribe or lower gpu_pct")
 
@@ -298,8 +368,16 @@ class Node:
             return {}
         from gpuprims.cpushare import plan_cpu_shares
 
-        reqs = [(f"{name}-{i}", a.gpu_pct) for name, a in self.apps.items() for i in range(a.instances)]
-        return plan_cpu_shares(reqs, allow_oversubscribe=self.cfg.node.allow_oversubscribe)
+        reqs = [(f"{name}-{i}", self._instance_pct(name)) for name, a in self.apps.items() for i in range(a.instances)]
+        # Under a live scheduler the shares may add up to more than 100: it keeps what runs at once within 100.
+        return plan_cpu_shares(reqs, allow_oversubscribe=self.cfg.node.allow_oversubscribe or self.scheduled)
+
+    def _instance_pct(self, name: str) -> int:
+        """The share an instance of ``name`` is started with: the app's, or under a live scheduler the
+        largest of its stages' (a dispatched instance runs one stage at a time)."""
+        if not self.scheduled:
+            return self.apps[name].gpu_pct
+        return max(self._stage_pcts(name).values())
 
     def _link_current(self) -> None:
         assert self.run_dir is not None
@@ -335,7 +413,7 @@ class Node:
         if not self._free_consumers:
             raise RuntimeError("no free consumer endpoint in the packet pool")
         consumer = self._free_consumers.pop()
-        pct = gpu_pct if gpu_pct is not None else self.apps[app.name].gpu_pct
+        pct = gpu_pct if gpu_pct is not None else self._instance_pct(app.name)
         spec = InstanceSpec(
             name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
             input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
@@ -348,6 +426,7 @@ class Node:
             if app.stages else None,
             entry=app.entry_stages()[0] if app.stages else None,
             share_params=self._share_mode(app, name),
+            dispatched=self.scheduled,
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))
@@ -396,7 +475,7 @@ class Node:
                 if isinstance(msg, Ready) and msg.instance in waiting:
                     st = self.instances[msg.instance]
                     st.ready, st.initialized = True, bool(msg.info.get("initialized"))
-                    st.last_beat = time.monotonic()
+                    st.last_beat, st.info = time.monotonic(), dict(msg.info)
                     waiting.discard(msg.instance)
                 elif isinstance(msg, Error) and msg.instance in waiting:
                     raise StartError(f"instance {msg.instance} failed to start: {msg.kind}: {msg.message}")
@@ -429,11 +508,15 @@ class Node:
         assert self.server is not None
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            item = self.server.poll(max(0.0, deadline - time.monotonic()) * 1000)
-            if item is None:
-                break
-            self._handle(item)
-            if time.monotonic() >= deadline:
+            wait_ms = max(0.0, deadline - time.monotonic()) * 1000
+            if self.dispatcher is not None:
+                wait_ms = min(wait_ms, self.dispatcher.wait_ms())
+            item = self.server.poll(wait_ms)
+            if item is not None:
+                self._handle(item)
+            if self.dispatcher is not None:
+                self.dispatcher.tick()
+            if time.monotonic() >= deadline or (item is None and self.dispatcher is None):
                 break
         self._check_processes()
         if self.monitor is not None and time.monotonic() >= self._next_sample and not self.changing:
@@ -503,9 +586,15 @@ class Node:
             st = self.instances.get(msg.instance)
             if st is not None:
                 st.ready, st.initialized, st.last_beat = True, bool(msg.info.get("initialized")), time.monotonic()
+                st.info = dict(msg.info)
                 if st.role == "active":
                     self._update_route(st.app)
+                    if self.dispatcher is not None:
+                        self.dispatcher.bind(st.app, st.name, st.spec.consumer)
                 log.info("%s ready (pid %d)", msg.instance, msg.pid)
+        elif isinstance(msg, BatchDone):
+            if self.dispatcher is not None and msg.instance in self.instances:
+                self.dispatcher.on_done(msg)
         elif isinstance(msg, Ended):
             st = self.instances.get(msg.instance)
             if st is not None:
@@ -529,6 +618,9 @@ class Node:
         """Change an app's GPU% (Overlapped-Execution). Returns (ok, message)."""
         from orchestrator.reconfig import change_gpu_pct
 
+        if self.scheduled:
+            return False, (f"node.scheduler is {self.cfg.node.scheduler!r}: the scheduler decides when and at what "
+                           "GPU% each app runs; change gpu_pct in apps.yaml instead")
         return change_gpu_pct(self, app, gpu_pct)
 
     def _check_processes(self) -> None:
@@ -575,6 +667,8 @@ class Node:
         assert self.ingest is not None
         app = self.apps[st.app]
         self._retire(st)
+        if self.dispatcher is not None:
+            self.dispatcher.instance_lost(st.name)
         failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=True)
         app.failed_by_crash += failed
         app.requeued_by_crash += requeued
@@ -652,6 +746,7 @@ class Node:
             "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
+            "scheduler": self.dispatcher.status() if self.dispatcher is not None else {"name": "spatial"},
         }
 
     # -- stop -----------------------------------------------------------------------------------------

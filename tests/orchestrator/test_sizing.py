@@ -66,8 +66,8 @@ def test_bad_profile_is_refused_with_its_file(tmp_path: Path) -> None:
         nd._size_auto_apps()
 
 
-def test_live_scheduler_modes_are_refused_clearly(tmp_path: Path) -> None:
-    cfg = parse_config({"node": {"backend": "cpu", "scheduler": "temporal"},
-                        "apps": [{"name": "a", "model": "resnet18", "slo_ms": 30}]}, source="test")
-    with pytest.raises(StartError, match="simulator"):
+def test_live_scheduler_needs_one_instance_per_app(tmp_path: Path) -> None:
+    cfg = parse_config({"node": {"backend": "cpu", "scheduler": "temporal", "run_dir": str(tmp_path / "run")},
+                        "apps": [{"name": "a", "model": "resnet18", "slo_ms": 30, "instances": 2}]}, source="test")
+    with pytest.raises(StartError, match=r"one instance per app.*instances: 1 for a"):
         Node(cfg).start()

@@ -1,0 +1,147 @@
+"""The live schedulers (node.scheduler spatiotemporal / temporal) on the CPU backend."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from apps.zoo import RECOG_ROUTER_LABELS, load_model
+from gpuprims.wire import Status
+from orchestrator.config import load_config
+from orchestrator.node import Node
+from tests.orchestrator.client import ask
+
+pytestmark = pytest.mark.slow
+
+SHAPE = (3, 32, 32)
+CONFIG = """
+node:
+  listen: {{host: 127.0.0.1, port: 0}}
+  backend: cpu
+  scheduler: {scheduler}
+  round_ms: 30
+  pool: {{slot_count: 4096, max_chunks: 64, record_count: 256}}
+apps:
+  - name: recog
+    slo_ms: 5000
+    max_batch: 8
+    app_id: 5
+    input_shape: [3, 32, 32]
+    seed: 3
+    stages:
+      - {{name: router, model: recog_router, gpu_pct: 50, routes: [face, car]}}
+      - {{name: face, model: vgg_face, gpu_pct: 50}}
+      - {{name: car, model: resnet_car, gpu_pct: 50}}
+  - name: cls
+    model: mobilenet_v2
+    slo_ms: 5000
+    max_batch: 4
+    app_id: 6
+    gpu_pct: 50
+    input_shape: [3, 32, 32]
+    num_classes: 10
+"""
+
+
+def _oracle_recog(x: np.ndarray, models: dict[str, torch.nn.Module]) -> tuple[str, np.ndarray]:
+    branches = {"person": "vgg_face", "vehicle": "resnet_car"}
+    with torch.inference_mode():
+        t = torch.from_numpy(x)[None]
+        route = models["recog_router"](t)
+        label = RECOG_ROUTER_LABELS[int(route.argmax())]
+        ref = models[branches[label]](t) if label in branches else route
+    return label, ref.numpy()[0]
+
+
+def _settle(node: Node, timeout_s: float = 10.0) -> dict:
+    """Pump the node until its scheduler has heard back about every batch it sent."""
+    end = time.monotonic() + timeout_s
+    while node.dispatcher.inflight and time.monotonic() < end:
+        node.step(10)
+    return node.status()
+
+
+@pytest.mark.parametrize("scheduler", ["spatiotemporal", "temporal"])
+def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, scheduler: str) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(CONFIG.format(scheduler=scheduler))
+    node = Node(load_config(p), warmup=False).start()
+    try:
+        st = node.status()
+        assert st["scheduler"]["name"] == scheduler
+        # one dispatched instance per app, no shadows; the DAG's instance has its largest stage's share
+        insts = {a: [i["gpu_pct"] for i in st["apps"][a]["instances"]] for a in ("recog", "cls")}
+        assert insts == ({"recog": [50], "cls": [50]} if scheduler == "spatiotemporal"
+                         else {"recog": [100], "cls": [100]})
+        rng = np.random.default_rng(0)
+        xs = {rid: (5 if rid % 2 else 6, rng.random(SHAPE, dtype=np.float32)) for rid in range(60)}
+        got = ask(node, xs)
+        st = _settle(node)
+        ok, text = node.set_gpu("cls", 30)
+    finally:
+        node.stop()
+    assert sorted(got) == sorted(xs)
+    assert not ok and "scheduler" in text
+    sch = st["scheduler"]
+    assert sch["runs"] > 0 and sch["run_requests"] >= 60 and sch["aborted"] == 0 and sch["short_batches"] == 0
+    assert sch["inflight"] == 0 and not sch["queued"]
+    models = {n: load_model(n, seed=3, input_shape=SHAPE).eval() for n in ("recog_router", "vgg_face", "resnet_car")}
+    cls_model = load_model("mobilenet_v2", seed=0, num_classes=10, input_shape=SHAPE).eval()
+    seen = set()
+    for rid, (app, x) in xs.items():
+        assert got[rid].status == Status.OK, (rid, got[rid].status)
+        if app == 5:
+            label, ref = _oracle_recog(x, models)
+            seen.add(label)
+        else:
+            with torch.inference_mode():
+                ref = cls_model(torch.from_numpy(x)[None]).numpy()[0]
+        out = got[rid].array()
+        assert out.shape == ref.shape, f"request {rid} answered by the wrong stage"
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    assert seen == {"person", "vehicle", "other"}
+
+
+def test_requests_that_cannot_make_their_deadline_are_rejected(tmp_path: Path) -> None:
+    cfg = CONFIG.format(scheduler="spatiotemporal").replace("slo_ms: 5000", "slo_ms: 0.5\n    max_wait_ms: 0")
+    p = tmp_path / "apps.yaml"
+    p.write_text(cfg)
+    node = Node(load_config(p), warmup=False).start()
+    try:
+        rng = np.random.default_rng(1)
+        xs = {rid: (6, rng.random(SHAPE, dtype=np.float32)) for rid in range(10)}
+        got = ask(node, xs, timeout_s=30)
+        sch = _settle(node)["scheduler"]
+    finally:
+        node.stop()
+    assert sorted(got) == sorted(xs)
+    assert {r.status for r in got.values()} == {Status.DEADLINE_MISSED}
+    assert sch["rejected_requests"] == 10 and sch["runs"] == 0
+
+
+def test_instance_crash_aborts_its_runs_and_the_replacement_is_scheduled(tmp_path: Path) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(CONFIG.format(scheduler="spatiotemporal"))
+    node = Node(load_config(p), warmup=False).start()
+    try:
+        victim = next(i for i in node.instances.values() if i.app == "cls")
+        victim.proc.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            node.step(50)
+            fresh = [i for i in node.instances.values() if i.app == "cls" and i.ready]
+            if fresh and fresh[0].name != victim.name:
+                break
+        assert node.dispatcher.entries["cls"].instance == fresh[0].name
+        rng = np.random.default_rng(2)
+        xs = {rid: (6, rng.random(SHAPE, dtype=np.float32)) for rid in range(12)}
+        got = ask(node, xs)
+        st = node.status()
+    finally:
+        node.stop()
+    assert sorted(got) == sorted(xs) and all(r.status == Status.OK for r in got.values())
+    assert st["apps"]["cls"]["restarts"] == 1
