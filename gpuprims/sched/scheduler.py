@@ -90,16 +90,6 @@ class Dispatch:
         """``start_ms + predicted_ms``."""
         return self.start_ms + self.predicted_ms
 
-    @classmethod
-    def _make(cls, id: int, app: str, stage: str, model: str, gpu: int, gpu_pct: int, batch_size: int,
-              start_ms: float, predicted_ms: float, action: Action, key: str) -> Dispatch:
-        """The same object as ``Dispatch(...)`` with ``key == f"{app}/{stage}"`` given, built without the
-        frozen dataclass's field-by-field ``object.__setattr__`` (the schedulers' hot path)."""
-        d = object.__new__(cls)
-        d.__dict__.update(id=id, app=app, stage=stage, model=model, gpu=gpu, gpu_pct=gpu_pct, batch_size=batch_size,
-                          start_ms=start_ms, predicted_ms=predicted_ms, action=action, key=key)
-        return d
-
 
 # A busy stretch of a GPU: (start ms, end ms, GPU%, instance key).
 _Interval = tuple[float, float, int, str]
@@ -406,8 +396,12 @@ class Scheduler(ABC):
 
     def _dispatch(self, info: _KeyInfo, gpu: int, pct: int, batch: int, now: float, predicted: float) -> Dispatch:
         """``_new_dispatch`` of a run of ``info``'s stage."""
-        d = Dispatch._make(next(self._ids), info.app_name, info.stage, info.model, gpu, pct, batch, now, predicted,
-                           "run", info.key)
+        # The same object as Dispatch(...) builds (key == info.key), without the frozen dataclass's
+        # field-by-field object.__setattr__: this is the schedulers' hot path.
+        d = object.__new__(Dispatch)
+        d.__dict__.update(id=next(self._ids), app=info.app_name, stage=info.stage, model=info.model, gpu=gpu,
+                          gpu_pct=pct, batch_size=batch, start_ms=now, predicted_ms=predicted, action="run",
+                          key=info.key)
         gs = self.gpus[gpu]
         if gs.pct + pct > 100:
             raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.pct} + {pct})")
@@ -548,10 +542,21 @@ class SpatioTemporalScheduler(Scheduler):
                 out += self._start_reservations(g, gs, now_ms, queues, consumed)
             if gs.pct >= 100 or not waiting:
                 continue
-            if len(waiting) > 1:
-                waiting.sort(key=_deadline_then_app)  # earliest deadline first, then app order (stable)
-            reserved = {r.key for r in gs.reservations}
+            reserved = {r.key for r in gs.reservations} if gs.reservations else _NONE
+            if len(waiting) == 1:
+                # The two passes below come to one try: a second try would find the same state.
+                info = waiting[0][2]
+                key = info.key
+                if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
+                    continue
+                d = self._try_launch(g, info, now_ms, queues, consumed)
+                if d is not None:
+                    out.append(d)
+                    launched.add(info.app_name)
+                continue
+            waiting.sort(key=_deadline_then_app)  # earliest deadline first, then app order (stable)
             # First the apps that have not launched in this round (their entry stage), then anything.
+            failed: set[str] = set()  # keys whose try failed since the last launch: a retry would too
             for first_pass in (True, False):
                 for _, _, info in waiting:
                     if first_pass and (not info.is_entry or info.app_name in launched):
@@ -559,11 +564,16 @@ class SpatioTemporalScheduler(Scheduler):
                     key = info.key
                     if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
                         continue
+                    if key in failed:
+                        continue
                     d = self._try_launch(g, info, now_ms, queues, consumed)
-                    if d is not None:
-                        out.append(d)
-                        launched.add(info.app_name)
-                        reserved = {r.key for r in gs.reservations}
+                    if d is None:
+                        failed.add(key)
+                        continue
+                    out.append(d)
+                    launched.add(info.app_name)
+                    failed.clear()
+                    reserved = {r.key for r in gs.reservations}
         return out
 
     # --- pieces of plan ----------------------------------------------------------------------------
@@ -632,11 +642,24 @@ class SpatioTemporalScheduler(Scheduler):
         if not gs.reservations and not info.succ:
             # Fast path, same answer: nothing is reserved ahead and the running slices only end, so
             # a stage that fits now fits throughout; only the deadline bounds the batch.
-            b = self._largest_within(info, lo, hi, deadline - now)
+            # The largest batch predicted to end by the deadline (binary search, as if the prediction
+            # grew with the batch).
+            b = 0
+            tab = info.pred
+            limit = (deadline - now) + _EPS
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                p = tab.get(mid)
+                if p is None:
+                    p = self._pred(tab, info.model, mid, pct)
+                if p <= limit:
+                    b, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
             if not b:
                 return None
             consumed[key] = c + b
-            return self._dispatch(info, g, pct, b, now, info.pred[b])
+            return self._dispatch(info, g, pct, b, now, tab[b])
         ivs = self._intervals(gs, now)
         best: tuple[int, list[_Reservation], float] | None = None
         # Binary search for the largest batch whose chain fits; every candidate is checked in full.
@@ -658,23 +681,6 @@ class SpatioTemporalScheduler(Scheduler):
             r.upstream_batch = batch
         gs.reservations.extend(reservations)
         return d
-
-    def _largest_within(self, info: _KeyInfo, lo: int, hi: int, budget_ms: float) -> int:
-        """The largest batch in [lo, hi] predicted to take at most ``budget_ms`` at the stage's GPU%
-        (binary search, as if the prediction grows with the batch), or 0."""
-        best = 0
-        tab, model, pct = info.pred, info.model, info.pct
-        limit = budget_ms + _EPS
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            p = tab.get(mid)
-            if p is None:
-                p = self._pred(tab, model, mid, pct)
-            if p <= limit:
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        return best
 
     def _place_chain(self, ivs: list[_Interval], info: _KeyInfo, batch: int, now: float,
                      deadline: float, g: int) -> tuple[list[_Reservation], float] | None:
@@ -700,6 +706,9 @@ class SpatioTemporalScheduler(Scheduler):
             res.append(_Reservation(ni.key, ni.app_name, ni.stage, g, ni.pct, nb, start, start + dur, upstream=0))
             frontier.extend((n, start + dur) for n in ni.nexts)
         return res, pred
+
+
+_NONE: frozenset[str] = frozenset()
 
 
 def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
