@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -194,6 +195,7 @@ class Scheduler(ABC):
              for j, s in enumerate(a.stages)] for g in range(num_gpus)]
         self._chain_cache: dict[str, float] = {}
         self._chain_by_batch: dict[tuple[str, int], float] = {}  # TemporalScheduler's chain times
+        self._ready_starts: list[float] | None = None  # starts of ready reservations, ascending; None: stale
         self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
                                                         for a in apps for st in a.stages}
         self._stage_obj: dict[tuple[str, str], Stage] = {(a.name, st.name): st for a in apps for st in a.stages}
@@ -214,6 +216,8 @@ class Scheduler(ABC):
             info.nexts = tuple(self._kinfo[info.app.key(n)] for n in info.succ)
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
                                                 for g in range(num_gpus)]
+        self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
+                                                                 for infos in self._kinfo_on]
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -291,6 +295,10 @@ class Scheduler(ABC):
     def _gpu_list(self, gpus: Iterable[int] | None) -> list[int]:
         if gpus is None:
             return list(range(self.num_gpus))
+        if type(gpus) is set and len(gpus) == 1:
+            for g in gpus:
+                if 0 <= g < self.num_gpus:
+                    return [g]
         out = sorted(set(gpus))
         if out and not (out[0] >= 0 and out[-1] < self.num_gpus):
             raise ValueError(f"gpus {out} must be in 0..{self.num_gpus - 1}")
@@ -364,6 +372,7 @@ class Scheduler(ABC):
         for r in gs.reservations:
             if r.upstream == did:
                 r.ready = True
+                self._ready_starts = None
 
     def aborted(self, dispatch: Dispatch) -> None:
         """Forget a run that ended without a result (its instance crashed): free its GPU% and drop the
@@ -375,6 +384,7 @@ class Scheduler(ABC):
         gs.pct -= dispatch.gpu_pct
         gs.busy.discard(self._ikey[dispatch.key])
         gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
+        self._ready_starts = None
 
     def running(self, gpu: int) -> list[Dispatch]:
         """Run dispatches started on ``gpu`` and not yet completed."""
@@ -486,18 +496,20 @@ class SpatioTemporalScheduler(Scheduler):
         return self._route_frac.get(key, 1.0)
 
     def _branch_batch(self, key: str, batch: int) -> int:
-        f = self.route_fraction(key)
+        f = self._route_frac.get(key, 1.0)  # route_fraction(key)
         hi = f + self.route_margin_sigma * math.sqrt(max(f * (1 - f), 0.0) / batch)
         return max(1, min(batch, math.ceil(batch * min(1.0, hi) - _EPS)))
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """The next round start, or an earlier start of a ready reservation still waiting for its slot."""
         nxt = (math.floor(now_ms / self.round_ms + _EPS) + 1) * self.round_ms
-        gpus = self.gpus
-        for g in self._chain_gpus:  # only these ever hold reservations
-            for r in gpus[g].reservations:
-                if r.ready and now_ms < r.start < nxt:
-                    nxt = r.start
+        starts = self._ready_starts
+        if starts is None:  # only the GPUs in _chain_gpus ever hold reservations
+            starts = self._ready_starts = sorted(r.start for g in self._chain_gpus for r in self.gpus[g].reservations
+                                                 if r.ready)
+        for start in starts:
+            if start > now_ms:
+                return start if start < nxt else nxt
         return nxt
 
     def _quiet(self, now_ms: float, gpu: int) -> bool:
@@ -519,13 +531,13 @@ class SpatioTemporalScheduler(Scheduler):
         out: list[Dispatch] = []
         chains = self._chain_cache
         launched = self._launched
+        get = queues.get
         for g in glist:
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
-            for info in self._kinfo_on[g]:
-                key = info.key
-                q = queues.get(key)
+            for key, info in self._pairs_on[g]:
+                q = get(key)
                 if not q:
                     continue
                 chain = chains.get(key)
@@ -580,7 +592,7 @@ class SpatioTemporalScheduler(Scheduler):
     def _start_reservations(self, g: int, gs: _GpuState, now: float, queues: Mapping[str, Sequence[float]],
                             consumed: dict[str, int]) -> list[Dispatch]:
         out: list[Dispatch] = []
-        for r in sorted(gs.reservations, key=lambda r: r.start):
+        for r in sorted(gs.reservations, key=_start_of):
             if not r.ready:
                 continue
             q = queues.get(r.key, ())
@@ -593,6 +605,7 @@ class SpatioTemporalScheduler(Scheduler):
                 r.upstream_batch = 0  # learn once per slot
             if avail <= 0:
                 gs.reservations.remove(r)  # the predecessor routed nothing here
+                self._ready_starts = None
                 continue
             info = self._kinfo[r.key]
             if info.ikey in gs.busy:
@@ -609,6 +622,7 @@ class SpatioTemporalScheduler(Scheduler):
             if gs.pct + r.pct > 100:
                 continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
             gs.reservations.remove(r)
+            self._ready_starts = None
             consumed[r.key] = consumed.get(r.key, 0) + batch
             out.append(self._dispatch(info, g, r.pct, batch, now, pred))
         return out
@@ -709,6 +723,7 @@ class SpatioTemporalScheduler(Scheduler):
 
 
 _NONE: frozenset[str] = frozenset()
+_start_of = operator.attrgetter("start")
 
 
 def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
@@ -726,12 +741,24 @@ def _occupancy(ivs: list[_Interval], t: float) -> int:
 
 
 def _fits(ivs: list[_Interval], pct: int, start: float, end: float, key: str) -> bool:
-    """True if ``pct`` more fits on top of ``ivs`` throughout [start, end) and ``key`` is not busy then."""
+    """True if ``pct`` more fits on top of ``ivs`` throughout [start, end) and ``key`` is not busy then.
+
+    The GPU% is checked at ``start`` and at every interval start inside, with ``_occupancy``. Every
+    interval that counts at one of those points starts by ``max(start, end - _EPS) + _EPS`` and ends
+    after ``start`` (as the tests below round), so when those together leave room, all points do.
+    """
     before = end - _EPS
-    for s, e, _, k in ivs:
-        if k == key and s < before and start < e - _EPS:
-            return False
+    upto = (start if start > before else before) + _EPS
     room = 100 - pct
+    bound = 0
+    for s, e, p, k in ivs:
+        if start < e - _EPS:
+            if k == key and s < before:
+                return False
+            if s <= upto:
+                bound += p
+    if bound <= room:
+        return True
     if _occupancy(ivs, start) > room:
         return False
     for s, _, _, _ in ivs:  # noqa: SIM110 - a plain loop: all() over a generator costs more here
