@@ -180,7 +180,10 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     gpu_queues: list[list[deque[float]]] = [[] for _ in range(scheduler.num_gpus)]
     for a in apps:
         gpu_queues[scheduler.placement[a.name]] += [queues[a.key(s.name)] for s in a.stages]
-    quiet = scheduler._quiet
+    quiet, completed, plan, next_wakeup, can_start = (scheduler._quiet, scheduler.completed, scheduler.plan,
+                                                      scheduler.next_wakeup_ms, scheduler.can_start)
+    # Finished requests per app: the time they finished and their deadline (stats are made at the end).
+    done: dict[str, tuple[list[float], list[float]]] = {a.name: ([], []) for a in apps}
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
@@ -234,63 +237,73 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     t = 0.0
     cpu0 = time.process_time()
 
-    while heap or ai < n_arr:
-        t = heap[0][0] if heap else next_arr
-        if next_arr < t:
-            t = next_arr
-        if t > end_ms:
+    # Per queue key: (queue, instance key, finished-request lists of its app, route or None, entry
+    # batch sizes of its app where the key is an entry stage, else None).
+    Per = tuple[deque[float], str, tuple[list[float], list[float]], Any, "list[int] | None"]
+    per: dict[str, Per] = {}
+    for a in apps:
+        for s in a.stages:
+            k = a.key(s.name)
+            per[k] = (queues[k], ikey[k], done[a.name], routes.get(k),
+                      stats[a.name].entry_batches if k in entry_key_set else None)
+    heap.append((math.inf, 3, -1, None))  # a sentinel: the heap is never empty
+
+    while True:
+        tn = heap[0][0]
+        if next_arr < tn:
+            tn = next_arr
+        if tn > end_ms:
+            if tn != math.inf:
+                t = tn
             break
+        t = tn
         limit = t + _EPS
         need_plan = False
         touched: set[int] | None = set()  # GPUs whose queues or runs changed; None: all of them
-        while heap and heap[0][0] <= limit:
+        while heap[0][0] <= limit:
             _, kind, _, data = heappop(heap)
             if kind == 2:
                 wakes.discard(data)
                 need_plan = True
                 touched = None
                 continue
-            d, dls, measured = data
+            d, dls, measured, g, pct, ik, (fin_t, fin_dl), route = data
             in_flight -= 1
-            running_pct[d.gpu] -= d.gpu_pct
-            busy_keys.discard(ikey[d.key])
-            scheduler.completed(d, measured)
+            running_pct[g] -= pct
+            busy_keys.discard(ik)
+            completed(d, measured)
             need_plan = True
             if touched is not None:
-                touched.add(d.gpu)
-            route = routes.get(d.key)
-            nexts: list[deque[float] | None]
+                touched.add(g)
             if route is None:
-                nexts = [None] * len(dls)
-            else:
-                to, p = route
-                if jitter_sigma > 0:
-                    us = rng.random(len(dls)).tolist()
+                if len(dls) == 1:
+                    fin_t.append(t)
+                    fin_dl.append(dls[0])
                 else:
-                    if used + len(dls) > len(block):
-                        block = block[used:] + rng.random(max(4096, len(dls))).tolist()
-                        used = 0
-                    us = block[used:used + len(dls)]
-                    used += len(dls)
-                nexts = [to[bisect.bisect_right(p, u)] for u in us]
-            dl_app = deadline_of[d.app]
-            st = stats[d.app]
-            for dl, nxt in zip(dls, nexts):
+                    fin_t += [t] * len(dls)
+                    fin_dl += dls
+                continue
+            to, p = route
+            if jitter_sigma > 0:
+                us = rng.random(len(dls)).tolist()
+            else:
+                if used + len(dls) > len(block):
+                    block = block[used:] + rng.random(max(4096, len(dls))).tolist()
+                    used = 0
+                us = block[used:used + len(dls)]
+                used += len(dls)
+            for dl, u in zip(dls, us):
+                nxt = to[bisect.bisect_right(p, u)]
                 if nxt is not None:
                     nxt.append(dl)
-                    continue
-                arrival = dl - dl_app
-                if warmup_ms <= arrival < duration_ms:
-                    st.latencies.append(t - arrival)
-                    if t <= dl + _EPS:
-                        st.met += 1
-                    else:
-                        st.late += 1
+                else:
+                    fin_t.append(t)
+                    fin_dl.append(dl)
         while next_arr <= limit:
             i = arr_app[ai]
             q = entry_queues[i]
             # A plan is due anyway once its GPU is touched; else only if the request could start now.
-            if not q and touched is not None and entry_gpus[i] not in touched and scheduler.can_start(entry_keys[i]):
+            if not q and touched is not None and entry_gpus[i] not in touched and can_start(entry_keys[i]):
                 need_plan = True
                 touched.add(entry_gpus[i])
             q.append(arr_dl[ai])
@@ -306,13 +319,13 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             else:
                 continue
         plans += 1
-        for d in scheduler.plan(t, queues, touched):
+        for d in plan(t, queues, touched):
             key = d.key
-            q = queues[key]
+            q, ik, fin, route, entry_batches = per[key]
             b = d.batch_size
             if b < 1 or b > len(q):
                 raise RuntimeError(f"scheduler dispatched {b} from {key} holding {len(q)}")
-            dls = [q.popleft() for _ in range(b)]
+            dls = [q.popleft()] if b == 1 else [q.popleft() for _ in range(b)]
             if d.action == "reject":
                 dl_app = deadline_of[d.app]
                 st = stats[d.app]
@@ -325,7 +338,6 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             g, pct = d.gpu, d.gpu_pct
             if running_pct[g] + pct > 100:
                 raise RuntimeError(f"scheduler took GPU {g} above 100% at t={t} ms ({running_pct[g]} + {pct})")
-            ik = ikey[key]
             if ik in busy_keys:
                 raise RuntimeError(f"scheduler started {key} at t={t} ms while its instance was busy")
             running_pct[g] += pct
@@ -338,18 +350,27 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
             gpu_busy_pct_ms[g] += pct * actual
             in_flight += 1
-            heappush(heap, (t + actual, 0, seq, (d, dls, actual)))
+            heappush(heap, (t + actual, 0, seq, (d, dls, actual, g, pct, ik, fin, route)))
             seq += 1
-            if key in entry_key_set:
-                stats[d.app].entry_batches.append(b)
+            if entry_batches is not None:
+                entry_batches.append(b)
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
-        w = scheduler.next_wakeup_ms(t)
+        w = next_wakeup(t)
         if w is not None and w > limit and w not in wakes and (
                 in_flight or t < last_arrival or any(queues.values())):
             wakes.add(w)
             heappush(heap, (w, 2, seq, w))
             seq += 1
+    for name, (fin_t, fin_dl) in done.items():
+        st = stats[name]
+        end = np.asarray(fin_t, dtype=float)
+        dl = np.asarray(fin_dl, dtype=float)
+        arrival = dl - deadline_of[name]
+        counted = (warmup_ms <= arrival) & (arrival < duration_ms)
+        st.latencies = (end - arrival)[counted].tolist()
+        st.met = int(np.count_nonzero((end <= dl + _EPS) & counted))
+        st.late = int(np.count_nonzero(counted)) - st.met
     ids = list(gpu_ids) if gpu_ids is not None else list(range(scheduler.num_gpus))
     if record_dispatches:
         for row in trace:
