@@ -96,7 +96,7 @@ class Dispatch:
 _Interval = tuple[float, float, int, str]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Reservation:
     """A later stage's slot, reserved when its predecessor was launched."""
 
@@ -487,7 +487,7 @@ class SpatioTemporalScheduler(Scheduler):
 
     def can_start(self, key: str) -> bool:
         """False when ``key``'s instance is running or its GPU% is not free now (see ``Scheduler``)."""
-        info = self._info_of(key)
+        info = self._kinfo.get(key) or self._info_of(key)
         gs = self.gpus[info.gpu]
         return gs.pct + info.pct <= 100 and info.ikey not in gs.busy
 
@@ -504,6 +504,8 @@ class SpatioTemporalScheduler(Scheduler):
         """The next round start, or an earlier start of a ready reservation still waiting for its slot."""
         nxt = (math.floor(now_ms / self.round_ms + _EPS) + 1) * self.round_ms
         starts = self._ready_starts
+        if not starts and starts is not None:
+            return nxt
         if starts is None:  # only the GPUs in _chain_gpus ever hold reservations
             starts = self._ready_starts = sorted(r.start for g in self._chain_gpus for r in self.gpus[g].reservations
                                                  if r.ready)
@@ -550,8 +552,10 @@ class SpatioTemporalScheduler(Scheduler):
                 c = consumed.get(key, 0)
                 if len(q) > c:
                     waiting.append((q[c], info.index, info))
-            if gs.reservations:
-                out += self._start_reservations(g, gs, now_ms, queues, consumed)
+            for r in gs.reservations:
+                if r.ready:  # only ready slots can start (or learn, or go)
+                    out += self._start_reservations(g, gs, now_ms, queues, consumed)
+                    break
             if gs.pct >= 100 or not waiting:
                 continue
             reserved = {r.key for r in gs.reservations} if gs.reservations else _NONE
@@ -769,6 +773,8 @@ def _fits(ivs: list[_Interval], pct: int, start: float, end: float, key: str) ->
 
 def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float, key: str) -> float:
     """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
+    if _fits(ivs, pct, not_before, not_before + dur, key):
+        return not_before  # the first candidate below
     ends = [e for _, e, _, _ in ivs]
     for t in sorted({not_before, *(e for e in ends if e > not_before)}):
         if _fits(ivs, pct, t, t + dur, key):
