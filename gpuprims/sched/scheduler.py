@@ -128,7 +128,7 @@ class _KeyInfo:
     """What the schedulers look up about one stage queue key, gathered once."""
 
     __slots__ = ("app", "app_name", "cap", "gpu", "ikey", "index", "is_entry", "key", "lo", "model", "nexts", "pct",
-                 "pred", "stage", "succ")
+                 "pred", "run", "stage", "succ")
 
     def __init__(self, key: str, app: App, stage: Stage, ikey: str, gpu: int, index: int, is_entry: bool,
                  succ: tuple[str, ...], lo: int, cap: int, pred: dict[int, float]) -> None:
@@ -147,6 +147,10 @@ class _KeyInfo:
         self.cap = cap
         self.pred = pred  # batch size -> predicted ms at the stage's own GPU% (see Scheduler._pred)
         self.nexts: tuple[_KeyInfo, ...] = ()  # the infos of ``succ``, filled in once all exist
+        # A run Dispatch's fields in declaration order, the per-run ones to be filled in (Scheduler._dispatch)
+        self.run: dict[str, object] = {"id": 0, "app": self.app_name, "stage": self.stage, "model": self.model,
+                                       "gpu": gpu, "gpu_pct": self.pct, "batch_size": 0, "start_ms": 0.0,
+                                       "predicted_ms": 0.0, "action": "run", "key": key}
 
 
 class Scheduler(ABC):
@@ -358,7 +362,11 @@ class Scheduler(ABC):
             if base is None:
                 base = self._base_ms(model, dispatch.batch_size, pct)
             if base > 0:
-                ratio = min(10.0, max(0.1, measured_ms / base))
+                ratio = measured_ms / base  # clamped to [0.1, 10] (as min(10.0, max(0.1, ratio)))
+                if ratio > 10.0:
+                    ratio = 10.0
+                elif not ratio > 0.1:
+                    ratio = 0.1
                 k = (model, pct)
                 old = self._correction.get(k, 1.0)
                 new = (1 - lr) * old + lr * ratio
@@ -408,10 +416,15 @@ class Scheduler(ABC):
         """``_new_dispatch`` of a run of ``info``'s stage."""
         # The same object as Dispatch(...) builds (key == info.key), without the frozen dataclass's
         # field-by-field object.__setattr__: this is the schedulers' hot path.
+        fields = info.run.copy()
+        fields["id"] = next(self._ids)
+        fields["gpu"] = gpu
+        fields["gpu_pct"] = pct
+        fields["batch_size"] = batch
+        fields["start_ms"] = now
+        fields["predicted_ms"] = predicted
         d = object.__new__(Dispatch)
-        d.__dict__.update(id=next(self._ids), app=info.app_name, stage=info.stage, model=info.model, gpu=gpu,
-                          gpu_pct=pct, batch_size=batch, start_ms=now, predicted_ms=predicted, action="run",
-                          key=info.key)
+        object.__setattr__(d, "__dict__", fields)
         gs = self.gpus[gpu]
         if gs.pct + pct > 100:
             raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.pct} + {pct})")
@@ -653,7 +666,9 @@ class SpatioTemporalScheduler(Scheduler):
         key = info.key
         q = queues.get(key, ())
         c = consumed.get(key, 0)
-        lo, hi = info.lo, min(len(q) - c, info.cap)
+        lo, hi = info.lo, len(q) - c
+        if hi > info.cap:
+            hi = info.cap
         if hi < lo:
             return None
         deadline = q[c]
