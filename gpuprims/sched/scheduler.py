@@ -56,7 +56,7 @@ import itertools
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -220,8 +220,9 @@ class Scheduler(ABC):
             info.nexts = tuple(self._kinfo[info.app.key(n)] for n in info.succ)
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
                                                 for g in range(num_gpus)]
-        self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
-                                                                 for infos in self._kinfo_on]
+        # Per GPU: its queue keys and their infos, in the same order (see _nonempty).
+        self._scan_on: list[tuple[tuple[str, ...], tuple[_KeyInfo, ...]]] = [
+            (tuple(i.key for i in infos), tuple(infos)) for infos in self._kinfo_on]
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -412,6 +413,11 @@ class Scheduler(ABC):
             gs.busy.add(self._ikey[d.key])
         return d
 
+    def _nonempty(self, g: int, queues: Mapping[str, Sequence[float]]) -> Iterator[_KeyInfo]:
+        """The infos of GPU ``g``'s keys whose queues hold requests, in key order (the filter runs in C)."""
+        keys, infos = self._scan_on[g]
+        return itertools.compress(infos, map(queues.get, keys))
+
     def _dispatch(self, info: _KeyInfo, gpu: int, pct: int, batch: int, now: float, predicted: float) -> Dispatch:
         """``_new_dispatch`` of a run of ``info``'s stage."""
         # The same object as Dispatch(...) builds (key == info.key), without the frozen dataclass's
@@ -450,16 +456,15 @@ class Scheduler(ABC):
         out: list[Dispatch] = []
         chains = self._chain_cache
         for g in gpus:
-            for info in self._kinfo_on[g]:
+            for info in self._nonempty(g, queues):
                 key = info.key
-                q = queues.get(key)
-                if q:
-                    chain = chains.get(key)
-                    if chain is not None and q[0] >= now + chain - _EPS:
-                        continue  # _reject_head's own first test: nothing to reject
-                    d = self._reject_head(now, q, info.app, info.stage, key, consumed, sequential)
-                    if d is not None:
-                        out.append(d)
+                q = queues[key]
+                chain = chains.get(key)
+                if chain is not None and q[0] >= now + chain - _EPS:
+                    continue  # _reject_head's own first test: nothing to reject
+                d = self._reject_head(now, q, info.app, info.stage, key, consumed, sequential)
+                if d is not None:
+                    out.append(d)
         return out
 
     def _reject_head(self, now: float, q: Sequence[float], app: App, stage: str, key: str,
@@ -537,7 +542,10 @@ class SpatioTemporalScheduler(Scheduler):
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
         rnd = math.floor(now_ms / self.round_ms + _EPS)
-        glist = self._gpu_list(gpus)
+        if type(gpus) is set and len(gpus) == 1 and 0 <= min(gpus) < self.num_gpus:
+            glist = list(gpus)  # _gpu_list's answer, the common case
+        else:
+            glist = self._gpu_list(gpus)
         if rnd != self._round:
             self._round = rnd
             self._launched.clear()
@@ -551,10 +559,9 @@ class SpatioTemporalScheduler(Scheduler):
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
-            for key, info in self._pairs_on[g]:
+            for info in self._nonempty(g, queues):
+                key = info.key
                 q = get(key)
-                if not q:
-                    continue
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now_ms + chain - _EPS:
                     waiting.append((q[0], info.index, info))  # nothing to reject (_reject_head's own test)
@@ -728,7 +735,9 @@ class SpatioTemporalScheduler(Scheduler):
         limit = deadline + _EPS
         while frontier:
             ni, not_before = frontier.pop(0)
-            nb = min(self._branch_batch(ni.key, batch), ni.cap)
+            nb = self._branch_batch(ni.key, batch)
+            if nb > ni.cap:
+                nb = ni.cap
             if nb < ni.lo:
                 return None
             dur = self._pred(ni.pred, ni.model, nb, ni.pct)
@@ -737,7 +746,8 @@ class SpatioTemporalScheduler(Scheduler):
                 return None
             work.append((start, start + dur, ni.pct, ni.ikey))
             res.append(_Reservation(ni.key, ni.app_name, ni.stage, g, ni.pct, nb, start, start + dur, upstream=0))
-            frontier.extend((n, start + dur) for n in ni.nexts)
+            if ni.nexts:
+                frontier.extend((n, start + dur) for n in ni.nexts)
         return res, pred
 
 
@@ -846,7 +856,10 @@ class TemporalScheduler(Scheduler):
     def _next(self, g: int, now: float, queues: Mapping[str, Sequence[float]],
               consumed: dict[str, int]) -> Dispatch | None:
         # Later stages of DAG apps first: a started request finishes before another app's turn.
+        get = queues.get
         for info in self._later_on[g]:
+            if not get(info.key):
+                continue  # _launch finds nothing to run
             d = self._launch(g, info, now, queues, consumed)
             if d is not None:
                 return d
@@ -854,7 +867,10 @@ class TemporalScheduler(Scheduler):
         n = len(entries)
         turn = self._turn[g]
         for i in range(n):
-            d = self._launch(g, entries[(turn + i) % n], now, queues, consumed)
+            info = entries[(turn + i) % n]
+            if not get(info.key):
+                continue
+            d = self._launch(g, info, now, queues, consumed)
             if d is not None:
                 self._turn[g] = (turn + i + 1) % n
                 return d
