@@ -81,6 +81,9 @@ class InstanceSpec:
     # one stage at a time; the warm-up measures every stage at ``profile_batches`` for the scheduler.
     dispatched: bool = False
     profile_batches: list[int] | None = None
+    # A file the node's instances lock while measuring, so that their measurements do not overlap.
+    measure_lock: str | None = None
+    stage_pcts: dict[str, int] | None = None  # dispatched: the GPU% each stage is measured and run at
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -305,16 +308,33 @@ class Instance:
             raise KeyError(stage)
         return self.model
 
+    def _stage_pct(self, stage: str) -> int:
+        """The GPU% a stage runs at (the spec's ``stage_pcts``, else the instance's)."""
+        return int((self.spec.stage_pcts or {}).get(stage, self.spec.gpu_pct))
+
     def _measure_stages(self) -> None:
         """Dispatched mode: median latency of every stage over ``profile_batches`` (the scheduler's
         starting profile; it corrects itself from measured latencies later)."""
-        import torch
+        import fcntl
 
         batches = sorted(set(self.spec.profile_batches or _default_profile_batches(self.spec.max_batch)))
         stages = [st["name"] for st in self.spec.stages] if self.spec.stages else ["main"]
+        lock = open(self.spec.measure_lock, "a") if self.spec.measure_lock else None  # noqa: SIM115
+        try:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one instance measures at a time
+            self._measure(stages, batches)
+        finally:
+            if lock is not None:
+                lock.close()  # releases the lock
+
+    def _measure(self, stages: list[str], batches: list[int]) -> None:
+        import torch
+
         with torch.inference_mode():
             for stage in stages:
                 model = self._stage_model(stage)
+                self._set_threads(self._stage_pct(stage))
                 row: dict[str, float] = {}
                 for b in batches:
                     x = torch.zeros((b, *self.spec.input_shape), device=self.device)

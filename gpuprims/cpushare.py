@@ -48,9 +48,12 @@ class CpuShare:
         """Environment variables that bound the thread pools of a process started with this share.
 
         Set them in a child's environment before it imports torch (OpenMP and MKL read them once).
+        ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP workers sleep instead of spinning, because instances
+        take turns on shared cores (a live scheduler, oversubscribed shares) and a spinning idle
+        worker steals the core from the instance whose turn it is (measured: bench/sched_live).
         """
         value = str(self.threads)
-        return {"OMP_NUM_THREADS": value, "MKL_NUM_THREADS": value}
+        return {"OMP_NUM_THREADS": value, "MKL_NUM_THREADS": value, "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _check_pct(label: str, value: object) -> int:

@@ -427,6 +427,8 @@ class Node:
             entry=app.entry_stages()[0] if app.stages else None,
             share_params=self._share_mode(app, name),
             dispatched=self.scheduled,
+            measure_lock=str(self.run_dir / "measure.lock") if self.scheduled else None,
+            stage_pcts=self._stage_pcts(app.name) if self.scheduled else None,
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))
@@ -811,7 +813,7 @@ class Node:
                 if self._own_run_dir:
                     shutil.rmtree(self.run_dir, ignore_errors=True)
                 else:
-                    for leftover in ("token", "control.sock", "command.sock"):
+                    for leftover in ("token", "control.sock", "command.sock", "measure.lock"):
                         with contextlib.suppress(OSError):
                             (self.run_dir / leftover).unlink()
 

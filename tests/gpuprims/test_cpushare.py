@@ -64,7 +64,8 @@ def test_default_cores_are_this_process_affinity() -> None:
 
 
 def test_env_bounds_thread_pools() -> None:
-    assert CpuShare(cores=[1, 3], threads=2, gpu_pct=40).env() == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert CpuShare(cores=[1, 3], threads=2, gpu_pct=40).env() == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                                                                 "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @pytest.mark.parametrize(
