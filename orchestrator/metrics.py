@@ -832,6 +832,14 @@ def format_status(status: Mapping[str, Any]) -> str:
     drops = st["ingest_drops"]
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
+    sch = status.get("scheduler") if isinstance(status, Mapping) else None
+    if isinstance(sch, Mapping) and sch.get("name") not in (None, "spatial"):
+        lines.append(f"scheduler: {sch.get('name')}  round={_fmt(sch.get('round_ms'))}ms  runs={_fmt(sch.get('runs'), 'd')}"
+                     f"  mean batch={_fmt(sch.get('mean_batch'))}  rejected={_fmt(sch.get('rejected_requests'), 'd')}"
+                     f"  aborted={_fmt(sch.get('aborted'), 'd')}  in flight={_fmt(sch.get('inflight'), 'd')}")
+        corr = sch.get("corrections")
+        if isinstance(corr, Mapping) and corr:
+            lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
     if st["control_rejected"]:
         lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import torch
 from apps.zoo import RECOG_ROUTER_LABELS, load_model
 from gpuprims.wire import Status
 from orchestrator.config import load_config
+from orchestrator.metrics import format_status
 from orchestrator.node import Node
 from tests.orchestrator.client import ask
 
@@ -89,6 +90,8 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
     sch = st["scheduler"]
     assert sch["runs"] > 0 and sch["run_requests"] >= 60 and sch["aborted"] == 0 and sch["short_batches"] == 0
     assert sch["inflight"] == 0 and not sch["queued"]
+    text = format_status(st)
+    assert f"scheduler: {scheduler}" in text and "measured/predicted: " in text and "recog/face=" in text
     models = {n: load_model(n, seed=3, input_shape=SHAPE).eval() for n in ("recog_router", "vgg_face", "resnet_car")}
     cls_model = load_model("mobilenet_v2", seed=0, num_classes=10, input_shape=SHAPE).eval()
     seen = set()
