@@ -1,6 +1,6 @@
 """bench/sched_live: the paper's Table III mix served live by a node under both schedulers.
 
-The live half of ``bench/sched`` (which simulates): a node on this machine's backend (the CPU backend
+The live half of ``bench/sched`` (which simulates): ``examples/apps-table3.yaml`` on this machine's backend (the CPU backend
 here: "GPU%" is a share of the cores, threads = round(cores x GPU%)) runs
 
 - DNN-Recog: ``recog_router`` (MobileNetV2, 25%) routing person -> ``vgg_face`` (VGG-16, 40%) and
@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench import serving as sv
 from bench.common import results_dir, write_result
@@ -34,25 +37,21 @@ from orchestrator.node import Node
 
 SHAPE = (3, 32, 32)
 DEADLINE_MS = 400.0
-PER_ROUND = {"dnn_recog": 8, "yolo_standin": 2, "resnext": 1}
+PER_ROUND = {"dnn_recog": 8, "yolo_standin": 2, "resnext": 1}  # paper Table III: requests per round
 APP_IDS = {"dnn_recog": 11, "yolo_standin": 12, "resnext": 13}
 
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "apps-table3.yaml"
+
+
 def config(scheduler: str) -> Any:
-    common = {"input_shape": list(SHAPE), "slo_ms": DEADLINE_MS, "max_batch": 8, "max_wait_ms": 0.0,
-              "shadow": False}
-    apps = [
-        {"name": "dnn_recog", "app_id": APP_IDS["dnn_recog"], **common, "stages": [
-            {"name": "router", "model": "recog_router", "gpu_pct": 25, "routes": ["face", "car"]},
-            {"name": "face", "model": "vgg_face", "gpu_pct": 40},
-            {"name": "car", "model": "resnet_car", "gpu_pct": 50}]},
-        {"name": "yolo_standin", "app_id": APP_IDS["yolo_standin"], "model": "resnet50", "gpu_pct": 60, **common},
-        {"name": "resnext", "app_id": APP_IDS["resnext"], "model": "resnext50", "gpu_pct": 50, **common},
-    ]
-    return parse_config({"node": {"backend": "auto", "listen": {"host": "127.0.0.1", "port": [0]}, "pool": sv.POOL,
-                                  "scheduler": scheduler, "round_ms": DEADLINE_MS, "log_level": "WARNING",
-                                  "autoscale": False},
-                         "apps": apps}, source="bench.sched_live")
+    """``examples/apps-table3.yaml`` under ``scheduler``, on an ephemeral loopback port."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["node"].update({"scheduler": scheduler, "round_ms": DEADLINE_MS, "log_level": "WARNING", "autoscale": False,
+                         "listen": {"host": "127.0.0.1", "port": [0]}})
+    for a in data["apps"]:
+        assert a["slo_ms"] == DEADLINE_MS and tuple(a["input_shape"]) == SHAPE, "bench and example disagree"
+    return parse_config(data, source=str(EXAMPLE))
 
 
 def run_scheduler(scheduler: str, loads: list[float], duration_s: float) -> list[dict[str, Any]]:

@@ -52,6 +52,6 @@ def test_validate_rejects_unknown_zoo_model(tmp_path: Path) -> None:
 
 def test_validate_accepts_the_bundled_examples() -> None:
     root = Path(__file__).resolve().parents[2]
-    for name in ("apps.yaml", "apps-paper.yaml"):
+    for name in ("apps.yaml", "apps-paper.yaml", "apps-table3.yaml"):
         r = CliRunner().invoke(cli.main, ["validate", str(root / "examples" / name)])
         assert r.exit_code == 0, r.output
