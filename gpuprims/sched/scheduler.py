@@ -533,10 +533,13 @@ class SpatioTemporalScheduler(Scheduler):
         return nxt
 
     def _quiet(self, now_ms: float, gpu: int) -> bool:
-        # Still the last plan's round and nothing reserved on the GPU: with its queues empty, plan
-        # has nothing to reject, start or launch there, and the wakeups stay what they were (the
+        # Still the last plan's round and no reservation ready on the GPU: with its queues empty,
+        # plan has nothing to reject, start or launch there, and the wakeups stay what they were (the
         # ready reservations they depend on change only in plans and completions of their own GPU).
-        return not self.gpus[gpu].reservations and math.floor(now_ms / self.round_ms + _EPS) == self._round
+        for r in self.gpus[gpu].reservations:
+            if r.ready:
+                return False
+        return math.floor(now_ms / self.round_ms + _EPS) == self._round
 
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:

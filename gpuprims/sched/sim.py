@@ -217,16 +217,15 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     arr_t: list[float] = all_t[order].tolist()
     arr_app: list[int] = np.repeat(np.arange(len(workloads)), [len(tm) for tm in times])[order].tolist()
     arr_dl: list[float] = (all_t + np.repeat([a.deadline_ms for a in apps], [len(tm) for tm in times]))[order].tolist()
-    n_arr = len(arr_t)
+    arr_t.append(math.inf)  # a sentinel: no arrival after the last
     ai = 0
-    next_arr = arr_t[0] if n_arr else math.inf
+    next_arr = arr_t[0]
     last_arrival = max((tm[-1] for tm in times if len(tm)), default=0.0)
 
     # (time, kind, seq, data): kind 0 a completion with data (dispatch, its deadlines, its time), 2 a wakeup
     heap: list[tuple[float, int, int, Any]] = []
     heappush, heappop = heapq.heappush, heapq.heappop
     seq = 0
-    in_flight = 0
     running_pct = [0] * scheduler.num_gpus
     busy_keys: set[str] = set()
     gpu_busy_pct_ms = [0.0] * scheduler.num_gpus
@@ -268,7 +267,6 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                 touched = None
                 continue
             d, dls, measured, g, pct, ik, (fin_t, fin_dl), route = data
-            in_flight -= 1
             running_pct[g] -= pct
             busy_keys.discard(ik)
             completed(d, measured)
@@ -308,7 +306,7 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                 touched.add(entry_gpus[i])
             q.append(arr_dl[ai])
             ai += 1
-            next_arr = arr_t[ai] if ai < n_arr else math.inf
+            next_arr = arr_t[ai]
         if not need_plan:
             continue
         if touched is not None:
@@ -349,7 +347,6 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             if jitter_sigma > 0:
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
             gpu_busy_pct_ms[g] += pct * actual
-            in_flight += 1
             heappush(heap, (t + actual, 0, seq, (d, dls, actual, g, pct, ik, fin, route)))
             seq += 1
             if entry_batches is not None:
@@ -357,8 +354,9 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
         w = next_wakeup(t)
+        # (runs in flight: the heap holds more than the sentinel and the wakeups)
         if w is not None and w > limit and w not in wakes and (
-                in_flight or t < last_arrival or any(queues.values())):
+                len(heap) > len(wakes) + 1 or t < last_arrival or any(queues.values())):
             wakes.add(w)
             heappush(heap, (w, 2, seq, w))
             seq += 1
