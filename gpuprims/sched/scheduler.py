@@ -186,6 +186,7 @@ class Scheduler(ABC):
         self.max_batch = max_batch
         self.placement: dict[str, int] = self._place(apps)
         self.gpus = [_GpuState() for _ in range(num_gpus)]
+        self._gpu_ids = frozenset(range(num_gpus))
         self._correction: dict[tuple[str, int], float] = {}
         self._base_cache: dict[tuple[str, int, int], float] = {}
         self._ids = itertools.count(1)
@@ -300,11 +301,7 @@ class Scheduler(ABC):
     def _gpu_list(self, gpus: Iterable[int] | None) -> list[int]:
         if gpus is None:
             return list(range(self.num_gpus))
-        if type(gpus) is set and len(gpus) == 1:
-            for g in gpus:
-                if 0 <= g < self.num_gpus:
-                    return [g]
-        out = sorted(set(gpus))
+        out = sorted(gpus) if type(gpus) is set else sorted(set(gpus))
         if out and not (out[0] >= 0 and out[-1] < self.num_gpus):
             raise ValueError(f"gpus {out} must be in 0..{self.num_gpus - 1}")
         return out
@@ -545,10 +542,8 @@ class SpatioTemporalScheduler(Scheduler):
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
         rnd = math.floor(now_ms / self.round_ms + _EPS)
-        if type(gpus) is set and len(gpus) == 1 and 0 <= min(gpus) < self.num_gpus:
-            glist = list(gpus)  # _gpu_list's answer, the common case
-        else:
-            glist = self._gpu_list(gpus)
+        # (a set of valid GPUs, the common case, needs no more than _gpu_list's sort)
+        glist = sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus)
         if rnd != self._round:
             self._round = rnd
             self._launched.clear()
@@ -562,7 +557,8 @@ class SpatioTemporalScheduler(Scheduler):
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
-            for info in self._nonempty(g, queues):
+            keys, infos = self._scan_on[g]
+            for info in itertools.compress(infos, map(get, keys)):  # the non-empty queues (_nonempty)
                 key = info.key
                 q = get(key)
                 chain = chains.get(key)
@@ -586,7 +582,37 @@ class SpatioTemporalScheduler(Scheduler):
                 # The two passes below come to one try: a second try would find the same state.
                 info = waiting[0][2]
                 key = info.key
-                if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
+                if key in reserved or info.ikey in gs.busy:
+                    continue
+                q = queues[key]
+                c = consumed.get(key, 0)
+                hi = len(q) - c
+                if hi <= 0:
+                    continue
+                if not gs.reservations and not info.succ:
+                    # _try_launch's fast path, inlined (the common case)
+                    pct = info.pct
+                    if gs.pct + pct > 100:
+                        continue
+                    if hi > info.cap:
+                        hi = info.cap
+                    lo = info.lo
+                    b = 0
+                    tab = info.pred
+                    limit = (q[c] - now_ms) + _EPS
+                    while lo <= hi:
+                        mid = (lo + hi) // 2
+                        p = tab.get(mid)
+                        if p is None:
+                            p = self._pred(tab, info.model, mid, pct)
+                        if p <= limit:
+                            b, lo = mid, mid + 1
+                        else:
+                            hi = mid - 1
+                    if b:
+                        consumed[key] = c + b
+                        out.append(self._dispatch(info, g, pct, b, now_ms, tab[b]))
+                        launched.add(info.app_name)
                     continue
                 d = self._try_launch(g, info, now_ms, queues, consumed)
                 if d is not None:
