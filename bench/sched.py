@@ -11,7 +11,7 @@ simulator with the paper-derived profiles (``gpuprims/profile/paper``), under bo
   profile), with and without learning from measured latencies.
 
 It also reports the simulator's speed: simulated requests per wall second for 8 GPUs x 32 apps.
-Every figure here is simulated (no model runs); the live mode comes with the orchestrator.
+Every figure here is simulated (no model runs); bench/sched_live serves the same mix live.
 
 Run: ``python3 -m bench.sched [--quick]``. Reports, never asserts.
 """
