@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -182,8 +183,8 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
         gpu_queues[scheduler.placement[a.name]] += [queues[a.key(s.name)] for s in a.stages]
     quiet, completed, plan, next_wakeup, can_start = (scheduler._quiet, scheduler.completed, scheduler.plan,
                                                       scheduler.next_wakeup_ms, scheduler.can_start)
-    # Finished requests per app: the time they finished and their deadline (stats are made at the end).
-    done: dict[str, tuple[list[float], list[float]]] = {a.name: ([], []) for a in apps}
+    # Finished requests per app: (the time they finished, their deadlines); stats are made at the end.
+    done: dict[str, list[tuple[float, list[float]]]] = {a.name: [] for a in apps}
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
@@ -236,16 +237,20 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
     t = 0.0
     cpu0 = time.process_time()
 
-    # Per queue key: (queue, instance key, finished-request lists of its app, route or None, entry
-    # batch sizes of its app where the key is an entry stage, else None).
-    Per = tuple[deque[float], str, tuple[list[float], list[float]], Any, "list[int] | None"]
+    # Per queue key: (queue, instance key, finished runs of its app, route or None, entry batch sizes
+    # of its app where the key is an entry stage, else None).
+    Per = tuple[deque[float], str, list[tuple[float, list[float]]], Any, "list[int] | None"]
     per: dict[str, Per] = {}
     for a in apps:
         for s in a.stages:
             k = a.key(s.name)
             per[k] = (queues[k], ikey[k], done[a.name], routes.get(k),
                       stats[a.name].entry_batches if k in entry_key_set else None)
-    heap.append((math.inf, 3, -1, None))  # a sentinel: the heap is never empty
+    # Heap entries: (time, kind, seq, dispatch, its deadlines, its time, GPU, GPU%, instance key, finished
+    # runs of its app, route) for a run's completion (kind 0); (time, 2, seq, time, None...) for a wakeup.
+    heap.append((math.inf, 3, -1, None, None, None, 0, 0, "", None, None))  # a sentinel: never empty
+    arrivals = list(map([(entry_queues[i], entry_gpus[i], entry_keys[i]) for i in range(len(workloads))].__getitem__,
+                        arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
 
     while True:
         tn = heap[0][0]
@@ -257,29 +262,24 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             break
         t = tn
         limit = t + _EPS
-        need_plan = False
+        need_plan = 0  # 1: runs completed (the plan may be skippable), 2: a plan is due
         touched: set[int] | None = set()  # GPUs whose queues or runs changed; None: all of them
         while heap[0][0] <= limit:
-            _, kind, _, data = heappop(heap)
+            _, kind, _, d, dls, measured, g, pct, ik, fin, route = heappop(heap)
             if kind == 2:
-                wakes.discard(data)
-                need_plan = True
+                wakes.discard(d)
+                need_plan = 2
                 touched = None
                 continue
-            d, dls, measured, g, pct, ik, (fin_t, fin_dl), route = data
             running_pct[g] -= pct
             busy_keys.discard(ik)
             completed(d, measured)
-            need_plan = True
+            if need_plan == 0:
+                need_plan = 1
             if touched is not None:
                 touched.add(g)
             if route is None:
-                if len(dls) == 1:
-                    fin_t.append(t)
-                    fin_dl.append(dls[0])
-                else:
-                    fin_t += [t] * len(dls)
-                    fin_dl += dls
+                fin.append((t, dls))
                 continue
             to, p = route
             if jitter_sigma > 0:
@@ -290,27 +290,29 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                     used = 0
                 us = block[used:used + len(dls)]
                 used += len(dls)
+            ended = []
             for dl, u in zip(dls, us):
                 nxt = to[bisect.bisect_right(p, u)]
                 if nxt is not None:
                     nxt.append(dl)
                 else:
-                    fin_t.append(t)
-                    fin_dl.append(dl)
+                    ended.append(dl)
+            if ended:
+                fin.append((t, ended))
         while next_arr <= limit:
-            i = arr_app[ai]
-            q = entry_queues[i]
+            q, g, key = arrivals[ai]
             # A plan is due anyway once its GPU is touched; else only if the request could start now.
-            if not q and touched is not None and entry_gpus[i] not in touched and can_start(entry_keys[i]):
-                need_plan = True
-                touched.add(entry_gpus[i])
+            if not q and touched is not None and g not in touched and can_start(key):
+                need_plan = 2
+                touched.add(g)
             q.append(arr_dl[ai])
             ai += 1
             next_arr = arr_t[ai]
         if not need_plan:
             continue
-        if touched is not None:
-            # Skip the plan where it would do nothing and the wakeup would not change (Scheduler._quiet).
+        if need_plan == 1 and touched is not None:
+            # Only completions: skip the plan where it would do nothing and the wakeup would not change
+            # (Scheduler._quiet).
             for g in touched:
                 if any(gpu_queues[g]) or not quiet(t, g):
                     break
@@ -321,7 +323,7 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             key = d.key
             q, ik, fin, route, entry_batches = per[key]
             b = d.batch_size
-            if b < 1 or b > len(q):
+            if not 0 < b <= len(q):
                 raise RuntimeError(f"scheduler dispatched {b} from {key} holding {len(q)}")
             dls = [q.popleft()] if b == 1 else [q.popleft() for _ in range(b)]
             if d.action == "reject":
@@ -347,7 +349,7 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
             if jitter_sigma > 0:
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
             gpu_busy_pct_ms[g] += pct * actual
-            heappush(heap, (t + actual, 0, seq, (d, dls, actual, g, pct, ik, fin, route)))
+            heappush(heap, (t + actual, 0, seq, d, dls, actual, g, pct, ik, fin, route))
             seq += 1
             if entry_batches is not None:
                 entry_batches.append(b)
@@ -358,12 +360,13 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
         if w is not None and w > limit and w not in wakes and (
                 len(heap) > len(wakes) + 1 or t < last_arrival or any(queues.values())):
             wakes.add(w)
-            heappush(heap, (w, 2, seq, w))
+            heappush(heap, (w, 2, seq, w, None, None, 0, 0, "", None, None))
             seq += 1
-    for name, (fin_t, fin_dl) in done.items():
+    for name, fin in done.items():
         st = stats[name]
-        end = np.asarray(fin_t, dtype=float)
-        dl = np.asarray(fin_dl, dtype=float)
+        ends, dlss = (list(x) for x in zip(*fin)) if fin else ([], [])
+        end = np.repeat(np.asarray(ends, dtype=float), list(map(len, dlss)))
+        dl = np.asarray(list(itertools.chain.from_iterable(dlss)), dtype=float)
         arrival = dl - deadline_of[name]
         counted = (warmup_ms <= arrival) & (arrival < duration_ms)
         st.latencies = (end - arrival)[counted].tolist()
