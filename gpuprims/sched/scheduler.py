@@ -127,11 +127,11 @@ class _GpuState:
 class _KeyInfo:
     """What the schedulers look up about one stage queue key, gathered once."""
 
-    __slots__ = ("app", "app_name", "cap", "gpu", "ikey", "index", "is_entry", "key", "lo", "model", "nexts", "pct",
-                 "pred", "run", "stage", "succ")
+    __slots__ = ("app", "app_name", "cap", "gpu", "gs", "ikey", "index", "is_entry", "key", "lo", "model", "nexts",
+                 "pct", "pred", "run", "stage", "succ")
 
-    def __init__(self, key: str, app: App, stage: Stage, ikey: str, gpu: int, index: int, is_entry: bool,
-                 succ: tuple[str, ...], lo: int, cap: int, pred: dict[int, float]) -> None:
+    def __init__(self, key: str, app: App, stage: Stage, ikey: str, gpu: int, gs: _GpuState, index: int,
+                 is_entry: bool, succ: tuple[str, ...], lo: int, cap: int, pred: dict[int, float]) -> None:
         self.key = key
         self.app = app
         self.app_name = app.name
@@ -140,6 +140,7 @@ class _KeyInfo:
         self.model = stage.model
         self.pct = stage.gpu_pct
         self.gpu = gpu
+        self.gs = gs  # the GPU's state
         self.index = index  # the app's index on its GPU
         self.is_entry = is_entry
         self.succ = succ
@@ -187,6 +188,7 @@ class Scheduler(ABC):
         self.placement: dict[str, int] = self._place(apps)
         self.gpus = [_GpuState() for _ in range(num_gpus)]
         self._gpu_ids = frozenset(range(num_gpus))
+        self._gpu_of = dict(enumerate(self.gpus))  # GPU index -> its state (no entry: no such GPU)
         self._correction: dict[tuple[str, int], float] = {}
         self._base_cache: dict[tuple[str, int, int], float] = {}
         self._ids = itertools.count(1)
@@ -215,8 +217,9 @@ class Scheduler(ABC):
             for i, a in enumerate(self._apps_on[g]):
                 for j, st in enumerate(a.stages):
                     k = a.key(st.name)
-                    self._kinfo[k] = _KeyInfo(k, a, st, self._ikey[k], g, i, j == 0, tuple(self._succ[(a.name, st.name)]),
-                                              *self._caps[st.model], self._pred_tab(st.model, st.gpu_pct))
+                    self._kinfo[k] = _KeyInfo(k, a, st, self._ikey[k], g, self.gpus[g], i, j == 0,
+                                              tuple(self._succ[(a.name, st.name)]), *self._caps[st.model],
+                                              self._pred_tab(st.model, st.gpu_pct))
         for info in self._kinfo.values():
             info.nexts = tuple(self._kinfo[info.app.key(n)] for n in info.succ)
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
@@ -346,8 +349,7 @@ class Scheduler(ABC):
         """
         if not measured_ms >= 0:
             raise ValueError(f"measured_ms must be >= 0, got {measured_ms}")
-        gpu = dispatch.gpu
-        gs = self.gpus[gpu] if 0 <= gpu < self.num_gpus else None
+        gs = self._gpu_of.get(dispatch.gpu)
         did = dispatch.id
         if gs is None or gs.running.pop(did, None) is None:
             raise ValueError(f"dispatch {did} ({dispatch.key}) is not running on this scheduler")
@@ -503,7 +505,7 @@ class SpatioTemporalScheduler(Scheduler):
     def can_start(self, key: str) -> bool:
         """False when ``key``'s instance is running or its GPU% is not free now (see ``Scheduler``)."""
         info = self._kinfo.get(key) or self._info_of(key)
-        gs = self.gpus[info.gpu]
+        gs = info.gs
         return gs.pct + info.pct <= 100 and info.ikey not in gs.busy
 
     def route_fraction(self, key: str) -> float:
@@ -558,9 +560,9 @@ class SpatioTemporalScheduler(Scheduler):
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
             keys, infos = self._scan_on[g]
-            for info in itertools.compress(infos, map(get, keys)):  # the non-empty queues (_nonempty)
+            qs = list(map(get, keys))
+            for info, q in itertools.compress(zip(infos, qs), qs):  # the non-empty queues (as _nonempty)
                 key = info.key
-                q = get(key)
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now_ms + chain - _EPS:
                     waiting.append((q[0], info.index, info))  # nothing to reject (_reject_head's own test)
@@ -828,9 +830,9 @@ def _fits(ivs: list[_Interval], pct: int, start: float, end: float, key: str) ->
 def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float, key: str) -> float:
     """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
     if _fits(ivs, pct, not_before, not_before + dur, key):
-        return not_before  # the first candidate below
+        return not_before  # the first candidate
     ends = [e for _, e, _, _ in ivs]
-    for t in sorted({not_before, *(e for e in ends if e > not_before)}):
+    for t in sorted({e for e in ends if e > not_before}):  # the other candidates, in order
         if _fits(ivs, pct, t, t + dur, key):
             return t
     return max([not_before, *ends])
