@@ -202,7 +202,9 @@ class Scheduler(ABC):
              for j, s in enumerate(a.stages)] for g in range(num_gpus)]
         self._chain_cache: dict[str, float] = {}
         self._chain_by_batch: dict[tuple[str, int], float] = {}  # TemporalScheduler's chain times
-        self._ready_starts: list[float] | None = None  # starts of ready reservations, ascending; None: stale
+        # The ready reservations (their predecessor has completed) that are still reserved. Reservations
+        # are unique by (predecessor, stage), so list.remove finds the very one.
+        self._ready: list[_Reservation] = []
         self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
                                                         for a in apps for st in a.stages}
         self._stage_obj: dict[tuple[str, str], Stage] = {(a.name, st.name): st for a in apps for st in a.stages}
@@ -380,7 +382,7 @@ class Scheduler(ABC):
         for r in gs.reservations:
             if r.upstream == did:
                 r.ready = True
-                self._ready_starts = None
+                self._ready.append(r)
 
     def aborted(self, dispatch: Dispatch) -> None:
         """Forget a run that ended without a result (its instance crashed): free its GPU% and drop the
@@ -392,7 +394,7 @@ class Scheduler(ABC):
         gs.pct -= dispatch.gpu_pct
         gs.busy.discard(self._ikey[dispatch.key])
         gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
-        self._ready_starts = None
+        self._ready = [r for r in self._ready if r.upstream != dispatch.id]
 
     def running(self, gpu: int) -> list[Dispatch]:
         """Run dispatches started on ``gpu`` and not yet completed."""
@@ -514,21 +516,20 @@ class SpatioTemporalScheduler(Scheduler):
 
     def _branch_batch(self, key: str, batch: int) -> int:
         f = self._route_frac.get(key, 1.0)  # route_fraction(key)
-        hi = f + self.route_margin_sigma * math.sqrt(max(f * (1 - f), 0.0) / batch)
-        return max(1, min(batch, math.ceil(batch * min(1.0, hi) - _EPS)))
+        var = f * (1 - f)
+        hi = f + self.route_margin_sigma * math.sqrt((0.0 if var < 0.0 else var) / batch)  # max(var, 0.0)
+        # max(1, min(batch, ceil(batch * min(1.0, hi) - _EPS)))
+        nb = math.ceil(batch * (hi if hi < 1.0 else 1.0) - _EPS)
+        if nb > batch:
+            nb = batch
+        return nb if nb > 1 else 1
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """The next round start, or an earlier start of a ready reservation still waiting for its slot."""
         nxt = (math.floor(now_ms / self.round_ms + _EPS) + 1) * self.round_ms
-        starts = self._ready_starts
-        if not starts and starts is not None:
-            return nxt
-        if starts is None:  # only the GPUs in _chain_gpus ever hold reservations
-            starts = self._ready_starts = sorted(r.start for g in self._chain_gpus for r in self.gpus[g].reservations
-                                                 if r.ready)
-        for start in starts:
-            if start > now_ms:
-                return start if start < nxt else nxt
+        for r in self._ready:
+            if now_ms < r.start < nxt:
+                nxt = r.start
         return nxt
 
     def _quiet(self, now_ms: float, gpu: int) -> bool:
@@ -654,13 +655,15 @@ class SpatioTemporalScheduler(Scheduler):
             c = consumed.get(r.key, 0)
             avail = len(q) - c
             if r.upstream_batch:
-                frac = min(1.0, max(avail, 0) / r.upstream_batch)
+                frac = (avail if avail > 0 else 0) / r.upstream_batch  # min(1.0, max(avail, 0) / batch)
+                if frac > 1.0:
+                    frac = 1.0
                 old = self._route_frac.get(r.key, 1.0)
                 self._route_frac[r.key] = (1 - self.learn_rate) * old + self.learn_rate * frac
                 r.upstream_batch = 0  # learn once per slot
             if avail <= 0:
                 gs.reservations.remove(r)  # the predecessor routed nothing here
-                self._ready_starts = None
+                self._ready.remove(r)
                 continue
             info = self._kinfo[r.key]
             if info.ikey in gs.busy:
@@ -677,7 +680,7 @@ class SpatioTemporalScheduler(Scheduler):
             if gs.pct + r.pct > 100:
                 continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
             gs.reservations.remove(r)
-            self._ready_starts = None
+            self._ready.remove(r)
             consumed[r.key] = consumed.get(r.key, 0) + batch
             out.append(self._dispatch(info, g, r.pct, batch, now, pred))
         return out
@@ -762,7 +765,7 @@ class SpatioTemporalScheduler(Scheduler):
         work = list(ivs)
         work.append((now, now + pred, pct, info.ikey))
         res: list[_Reservation] = []
-        frontier = [(n, now + pred) for n in info.nexts]
+        frontier = list(zip(info.nexts, itertools.repeat(now + pred)))
         limit = deadline + _EPS
         while frontier:
             ni, not_before = frontier.pop(0)
@@ -784,6 +787,7 @@ class SpatioTemporalScheduler(Scheduler):
 
 _NONE: frozenset[str] = frozenset()
 _start_of = operator.attrgetter("start")
+_end_of = operator.itemgetter(1)
 
 
 def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
@@ -831,7 +835,7 @@ def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float,
     """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
     if _fits(ivs, pct, not_before, not_before + dur, key):
         return not_before  # the first candidate
-    ends = [e for _, e, _, _ in ivs]
+    ends = list(map(_end_of, ivs))
     for t in sorted({e for e in ends if e > not_before}):  # the other candidates, in order
         if _fits(ivs, pct, t, t + dur, key):
             return t
