@@ -20,6 +20,7 @@ Every result dict carries ``"simulated": True``. Requests are counted when they 
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import math
@@ -169,6 +170,23 @@ class _Raw:
 def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms: float, warmup_ms: float,
               seed: int, jitter_sigma: float, scale: Mapping[str, float], record_dispatches: bool,
               drain: float, gpu_ids: Sequence[int] | None = None) -> _Raw:
+    # The event loop makes no reference cycles (reference counting frees all it drops), but it keeps
+    # many small containers alive, which makes the cyclic collector's passes over them a tenth of the
+    # run time; it is paused for the run (as timeit does) and restored after.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_events(scheduler, workloads, duration_ms=duration_ms, warmup_ms=warmup_ms, seed=seed,
+                           jitter_sigma=jitter_sigma, scale=scale, record_dispatches=record_dispatches,
+                           drain=drain, gpu_ids=gpu_ids)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_ms: float, warmup_ms: float,
+                seed: int, jitter_sigma: float, scale: Mapping[str, float], record_dispatches: bool,
+                drain: float, gpu_ids: Sequence[int] | None) -> _Raw:
     rng = np.random.default_rng(seed)
     profiles: Mapping[str, Profile] = scheduler.profiles
     apps = [w.app for w in workloads]
