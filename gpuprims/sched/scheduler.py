@@ -227,6 +227,8 @@ class Scheduler(ABC):
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
                                                 for g in range(num_gpus)]
         # Per GPU: its queue keys and their infos, in the same order (see _nonempty).
+        self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
+                                                                 for infos in self._kinfo_on]
         self._scan_on: list[tuple[tuple[str, ...], tuple[_KeyInfo, ...]]] = [
             (tuple(i.key for i in infos), tuple(infos)) for infos in self._kinfo_on]
 
@@ -560,10 +562,10 @@ class SpatioTemporalScheduler(Scheduler):
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
-            keys, infos = self._scan_on[g]
-            qs = list(map(get, keys))
-            for info, q in itertools.compress(zip(infos, qs), qs):  # the non-empty queues (as _nonempty)
-                key = info.key
+            for key, info in self._pairs_on[g]:
+                q = get(key)
+                if not q:
+                    continue
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now_ms + chain - _EPS:
                     waiting.append((q[0], info.index, info))  # nothing to reject (_reject_head's own test)
