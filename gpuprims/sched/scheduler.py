@@ -56,7 +56,7 @@ import itertools
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -226,11 +226,9 @@ class Scheduler(ABC):
             info.nexts = tuple(self._kinfo[info.app.key(n)] for n in info.succ)
         self._kinfo_on: list[list[_KeyInfo]] = [[self._kinfo[k] for _, _, _, k, _ in self._keys_on[g]]
                                                 for g in range(num_gpus)]
-        # Per GPU: its queue keys and their infos, in the same order (see _nonempty).
+        # Per GPU: (queue key, its info) in key order, for the queue scans.
         self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
                                                                  for infos in self._kinfo_on]
-        self._scan_on: list[tuple[tuple[str, ...], tuple[_KeyInfo, ...]]] = [
-            (tuple(i.key for i in infos), tuple(infos)) for infos in self._kinfo_on]
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -416,11 +414,6 @@ class Scheduler(ABC):
             gs.busy.add(self._ikey[d.key])
         return d
 
-    def _nonempty(self, g: int, queues: Mapping[str, Sequence[float]]) -> Iterator[_KeyInfo]:
-        """The infos of GPU ``g``'s keys whose queues hold requests, in key order (the filter runs in C)."""
-        keys, infos = self._scan_on[g]
-        return itertools.compress(infos, map(queues.get, keys))
-
     def _dispatch(self, info: _KeyInfo, gpu: int, pct: int, batch: int, now: float, predicted: float) -> Dispatch:
         """``_new_dispatch`` of a run of ``info``'s stage."""
         # The same object as Dispatch(...) builds (key == info.key), without the frozen dataclass's
@@ -458,10 +451,12 @@ class Scheduler(ABC):
                  gpus: list[int], *, sequential: bool) -> list[Dispatch]:
         out: list[Dispatch] = []
         chains = self._chain_cache
+        get = queues.get
         for g in gpus:
-            for info in self._nonempty(g, queues):
-                key = info.key
-                q = queues[key]
+            for key, info in self._pairs_on[g]:
+                q = get(key)
+                if not q:
+                    continue
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now + chain - _EPS:
                     continue  # _reject_head's own first test: nothing to reject
