@@ -762,7 +762,8 @@ class SpatioTemporalScheduler(Scheduler):
         work = list(ivs)
         work.append((now, now + pred, pct, info.ikey))
         res: list[_Reservation] = []
-        frontier = list(zip(info.nexts, itertools.repeat(now + pred)))
+        end0 = now + pred
+        frontier = [(n, end0) for n in info.nexts]
         limit = deadline + _EPS
         while frontier:
             ni, not_before = frontier.pop(0)
@@ -784,7 +785,6 @@ class SpatioTemporalScheduler(Scheduler):
 
 _NONE: frozenset[str] = frozenset()
 _start_of = operator.attrgetter("start")
-_end_of = operator.itemgetter(1)
 
 
 def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
@@ -832,7 +832,7 @@ def _earliest_fit(ivs: list[_Interval], pct: int, dur: float, not_before: float,
     """The earliest start >= not_before where ``pct`` fits for ``dur`` (ends of intervals are candidates)."""
     if _fits(ivs, pct, not_before, not_before + dur, key):
         return not_before  # the first candidate
-    ends = list(map(_end_of, ivs))
+    ends = [e for _, e, _, _ in ivs]
     for t in sorted({e for e in ends if e > not_before}):  # the other candidates, in order
         if _fits(ivs, pct, t, t + dur, key):
             return t
