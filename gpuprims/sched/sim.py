@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import gc
 import heapq
-import itertools
 import math
 import time
 from collections import deque
@@ -201,8 +200,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
         gpu_queues[scheduler.placement[a.name]] += [queues[a.key(s.name)] for s in a.stages]
     quiet, completed, plan, next_wakeup, can_start = (scheduler._quiet, scheduler.completed, scheduler.plan,
                                                       scheduler.next_wakeup_ms, scheduler.can_start)
-    # Finished requests per app: (the time they finished, their deadlines); stats are made at the end.
-    done: dict[str, list[tuple[float, list[float]]]] = {a.name: [] for a in apps}
+    # Finished requests per app: the times they finished and their deadlines (stats are made at the end).
+    done: dict[str, tuple[list[float], list[float]]] = {a.name: ([], []) for a in apps}
     lat_cache: dict[tuple[str, int, int], float] = {}
     stats = {a.name: _AppStats() for a in apps}
     deadline_of = {a.name: a.deadline_ms for a in apps}
@@ -257,7 +256,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
 
     # Per queue key: (queue, instance key, finished runs of its app, route or None, entry batch sizes
     # of its app where the key is an entry stage, else None).
-    Per = tuple[deque[float], str, list[tuple[float, list[float]]], Any, "list[int] | None"]
+    Per = tuple[deque[float], str, tuple[list[float], list[float]], Any, "list[int] | None"]
     per: dict[str, Per] = {}
     for a in apps:
         for s in a.stages:
@@ -297,7 +296,13 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             if touched is not None:
                 touched.add(g)
             if route is None:
-                fin.append((t, dls))
+                fin_t, fin_dl = fin
+                if len(dls) == 1:
+                    fin_t.append(t)
+                    fin_dl.append(dls[0])
+                else:
+                    fin_t += [t] * len(dls)
+                    fin_dl += dls
                 continue
             to, p = route
             if jitter_sigma > 0:
@@ -308,15 +313,14 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                     used = 0
                 us = block[used:used + len(dls)]
                 used += len(dls)
-            ended = []
+            fin_t, fin_dl = fin
             for dl, u in zip(dls, us):
                 nxt = to[bisect.bisect_right(p, u)]
                 if nxt is not None:
                     nxt.append(dl)
                 else:
-                    ended.append(dl)
-            if ended:
-                fin.append((t, ended))
+                    fin_t.append(t)
+                    fin_dl.append(dl)
         while next_arr <= limit:
             q, g, key = arrivals[ai]
             # A plan is due anyway once its GPU is touched; else only if the request could start now.
@@ -380,11 +384,10 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             wakes.add(w)
             heappush(heap, (w, 2, seq, w, None, None, 0, 0, "", None, None))
             seq += 1
-    for name, fin in done.items():
+    for name, (fin_t, fin_dl) in done.items():
         st = stats[name]
-        ends, dlss = (list(x) for x in zip(*fin)) if fin else ([], [])
-        end = np.repeat(np.asarray(ends, dtype=float), list(map(len, dlss)))
-        dl = np.asarray(list(itertools.chain.from_iterable(dlss)), dtype=float)
+        end = np.asarray(fin_t, dtype=float)
+        dl = np.asarray(fin_dl, dtype=float)
         arrival = dl - deadline_of[name]
         counted = (warmup_ms <= arrival) & (arrival < duration_ms)
         st.latencies = (end - arrival)[counted].tolist()
