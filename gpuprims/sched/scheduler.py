@@ -611,7 +611,20 @@ class SpatioTemporalScheduler(Scheduler):
                             hi = mid - 1
                     if b:
                         consumed[key] = c + b
-                        out.append(self._dispatch(info, g, pct, b, now_ms, tab[b]))
+                        # self._dispatch(info, g, pct, b, now_ms, tab[b]), inlined (gs.pct + pct <= 100 held)
+                        fields = info.run.copy()
+                        fields["id"] = did = next(self._ids)
+                        fields["gpu"] = g
+                        fields["gpu_pct"] = pct
+                        fields["batch_size"] = b
+                        fields["start_ms"] = now_ms
+                        fields["predicted_ms"] = tab[b]
+                        d = object.__new__(Dispatch)
+                        object.__setattr__(d, "__dict__", fields)
+                        gs.running[did] = d
+                        gs.pct += pct
+                        gs.busy.add(info.ikey)
+                        out.append(d)
                         launched.add(info.app_name)
                     continue
                 d = self._try_launch(g, info, now_ms, queues, consumed)
