@@ -269,77 +269,94 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     arrivals = list(map([(entry_queues[i], entry_gpus[i], entry_keys[i]) for i in range(len(workloads))].__getitem__,
                         arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
 
+    touched: set[int] | None
     while True:
         tn = heap[0][0]
+        lone = False
         if next_arr < tn:
-            tn = next_arr
-        if tn > end_ms:
-            if tn != math.inf:
-                t = tn
-            break
-        t = tn
-        limit = t + _EPS
-        need_plan = 0  # 1: runs completed (the plan may be skippable), 2: a plan is due
-        touched: set[int] | None = set()  # GPUs whose queues or runs changed; None: all of them
-        while heap[0][0] <= limit:
-            _, kind, _, d, dls, measured, g, pct, ik, fin, route = heappop(heap)
-            if kind == 2:
-                wakes.discard(d)
-                need_plan = 2
-                touched = None
-                continue
-            running_pct[g] -= pct
-            busy_keys.discard(ik)
-            completed(d, measured)
-            if need_plan == 0:
-                need_plan = 1
-            if touched is not None:
-                touched.add(g)
-            if route is None:
+            limit = next_arr + _EPS
+            if tn > limit and arr_t[ai + 1] > limit:
+                # A lone arrival (the common event): the general batch below, cut short.
+                lone = True
+                t = next_arr
+                q, g, key = arrivals[ai]
+                q.append(arr_dl[ai])
+                ai += 1
+                next_arr = arr_t[ai]
+                # (can_start does not depend on the queues)
+                if len(q) > 1 or not can_start(key):
+                    continue  # it waits behind others, or cannot start: no plan is due
+                touched = {g}
+            else:
+                tn = next_arr
+        if not lone:
+            if tn > end_ms:
+                if tn != math.inf:
+                    t = tn
+                break
+            t = tn
+            limit = t + _EPS
+            need_plan = 0  # 1: runs completed (the plan may be skippable), 2: a plan is due
+            touched = set()  # GPUs whose queues or runs changed; None: all of them
+            while heap[0][0] <= limit:
+                _, kind, _, d, dls, measured, g, pct, ik, fin, route = heappop(heap)
+                if kind == 2:
+                    wakes.discard(d)
+                    need_plan = 2
+                    touched = None
+                    continue
+                running_pct[g] -= pct
+                busy_keys.discard(ik)
+                completed(d, measured)
+                if need_plan == 0:
+                    need_plan = 1
+                if touched is not None:
+                    touched.add(g)
+                if route is None:
+                    fin_t, fin_dl = fin
+                    if len(dls) == 1:
+                        fin_t.append(t)
+                        fin_dl.append(dls[0])
+                    else:
+                        fin_t += [t] * len(dls)
+                        fin_dl += dls
+                    continue
+                to, p = route
+                if jitter_sigma > 0:
+                    us = rng.random(len(dls)).tolist()
+                else:
+                    if used + len(dls) > len(block):
+                        block = block[used:] + rng.random(max(4096, len(dls))).tolist()
+                        used = 0
+                    us = block[used:used + len(dls)]
+                    used += len(dls)
                 fin_t, fin_dl = fin
-                if len(dls) == 1:
-                    fin_t.append(t)
-                    fin_dl.append(dls[0])
-                else:
-                    fin_t += [t] * len(dls)
-                    fin_dl += dls
+                for dl, u in zip(dls, us):
+                    nxt = to[bisect.bisect_right(p, u)]
+                    if nxt is not None:
+                        nxt.append(dl)
+                    else:
+                        fin_t.append(t)
+                        fin_dl.append(dl)
+            while next_arr <= limit:
+                q, g, key = arrivals[ai]
+                # A plan is due anyway once its GPU is touched; else only if the request could start now.
+                if not q and touched is not None and g not in touched and can_start(key):
+                    need_plan = 2
+                    touched.add(g)
+                q.append(arr_dl[ai])
+                ai += 1
+                next_arr = arr_t[ai]
+            if not need_plan:
                 continue
-            to, p = route
-            if jitter_sigma > 0:
-                us = rng.random(len(dls)).tolist()
-            else:
-                if used + len(dls) > len(block):
-                    block = block[used:] + rng.random(max(4096, len(dls))).tolist()
-                    used = 0
-                us = block[used:used + len(dls)]
-                used += len(dls)
-            fin_t, fin_dl = fin
-            for dl, u in zip(dls, us):
-                nxt = to[bisect.bisect_right(p, u)]
-                if nxt is not None:
-                    nxt.append(dl)
+            if need_plan == 1 and touched is not None:
+                # Only completions: skip the plan where it would do nothing and the wakeup would not change
+                # (Scheduler._quiet).
+                for g in touched:
+                    if any(gpu_queues[g]) or not quiet(t, g):
+                        break
                 else:
-                    fin_t.append(t)
-                    fin_dl.append(dl)
-        while next_arr <= limit:
-            q, g, key = arrivals[ai]
-            # A plan is due anyway once its GPU is touched; else only if the request could start now.
-            if not q and touched is not None and g not in touched and can_start(key):
-                need_plan = 2
-                touched.add(g)
-            q.append(arr_dl[ai])
-            ai += 1
-            next_arr = arr_t[ai]
-        if not need_plan:
-            continue
-        if need_plan == 1 and touched is not None:
-            # Only completions: skip the plan where it would do nothing and the wakeup would not change
-            # (Scheduler._quiet).
-            for g in touched:
-                if any(gpu_queues[g]) or not quiet(t, g):
-                    break
-            else:
-                continue
+                    continue
         plans += 1
         for d in plan(t, queues, touched):
             key = d.key
