@@ -158,6 +158,7 @@ class Scheduler(ABC):
     """Common state: apps, profiles, placement, learned corrections, running dispatches per GPU."""
 
     name: ClassVar[str]
+    _versioned_wakeups: ClassVar[bool] = False  # see _wake_version
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
@@ -205,6 +206,10 @@ class Scheduler(ABC):
         # The ready reservations (their predecessor has completed) that are still reserved. Reservations
         # are unique by (predecessor, stage), so list.remove finds the very one.
         self._ready: list[_Reservation] = []
+        # Where _versioned_wakeups: a number that changes whenever next_wakeup_ms(now) may answer
+        # otherwise than at its last call, for a later now before that answer (the simulator asks again
+        # only then). SpatioTemporalScheduler's answer depends on the round and on _ready.
+        self._wake_version = 0
         self._succ: dict[tuple[str, str], list[str]] = {(a.name, st.name): a.successors(st.name)
                                                         for a in apps for st in a.stages}
         self._stage_obj: dict[tuple[str, str], Stage] = {(a.name, st.name): st for a in apps for st in a.stages}
@@ -383,6 +388,7 @@ class Scheduler(ABC):
             if r.upstream == did:
                 r.ready = True
                 self._ready.append(r)
+                self._wake_version += 1
 
     def aborted(self, dispatch: Dispatch) -> None:
         """Forget a run that ended without a result (its instance crashed): free its GPU% and drop the
@@ -395,6 +401,7 @@ class Scheduler(ABC):
         gs.busy.discard(self._ikey[dispatch.key])
         gs.reservations = [r for r in gs.reservations if r.upstream != dispatch.id]
         self._ready = [r for r in self._ready if r.upstream != dispatch.id]
+        self._wake_version += 1
 
     def running(self, gpu: int) -> list[Dispatch]:
         """Run dispatches started on ``gpu`` and not yet completed."""
@@ -485,6 +492,7 @@ class SpatioTemporalScheduler(Scheduler):
     """Spatial (concurrent GPU% slices) and temporal (rounds, reservations, gap fills) scheduling."""
 
     name = "spatiotemporal"
+    _versioned_wakeups = True
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
@@ -547,6 +555,7 @@ class SpatioTemporalScheduler(Scheduler):
         if rnd != self._round:
             self._round = rnd
             self._launched.clear()
+            self._wake_version += 1
             glist = list(range(self.num_gpus))  # a new round concerns every GPU
         consumed: dict[str, int] = {}
         out: list[Dispatch] = []
@@ -674,6 +683,7 @@ class SpatioTemporalScheduler(Scheduler):
             if avail <= 0:
                 gs.reservations.remove(r)  # the predecessor routed nothing here
                 self._ready.remove(r)
+                self._wake_version += 1
                 continue
             info = self._kinfo[r.key]
             if info.ikey in gs.busy:
@@ -691,6 +701,7 @@ class SpatioTemporalScheduler(Scheduler):
                 continue  # the slot slipped (a predecessor or neighbour overran); retry on completion
             gs.reservations.remove(r)
             self._ready.remove(r)
+            self._wake_version += 1
             consumed[r.key] = consumed.get(r.key, 0) + batch
             out.append(self._dispatch(info, g, r.pct, batch, now, pred))
         return out

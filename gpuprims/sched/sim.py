@@ -270,6 +270,9 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                         arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
 
     touched: set[int] | None
+    last_w: float | None = None  # the last answer of next_wakeup_ms, and the _wake_version then
+    last_wv: int | None = None
+    versioned = scheduler._versioned_wakeups
     while True:
         tn = heap[0][0]
         lone = False
@@ -394,13 +397,18 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 entry_batches.append(b)
             if record_dispatches:
                 trace.append(_trace_row(d, t, actual))
-        w = next_wakeup(t)
-        # (runs in flight: the heap holds more than the sentinel and the wakeups)
-        if w is not None and w > limit and w not in wakes and (
-                len(heap) > len(wakes) + 1 or t < last_arrival or any(queues.values())):
-            wakes.add(w)
-            heappush(heap, (w, 2, seq, w, None, None, 0, 0, "", None, None))
-            seq += 1
+        # The wakeup: unless the scheduler says its answer cannot have changed and that answer is still
+        # pending (then next_wakeup_ms(t) would name it again, and it is already queued).
+        wv = scheduler._wake_version if versioned else None
+        if wv is None or wv != last_wv or last_w is None or not t < last_w or last_w not in wakes:
+            w = last_w = next_wakeup(t)
+            last_wv = wv
+            # (runs in flight: the heap holds more than the sentinel and the wakeups)
+            if w is not None and w > limit and w not in wakes and (
+                    len(heap) > len(wakes) + 1 or t < last_arrival or any(queues.values())):
+                wakes.add(w)
+                heappush(heap, (w, 2, seq, w, None, None, 0, 0, "", None, None))
+                seq += 1
     for name, (fin_t, fin_dl) in done.items():
         st = stats[name]
         end = np.asarray(fin_t, dtype=float)

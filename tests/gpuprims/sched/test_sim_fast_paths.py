@@ -81,6 +81,8 @@ def test_two_gpu_mix_with_learning_decisions_unchanged(name: str, n: int, digest
 
 
 class _LoudSpatioTemporal(SpatioTemporalScheduler):
+    _versioned_wakeups = False  # never let the simulator skip asking next_wakeup_ms
+
     def _quiet(self, now_ms: float, gpu: int) -> bool:
         return False  # never let the simulator skip a plan
 
@@ -98,7 +100,7 @@ def _strip(res: dict) -> dict:
 @pytest.mark.parametrize(("quiet_cls", "loud_cls"), [(SpatioTemporalScheduler, _LoudSpatioTemporal),
                                                      (TemporalScheduler, _LoudTemporal)])
 @pytest.mark.parametrize("jitter", [0.0, 0.15])
-def test_skipped_plans_would_have_done_nothing(quiet_cls: type[Scheduler], loud_cls: type[Scheduler],
+def test_skipped_plans_and_wakeup_questions_would_have_changed_nothing(quiet_cls: type[Scheduler], loud_cls: type[Scheduler],
                                                jitter: float) -> None:
     for wl, gpus in ((many_apps(num_gpus=4, num_apps=12, rate_rps=60.0), 4), (paper_table3(kind="poisson"), 1),
                      (_two_gpu_mix(), 2)):
