@@ -648,6 +648,8 @@ class SpatioTemporalScheduler(Scheduler):
                 for _, _, info in waiting:
                     if first_pass and (not info.is_entry or info.app_name in launched):
                         continue
+                    if gs.pct + info.pct > 100:
+                        continue  # _try_launch's first test: no room now (and none comes during a plan)
                     key = info.key
                     if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
                         continue
@@ -811,8 +813,7 @@ _NONE: frozenset[str] = frozenset()
 _start_of = operator.attrgetter("start")
 
 
-def _deadline_then_app(w: tuple[float, int, _KeyInfo]) -> tuple[float, int]:
-    return w[0], w[1]
+_deadline_then_app = operator.itemgetter(0, 1)  # the waiting sort key: (deadline, app index)
 
 
 def _occupancy(ivs: list[_Interval], t: float) -> int:
