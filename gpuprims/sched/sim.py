@@ -3,7 +3,11 @@
 The simulator drives the same ``Scheduler`` classes the orchestrator runs live: it keeps one FIFO
 queue of request deadlines per app stage, calls ``plan`` whenever a run completes, a queue turns
 non-empty or the scheduler's wakeup comes, applies the dispatches in order, and reports each run's
-simulated execution time back through ``completed``.
+simulated execution time back through ``completed``. It leaves out the calls that provably change
+nothing: ``plan`` after an arrival that cannot start (``can_start``) or after completions on GPUs
+with nothing queued where the scheduler says such a plan is a no-op (``Scheduler._quiet``), and
+``next_wakeup_ms`` while the scheduler's answer cannot have changed (``_wake_version``). The
+reported ``plans`` counts the calls made.
 
 Execution model (stated, not measured): a run of ``batch`` requests of ``model`` at ``gpu_pct``
 takes the profile's p50 latency there, times an optional per-model ``true_scale`` (to model a
