@@ -506,12 +506,13 @@ class SpatioTemporalScheduler(Scheduler):
         self._round = -1
         self._launched: set[str] = set()
         self._route_frac: dict[str, float] = {}
-        # GPUs with an app of more than one stage: launches reserve later slots there and nowhere else.
-        self._chain_gpus = [g for g in range(num_gpus) if any(len(a.stages) > 1 for a in self._apps_on[g])]
 
     def can_start(self, key: str) -> bool:
         """False when ``key``'s instance is running or its GPU% is not free now (see ``Scheduler``)."""
-        info = self._kinfo.get(key) or self._info_of(key)
+        try:
+            info = self._kinfo[key]
+        except KeyError:
+            info = self._info_of(key)  # raises
         gs = info.gs
         return gs.pct + info.pct <= 100 and info.ikey not in gs.busy
 
