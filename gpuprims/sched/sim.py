@@ -279,6 +279,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     last_w: float | None = None  # the last answer of next_wakeup_ms, and the _wake_version then
     last_wv: int | None = None
     versioned = scheduler._versioned_wakeups
+    jitter = jitter_sigma > 0
+    busy_add, busy_discard = busy_keys.add, busy_keys.discard
     while True:
         tn = heap[0][0]
         lone = False
@@ -306,7 +308,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             t = tn
             _, _, _, d, dls, measured, g, pct, ik, (fin_t, fin_dl), _ = heappop(heap)
             running_pct[g] -= pct
-            busy_keys.discard(ik)
+            busy_discard(ik)
             completed(d, measured)
             if len(dls) == 1:
                 fin_t.append(t)
@@ -334,7 +336,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                     touched = None
                     continue
                 running_pct[g] -= pct
-                busy_keys.discard(ik)
+                busy_discard(ik)
                 completed(d, measured)
                 if need_plan == 0:
                     need_plan = 1
@@ -350,7 +352,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                         fin_dl += dls
                     continue
                 to, p = route
-                if jitter_sigma > 0:
+                if jitter:
                     us = rng.random(len(dls)).tolist()
                 else:
                     if used + len(dls) > len(block):
@@ -408,12 +410,12 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             if ik in busy_keys:
                 raise RuntimeError(f"scheduler started {key} at t={t} ms while its instance was busy")
             running_pct[g] += pct
-            busy_keys.add(ik)
+            busy_add(ik)
             lk = (d.model, b, pct)
             actual = lat_cache.get(lk)
             if actual is None:
                 actual = lat_cache[lk] = profiles[d.model].latency_ms(b, pct) * scale.get(d.model, 1.0)
-            if jitter_sigma > 0:
+            if jitter:
                 actual *= float(np.exp(rng.normal(0.0, jitter_sigma)))
             gpu_busy_pct_ms[g] += pct * actual
             heappush(heap, (t + actual, 0, seq, d, dls, actual, g, pct, ik, fin, route))
