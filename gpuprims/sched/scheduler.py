@@ -894,13 +894,18 @@ class TemporalScheduler(Scheduler):
 
     def can_start(self, key: str) -> bool:
         """False while ``key``'s GPU runs anything (exclusive access; see ``Scheduler``)."""
-        return not self.gpus[self._info_of(key).gpu].running
+        try:
+            info = self._kinfo[key]
+        except KeyError:
+            info = self._info_of(key)  # raises
+        return not info.gs.running
 
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """Rejects, then on every idle GPU: a DAG's pending later stage, else the next app's turn."""
         consumed: dict[str, int] = {}
-        glist = self._gpu_list(gpus)
+        # (a set of valid GPUs, the common case, needs no more than _gpu_list's sort)
+        glist = sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus)
         out = self._rejects(now_ms, queues, consumed, glist, sequential=True)
         for g in glist:
             gs = self.gpus[g]
