@@ -610,15 +610,22 @@ class SpatioTemporalScheduler(Scheduler):
                     b = 0
                     tab = info.pred
                     limit = (q[c] - now_ms) + _EPS
-                    while lo <= hi:
-                        mid = (lo + hi) // 2
-                        p = tab.get(mid)
+                    if lo == hi:  # one candidate: the search below would make this one probe
+                        p = tab.get(lo)
                         if p is None:
-                            p = self._pred(tab, info.model, mid, pct)
+                            p = self._pred(tab, info.model, lo, pct)
                         if p <= limit:
-                            b, lo = mid, mid + 1
-                        else:
-                            hi = mid - 1
+                            b = lo
+                    else:
+                        while lo <= hi:
+                            mid = (lo + hi) // 2
+                            p = tab.get(mid)
+                            if p is None:
+                                p = self._pred(tab, info.model, mid, pct)
+                            if p <= limit:
+                                b, lo = mid, mid + 1
+                            else:
+                                hi = mid - 1
                     if b:
                         consumed[key] = c + b
                         # self._dispatch(info, g, pct, b, now_ms, tab[b]), inlined (gs.pct + pct <= 100 held)
