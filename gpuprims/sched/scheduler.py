@@ -308,6 +308,11 @@ class Scheduler(ABC):
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """Dispatches to apply now, in order (module docstring)."""
 
+    def _plan_gpus(self, now_ms: float, queues: Mapping[str, Sequence[float]], glist: list[int]) -> list[Dispatch]:
+        """``plan(now_ms, queues, glist)`` for a caller that passes valid GPU indexes, ascending and
+        distinct, in a list it does not change (the simulator); subclasses skip re-checking them."""
+        return self.plan(now_ms, queues, glist)
+
     def _gpu_list(self, gpus: Iterable[int] | None) -> list[int]:
         if gpus is None:
             return list(range(self.num_gpus))
@@ -550,9 +555,12 @@ class SpatioTemporalScheduler(Scheduler):
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """See the module docstring: rejects, ready reservations, round launches, then gap fills."""
-        rnd = math.floor(now_ms / self.round_ms + _EPS)
         # (a set of valid GPUs, the common case, needs no more than _gpu_list's sort)
-        glist = sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus)
+        return self._plan_gpus(now_ms, queues,
+                               sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus))
+
+    def _plan_gpus(self, now_ms: float, queues: Mapping[str, Sequence[float]], glist: list[int]) -> list[Dispatch]:
+        rnd = math.floor(now_ms / self.round_ms + _EPS)
         if rnd != self._round:
             self._round = rnd
             self._launched.clear()
@@ -910,9 +918,12 @@ class TemporalScheduler(Scheduler):
     def plan(self, now_ms: float, queues: Mapping[str, Sequence[float]],
              gpus: Iterable[int] | None = None) -> list[Dispatch]:
         """Rejects, then on every idle GPU: a DAG's pending later stage, else the next app's turn."""
-        consumed: dict[str, int] = {}
         # (a set of valid GPUs, the common case, needs no more than _gpu_list's sort)
-        glist = sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus)
+        return self._plan_gpus(now_ms, queues,
+                               sorted(gpus) if type(gpus) is set and gpus <= self._gpu_ids else self._gpu_list(gpus))
+
+    def _plan_gpus(self, now_ms: float, queues: Mapping[str, Sequence[float]], glist: list[int]) -> list[Dispatch]:
+        consumed: dict[str, int] = {}
         out = self._rejects(now_ms, queues, consumed, glist, sequential=True)
         for g in glist:
             gs = self.gpus[g]

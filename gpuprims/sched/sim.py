@@ -275,11 +275,13 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     arrivals = list(map([(entry_queues[i], entry_gpus[i], entry_keys[i]) for i in range(len(workloads))].__getitem__,
                         arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
 
-    touched: set[int] | None
+    touched: set[int] | list[int] | None
     last_w: float | None = None  # the last answer of next_wakeup_ms, and the _wake_version then
     last_wv: int | None = None
     versioned = scheduler._versioned_wakeups
     jitter = jitter_sigma > 0
+    plan_gpus = scheduler._plan_gpus
+    one_gpu = [[g] for g in range(scheduler.num_gpus)]  # never changed (Scheduler._plan_gpus)
     busy_add, busy_discard = busy_keys.add, busy_keys.discard
     while True:
         tn = heap[0][0]
@@ -297,7 +299,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 # (can_start does not depend on the queues)
                 if len(q) > 1 or not can_start(key):
                     continue  # it waits behind others, or cannot start: no plan is due
-                touched = {g}
+                touched = one_gpu[g]
             else:
                 tn = next_arr
         elif tn <= end_ms and (top := heap[0])[1] == 0 and top[10] is None and next_arr > (limit := tn + _EPS) and (
@@ -318,7 +320,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 fin_dl += dls
             if not any(gpu_queues[g]) and quiet(t, g):
                 continue  # the plan would do nothing (Scheduler._quiet)
-            touched = {g}
+            touched = one_gpu[g]
         if not lone:
             if tn > end_ms:
                 if tn != math.inf:
@@ -388,7 +390,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 else:
                     continue
         plans += 1
-        for d in plan(t, queues, touched):
+        # (a lone event's GPU goes as a ready-made list: plan_gpus skips the hint's checks)
+        for d in (plan_gpus(t, queues, touched) if type(touched) is list else plan(t, queues, touched)):
             key = d.key
             q, ik, fin, route, entry_batches = per[key]
             b = d.batch_size
