@@ -819,7 +819,7 @@ class SpatioTemporalScheduler(Scheduler):
             if start + dur > limit:
                 return None
             work.append((start, start + dur, ni.pct, ni.ikey))
-            res.append(_Reservation(ni.key, ni.app_name, ni.stage, g, ni.pct, nb, start, start + dur, upstream=0))
+            res.append(_Reservation(ni.key, ni.app_name, ni.stage, g, ni.pct, nb, start, start + dur, 0))  # upstream: set on launch
             if ni.nexts:
                 frontier.extend((n, start + dur) for n in ni.nexts)
         return res, pred

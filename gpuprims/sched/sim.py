@@ -408,11 +408,12 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                     trace.append(_trace_row(d, t))
                 continue
             g, pct = d.gpu, d.gpu_pct
-            if running_pct[g] + pct > 100:
+            now_pct = running_pct[g] + pct
+            if now_pct > 100:
                 raise RuntimeError(f"scheduler took GPU {g} above 100% at t={t} ms ({running_pct[g]} + {pct})")
             if ik in busy_keys:
                 raise RuntimeError(f"scheduler started {key} at t={t} ms while its instance was busy")
-            running_pct[g] += pct
+            running_pct[g] = now_pct
             busy_add(ik)
             lk = (d.model, b, pct)
             actual = lat_cache.get(lk)
