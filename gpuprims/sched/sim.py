@@ -302,25 +302,28 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 touched = one_gpu[g]
             else:
                 tn = next_arr
-        elif tn <= end_ms and (top := heap[0])[1] == 0 and top[10] is None and next_arr > (limit := tn + _EPS) and (
-                (heap[1][0] if len(heap) == 2 or heap[1][0] < heap[2][0] else heap[2][0]) > limit):
-            # A lone completion of a run whose requests all end (the next common event): the same
-            # as the general batch below, cut short. (heap[1], heap[2]: the next-earliest holds one.)
-            lone = True
-            t = tn
-            _, _, _, d, dls, measured, g, pct, ik, (fin_t, fin_dl), _ = heappop(heap)
-            running_pct[g] -= pct
-            busy_discard(ik)
-            completed(d, measured)
-            if len(dls) == 1:
-                fin_t.append(t)
-                fin_dl.append(dls[0])
+        elif tn <= end_ms and heap[0][1] == 0 and next_arr > (limit := tn + _EPS):
+            ev = heappop(heap)
+            if ev[10] is not None or heap[0][0] <= limit:
+                heappush(heap, ev)  # not lone, or its requests go on: back for the general batch below
             else:
-                fin_t += [t] * len(dls)
-                fin_dl += dls
-            if not any(gpu_queues[g]) and quiet(t, g):
-                continue  # the plan would do nothing (Scheduler._quiet)
-            touched = one_gpu[g]
+                # A lone completion of a run whose requests all end (the next common event): the same
+                # as the general batch below, cut short.
+                lone = True
+                t = tn
+                _, _, _, d, dls, measured, g, pct, ik, (fin_t, fin_dl), _ = ev
+                running_pct[g] -= pct
+                busy_discard(ik)
+                completed(d, measured)
+                if len(dls) == 1:
+                    fin_t.append(t)
+                    fin_dl.append(dls[0])
+                else:
+                    fin_t += [t] * len(dls)
+                    fin_dl += dls
+                if not any(gpu_queues[g]) and quiet(t, g):
+                    continue  # the plan would do nothing (Scheduler._quiet)
+                touched = one_gpu[g]
         if not lone:
             if tn > end_ms:
                 if tn != math.inf:
