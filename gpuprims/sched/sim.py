@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import gc
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -445,8 +446,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 seq += 1
     for name, (fin_t, fin_dl) in done.items():
         st = stats[name]
-        end = np.asarray(fin_t, dtype=float)
-        dl = np.asarray(fin_dl, dtype=float)
+        end = np.fromiter(fin_t, float, len(fin_t))  # (as np.asarray(..., dtype=float), without the shape search)
+        dl = np.fromiter(fin_dl, float, len(fin_dl))
         arrival = dl - deadline_of[name]
         counted = (warmup_ms <= arrival) & (arrival < duration_ms)
         st.latencies = (end - arrival)[counted].tolist()
@@ -477,8 +478,8 @@ def _report(raws: Sequence[_Raw], *, scheduler_name: str, num_gpus: int, duratio
     total = _AppStats(
         offered=sum(s.offered for s in stats.values()), met=sum(s.met for s in stats.values()),
         late=sum(s.late for s in stats.values()), rejected=sum(s.rejected for s in stats.values()),
-        latencies=[x for s in stats.values() for x in s.latencies],
-        entry_batches=[x for s in stats.values() for x in s.entry_batches])
+        latencies=list(itertools.chain.from_iterable(s.latencies for s in stats.values())),
+        entry_batches=list(itertools.chain.from_iterable(s.entry_batches for s in stats.values())))
     span_ms = max(r.span_ms for r in raws)
     cpu_s = sum(r.cpu_s for r in raws)
     out: dict[str, Any] = {
@@ -509,7 +510,7 @@ def _trace_row(d: Dispatch, t: float, actual: float | None = None) -> dict[str, 
 
 
 def _summary(st: _AppStats, unfinished: int, window_s: float) -> dict[str, Any]:
-    lat = np.asarray(st.latencies, dtype=float)
+    lat = np.fromiter(st.latencies, float, len(st.latencies))
     pct = {f"latency_p{p:g}_ms": (float(np.percentile(lat, p)) if lat.size else None) for p in (50, 99)}
     return {
         "simulated": True,
