@@ -395,7 +395,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                     continue
         plans += 1
         # (a lone event's GPU goes as a ready-made list: plan_gpus skips the hint's checks)
-        for d in (plan_gpus(t, queues, touched) if type(touched) is list else plan(t, queues, touched)):
+        for d in (plan_gpus(t, queues, touched) if lone else plan(t, queues, touched)):
             key = d.key
             q, ik, fin, route, entry_batches = per[key]
             b = d.batch_size
