@@ -277,8 +277,10 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                         arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
 
     touched: set[int] | list[int] | None
-    last_w: float | None = None  # the last answer of next_wakeup_ms, and the _wake_version then
-    last_wv: int | None = None
+    # The last answer of next_wakeup_ms (while the scheduler keeps _wake_version; else -inf: ask every
+    # time) and the _wake_version then.
+    asked_until = -math.inf
+    last_wv = -1
     versioned = scheduler._versioned_wakeups
     jitter = jitter_sigma > 0
     plan_gpus = scheduler._plan_gpus
@@ -434,16 +436,16 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 trace.append(_trace_row(d, t, actual))
         # The wakeup: unless the scheduler says its answer cannot have changed and that answer is still
         # pending (then next_wakeup_ms(t) would name it again, and it is already queued).
-        wv = scheduler._wake_version if versioned else None
-        if wv is None or wv != last_wv or last_w is None or not t < last_w or last_w not in wakes:
-            w = last_w = next_wakeup(t)
-            last_wv = wv
+        if not (t < asked_until and scheduler._wake_version == last_wv and asked_until in wakes):
+            w = next_wakeup(t)
             # (runs in flight: the heap holds more than the sentinel and the wakeups)
             if w is not None and w > limit and w not in wakes and (
                     len(heap) > len(wakes) + 1 or t < last_arrival or any(queues.values())):
                 wakes.add(w)
                 heappush(heap, (w, 2, seq, w, None, None, 0, 0, "", None, None))
                 seq += 1
+            if versioned and w is not None:
+                asked_until, last_wv = w, scheduler._wake_version
     for name, (fin_t, fin_dl) in done.items():
         st = stats[name]
         end = np.fromiter(fin_t, float, len(fin_t))  # (as np.asarray(..., dtype=float), without the shape search)
