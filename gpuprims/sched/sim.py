@@ -247,8 +247,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     next_arr = arr_t[0]
     last_arrival = max((tm[-1] for tm in times if len(tm)), default=0.0)
 
-    # (time, kind, seq, data): kind 0 a completion with data (dispatch, its deadlines, its time), 2 a wakeup
-    heap: list[tuple[float, int, int, Any]] = []
+    heap: list[tuple[Any, ...]] = []  # the events other than arrivals (entries described below)
     heappush, heappop = heapq.heappush, heapq.heappop
     seq = 0
     running_pct = [0] * scheduler.num_gpus
@@ -261,8 +260,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     t = 0.0
     cpu0 = time.process_time()
 
-    # Per queue key: (queue, instance key, finished runs of its app, route or None, entry batch sizes
-    # of its app where the key is an entry stage, else None).
+    # Per queue key: (queue, instance key, its app's lists of finished requests, route or None, entry
+    # batch sizes of its app where the key is an entry stage, else None).
     Per = tuple[deque[float], str, tuple[list[float], list[float]], Any, "list[int] | None"]
     per: dict[str, Per] = {}
     for a in apps:
@@ -270,8 +269,9 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             k = a.key(s.name)
             per[k] = (queues[k], ikey[k], done[a.name], routes.get(k),
                       stats[a.name].entry_batches if k in entry_key_set else None)
-    # Heap entries: (time, kind, seq, dispatch, its deadlines, its time, GPU, GPU%, instance key, finished
-    # runs of its app, route) for a run's completion (kind 0); (time, 2, seq, time, None...) for a wakeup.
+    # Heap entries: (time, kind, seq, dispatch, its deadlines, its time, GPU, GPU%, instance key, its
+    # app's lists of finished requests, route) for a run's completion (kind 0); (time, 2, seq, time,
+    # None, ...) for a wakeup; ordered by (time, kind, seq) as before the arrivals left the heap.
     heap.append((math.inf, 3, -1, None, None, None, 0, 0, "", None, None))  # a sentinel: never empty
     arrivals = list(map([(entry_queues[i], entry_gpus[i], entry_keys[i]) for i in range(len(workloads))].__getitem__,
                         arr_app))  # per arrival: (entry queue, GPU, entry key) of its app
