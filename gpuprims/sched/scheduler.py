@@ -234,6 +234,8 @@ class Scheduler(ABC):
         # Per GPU: (queue key, its info) in key order, for the queue scans.
         self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
                                                                  for infos in self._kinfo_on]
+        self._bound: Mapping[str, Sequence[float]] | None = None  # see _bind_queues
+        self._bound_on: list[tuple[tuple[Sequence[float] | None, str, _KeyInfo], ...]] = []
 
     # --- placement and prediction ------------------------------------------------------------------
     def _place(self, apps: Sequence[App]) -> dict[str, int]:
@@ -312,6 +314,22 @@ class Scheduler(ABC):
         """``plan(now_ms, queues, glist)`` for a caller that passes valid GPU indexes, ascending and
         distinct, in a list it does not change (the simulator); subclasses skip re-checking them."""
         return self.plan(now_ms, queues, glist)
+
+    def _bind_queues(self, queues: Mapping[str, Sequence[float]] | None) -> None:
+        """For a caller (the simulator) whose ``queues`` keeps one sequence object per key (changed in
+        place only) while bound: the queue scans of ``plan`` then read those objects without a lookup.
+        None unbinds."""
+        self._bound = queues
+        self._bound_on = [] if queues is None else [tuple((queues.get(k), k, i) for k, i in pairs)
+                                                    for pairs in self._pairs_on]
+
+    def _scan(self, g: int, queues: Mapping[str, Sequence[float]]) -> Iterable[tuple[Sequence[float] | None, str,
+                                                                                      _KeyInfo]]:
+        """(queue or None, key, info) for GPU ``g``'s keys in order."""
+        if queues is self._bound:
+            return self._bound_on[g]
+        get = queues.get
+        return [(get(k), k, i) for k, i in self._pairs_on[g]]
 
     def _gpu_list(self, gpus: Iterable[int] | None) -> list[int]:
         if gpus is None:
@@ -463,10 +481,9 @@ class Scheduler(ABC):
                  gpus: list[int], *, sequential: bool) -> list[Dispatch]:
         out: list[Dispatch] = []
         chains = self._chain_cache
-        get = queues.get
+        bound = queues is self._bound
         for g in gpus:
-            for key, info in self._pairs_on[g]:
-                q = get(key)
+            for q, key, info in (self._bound_on[g] if bound else self._scan(g, queues)):
                 if not q:
                     continue
                 chain = chains.get(key)
@@ -570,13 +587,12 @@ class SpatioTemporalScheduler(Scheduler):
         out: list[Dispatch] = []
         chains = self._chain_cache
         launched = self._launched
-        get = queues.get
+        bound = queues is self._bound
         for g in glist:
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
             waiting: list[tuple[float, int, _KeyInfo]] = []
-            for key, info in self._pairs_on[g]:
-                q = get(key)
+            for q, key, info in (self._bound_on[g] if bound else self._scan(g, queues)):
                 if not q:
                     continue
                 chain = chains.get(key)

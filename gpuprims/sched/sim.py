@@ -186,6 +186,7 @@ def _simulate(scheduler: Scheduler, workloads: Sequence[Workload], *, duration_m
                            jitter_sigma=jitter_sigma, scale=scale, record_dispatches=record_dispatches,
                            drain=drain, gpu_ids=gpu_ids)
     finally:
+        scheduler._bind_queues(None)
         if paused:
             gc.enable()
 
@@ -197,6 +198,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
     profiles: Mapping[str, Profile] = scheduler.profiles
     apps = [w.app for w in workloads]
     queues: dict[str, deque[float]] = {a.key(s.name): deque() for a in apps for s in a.stages}
+    scheduler._bind_queues(queues)  # its deques are only ever changed in place
     ikey = {k: scheduler.instance_key(k) for k in queues}
     entry_keys = [w.app.key(w.app.entry.name) for w in workloads]
     entry_queues = [queues[k] for k in entry_keys]
