@@ -591,20 +591,20 @@ class SpatioTemporalScheduler(Scheduler):
         for g in glist:
             gs = self.gpus[g]
             # One scan of the GPU's queues: reject what cannot make it, collect what waits.
-            waiting: list[tuple[float, int, _KeyInfo]] = []
+            waiting: list[tuple[float, int, _KeyInfo, Sequence[float]]] = []  # (head, app index, info, queue)
             for q, key, info in (self._bound_on[g] if bound else self._scan(g, queues)):
                 if not q:
                     continue
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now_ms + chain - _EPS:
-                    waiting.append((q[0], info.index, info))  # nothing to reject (_reject_head's own test)
+                    waiting.append((q[0], info.index, info, q))  # nothing to reject (_reject_head's own test)
                     continue
                 rej = self._reject_head(now_ms, q, info.app, info.stage, key, consumed, False)
                 if rej is not None:
                     out.append(rej)
                 c = consumed.get(key, 0)
                 if len(q) > c:
-                    waiting.append((q[c], info.index, info))
+                    waiting.append((q[c], info.index, info, q))
             for r in gs.reservations:
                 if r.ready:  # only ready slots can start (or learn, or go)
                     out += self._start_reservations(g, gs, now_ms, queues, consumed)
@@ -614,11 +614,10 @@ class SpatioTemporalScheduler(Scheduler):
             reserved = {r.key for r in gs.reservations} if gs.reservations else _NONE
             if len(waiting) == 1:
                 # The two passes below come to one try: a second try would find the same state.
-                info = waiting[0][2]
+                _, _, info, q = waiting[0]
                 key = info.key
                 if key in reserved or info.ikey in gs.busy:
                     continue
-                q = queues[key]
                 c = consumed.get(key, 0)
                 hi = len(q) - c
                 if hi <= 0:
@@ -677,13 +676,13 @@ class SpatioTemporalScheduler(Scheduler):
             # First the apps that have not launched in this round (their entry stage), then anything.
             failed: set[str] = set()  # keys whose try failed since the last launch: a retry would too
             for first_pass in (True, False):
-                for _, _, info in waiting:
+                for _, _, info, q in waiting:
                     if first_pass and (not info.is_entry or info.app_name in launched):
                         continue
                     if gs.pct + info.pct > 100:
                         continue  # _try_launch's first test: no room now (and none comes during a plan)
                     key = info.key
-                    if key in reserved or info.ikey in gs.busy or len(queues[key]) <= consumed.get(key, 0):
+                    if key in reserved or info.ikey in gs.busy or len(q) <= consumed.get(key, 0):
                         continue
                     if key in failed:
                         continue
