@@ -161,6 +161,28 @@ def _check_args(scheduler: Scheduler, workloads: Sequence[Workload], duration_ms
     return scale, drain
 
 
+class _Uniforms:
+    """The routing draws, ``n`` at a time in the order the completions ask. Where nothing else draws
+    from ``rng`` meanwhile (no jitter), the same numbers are drawn from the stream in blocks
+    (``Generator.random`` fills in stream order); otherwise each call draws its own."""
+
+    def __init__(self, rng: np.random.Generator, *, in_blocks: bool) -> None:
+        self.rng = rng
+        self.in_blocks = in_blocks
+        self.block: list[float] = []
+        self.used = 0
+
+    def __call__(self, n: int) -> list[float]:
+        if not self.in_blocks:
+            return self.rng.random(n).tolist()
+        used = self.used
+        if used + n > len(self.block):
+            self.block = self.block[used:] + self.rng.random(max(4096, n)).tolist()
+            used = 0
+        self.used = used + n
+        return self.block[used:used + n]
+
+
 @dataclass
 class _Raw:
     """What one simulation (or one shard of one) hands back for reporting."""
@@ -229,11 +251,7 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
             cum[-1] = 1.0
             routes[w.app.key(s.name)] = ([None if lb is None else queues[w.app.key(lb)] for lb in labels],
                                          cum.tolist())
-    # Routing draws, in the order the completions ask for them. Without jitter nothing else draws after
-    # the arrivals, so the same uniforms come from the stream in blocks; with jitter the normal draws
-    # interleave with them and each completion draws its own.
-    block: list[float] = []
-    used = 0
+    uniforms = _Uniforms(rng, in_blocks=jitter_sigma == 0)  # the routing draws
 
     # Every app's arrivals merged in time order; requests of one app join its entry queue in order.
     times = [w.arrival.times_ms(duration_ms, rng) for w in workloads]
@@ -309,23 +327,33 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                 tn = next_arr
         elif tn <= end_ms and heap[0][1] == 0 and next_arr > (limit := tn + _EPS):
             ev = heappop(heap)
-            if ev[10] is not None or heap[0][0] <= limit:
-                heappush(heap, ev)  # not lone, or its requests go on: back for the general batch below
+            if heap[0][0] <= limit:
+                heappush(heap, ev)  # not lone: back for the general batch below
             else:
-                # A lone completion of a run whose requests all end (the next common event): the same
-                # as the general batch below, cut short.
+                # A lone completion (the next common event): the same as the general batch below, cut
+                # short.
                 lone = True
                 t = tn
-                _, _, _, d, dls, measured, g, pct, ik, (fin_t, fin_dl), _ = ev
+                _, _, _, d, dls, measured, g, pct, ik, (fin_t, fin_dl), route = ev
                 running_pct[g] -= pct
                 busy_discard(ik)
                 completed(d, measured)
-                if len(dls) == 1:
-                    fin_t.append(t)
-                    fin_dl.append(dls[0])
+                if route is None:
+                    if len(dls) == 1:
+                        fin_t.append(t)
+                        fin_dl.append(dls[0])
+                    else:
+                        fin_t += [t] * len(dls)
+                        fin_dl += dls
                 else:
-                    fin_t += [t] * len(dls)
-                    fin_dl += dls
+                    to, p = route
+                    for dl, u in zip(dls, uniforms(len(dls))):
+                        nxt = to[bisect.bisect_right(p, u)]
+                        if nxt is not None:
+                            nxt.append(dl)
+                        else:
+                            fin_t.append(t)
+                            fin_dl.append(dl)
                 if not any(gpu_queues[g]) and quiet(t, g):
                     continue  # the plan would do nothing (Scheduler._quiet)
                 touched = one_gpu[g]
@@ -362,16 +390,8 @@ def _run_events(scheduler: Scheduler, workloads: Sequence[Workload], *, duration
                         fin_dl += dls
                     continue
                 to, p = route
-                if jitter:
-                    us = rng.random(len(dls)).tolist()
-                else:
-                    if used + len(dls) > len(block):
-                        block = block[used:] + rng.random(max(4096, len(dls))).tolist()
-                        used = 0
-                    us = block[used:used + len(dls)]
-                    used += len(dls)
                 fin_t, fin_dl = fin
-                for dl, u in zip(dls, us):
+                for dl, u in zip(dls, uniforms(len(dls))):
                     nxt = to[bisect.bisect_right(p, u)]
                     if nxt is not None:
                         nxt.append(dl)
