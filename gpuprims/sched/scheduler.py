@@ -234,6 +234,7 @@ class Scheduler(ABC):
         # Per GPU: (queue key, its info) in key order, for the queue scans.
         self._pairs_on: list[tuple[tuple[str, _KeyInfo], ...]] = [tuple((i.key, i) for i in infos)
                                                                  for infos in self._kinfo_on]
+        self._min_pct_on = [min((i.pct for i in infos), default=101) for infos in self._kinfo_on]
         self._bound: Mapping[str, Sequence[float]] | None = None  # see _bind_queues
         self._bound_on: list[tuple[tuple[Sequence[float] | None, str, _KeyInfo], ...]] = []
 
@@ -675,7 +676,10 @@ class SpatioTemporalScheduler(Scheduler):
             waiting.sort(key=_deadline_then_app)  # earliest deadline first, then app order (stable)
             # First the apps that have not launched in this round (their entry stage), then anything.
             failed: set[str] = set()  # keys whose try failed since the last launch: a retry would too
+            room = 100 - self._min_pct_on[g]  # beyond this GPU%, no stage of the GPU fits any more
             for first_pass in (True, False):
+                if gs.pct > room:
+                    break  # every stage below would fail the GPU% test
                 for _, _, info, q in waiting:
                     if first_pass and (not info.is_entry or info.app_name in launched):
                         continue
@@ -694,6 +698,8 @@ class SpatioTemporalScheduler(Scheduler):
                     launched.add(info.app_name)
                     failed.clear()
                     reserved = {r.key for r in gs.reservations}
+                    if gs.pct > room:
+                        break
         return out
 
     # --- pieces of plan ----------------------------------------------------------------------------
