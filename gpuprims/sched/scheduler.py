@@ -500,15 +500,25 @@ class Scheduler(ABC):
         chain = self._chain_cache.get(key)
         if chain is None:
             chain = self._chain_cache[key] = self._min_chain_ms(app, stage, sequential=sequential)
-        slack_needed = now + chain
-        if q[0] >= slack_needed - _EPS:
+        too_soon = (now + chain) - _EPS  # deadlines before this cannot be met any more
+        if q[0] >= too_soon:
             return None
         n = 0
-        while n < len(q) and q[n] < slack_needed - _EPS:
+        while n < len(q) and q[n] < too_soon:
             n += 1
         consumed[key] = n
-        gpu = self.placement[app.name]
-        return self._new_dispatch(app, stage, gpu, self._stage_pct(app, stage), n, now, 0.0, action="reject")
+        # _new_dispatch(app, stage, placement, _stage_pct, n, now, 0.0, action="reject"), from the template
+        info = self._kinfo[key]
+        fields = info.run.copy()
+        fields["id"] = next(self._ids)
+        fields["gpu_pct"] = self._stage_pct(app, stage)
+        fields["batch_size"] = n
+        fields["start_ms"] = now
+        fields["predicted_ms"] = 0.0
+        fields["action"] = "reject"
+        d = object.__new__(Dispatch)
+        object.__setattr__(d, "__dict__", fields)
+        return d
 
 
 class SpatioTemporalScheduler(Scheduler):

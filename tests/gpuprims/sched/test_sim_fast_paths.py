@@ -118,9 +118,11 @@ def test_scheduler_dispatches_are_plain_dispatches() -> None:
     sch = make_scheduler("spatiotemporal", [w.app for w in wl], paper_profiles())
     res = simulate(sch, wl, duration_ms=200.0, record_dispatches=True)
     assert res["dispatches"]
-    queues = {w.app.key(w.app.entry.name): [100.0, 100.0] for w in wl}
+    queues = {w.app.key(w.app.entry.name): [-1.0, 100.0, 100.0] for w in wl}  # the first ones too late
     fresh = make_scheduler("temporal", [w.app for w in wl], paper_profiles())
-    for d in [*sch.plan(0.0, queues), *fresh.plan(0.0, queues)]:
+    ds = [*sch.plan(0.0, queues), *fresh.plan(0.0, queues)]
+    assert {d.action for d in ds} == {"run", "reject"}
+    for d in ds:
         plain = Dispatch(d.id, d.app, d.stage, d.model, d.gpu, d.gpu_pct, d.batch_size, d.start_ms,
                          d.predicted_ms, d.action)
         assert d == plain and hash(d) == hash(plain) and repr(d) == repr(plain)
