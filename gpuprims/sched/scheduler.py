@@ -299,9 +299,6 @@ class Scheduler(ABC):
             base = self._base_cache[k] = self.profiles[model].latency_ms(batch_size, gpu_pct, stat=self.stat)
         return base
 
-    def _batch_cap(self, model: str) -> int:
-        return self._caps[model][1]
-
     def _min_batch(self, model: str) -> int:
         return self._caps[model][0]
 
@@ -432,23 +429,11 @@ class Scheduler(ABC):
         return list(self.gpus[gpu].running.values())
 
     # --- shared helpers ----------------------------------------------------------------------------
-    def _new_dispatch(self, app: App, stage: str, gpu: int, pct: int, batch: int, now: float,
-                      predicted: float, action: Action = "run") -> Dispatch:
-        s = self._stage_obj[(app.name, stage)]
-        d = Dispatch(next(self._ids), app.name, stage, s.model, gpu, pct, batch, now, predicted, action)
-        if action == "run":
-            gs = self.gpus[gpu]
-            if gs.running_pct() + pct > 100:
-                raise RuntimeError(f"internal: GPU {gpu} would exceed 100% ({gs.running_pct()} + {pct})")
-            gs.running[d.id] = d
-            gs.pct += pct
-            gs.busy.add(self._ikey[d.key])
-        return d
-
     def _dispatch(self, info: _KeyInfo, gpu: int, pct: int, batch: int, now: float, predicted: float) -> Dispatch:
-        """``_new_dispatch`` of a run of ``info``'s stage."""
-        # The same object as Dispatch(...) builds (key == info.key), without the frozen dataclass's
-        # field-by-field object.__setattr__: this is the schedulers' hot path.
+        """A new run of ``info``'s stage, entered as running on ``gpu``."""
+        # The same object as Dispatch(next id, app, stage, model, gpu, pct, batch, now, predicted) builds
+        # (key == info.key), without the frozen dataclass's field-by-field object.__setattr__: this is
+        # the schedulers' hot path.
         fields = info.run.copy()
         fields["id"] = next(self._ids)
         fields["gpu"] = gpu
@@ -507,7 +492,7 @@ class Scheduler(ABC):
         while n < len(q) and q[n] < too_soon:
             n += 1
         consumed[key] = n
-        # _new_dispatch(app, stage, placement, _stage_pct, n, now, 0.0, action="reject"), from the template
+        # Dispatch(next id, app, stage, model, placement, _stage_pct, n, now, 0.0, "reject") (see _dispatch)
         info = self._kinfo[key]
         fields = info.run.copy()
         fields["id"] = next(self._ids)
