@@ -17,8 +17,8 @@ from typing import Any
 
 from bench.common import results_dir, write_result
 from gpuprims.profile import paper_profiles
+from gpuprims.profile.knee import knee
 from gpuprims.profile.measure import measure_profile, plot_profile
-from gpuprims.sched.knee import knee
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ _LAZY: dict[str, str] = {
     "export_parameters": "gpuprims.cuda", "share_parameters": "gpuprims.cuda", "CudaError": "gpuprims.cuda",
     "Event": "gpuprims.cuda", "Stream": "gpuprims.cuda",
     # V-D Multi-Model, V-F Batch-Latency, IV-C knee
-    "multi_model": "gpuprims.sched", "batch_latency": "gpuprims.sched", "knee": "gpuprims.sched",
+    "multi_model": "gpuprims.sched", "batch_latency": "gpuprims.sched", "knee": "gpuprims.profile",
     # the data path
     "PacketPool": "gpuprims.pool", "Ingest": "gpuprims.ingest", "Responder": "gpuprims.respond",
 }

@@ -250,6 +250,10 @@ class NodeSettings(BaseModel):
     round_ms: float = Field(30.0, gt=0, le=10_000)
     # Directory of profiles (gpuprims-profile output) that size apps whose instances/gpu_pct are auto.
     profiles: str | None = None
+    # Supervision: an active instance that sends no heartbeat for this long is killed as hung (what it
+    # holds is answered or requeued) and replaced; a change of share gives up a phase after change_timeout_s.
+    hang_timeout_s: float = Field(30.0, gt=0, le=3600)
+    change_timeout_s: float = Field(180.0, gt=0, le=3600)
     # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
     autoscale: bool = True
 

@@ -1,46 +1,53 @@
-"""The node: packet pool, native ingest, inference instances as processes, and their supervision.
+"""The node: packet pool, native ingest, and the parts that run the inference instances.
 
-``Node(cfg).start()`` is all-or-nothing: it creates the private run directory, the shared packet
-pool and the ingest, spawns every instance (``python -m apps.instance``) and waits for each READY
+``Node(cfg).start()`` is all-or-nothing: it creates the private run directory, the shared packet pool
+and the ingest, spawns every instance (``python -m orchestrator.instance``) and waits for each READY
 within ``ready_timeout_s`` (the error names that setting); if any fails, everything started is torn
-down and the error says which instance failed and why. ``serve()`` then runs the control loop until
-``stop()``: it receives heartbeats (the statistics ``status`` reports), answers CLI commands, and
-restarts an instance that dies — the requests it held are answered INSTANCE_FAILED (or handed to a
-live instance of the same app) by the ingest, and counted. ``stop()`` drains: routes are removed, each
-instance serves what it already holds and reports ``Ended``; stragglers get SIGTERM then SIGKILL; the
-ingest, the pool (its shared memory is unlinked) and the run directory go last.
+down and the error says which instance failed and why. ``serve()`` then runs the node's one loop
+until ``stop()``; each :meth:`Node.step` receives heartbeats and commands, lets the supervisor reap,
+replace and refill instances, advances the running changes of share, samples the monitor, and updates
+the metrics. ``stop()`` drains: routes are removed, each instance serves what it already holds and
+reports ``Ended``; stragglers get SIGTERM then SIGKILL; the ingest, the pool (its shared memory is
+unlinked) and the run directory go last.
+
+The node composes its parts and owns the loop; each part has one role:
+
+- :class:`~orchestrator.placement.Placement`: sizing (Multi-Model), shares, CPU core sets;
+- :class:`~orchestrator.supervisor.Supervisor`: processes, routes, crashes, hangs, shadows;
+- :class:`~orchestrator.param_share.ParamShare`: who exported which weights;
+- :class:`~orchestrator.reconfig.Changes`: changes of share as objects the loop advances;
+- ``orchestrator.dispatch.LiveScheduler`` under ``node.scheduler`` spatiotemporal/temporal.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apps.instance import ENV_SPEC, InstanceSpec
 from gpuprims.backend import resolve_backend
+from gpuprims.cpushare import CpuShare
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from orchestrator.config import AppConfig, NodeConfig
+from orchestrator.config import NodeConfig
 from orchestrator.control import (
     ControlServer,
+    Incoming,
     control_address,
-    instance_env,
     make_run_dir,
     new_token,
     open_server,
     write_token,
 )
+from orchestrator.dispatch import LiveScheduler, measured_profile, rename_profile, stage_names
+from orchestrator.errors import ChangeError, StartError
 from orchestrator.messages import (
     BatchDone,
     Ended,
@@ -49,57 +56,25 @@ from orchestrator.messages import (
     Ready,
     Result,
     SetGpuRequest,
-    Shutdown,
     StatusReply,
     StatusRequest,
     StopRequest,
 )
+from orchestrator.metrics import MetricsServer
+from orchestrator.mps import MpsDaemon, MpsUnavailable
+from orchestrator.param_share import ParamShare
+from orchestrator.placement import Placement, model_key
+from orchestrator.reconfig import Change, Changes
+from orchestrator.state import AppState, InstanceState
+from orchestrator.supervisor import Supervisor
+
+__all__ = ["AppState", "InstanceState", "Node", "StartError", "install_signal_handlers"]
 
 log = logging.getLogger("gpuprims.node")
 
 RATE_WINDOW_S = 5.0  # status rates are over about this many seconds of heartbeats
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
-
-
-class StartError(RuntimeError):
-    """The node could not start; nothing it started is left running."""
-
-
-@dataclass
-class InstanceState:
-    """What the node knows about one instance process."""
-
-    name: str
-    app: str
-    spec: InstanceSpec
-    proc: subprocess.Popen[bytes]
-    role: str = "active"  # active | shadow | finishing | stopping
-    ready: bool = False
-    initialized: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)
-    last_beat: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    ended: bool = False
-    error: str | None = None
-    history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
-    info: dict[str, Any] = field(default_factory=dict)  # what its Ready said
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-@dataclass
-class AppState:
-    """Per-app bookkeeping: its config, shares and lifetime counters across restarts."""
-
-    cfg: AppConfig
-    gpu_pct: int
-    instances: int
-    restarts: int = 0
-    failed_by_crash: int = 0
-    requeued_by_crash: int = 0
-    retired: dict[str, int] = field(default_factory=dict)  # counters of instances that are gone
+EVENTS_KEPT = 1000
 
 
 class Node:
@@ -123,27 +98,38 @@ class Node:
         self.pool: PacketPool | None = None
         self.ingest: Ingest | None = None
         self.server: ControlServer | None = None
-        self.metrics: Any = None
-        self.mps: Any = None  # orchestrator.mps.MpsDaemon on the cuda backend
+        self.metrics: MetricsServer | None = None
+        self.mps: MpsDaemon | None = None
         self.token = new_token()
         self.apps: dict[str, AppState] = {}
         self.instances: dict[str, InstanceState] = {}
-        self._free_consumers: list[int] = []
-        self._seq = itertools.count()
+        self.placement = Placement(cfg, self.apps, backend=self.backend)
+        self.params: ParamShare | None = None
+        self.supervisor: Supervisor | None = None
+        self.changes = Changes(self, self._check_change, timeout_s=cfg.node.change_timeout_s)
         self._stop = threading.Event()
         self._stop_drain = True
+        self._stopped = False
         self.started_at = 0.0
         self.events: list[dict[str, Any]] = []
-        self.changing: set[str] = set()
+        self.errors: dict[str, int] = {}  # loop errors by where they happened (each logged)
         self.monitor = monitor  # orchestrator.monitor.Monitor: automatic GPU% changes when set
         self.share_params = share_params  # Param-Share between instances of the same model
-        self._profiles: dict[str, Any] | None = None
         if monitor is not None and monitor.needed_pct is None:
-            monitor.needed_pct = self.needed_pct
-        self._exports: dict[str, dict[str, Any]] = {}
+            monitor.needed_pct = self.placement.needed_pct
         self._next_sample = 0.0
         self._lock = threading.RLock()
-        self.dispatcher: Any = None  # orchestrator.dispatch.LiveScheduler under a live scheduler
+        self.dispatcher: LiveScheduler | None = None
+
+    @property
+    def changing(self) -> set[str]:
+        """Apps with a change of share running (no second one may start)."""
+        return self.changes.changing
+
+    @property
+    def scheduled(self) -> bool:
+        """True when a live scheduler (``node.scheduler`` spatiotemporal or temporal) drives the instances."""
+        return self.placement.scheduled
 
     # -- start ---------------------------------------------------------------------------------------
     def start(self) -> Node:
@@ -158,6 +144,7 @@ class Node:
     def _start(self) -> None:
         node = self.cfg.node
         self.backend = resolve_backend(node.backend)
+        self.placement.backend = self.backend
         why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
             if node.backend == "auto" else "requested"
         log.info("backend: %s (%s)", self.backend, why)
@@ -166,8 +153,6 @@ class Node:
         write_token(self.run_dir, self.token)
         self._link_current()
         if self.backend == "cuda":
-            from orchestrator.mps import MpsDaemon, MpsUnavailable
-
             self.mps = MpsDaemon(self.run_dir, mode=node.mps)
             try:
                 self.mps.ensure()
@@ -178,95 +163,74 @@ class Node:
             n = app.instances if isinstance(app.instances, int) else 1
             self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
         if self.scheduled:
-            self._check_scheduled()
+            self.placement.check_scheduled()
+            if self.monitor is not None:
+                log.info("autoscale is off under node.scheduler %r: the scheduler owns the shares", node.scheduler)
+                self.monitor = None
         else:
-            self._size_auto_apps()
-        self._assign_pcts()
+            self.placement.size_auto_apps()
+        self.placement.assign_pcts()
         total = sum(a.instances for a in self.apps.values())
-        # Room for a shadow per app and restarts, so a consumer index is never reused while a dead
-        # instance's requests are being reclaimed.
-        consumers = min(1024, 2 * total + len(self.apps) + 4)
+        # Room for a shadow per app, replacements and restarts, so a consumer index is never reused
+        # while a dead instance's requests are being reclaimed.
+        consumers = min(1024, 2 * total + 2 * len(self.apps) + 4)
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
                                       max_chunks=p.max_chunks, consumer_count=consumers)
-        self._free_consumers = list(range(consumers - 1, -1, -1))
         listen: list[tuple[str, int] | tuple[str, int, int]] = [(node.listen.host, port) for port in node.listen.ports]
         listen += [(node.listen.host, a.port, a.app_id) for a in self.cfg.apps if a.port]
         self.ingest = Ingest(self.pool, listen, timeout_ms=node.reassembly_timeout_ms).start()
         self.server = open_server(control_address(self.control_kind, self.run_dir), self.token)
         if node.metrics_enabled:
-            from orchestrator.metrics import MetricsServer
-
             self.metrics = MetricsServer(node.metrics_port)
             self.metrics.start()
+        self.params = ParamShare(self.run_dir, enabled=self.share_params)
+        self.supervisor = Supervisor(
+            self.cfg, self.apps, self.instances, pool=self.pool, ingest=self.ingest, server=self.server,
+            token=self.token, run_dir=self.run_dir, placement=self.placement, params=self.params,
+            backend=self.backend, python=self.python, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
+            consumers=consumers, mps=self.mps, record=self.record, on_lost=self._instance_lost)
 
-        shares = self._plan_shares()
+        shares = self.placement.plan_shares()
         # Param-Share: the first instance of each model exports its weights; the others start once
         # the export exists and map it instead of loading their own copy.
-        later: list[tuple[AppConfig, str]] = []
+        later: list[tuple[Any, str]] = []
         for app in self.cfg.apps:
             for i in range(self.apps[app.name].instances):
-                key = self._param_key(app)
-                if key is not None and key in self._exports:
-                    later.append((app, f"{app.name}-{i}"))
+                name = f"{app.name}-{i}"
+                if self.params.exported(app):
+                    later.append((app, name))
                 else:
-                    self._spawn(app, f"{app.name}-{i}", shares.get(f"{app.name}-{i}"))
-        self._await_ready(list(self.instances.values()))
+                    self.supervisor.spawn(app, name, shares.get(name))
+        self.supervisor.await_ready(list(self.instances.values()), self.ready_timeout_s, self._handle)
         if later:
-            self._await_ready([self._spawn(app, name, shares.get(name)) for app, name in later])
+            self.supervisor.await_ready([self.supervisor.spawn(app, name, shares.get(name)) for app, name in later],
+                                        self.ready_timeout_s, self._handle)
         if self.scheduled:
             self._start_dispatcher()
         for app in self.cfg.apps:
-            self._update_route(app.name)
+            self.supervisor.route(app.name)
             if app.shadow and not self.scheduled:
-                self.spawn_shadow(app.name)
+                self.supervisor.spawn_shadow(app.name)
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
 
-    @property
-    def scheduled(self) -> bool:
-        """True when a live scheduler (``node.scheduler`` spatiotemporal or temporal) drives the instances."""
-        return self.cfg.node.scheduler != "spatial"
-
-    def _check_scheduled(self) -> None:
-        """A live scheduler runs one dispatched instance per app and owns the shares."""
-        many = [a.cfg.name for a in self.apps.values() if isinstance(a.cfg.instances, int) and a.cfg.instances > 1]
-        if many:
-            raise StartError(f"node.scheduler {self.cfg.node.scheduler!r} runs one instance per app (the scheduler "
-                             f"batches and times its runs); set instances: 1 for {', '.join(many)}")
-        if self.monitor is not None:
-            log.info("autoscale is off under node.scheduler %r: the scheduler owns the shares",
-                     self.cfg.node.scheduler)
-            self.monitor = None
-
-    def _stage_pcts(self, name: str) -> dict[str, int]:
-        from orchestrator.dispatch import stage_pcts
-
-        a = self.apps[name]
-        return stage_pcts(a.cfg, a.gpu_pct, self.cfg.node.scheduler)
-
     def _start_dispatcher(self) -> None:
         """Build the live scheduler from the instances' measured warm-up (or node.profiles) and bind them."""
-        from apps.zoo.registry import canonical_name
-        from orchestrator.dispatch import LiveScheduler, measured_profile, rename_profile, stage_names
-
         assert self.pool is not None and self.server is not None
-        files = self._load_profiles()
+        files = self.placement.profiles()
         profiles: dict[str, Any] = {}
         pcts: dict[str, dict[str, int]] = {}
         bound: list[tuple[str, InstanceState]] = []
         for name, a in self.apps.items():
-            pcts[name] = self._stage_pcts(name)
+            pcts[name] = self.placement.stage_pcts(name)
             st = next(s for s in self.instances.values() if s.app == name and s.role == "active")
             bound.append((name, st))
             models = {s.name: s.model for s in a.cfg.stages} if a.cfg.stages else {"main": a.cfg.model or ""}
             for stage in stage_names(a.cfg):
                 key = f"{name}.{stage}"
-                try:
-                    prof = files.get(canonical_name(models[stage]))
-                except ValueError:
-                    prof = files.get(models[stage])
+                prof = files.get(model_key(models[stage]))
                 pct = pcts[name][stage]
                 if (prof is not None and tuple(prof.conditions.input_shape) == tuple(a.cfg.input_shape)
                         and prof.gpu_pcts[0] <= pct <= prof.gpu_pcts[-1]):
@@ -289,96 +253,6 @@ class Node:
         log.info("live %s scheduler: %d app(s), %d ms rounds", self.cfg.node.scheduler, len(bound),
                  self.cfg.node.round_ms)
 
-    def _size_auto_apps(self) -> None:
-        """Multi-Model: apps with ``instances: auto`` get the instance count (and, with ``gpu_pct: auto``,
-        the share each) that ``multi_model`` finds best within their SLO on their model's profile."""
-        autos = [a for a in self.apps.values() if a.cfg.instances == "auto" and not a.cfg.is_dag]
-        if not autos:
-            return
-        profiles = self._load_profiles()
-        fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values()
-                    if isinstance(a.cfg.gpu_pct, int) and a.cfg.instances != "auto")
-        available = max(1, (100 - fixed) // len(autos))
-        from apps.zoo.registry import canonical_name
-        from gpuprims.sched import multi_model
-
-        for a in autos:
-            prof = profiles.get(canonical_name(a.cfg.model or ""))
-            if prof is None:
-                log.warning("%s: instances is auto but there is no profile of %s in node.profiles; running 1 "
-                            "instance (make one with gpuprims-profile)", a.cfg.name, a.cfg.model)
-                continue
-            budget = a.cfg.gpu_pct if isinstance(a.cfg.gpu_pct, int) else available
-            batch = max(b for b in prof.batch_sizes if b <= a.cfg.max_batch) if min(prof.batch_sizes) <= \
-                a.cfg.max_batch else min(prof.batch_sizes)
-            n, pct = multi_model(prof, budget, a.cfg.slo_ms, batch_size=batch)
-            if n < 1:
-                log.warning("%s: no instance count meets %.0f ms at %d%% by its profile; running 1",
-                            a.cfg.name, a.cfg.slo_ms, budget)
-                continue
-            a.instances = n
-            if not isinstance(a.cfg.gpu_pct, int):
-                a.gpu_pct = pct
-            log.info("%s: Multi-Model sizing from its profile: %d instance(s) x %d%% (budget %d%%, SLO %.0f ms)",
-                     a.cfg.name, n, pct, budget, a.cfg.slo_ms)
-
-    def _load_profiles(self) -> dict[str, Any]:
-        d = self.cfg.node.profiles
-        if not d:
-            return {}
-        from apps.zoo.registry import canonical_name
-        from gpuprims.profile import ProfileError, load_profile
-
-        out = {}
-        for path in sorted(Path(d).glob("*.json")):
-            try:
-                prof = load_profile(path)
-            except ProfileError as e:
-                raise StartError(f"node.profiles: {e}") from e
-            try:
-                out[canonical_name(prof.model)] = prof
-            except ValueError:
-                out[prof.model] = prof
-        return out
-
-    def _assign_pcts(self) -> None:
-        """Every app's GPU% per instance: as configured; a DAG app the sum of its stages' shares;
-        what Multi-Model sized; the rest of ``auto`` apps split what is left evenly."""
-        for a in self.apps.values():
-            if a.gpu_pct:
-                continue  # sized by Multi-Model
-            if isinstance(a.cfg.gpu_pct, int):
-                a.gpu_pct = a.cfg.gpu_pct
-            elif a.cfg.is_dag and a.cfg.fixed_pct_per_instance():
-                # A DAG app runs its stages in one process, with the sum of their shares.
-                a.gpu_pct = min(100, a.cfg.fixed_pct_per_instance())
-        taken = sum(a.gpu_pct * a.instances for a in self.apps.values() if a.gpu_pct)
-        autos = [a for a in self.apps.values() if not a.gpu_pct]
-        auto_instances = sum(a.instances for a in autos)
-        each = max(1, (100 - taken) // auto_instances) if auto_instances else 0
-        for a in autos:
-            a.gpu_pct = each
-        total = sum(a.gpu_pct * a.instances for a in self.apps.values())
-        if total > 100 and not self.cfg.node.allow_oversubscribe and not self.scheduled:
-            raise StartError(f"the apps' shares add up to {total}% (> 100) after sizing; set "
-                             "node.allow_oversubscribe or lower gpu_pct")
-
-    def _plan_shares(self) -> dict[str, Any]:
-        if self.backend != "cpu":
-            return {}
-        from gpuprims.cpushare import plan_cpu_shares
-
-        reqs = [(f"{name}-{i}", self._instance_pct(name)) for name, a in self.apps.items() for i in range(a.instances)]
-        # Under a live scheduler the shares may add up to more than 100: it keeps what runs at once within 100.
-        return plan_cpu_shares(reqs, allow_oversubscribe=self.cfg.node.allow_oversubscribe or self.scheduled)
-
-    def _instance_pct(self, name: str) -> int:
-        """The share an instance of ``name`` is started with: the app's, or under a live scheduler the
-        largest of its stages' (a dispatched instance runs one stage at a time)."""
-        if not self.scheduled:
-            return self.apps[name].gpu_pct
-        return max(self._stage_pcts(name).values())
-
     def _link_current(self) -> None:
         assert self.run_dir is not None
         link = self.run_dir.parent / CURRENT_LINK
@@ -389,112 +263,62 @@ class Node:
             tmp.symlink_to(self.run_dir)
             tmp.replace(link)
 
-    def _param_key(self, app: AppConfig) -> str | None:
-        """Instances with the same key have identical weights and share one copy (Param-Share)."""
-        if not self.share_params or app.is_dag or not app.model:
-            return None
-        return f"{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}"
-
-    def _share_mode(self, app: AppConfig, name: str) -> str | None:
-        key = self._param_key(app)
-        if key is None:
-            return None
-        assert self.run_dir is not None
-        exp = self._exports.get(key)
-        if exp is None:
-            path = self.run_dir / f"params-{len(self._exports)}.bin"
-            self._exports[key] = {"path": path, "exporter": name}
-            return f"export:{path}"
-        return f"import:{exp['path']}"
-
-    def _spawn(self, app: AppConfig, name: str, share: Any, *, defer_init: bool = False,
-               gpu_pct: int | None = None) -> InstanceState:
-        assert self.pool is not None and self.server is not None and self.run_dir is not None
-        if not self._free_consumers:
-            raise RuntimeError("no free consumer endpoint in the packet pool")
-        consumer = self._free_consumers.pop()
-        pct = gpu_pct if gpu_pct is not None else self._instance_pct(app.name)
-        spec = InstanceSpec(
-            name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
-            input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
-            slo_ms=app.slo_ms, max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, gpu_pct=pct,
-            backend=self.backend, gpu=self.cfg.gpu_of(app) if self.backend == "cuda" else 0,
-            cores=list(share.cores) if share is not None else None,
-            threads=share.threads if share is not None else None, defer_init=defer_init,
-            heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
-            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
-            if app.stages else None,
-            entry=app.entry_stages()[0] if app.stages else None,
-            share_params=self._share_mode(app, name),
-            dispatched=self.scheduled,
-            measure_lock=str(self.run_dir / "measure.lock") if self.scheduled else None,
-            stage_pcts=self._stage_pcts(app.name) if self.scheduled else None,
-        )
-        env = dict(os.environ)
-        env.update(instance_env(self.server.address, name, self.token))
-        env[ENV_SPEC] = spec.to_json()
-        env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
-        env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
-        if share is not None:
-            env.update(share.env())
-        if self.backend == "cuda" and self.mps is not None:
-            env.update(self.mps.env(pct))
-            if defer_init:
-                # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
-                env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
-        proc = subprocess.Popen([self.python, "-m", "apps.instance"], env=env, stdin=subprocess.DEVNULL,
-                                cwd=str(Path(__file__).resolve().parent.parent))
-        st = InstanceState(name=name, app=app.name, spec=spec, proc=proc, role="shadow" if defer_init else "active")
-        self.instances[name] = st
-        log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
-        return st
-
-    def spawn_shadow(self, app_name: str) -> InstanceState:
-        """Start a shadow of the app: CPU side initialised, model loaded only on InitGpu."""
-        app = self.apps[app_name].cfg
-        return self._spawn(app, f"{app_name}-s{next(self._seq)}", None, defer_init=True)
+    # -- what the parts ask of the node (reconfig.ChangeHost) -----------------------------------------------
+    def _sup(self) -> Supervisor:
+        if self.supervisor is None:
+            raise StartError("the node is not running")
+        return self.supervisor
 
     def shadow_of(self, app_name: str) -> InstanceState | None:
         """A live shadow of the app (ready or still starting), if there is one."""
-        for st in self.instances.values():
-            if st.app == app_name and st.role == "shadow" and st.error is None:
-                return st
-        return None
+        return self._sup().shadow_of(app_name)
 
-    def _await_ready(self, pending: list[InstanceState]) -> None:
-        assert self.server is not None
-        waiting = {st.name for st in pending}
-        deadline = time.monotonic() + self.ready_timeout_s
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StartError(f"instance(s) {', '.join(sorted(waiting))} sent no READY within "
-                                 f"{self.ready_timeout_s:.0f} s; raise ready_timeout_s (--ready-timeout) if the "
-                                 "models need longer to load")
-            item = self.server.poll(min(left, 0.2) * 1000)
-            if item is not None:
-                msg = item.msg
-                if isinstance(msg, Ready) and msg.instance in waiting:
-                    st = self.instances[msg.instance]
-                    st.ready, st.initialized = True, bool(msg.info.get("initialized"))
-                    st.last_beat, st.info = time.monotonic(), dict(msg.info)
-                    waiting.discard(msg.instance)
-                elif isinstance(msg, Error) and msg.instance in waiting:
-                    raise StartError(f"instance {msg.instance} failed to start: {msg.kind}: {msg.message}")
-                else:
-                    self._handle(item)
-            for name in list(waiting):
-                rc = self.instances[name].proc.poll()
-                if rc is not None:
-                    raise StartError(f"instance {name} exited with status {rc} before READY (see its log above)")
+    def spawn_shadow(self, app_name: str) -> InstanceState:
+        """Start a shadow of the app: CPU side initialised, model loaded only on InitGpu."""
+        return self._sup().spawn_shadow(app_name)
 
-    # -- routing ---------------------------------------------------------------------------------------
-    def _update_route(self, app_name: str) -> None:
-        assert self.ingest is not None
-        app = self.apps[app_name].cfg
-        consumers = [st.spec.consumer for st in self.instances.values()
-                     if st.app == app_name and st.role == "active" and not st.ended]
-        self.ingest.set_route(app.app_id, consumers)
+    def spawn_active(self, app_name: str, gpu_pct: int, share: CpuShare | None) -> InstanceState:
+        """Start a new active instance of the app at ``gpu_pct`` (routed to by the next :meth:`route`)."""
+        sup = self._sup()
+        return sup.spawn(self.apps[app_name].cfg, sup.next_name(app_name, "k"), share, gpu_pct=gpu_pct)
+
+    def init_shadow(self, st: InstanceState, gpu_pct: int, share: CpuShare | None) -> None:
+        self._sup().init_shadow(st, gpu_pct, share)
+
+    def share_for(self, app_name: str, gpu_pct: int, index: int) -> CpuShare | None:
+        return self.placement.share_for(app_name, gpu_pct, index)
+
+    def route(self, app_name: str) -> None:
+        self._sup().route(app_name)
+
+    def finish(self, st: InstanceState) -> None:
+        self._sup().finish(st)
+
+    def kill(self, st: InstanceState, role: str = "stopping") -> None:
+        self._sup().kill(st, role)
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Keep an event (with its time) for status and tests."""
+        self.events.append({"t": time.monotonic(), **event})
+        del self.events[:-EVENTS_KEPT]
+
+    def _instance_lost(self, st: InstanceState) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.instance_lost(st.name)
+
+    # -- changes of share ----------------------------------------------------------------------------------
+    def _check_change(self, app_name: str, gpu_pct: int) -> None:
+        if self.scheduled:
+            raise ChangeError(f"node.scheduler is {self.cfg.node.scheduler!r}: the scheduler decides when and at "
+                              "what GPU% each app runs; change gpu_pct in apps.yaml instead")
+        if self._stop.is_set():
+            raise ChangeError("the node is stopping")
+        self.placement.check_share(app_name, gpu_pct)
+
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = "set-gpu", method: str = "overlap") -> Change:
+        """Accept a change of the app's GPU% (Overlapped-Execution, or the restart baseline). The node's
+        loop carries it out; raises ChangeError when it is refused."""
+        return self.changes.submit(app, gpu_pct, origin=origin, method=method)
 
     # -- running ---------------------------------------------------------------------------------------
     def serve(self, *, duration_s: float | None = None) -> None:
@@ -506,8 +330,9 @@ class Node:
             self._teardown(drain=self._stop_drain)
 
     def step(self, timeout_ms: float = 100.0) -> None:
-        """One iteration of the control loop: messages, crashed instances, metrics."""
-        assert self.server is not None
+        """One iteration of the loop: messages, supervision, changes, monitor, metrics. A failure in one
+        duty is logged and counted and never stops the loop."""
+        assert self.server is not None and self.supervisor is not None
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             wait_ms = max(0.0, deadline - time.monotonic()) * 1000
@@ -515,84 +340,66 @@ class Node:
                 wait_ms = min(wait_ms, self.dispatcher.wait_ms())
             item = self.server.poll(wait_ms)
             if item is not None:
-                self._handle(item)
+                self._guard("message", self._handle, item)
             if self.dispatcher is not None:
-                self.dispatcher.tick()
+                self._guard("dispatch", self.dispatcher.tick)
             if time.monotonic() >= deadline or (item is None and self.dispatcher is None):
                 break
-        self._check_processes()
-        if self.monitor is not None and time.monotonic() >= self._next_sample and not self.changing:
-            self._next_sample = time.monotonic() + self.monitor.policy.interval_s
-            self._autoscale()
+        now = time.monotonic()
+        self._guard("supervision", self.supervisor.reap)
+        self._guard("supervision", self.supervisor.check_hangs, now, self.cfg.node.hang_timeout_s)
+        self._guard("changes", self.changes.advance)
+        self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running))
+        if self.monitor is not None and now >= self._next_sample:
+            self._next_sample = now + self.monitor.policy.interval_s
+            self._guard("monitor", self._autoscale)
         if self.metrics is not None:
-            self.metrics.update(self.status())
+            self._guard("metrics", self.metrics.update, self.status())
 
-    def needed_pct(self, app_name: str, arrival_rps: float) -> int | None:
-        """The smallest GPU% at which the app's instances serve ``arrival_rps`` (with 20% headroom)
-        within its SLO, by its model's profile; None without a profile."""
-        a = self.apps.get(app_name)
-        if a is None or not a.cfg.model:
-            return None
-        if self._profiles is None:
-            self._profiles = self._load_profiles()
-        from apps.zoo.registry import canonical_name
-
+    def _guard(self, where: str, fn: Any, *args: Any) -> Any:
         try:
-            prof = self._profiles.get(canonical_name(a.cfg.model))
-        except ValueError:
+            return fn(*args)
+        except Exception:
+            self.errors[where] = self.errors.get(where, 0) + 1
+            log.exception("node loop: %s failed (counted in status errors.%s); the node carries on", where, where)
             return None
-        if prof is None:
-            return None
-        for pct in sorted(prof.gpu_pcts):
-            for b in sorted(prof.batch_sizes):
-                if b > a.cfg.max_batch:
-                    break
-                ms = prof.latency_ms(b, pct, stat="p99")
-                if ms <= a.cfg.slo_ms and a.instances * b * 1000.0 / ms >= 1.2 * arrival_rps:
-                    return int(pct)
-        return None
 
     def _autoscale(self) -> None:
+        assert self.monitor is not None
         for d in self.monitor.sample(time.monotonic(), self.status()):
+            if d.app in self.changes.running:
+                continue  # its change is still running; the monitor asks again if it still holds
             log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, d.to_pct, d.reason)
-            ok, text = self.set_gpu(d.app, d.to_pct)
-            self.events.append({"t": d.t, "event": "decision", "app": d.app, "verdict": d.verdict,
-                                "reason": d.reason, "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": ok,
-                                "result": text})
-            if not ok:
-                log.warning("monitor: change of %s failed: %s", d.app, text)
+            try:
+                ch = self.set_gpu(d.app, d.to_pct, origin="monitor")
+                ok, text = True, f"change {ch.id} accepted"
+            except ChangeError as e:
+                ok, text = False, str(e)
+                log.warning("monitor: change of %s refused: %s", d.app, text)
+            self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
+                         "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": ok, "result": text})
 
     def request_stop(self, drain: bool = True) -> None:
         """Ask serve() to stop (safe from signal handlers and other threads)."""
         self._stop_drain = drain
         self._stop.set()
 
-    def _handle(self, item: Any) -> None:
+    def _handle(self, item: Incoming) -> None:
         msg = item.msg
         if isinstance(msg, Heartbeat):
             st = self.instances.get(msg.instance)
             if st is not None:
-                now = time.monotonic()
-                stats = dict(msg.stats)
-                # Rates over the last few seconds of heartbeats rather than since the process started.
-                st.history.append((now, float(stats.get("received") or 0),
-                                   float((stats.get("ok") or 0) + (stats.get("deadline_missed") or 0)
-                                         + (stats.get("errors") or 0))))
-                while len(st.history) > 2 and now - st.history[1][0] >= RATE_WINDOW_S:
-                    st.history.pop(0)
-                (t0, r0, s0), (t1, r1, s1) = st.history[0], st.history[-1]
-                if t1 - t0 > 0.2:
-                    stats["arrival_rps"], stats["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
-                st.stats, st.last_beat = stats, now
+                self._beat(st, dict(msg.stats))
         elif isinstance(msg, Ready):
             st = self.instances.get(msg.instance)
             if st is not None:
-                st.ready, st.initialized, st.last_beat = True, bool(msg.info.get("initialized")), time.monotonic()
-                st.info = dict(msg.info)
+                Supervisor.mark_ready(st, msg)
                 if st.role == "active":
-                    self._update_route(st.app)
+                    self._sup().route(st.app)
                     if self.dispatcher is not None:
                         self.dispatcher.bind(st.app, st.name, st.spec.consumer)
+                elif st.role == "shadow":
+                    self._sup().shadow_ok(st.app)
                 log.info("%s ready (pid %d)", msg.instance, msg.pid)
         elif isinstance(msg, BatchDone):
             if self.dispatcher is not None and msg.instance in self.instances:
@@ -608,106 +415,39 @@ class Node:
                 st.error = f"{msg.kind}: {msg.message}"
             log.error("instance %s reported %s: %s", msg.instance, msg.kind, msg.message)
         elif isinstance(msg, StatusRequest):
-            self.server.reply(item, StatusReply(status=self.status()))  # type: ignore[union-attr]
+            self._reply(item, StatusReply(status=self.status()))
         elif isinstance(msg, StopRequest):
-            self.server.reply(item, Result(ok=True, message="stopping"))  # type: ignore[union-attr]
+            self._reply(item, Result(ok=True, message="stopping"))
             self.request_stop(drain=msg.drain)
         elif isinstance(msg, SetGpuRequest):
-            ok, text = self.set_gpu(msg.app, msg.gpu_pct)
-            self.server.reply(item, Result(ok=ok, message=text))  # type: ignore[union-attr]
-
-    def set_gpu(self, app: str, gpu_pct: int) -> tuple[bool, str]:
-        """Change an app's GPU% (Overlapped-Execution). Returns (ok, message)."""
-        from orchestrator.reconfig import change_gpu_pct
-
-        if self.scheduled:
-            return False, (f"node.scheduler is {self.cfg.node.scheduler!r}: the scheduler decides when and at what "
-                           "GPU% each app runs; change gpu_pct in apps.yaml instead")
-        return change_gpu_pct(self, app, gpu_pct)
-
-    def _check_processes(self) -> None:
-        for st in list(self.instances.values()):
-            rc = st.proc.poll()
-            if rc is None:
-                continue
-            del self.instances[st.name]
-            if st.ended or st.role == "stopping":
-                self._retire(st)
-                self._release_consumer(st)
-            elif st.role == "finishing":
-                # Died while draining during a switch: what it held goes to the new active.
-                self._retire(st)
-                failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=True)  # type: ignore[union-attr]
-                app = self.apps[st.app]
-                app.failed_by_crash += failed
-                app.requeued_by_crash += requeued
-                self._free_consumers.insert(0, st.spec.consumer)
-                log.error("%s died while draining (status %s): %d requeued, %d answered INSTANCE_FAILED",
-                          st.name, rc, requeued, failed)
-                self.events.append({"t": time.monotonic(), "event": "died_draining", "instance": st.name,
-                                    "failed": failed, "requeued": requeued})
-            elif st.role == "shadow":
-                self._release_consumer(st)
-                st.error = st.error or f"exited with status {rc}"
-                log.error("shadow %s exited (status %s)", st.name, rc)
-                self.events.append({"t": time.monotonic(), "event": "shadow_died", "instance": st.name, "rc": rc})
+            try:
+                ch = self.set_gpu(msg.app, msg.gpu_pct)
+            except ChangeError as e:
+                self._reply(item, Result(ok=False, message=str(e)))
             else:
-                self._on_crash(st, rc)
+                self._reply(item, Result(ok=True, message=f"change {ch.id} accepted: {ch.app} {ch.from_pct}% -> "
+                                                            f"{ch.to_pct}%" if not ch.phase.terminal else ch.message()))
 
-    def _retire(self, st: InstanceState) -> None:
-        app = self.apps[st.app]
-        for k in ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms"):
-            app.retired[k] = app.retired.get(k, 0) + int(st.stats.get(k) or 0)
+    def _reply(self, item: Incoming, msg: Any) -> None:
+        assert self.server is not None
+        self.server.reply(item, msg)
 
-    def _release_consumer(self, st: InstanceState) -> None:
-        assert self.ingest is not None
-        # Whatever it still held (nothing after a clean drain) is answered or requeued.
-        self.ingest.reclaim(st.spec.consumer, requeue=True)
-        self._free_consumers.insert(0, st.spec.consumer)
-
-    def _on_crash(self, st: InstanceState, rc: int) -> None:
-        assert self.ingest is not None
-        app = self.apps[st.app]
-        self._retire(st)
-        if self.dispatcher is not None:
-            self.dispatcher.instance_lost(st.name)
-        failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=True)
-        app.failed_by_crash += failed
-        app.requeued_by_crash += requeued
-        app.restarts += 1
-        self._free_consumers.insert(0, st.spec.consumer)
-        key = self._param_key(app.cfg)
-        if self.backend == "cuda" and key is not None and self._exports.get(key, {}).get("exporter") == st.name:
-            # CUDA IPC memory dies with its exporter: forget the export (the replacement exports
-            # anew) and restart the importers rather than let them read freed device memory.
-            exp = self._exports.pop(key)
-            with contextlib.suppress(OSError):
-                Path(exp["path"]).unlink()
-            for other in self.instances.values():
-                if other.spec.share_params == f"import:{exp['path']}":
-                    log.error("restarting %s: the weights it imported were exported by %s, which died",
-                              other.name, st.name)
-                    other.proc.kill()
-        why = f"signal {-rc}" if rc < 0 else f"status {rc}"
-        log.error("instance %s (pid %d) died (%s): %d held request(s) answered INSTANCE_FAILED, %d requeued; "
-                  "restarting", st.name, st.pid, why, failed, requeued)
-        self.events.append({"t": time.monotonic(), "event": "crash", "instance": st.name, "rc": rc,
-                            "failed": failed, "requeued": requeued})
-        share = None
-        if self.backend == "cpu" and st.spec.cores:
-            from gpuprims.cpushare import CpuShare
-
-            share = CpuShare(cores=list(st.spec.cores), threads=st.spec.threads or 1, gpu_pct=st.spec.gpu_pct)
-        name = f"{st.app}-r{next(self._seq)}"
-        # Queue new requests for the replacement right away: they wait in its ring while it loads
-        # (and are answered DEADLINE_MISSED if that takes too long) instead of being dropped.
-        new = self._spawn(app.cfg, name, share, gpu_pct=st.spec.gpu_pct)
-        self._update_route(st.app)
-        del new
+    def _beat(self, st: InstanceState, stats: dict[str, Any]) -> None:
+        now = time.monotonic()
+        # Rates over the last few seconds of heartbeats rather than since the process started.
+        st.history.append((now, float(stats.get("received") or 0),
+                           float((stats.get("ok") or 0) + (stats.get("deadline_missed") or 0)
+                                 + (stats.get("errors") or 0))))
+        while len(st.history) > 2 and now - st.history[1][0] >= RATE_WINDOW_S:
+            st.history.pop(0)
+        (t0, r0, s0), (t1, r1, s1) = st.history[0], st.history[-1]
+        if t1 - t0 > 0.2:
+            stats["arrival_rps"], stats["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+        st.stats, st.last_beat = stats, now
 
     # -- status ---------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """A JSON-able snapshot: node, ingest counters and drops, and per app and instance statistics."""
+        """A JSON-able snapshot: node, ingest counters and drops, per app and instance statistics, changes."""
         counters = self.ingest.counters() if self.ingest is not None else {}
         apps: dict[str, Any] = {}
         for name, a in self.apps.items():
@@ -732,10 +472,12 @@ class Node:
             totals["p99_ms"] = max((i["p99_ms"] for i in live if i.get("p99_ms") is not None), default=None)
             totals["arrival_rps"] = sum(float(i.get("arrival_rps") or 0) for i in insts)
             totals["service_rps"] = sum(float(i.get("service_rps") or 0) for i in insts)
+            running = self.changes.running.get(name)
             apps[name] = {
                 "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
                 "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
-                "requeued_by_crash": a.requeued_by_crash, **totals,
+                "requeued_by_crash": a.requeued_by_crash, "hangs": a.hangs, "shadow_restarts": a.shadow_restarts,
+                "change": running.to_dict() if running is not None else None, **totals,
                 "slo_attainment": (totals.get("within_slo", 0) / served) if served else None,
             }
         return {
@@ -743,11 +485,14 @@ class Node:
                      "mps": None if self.mps is None else {"active": self.mps.active, "started": self.mps.started,
                                                            "reason": self.mps.reason},
                      "ports": self.ingest.ports if self.ingest else [],
-                     "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0},
+                     "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
+                     "errors": dict(self.errors)},
             "ingest": counters,
             "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
+            "changes": {"counts": dict(self.changes.counts),
+                        "recent": [ch.to_dict() for ch in list(self.changes)[-10:]]},
             "scheduler": self.dispatcher.status() if self.dispatcher is not None else {"name": "spatial"},
         }
 
@@ -756,39 +501,32 @@ class Node:
         """Stop the node: drain instances (when ``drain``), then remove everything it created."""
         self._teardown(drain=drain)
 
+    def _pump(self, ms: float) -> None:
+        """While stopping: heartbeats and Ended only."""
+        assert self.server is not None
+        item = self.server.poll(ms)
+        if item is not None and isinstance(item.msg, (Heartbeat, Ended)):
+            self._handle(item)
+
     def _teardown(self, drain: bool) -> None:
         with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stop.set()
+            self.changes.cancel_all("the node is stopping")
             if self.ingest is not None:
                 for a in self.apps.values():
                     with contextlib.suppress(Exception):
                         self.ingest.set_route(a.cfg.app_id, [])
-            if self.server is not None:
+            if self.supervisor is not None and self.server is not None:
+                self.supervisor.shutdown(drain, self.stop_timeout_s, self._pump)
+            else:
                 for st in self.instances.values():
-                    st.role = "stopping"
                     with contextlib.suppress(Exception):
-                        self.server.send(st.name, Shutdown(instance=st.name, drain=drain and st.initialized))
-            deadline = time.monotonic() + (self.stop_timeout_s if drain else 2.0)
-            while time.monotonic() < deadline and any(st.proc.poll() is None for st in self.instances.values()):
-                if self.server is not None:
-                    item = self.server.poll(50)
-                    if item is not None and isinstance(item.msg, (Heartbeat, Ended)):
-                        self._handle(item)
-                else:
-                    time.sleep(0.05)
-            for st in self.instances.values():
-                if st.proc.poll() is None:
-                    log.warning("%s did not exit in time; terminating", st.name)
-                    st.proc.terminate()
-            for st in self.instances.values():
-                try:
-                    st.proc.wait(timeout=3)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s ignored SIGTERM; killing", st.name)
-                    st.proc.kill()
-                    st.proc.wait()
-            for st in list(self.instances.values()):
-                self._retire(st)
-            self.instances.clear()
+                        st.proc.kill()
+                        st.proc.wait(timeout=5)
+                self.instances.clear()
             if self.metrics is not None:
                 with contextlib.suppress(Exception):
                     self.metrics.stop()
@@ -804,7 +542,8 @@ class Node:
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
-            self._remove_exports()
+            if self.params is not None:
+                self.params.remove_all()
             if self.run_dir is not None:
                 link = self.run_dir.parent / CURRENT_LINK
                 with contextlib.suppress(OSError):
@@ -816,20 +555,6 @@ class Node:
                     for leftover in ("token", "control.sock", "command.sock", "measure.lock"):
                         with contextlib.suppress(OSError):
                             (self.run_dir / leftover).unlink()
-
-    def _remove_exports(self) -> None:
-        """Remove the shared-memory objects of exported weights (CPU). Every instance is gone by now."""
-        from gpuprims.cuda.ipc import ParameterHandles
-
-        for exp in self._exports.values():
-            path = Path(exp["path"])
-            with contextlib.suppress(OSError, ValueError):
-                h = ParameterHandles.from_bytes(path.read_bytes())
-                if h.backend == "cpu":
-                    os.unlink("/dev/shm/" + h.handle.decode())
-            with contextlib.suppress(OSError):
-                path.unlink()
-        self._exports.clear()
 
     def __enter__(self) -> Node:
         return self.start()

@@ -1,208 +1,400 @@
-"""Changing an app's GPU% while it serves: Overlapped-Execution, and kill-and-restart as the baseline.
+"""Changing an app's GPU% while it serves, as an object the node's loop advances.
+
+A :class:`Change` moves through named phases::
+
+    pending -> initialising -> switched -> draining -> (next instance: pending ...) -> done
+            \\-> failed (at any phase before the switch: the old instances keep serving at the old share)
 
 Overlapped-Execution (paper V-C), per active instance of the app, one at a time so the app never
 loses capacity:
 
-1. take the app's shadow (already started, CPU side initialised, GPU side deferred), or start one;
-2. ``InitGpu(new_pct)``: the shadow applies the new share, loads the model and warms up, then
-   reports Ready;
-3. the ingest's route for the app switches to the shadow (now the active) and the old active is told
-   ``<2, Finish>``; it serves what it already holds and reports ``<3, Ended>``. The paper switches
-   traffic only after Ended; switching at Finish instead means the new instance serves while the
-   old one drains, so there is no gap — and since each request sits in exactly one consumer queue,
-   none is lost or answered twice;
-4. a fresh shadow is prepared for the next change.
+- ``pending``: a shadow (already started, CPU side initialised, GPU side deferred) is taken, or started,
+  and waited for;
+- ``initialising``: the shadow was told ``InitGpu(new_pct)``: it applies the new share, loads the model
+  (sharing parameters where possible) and warms up;
+- ``switched``: the ingest's route moves to the shadow, now an active; the old active is told
+  ``<2, Finish>``. (The paper switches traffic after ``<3, Ended>``; switching at Finish lets the new
+  instance serve while the old one drains, so there is no gap, and since each request sits in exactly
+  one consumer queue none is lost or answered twice);
+- ``draining``: the old instance serves what it holds and reports Ended (or is terminated after the
+  timeout, and what it held is requeued to the new active);
+- ``done`` once every active runs at the new share; a fresh shadow is then prepared by the supervisor.
 
-Failures: a shadow that fails to initialise (error, exit, or no Ready within ``timeout_s``) is
-removed and the change is reported failed; the active keeps serving at the old share. An active that
-dies while draining has what it held handed to the new active by the ingest. A second change of the
-same app while one runs is refused with a message saying so.
+The kill-and-restart baseline is the same object with ``method="restart"``: a replacement is started
+at the new share and routed to, the old active is killed (what it held is requeued to the
+replacement), and ``initialising`` waits for the replacement's Ready.
+
+A change never blocks: :meth:`Change.advance` looks at the instance table, acts, and returns. The node
+owns one :class:`Changes` table with at most one change per app; changes of different apps are
+independent. An exception inside one change fails that change (logged and counted) and never the loop.
+The change reaches the node only through the small :class:`ChangeHost` interface below.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from orchestrator.messages import Finish, InitGpu
-
-if TYPE_CHECKING:
-    from orchestrator.node import InstanceState, Node
+from gpuprims.cpushare import CpuShare
+from orchestrator.errors import ChangeError
+from orchestrator.state import AppState, InstanceState
 
 log = logging.getLogger("gpuprims.reconfig")
 
 
-class ChangeError(RuntimeError):
-    """A change of GPU% could not be made; the app keeps its previous share."""
+
+class Phase(str, enum.Enum):
+    PENDING = "pending"
+    INITIALISING = "initialising"
+    SWITCHED = "switched"
+    DRAINING = "draining"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.DONE, Phase.FAILED)
 
 
-def check_share(node: Node, app_name: str, new_pct: int) -> None:
-    """Raise ChangeError if the app is unknown, the % is out of range, or the GPU would be oversubscribed."""
-    if app_name not in node.apps:
-        raise ChangeError(f"no app named {app_name!r}; apps: {', '.join(sorted(node.apps))}")
-    if isinstance(new_pct, bool) or not isinstance(new_pct, int) or not 1 <= new_pct <= 100:
-        raise ChangeError(f"gpu_pct must be an integer in 1..100, got {new_pct!r}")
-    app = node.apps[app_name]
-    gpu = node.cfg.gpu_of(app.cfg)
-    others = sum(a.gpu_pct * a.instances for name, a in node.apps.items()
-                 if name != app_name and node.cfg.gpu_of(a.cfg) == gpu)
-    total = others + new_pct * app.instances
-    if total > 100 and not node.cfg.node.allow_oversubscribe:
-        raise ChangeError(f"refused: {app_name} at {new_pct}% x {app.instances} instance(s) would put GPU {gpu} "
-                          f"at {total}% (other apps hold {others}%); the sum must stay <= 100 unless "
-                          "node.allow_oversubscribe is true")
+class ChangeHost(Protocol):
+    """What a change needs from the node: its tables and a few public actions."""
+
+    apps: dict[str, AppState]
+    instances: dict[str, InstanceState]
+
+    def shadow_of(self, app_name: str) -> InstanceState | None: ...
+    def spawn_shadow(self, app_name: str) -> InstanceState: ...
+    def spawn_active(self, app_name: str, gpu_pct: int, share: CpuShare | None) -> InstanceState: ...
+    def init_shadow(self, st: InstanceState, gpu_pct: int, share: CpuShare | None) -> None: ...
+    def share_for(self, app_name: str, gpu_pct: int, index: int) -> CpuShare | None: ...
+    def route(self, app_name: str) -> None: ...
+    def finish(self, st: InstanceState) -> None: ...
+    def kill(self, st: InstanceState, role: str = "stopping") -> None: ...
+    def record(self, event: dict[str, Any]) -> None: ...
 
 
-def _settings_for(node: Node, app_name: str, new_pct: int, index: int) -> dict[str, Any]:
-    """Backend placement for the replacement of instance `index` of the app at `new_pct`."""
-    if node.backend != "cpu":
-        return {}
-    from gpuprims.cpushare import plan_cpu_shares
+@dataclass
+class Change:
+    """One change of one app's share (see the module docstring)."""
 
-    reqs = []
-    for name, a in node.apps.items():
-        pct = new_pct if name == app_name else a.gpu_pct
-        reqs += [(f"{name}-{i}", pct) for i in range(a.instances)]
-    share = plan_cpu_shares(reqs, allow_oversubscribe=node.cfg.node.allow_oversubscribe)[f"{app_name}-{index}"]
-    return {"cores": list(share.cores), "threads": share.threads}
+    id: int
+    app: str
+    from_pct: int
+    to_pct: int
+    method: str = "overlap"  # overlap | restart
+    origin: str = "set-gpu"  # set-gpu | monitor | api
+    timeout_s: float = 180.0
+    phase: Phase = Phase.PENDING
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    phases: list[tuple[str, float]] = field(default_factory=list)  # (phase, seconds since start)
+    switched: list[dict[str, Any]] = field(default_factory=list)
+    _old: str | None = None
+    _new: str | None = None
+    _index: int = 0
+    _done_with: set[str] = field(default_factory=set)
+    _phase_deadline: float = 0.0
+    _t_init: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("overlap", "restart"):
+            raise ValueError(f"method must be 'overlap' or 'restart', got {self.method!r}")
+        self._enter(Phase.PENDING)
+
+    # -- the machine ------------------------------------------------------------------------------------
+    def advance(self, host: ChangeHost) -> None:
+        """Move as far as the instance table allows now, without waiting."""
+        for _ in range(16):  # bounded: each pass either changes phase or returns
+            if self.phase.terminal:
+                return
+            before = self.phase, self._old
+            if self.method == "overlap":
+                self._overlap(host)
+            else:
+                self._restart(host)
+            if (self.phase, self._old) == before:
+                return
+
+    def fail(self, host: ChangeHost, reason: str) -> None:
+        """End the change as failed: a shadow it was initialising is discarded; the old instances keep
+        serving at their share."""
+        if self.phase.terminal:
+            return
+        if self.method == "overlap" and self._new is not None and self.phase in (Phase.PENDING, Phase.INITIALISING):
+            # (A restart's replacement is already the app's active: the supervisor looks after it.)
+            st = host.instances.get(self._new)
+            if st is not None and st.role == "shadow":
+                st.error = st.error or "discarded by a failed change"
+                host.kill(st, role="shadow")
+        self.error = reason
+        self._enter(Phase.FAILED)
+        log.error("change %d of %s to %d%% failed: %s", self.id, self.app, self.to_pct, reason)
+        host.record({"event": "change_failed", "app": self.app, "change": self.id, "reason": reason})
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        now = time.monotonic()
+        self.phases.append((phase.value, round(now - self.started, 4)))
+        self._phase_deadline = now + self.timeout_s
+        if phase.terminal:
+            self.ended = now
+
+    def _timed_out(self) -> bool:
+        return time.monotonic() > self._phase_deadline
+
+    def _next_old(self, host: ChangeHost) -> InstanceState | None:
+        """The next active instance still at another share (replacements started meanwhile included)."""
+        cands = sorted((st for st in host.instances.values()
+                        if st.app == self.app and st.role == "active" and st.name not in self._done_with
+                        and st.spec.gpu_pct != self.to_pct), key=lambda st: st.name)
+        return cands[0] if cands else None
+
+    def _complete(self, host: ChangeHost) -> None:
+        host.apps[self.app].gpu_pct = self.to_pct
+        self._enter(Phase.DONE)
+        total_ms = (self.ended or time.monotonic()) - self.started
+        host.record({"event": "changed" if self.method == "overlap" else "restarted", "app": self.app,
+                     "change": self.id, "gpu_pct": self.to_pct, "switched": self.switched,
+                     "total_ms": round(total_ms * 1e3, 1)})
+        log.info("%s now at %d%% (%s, change %d): %s", self.app, self.to_pct, self.method, self.id, self.switched)
+
+    def _overlap(self, host: ChangeHost) -> None:
+        if self.phase is Phase.PENDING:
+            if self._old is None:
+                old = self._next_old(host)
+                if old is None:
+                    self._complete(host)
+                    return
+                self._old = old.name
+            if self._new is None:
+                shadow = host.shadow_of(self.app) or host.spawn_shadow(self.app)
+                self._new = shadow.name
+            shadow = host.instances.get(self._new)
+            if shadow is None or shadow.error is not None:
+                why = shadow.error if shadow is not None else "it exited"
+                self.fail(host, f"shadow {self._new} failed before it was ready: {why}")
+                return
+            if shadow.ready:
+                self._t_init = time.monotonic()
+                host.init_shadow(shadow, self.to_pct, host.share_for(self.app, self.to_pct, self._index))
+                self._enter(Phase.INITIALISING)
+            elif self._timed_out():
+                self.fail(host, f"shadow {self._new} start did not happen within {self.timeout_s:.0f} s; raise "
+                                "node.change_timeout_s if needed")
+        elif self.phase is Phase.INITIALISING:
+            shadow = host.instances.get(self._new or "")
+            if shadow is None or shadow.error is not None:
+                why = shadow.error if shadow is not None else "it exited"
+                self.fail(host, f"shadow {self._new} failed to initialise at {self.to_pct}%: {why}; "
+                                f"{self.app} keeps serving at {self.from_pct}%")
+            elif shadow.initialized:
+                self._switch(host, shadow)
+            elif self._timed_out():
+                self.fail(host, f"shadow {self._new} initialisation did not happen within {self.timeout_s:.0f} s; "
+                                f"raise node.change_timeout_s if needed; {self.app} keeps serving at "
+                                f"{self.from_pct}%")
+        elif self.phase is Phase.SWITCHED:
+            old = host.instances.get(self._old or "")
+            if old is not None:
+                host.finish(old)
+            self._enter(Phase.DRAINING)
+        elif self.phase is Phase.DRAINING:
+            old = host.instances.get(self._old or "")
+            if old is not None and not old.ended and self._timed_out():
+                log.error("%s did not report Ended within %.0f s; killing it (what it holds is requeued)",
+                          old.name, self.timeout_s)
+                host.kill(old, role="finishing")
+                old = None
+            if old is None or old.ended:
+                self.switched[-1]["old_served"] = old.stats.get("ok") if old is not None else None
+                self._next_instance()
+
+    def _switch(self, host: ChangeHost, shadow: InstanceState) -> None:
+        init_ms = (time.monotonic() - self._t_init) * 1e3
+        t = time.monotonic()
+        shadow.role = "active"
+        shadow.spec.gpu_pct = self.to_pct
+        old = host.instances.get(self._old or "")
+        if old is not None:
+            old.role = "finishing"  # off the route from here on; Finish follows
+        host.route(self.app)
+        switch_ms = (time.monotonic() - t) * 1e3
+        self.switched.append({"from": self._old, "to": shadow.name, "init_ms": round(init_ms, 1),
+                              "route_switch_ms": round(switch_ms, 3), "old_served": None})
+        host.record({"event": "switch", "app": self.app, "change": self.id, "from": self._old, "to": shadow.name,
+                     "gpu_pct": self.to_pct})
+        self._enter(Phase.SWITCHED)
+
+    def _next_instance(self) -> None:
+        if self._old is not None:
+            self._done_with.add(self._old)
+        if self._new is not None:
+            self._done_with.add(self._new)
+        self._old = self._new = None
+        self._index += 1
+        self._enter(Phase.PENDING)
+
+    def _restart(self, host: ChangeHost) -> None:
+        if self.phase is Phase.PENDING:
+            old = self._next_old(host)
+            if old is None:
+                self._complete(host)
+                return
+            self._old = old.name
+            self._t_init = time.monotonic()
+            new = host.spawn_active(self.app, self.to_pct, host.share_for(self.app, self.to_pct, self._index))
+            self._new = new.name
+            # The replacement takes the route before the old one dies, so what the old one held is
+            # requeued into its queue and no request meets an app without one.
+            host.kill(old)
+            host.route(self.app)
+            self.switched.append({"from": old.name, "to": new.name, "init_ms": None, "old_served": old.stats.get("ok")})
+            self._enter(Phase.INITIALISING)
+        elif self.phase is Phase.INITIALISING:
+            new = host.instances.get(self._new or "")
+            if new is None or new.error is not None:
+                self.fail(host, f"{self._new} failed to start at {self.to_pct}%")
+            elif new.ready:
+                self.switched[-1]["init_ms"] = round((time.monotonic() - self._t_init) * 1e3, 1)
+                self._next_instance()
+            elif self._timed_out():
+                self.fail(host, f"{self._new} start did not happen within {self.timeout_s:.0f} s; raise "
+                                "node.change_timeout_s if needed")
+
+    # -- reporting --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able view for status and the CLI."""
+        return {"id": self.id, "app": self.app, "from_pct": self.from_pct, "to_pct": self.to_pct,
+                "method": self.method, "origin": self.origin, "phase": self.phase.value, "error": self.error,
+                "phases": [list(p) for p in self.phases], "switched": self.switched,
+                "elapsed_s": round((self.ended or time.monotonic()) - self.started, 3)}
+
+    def message(self) -> str:
+        """One line saying how the change ended (or where it is)."""
+        if self.phase is Phase.FAILED:
+            return str(self.error)
+        if self.phase is not Phase.DONE:
+            return f"change {self.id} of {self.app} to {self.to_pct}% is {self.phase.value}"
+        total_ms = ((self.ended or time.monotonic()) - self.started) * 1e3
+        if self.method == "restart":
+            return f"{self.app} restarted at {self.to_pct}% in {total_ms:.0f} ms"
+        worst = max((s["route_switch_ms"] for s in self.switched), default=0.0)
+        return (f"{self.app} now at {self.to_pct}%: {len(self.switched)} instance(s) switched with "
+                f"Overlapped-Execution in {total_ms:.0f} ms (route switch {worst:.3f} ms)")
 
 
-def _wait(node: Node, done: Any, timeout_s: float, what: str, setting: str) -> float:
-    """Run the node's control loop until done() is true; return the seconds it took."""
-    t0 = time.monotonic()
-    while not done():
-        if time.monotonic() - t0 > timeout_s:
-            raise ChangeError(f"{what} did not happen within {timeout_s:.0f} s; raise {setting} if needed")
-        node.step(5)
-    return time.monotonic() - t0
+class Changes:
+    """The node's changes: at most one running per app, the finished ones kept for ``status``."""
 
+    def __init__(self, host: ChangeHost, check: Callable[[str, int], None], *, timeout_s: float = 180.0,
+                 keep: int = 50) -> None:
+        self.host = host
+        self.check = check
+        self.timeout_s = timeout_s
+        self.running: dict[str, Change] = {}
+        self.finished: list[Change] = []
+        self.keep = keep
+        self.counts: dict[str, int] = {"submitted": 0, "done": 0, "failed": 0, "refused": 0}
+        self._ids = itertools.count(1)
+        #: Apps no new change may start on (their change is running); tests may hold one directly.
+        self.changing: set[str] = set()
 
-def _ready_shadow(node: Node, app_name: str, timeout_s: float) -> InstanceState:
-    shadow = node.shadow_of(app_name) or node.spawn_shadow(app_name)
-
-    def up() -> bool:
-        if shadow.error is not None or shadow.name not in node.instances:
-            raise ChangeError(f"shadow {shadow.name} failed before it was ready: {shadow.error}")
-        return shadow.ready
-
-    _wait(node, up, timeout_s, f"shadow {shadow.name} start", "the change timeout")
-    return shadow
-
-
-def change_gpu_pct(node: Node, app_name: str, new_pct: int, *, timeout_s: float = 180.0) -> tuple[bool, str]:
-    """Move every instance of the app to ``new_pct`` with Overlapped-Execution. Returns (ok, message)."""
-    try:
-        check_share(node, app_name, new_pct)
-    except ChangeError as e:
-        return False, str(e)
-    if app_name in node.changing:
-        return False, f"a change of {app_name} is already in progress; try again when it completes"
-    app = node.apps[app_name]
-    if new_pct == app.gpu_pct:
-        return True, f"{app_name} already runs at {new_pct}%"
-    node.changing.add(app_name)
-    t_start = time.monotonic()
-    switched: list[dict[str, Any]] = []
-    try:
-        actives = sorted((st for st in node.instances.values() if st.app == app_name and st.role == "active"),
-                         key=lambda st: st.name)
-        for index, old in enumerate(actives):
-            shadow = _ready_shadow(node, app_name, timeout_s)
-            t_init = time.monotonic()
-            settings = _settings_for(node, app_name, new_pct, index)
-            node.server.send(shadow.name, InitGpu(instance=shadow.name, gpu_pct=new_pct,  # type: ignore[union-attr]
-                                                  settings=settings))
-            if "cores" in settings:
-                shadow.spec.cores, shadow.spec.threads = settings["cores"], settings["threads"]
-
-            def initialised(sh: InstanceState = shadow) -> bool:
-                if sh.error is not None or sh.name not in node.instances:
-                    raise ChangeError(f"shadow {sh.name} failed to initialise at {new_pct}%: {sh.error}; "
-                                      f"{app_name} keeps serving at {app.gpu_pct}%")
-                return sh.initialized
-
-            try:
-                _wait(node, initialised, timeout_s, f"shadow {shadow.name} initialisation", "the change timeout")
-            except ChangeError:
-                _discard(node, shadow)
-                raise
-            init_s = time.monotonic() - t_init
-            # The switch: new requests go to the new active from the next received batch on.
-            t_switch = time.monotonic()
-            shadow.role = "active"
-            shadow.spec.gpu_pct = new_pct
-            if old.name in node.instances:
-                old.role = "finishing"
-            node._update_route(app_name)
-            switch_ms = (time.monotonic() - t_switch) * 1e3
-            node.events.append({"t": t_switch, "event": "switch", "app": app_name, "from": old.name,
-                                "to": shadow.name, "gpu_pct": new_pct})
-            drained = None
-            if old.name in node.instances:
-                node.server.send(old.name, Finish(instance=old.name))  # type: ignore[union-attr]
-                try:
-                    _wait(node, lambda o=old: o.ended or o.name not in node.instances, timeout_s,
-                          f"{old.name} drain", "the change timeout")
-                except ChangeError:
-                    log.error("%s did not report Ended; terminating it", old.name)
-                    old.proc.terminate()
-                drained = old.stats.get("ok")
-            switched.append({"from": old.name, "to": shadow.name, "init_ms": round(init_s * 1e3, 1),
-                             "route_switch_ms": round(switch_ms, 3), "old_served": drained})
-        app.gpu_pct = new_pct
-        if app.cfg.shadow:
-            node.spawn_shadow(app_name)
-    except ChangeError as e:
-        node.events.append({"t": time.monotonic(), "event": "change_failed", "app": app_name, "reason": str(e)})
-        return False, str(e)
-    finally:
-        node.changing.discard(app_name)
-    total_ms = (time.monotonic() - t_start) * 1e3
-    node.events.append({"t": time.monotonic(), "event": "changed", "app": app_name, "gpu_pct": new_pct,
-                        "switched": switched, "total_ms": round(total_ms, 1)})
-    log.info("%s now at %d%%: %s", app_name, new_pct, switched)
-    return True, (f"{app_name} now at {new_pct}%: {len(switched)} instance(s) switched with Overlapped-Execution "
-                  f"in {total_ms:.0f} ms (route switch {max((s['route_switch_ms'] for s in switched), default=0):.3f} ms)")
-
-
-def _discard(node: Node, st: InstanceState) -> None:
-    if st.name in node.instances and st.proc.poll() is None:
-        st.proc.kill()
-        st.proc.wait()
-    node.step(1)
-
-
-def restart_gpu_pct(node: Node, app_name: str, new_pct: int, *, timeout_s: float = 180.0) -> tuple[bool, str]:
-    """Baseline: kill each active instance and start a new one at ``new_pct`` (the downtime Overlapped-
-    Execution avoids). Requests arriving meanwhile wait in the new instance's queue; those the killed
-    instance held are answered INSTANCE_FAILED."""
-    try:
-        check_share(node, app_name, new_pct)
-    except ChangeError as e:
-        return False, str(e)
-    app = node.apps[app_name]
-    actives = [st for st in node.instances.values() if st.app == app_name and st.role == "active"]
-    t0 = time.monotonic()
-    for index, old in enumerate(actives):
-        old.role = "stopping"
-        old.proc.kill()
-        old.proc.wait()
-        node.step(1)  # reclaims what it held
-        settings = _settings_for(node, app_name, new_pct, index)
-        share = None
-        if settings:
-            from gpuprims.cpushare import CpuShare
-
-            share = CpuShare(cores=settings["cores"], threads=settings["threads"], gpu_pct=new_pct)
-        new = node._spawn(app.cfg, f"{app_name}-k{index}-{int(t0 * 1000) % 100000}", share, gpu_pct=new_pct)
-        node._update_route(app_name)
+    def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu") -> Change:
+        """Accept a change (it starts on the next advance) or raise ChangeError saying why not."""
         try:
-            _wait(node, lambda n=new: n.ready, timeout_s, f"{new.name} start", "the change timeout")
-        except ChangeError as e:
-            return False, str(e)
-    app.gpu_pct = new_pct
-    total_ms = (time.monotonic() - t0) * 1e3
-    node.events.append({"t": time.monotonic(), "event": "restarted", "app": app_name, "gpu_pct": new_pct,
-                        "total_ms": round(total_ms, 1)})
-    return True, f"{app_name} restarted at {new_pct}% in {total_ms:.0f} ms"
+            self.check(app, to_pct)
+        except (KeyError, ValueError) as e:
+            self.counts["refused"] += 1
+            raise ChangeError(e.args[0] if e.args else str(e)) from e
+        if app in self.changing or app in self.running:
+            self.counts["refused"] += 1
+            raise ChangeError(f"a change of {app} is already in progress; try again when it completes")
+        state = self.host.apps[app]
+        ch = Change(id=next(self._ids), app=app, from_pct=state.gpu_pct, to_pct=to_pct, method=method,
+                    origin=origin, timeout_s=self.timeout_s)
+        self.counts["submitted"] += 1
+        if to_pct == state.gpu_pct and method == "overlap":
+            ch.switched = []
+            ch._enter(Phase.DONE)
+            self._finish(ch)
+            return ch
+        self.running[app] = ch
+        self.changing.add(app)
+        self.host.record({"event": "change_accepted", "app": app, "change": ch.id, "from_pct": ch.from_pct,
+                          "to_pct": to_pct, "method": method, "origin": origin})
+        return ch
+
+    def advance(self) -> None:
+        """Advance every running change; one that raises fails alone."""
+        for app, ch in list(self.running.items()):
+            try:
+                ch.advance(self.host)
+            except Exception as e:
+                log.exception("change %d of %s raised", ch.id, app)
+                ch.fail(self.host, f"internal error: {type(e).__name__}: {e}")
+            if ch.phase.terminal:
+                del self.running[app]
+                self.changing.discard(app)
+                self._finish(ch)
+
+    def cancel_all(self, reason: str) -> None:
+        """Fail every running change (the node is stopping)."""
+        for app, ch in list(self.running.items()):
+            ch.fail(self.host, reason)
+            del self.running[app]
+            self.changing.discard(app)
+            self._finish(ch)
+
+    def get(self, change_id: int) -> Change | None:
+        for ch in self:
+            if ch.id == change_id:
+                return ch
+        return None
+
+    def __iter__(self) -> Iterator[Change]:
+        yield from self.running.values()
+        yield from self.finished
+
+    def _finish(self, ch: Change) -> None:
+        self.counts["done" if ch.phase is Phase.DONE else "failed"] += 1
+        self.finished.append(ch)
+        del self.finished[: -self.keep]
+
+
+class Steppable(Protocol):
+    changes: Changes
+
+    def step(self, timeout_ms: float = 100.0) -> None: ...
+
+
+def run_change(node: Steppable, app_name: str, new_pct: int, *, method: str, timeout_s: float | None) -> tuple[bool, str]:
+    """Submit a change and run the node's loop until it ends (for callers that own the loop: tests,
+    benchmarks, scripts). Returns (ok, message)."""
+    try:
+        ch = node.changes.submit(app_name, new_pct, method=method, origin="api")
+    except ChangeError as e:
+        return False, str(e)
+    limit = None if timeout_s is None else time.monotonic() + 4 * timeout_s
+    while not ch.phase.terminal:
+        node.step(5)
+        if limit is not None and time.monotonic() > limit and not ch.phase.terminal:
+            ch.fail(node.changes.host, "gave up waiting for the change")
+    return ch.phase is Phase.DONE, ch.message()
+
+
+def change_gpu_pct(node: Steppable, app_name: str, new_pct: int, *, timeout_s: float | None = None) -> tuple[bool, str]:
+    """Move every instance of the app to ``new_pct`` with Overlapped-Execution, driving the node's loop
+    until the change ends. Returns (ok, message)."""
+    return run_change(node, app_name, new_pct, method="overlap", timeout_s=timeout_s)
+
+
+def restart_gpu_pct(node: Steppable, app_name: str, new_pct: int, *, timeout_s: float | None = None) -> tuple[bool, str]:
+    """Baseline: kill each active instance and start a new one at ``new_pct`` (the downtime Overlapped-
+    Execution avoids), driving the node's loop until done. Returns (ok, message)."""
+    return run_change(node, app_name, new_pct, method="restart", timeout_s=timeout_s)

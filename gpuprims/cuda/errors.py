@@ -49,7 +49,7 @@ def check_status(status: int, call: str = "") -> None:
     runtime's cudaGetErrorName/cudaGetErrorString); return for cudaSuccess."""
     if status == 0:
         return
-    from gpuprims.cuda import runtime
+    # The names come from the extension, which never touches the GPU to give them.
+    from gpuprims import _native
 
-    native = runtime.native()
-    raise CudaError(status, native.cuda_error_name(status), native.cuda_error_string(status), call)
+    raise CudaError(status, _native.cuda_error_name(status), _native.cuda_error_string(status), call)

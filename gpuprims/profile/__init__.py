@@ -1,6 +1,6 @@
 """Model profiles: latency (p50/p99) and peak memory over batch size x GPU%, measured or paper-derived.
 
-``format`` holds the versioned JSON profile and its interpolation; ``measure`` measures one on this
+``knee`` derives the knee GPU% from a profile (paper IV-C); ``format`` holds the versioned JSON profile and its interpolation; ``measure`` measures one on this
 machine (each point in a fresh spawn process with its GPU% applied before torch initialises);
 ``cli`` is ``gpuprims-profile``.
 """
@@ -21,6 +21,7 @@ from gpuprims.profile.format import (
     profile_from_dict,
     save_profile,
 )
+from gpuprims.profile.knee import knee
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,6 +30,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "ProfilePoint",
+    "knee",
     "load_profile",
     "load_profiles",
     "paper_profile",

@@ -217,7 +217,7 @@ def plot_profile(profile: Profile, path: str | Path, *, tolerance: float = 0.10)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gpuprims.sched.knee import knee
+    from gpuprims.profile.knee import knee
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for b in profile.batch_sizes:

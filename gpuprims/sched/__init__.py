@@ -1,4 +1,4 @@
-"""Scheduling from profiles: knee, Batch-Latency, Multi-Model, DAG apps, schedulers and a simulator.
+"""Scheduling from profiles: Batch-Latency, Multi-Model, DAG apps, schedulers and a simulator.
 
 Pure logic: nothing here touches a GPU or a clock. Time is passed in (``now_ms``), so the
 orchestrator drives the same scheduler classes live that ``gpuprims.sched.sim`` drives in simulation.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from gpuprims.sched.batch_latency import batch_latency, largest_batch
 from gpuprims.sched.dag import App, Stage, dnn_recog, single, validate_apps
-from gpuprims.sched.knee import knee
 from gpuprims.sched.multi_model import multi_model
 from gpuprims.sched.scheduler import (
     SCHEDULERS,
@@ -29,7 +28,6 @@ __all__ = [
     "TemporalScheduler",
     "batch_latency",
     "dnn_recog",
-    "knee",
     "largest_batch",
     "make_scheduler",
     "multi_model",

@@ -14,6 +14,7 @@ from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.metrics import format_status
 from orchestrator.node import Node
+from orchestrator.reconfig import change_gpu_pct
 from tests.orchestrator.client import ask
 
 pytestmark = pytest.mark.slow
@@ -82,7 +83,7 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
         xs = {rid: (5 if rid % 2 else 6, rng.random(SHAPE, dtype=np.float32)) for rid in range(60)}
         got = ask(node, xs)
         st = _settle(node)
-        ok, text = node.set_gpu("cls", 30)
+        ok, text = change_gpu_pct(node, "cls", 30)
     finally:
         node.stop()
     assert sorted(got) == sorted(xs)

@@ -15,6 +15,7 @@ from apps.zoo import load_model
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.node import Node
+from orchestrator.reconfig import change_gpu_pct
 from tests.orchestrator.client import ask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -72,7 +73,7 @@ def test_instances_run_under_mps_with_their_share(tmp_path: Path) -> None:
                 continue
             assert st.pid in clients, f"{st.name} is not an MPS client"
             assert st.stats.get("mps_pct") == str(st.spec.gpu_pct)
-        ok, msg = node.set_gpu("a", 60)
+        ok, msg = change_gpu_pct(node, "a", 60)
         assert ok, msg
         for _ in range(20):
             node.step(50)

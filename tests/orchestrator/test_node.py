@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from apps.instance import preprocess
 from apps.zoo import load_model
 from gpuprims import wire
 from gpuprims.ingest import packet_balance
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.control import connect_command, control_address, read_token
+from orchestrator.instance import preprocess
 from orchestrator.messages import StatusRequest
 from orchestrator.node import Node, StartError
 

@@ -44,7 +44,7 @@ def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path
         assert sorted(st.stats.get("params") for st in node.instances.values()) == ["exported", "imported"]
         from gpuprims.cuda.ipc import ParameterHandles
 
-        exp = next(iter(node._exports.values()))
+        exp = next(iter(node.params.exports.values()))
         shm_names.append(ParameterHandles.from_bytes(Path(exp["path"]).read_bytes()).handle.decode())
         ref_model = load_model("resnet18", seed=5, num_classes=10, input_shape=(3, 32, 32)).eval()
         rng = np.random.default_rng(0)

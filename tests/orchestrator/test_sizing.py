@@ -37,16 +37,16 @@ def test_multi_model_sizes_auto_instances_from_the_profile(tmp_path: Path) -> No
     (tmp_path / "m.json").write_text(json.dumps(profile("mobilenet_v2", lat)))
     nd = node_for([{"name": "a", "model": "mobilenet_v2", "slo_ms": 30, "instances": "auto", "gpu_pct": "auto",
                     "max_batch": 1}], tmp_path)
-    nd._size_auto_apps()
-    nd._assign_pcts()
+    nd.placement.size_auto_apps()
+    nd.placement.assign_pcts()
     a = nd.apps["a"]
     assert (a.instances, a.gpu_pct) == (4, 25)
 
 
 def test_auto_without_profile_runs_one_instance_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     nd = node_for([{"name": "a", "model": "resnet18", "slo_ms": 30, "instances": "auto"}], tmp_path)
-    nd._size_auto_apps()
-    nd._assign_pcts()
+    nd.placement.size_auto_apps()
+    nd.placement.assign_pcts()
     assert nd.apps["a"].instances == 1 and nd.apps["a"].gpu_pct == 100
     assert "no profile of resnet18" in caplog.text
 
@@ -55,7 +55,7 @@ def test_auto_pct_splits_what_fixed_apps_leave() -> None:
     nd = node_for([{"name": "a", "model": "resnet18", "slo_ms": 30, "gpu_pct": 40},
                    {"name": "b", "model": "resnet18", "slo_ms": 30},
                    {"name": "c", "model": "resnet18", "slo_ms": 30, "instances": 2}])
-    nd._assign_pcts()
+    nd.placement.assign_pcts()
     assert [nd.apps[n].gpu_pct for n in "abc"] == [40, 20, 20]
 
 
@@ -63,7 +63,7 @@ def test_bad_profile_is_refused_with_its_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format_version": 1}')
     nd = node_for([{"name": "a", "model": "resnet18", "slo_ms": 30, "instances": "auto"}], tmp_path)
     with pytest.raises(StartError, match=r"bad\.json"):
-        nd._size_auto_apps()
+        nd.placement.size_auto_apps()
 
 
 def test_live_scheduler_needs_one_instance_per_app(tmp_path: Path) -> None:

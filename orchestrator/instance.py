@@ -1,6 +1,6 @@
 """One inference app instance: a process that serves one app from its consumer queue of the pool.
 
-Started by the orchestrator as ``python -m apps.instance`` with its :class:`InstanceSpec` as JSON in
+Started by the orchestrator as ``python -m orchestrator.instance`` with its :class:`InstanceSpec` as JSON in
 ``GPUPRIMS_INSTANCE_SPEC`` and the control-plane variables of ``orchestrator.control.instance_env``.
 It maps the packet pool, confines itself to its share (CPU cores on the cpu backend; on cuda the
 orchestrator set ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` before CUDA initialises), loads its model, and

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gpuprims.profile import paper_profiles
-from gpuprims.sched.knee import knee
+from gpuprims.profile.knee import knee
 from tests.gpuprims.sched._profiles import grid
 
 P = grid("k", {10: {1: 10.0, 2: 20.0}, 20: {1: 5.0, 2: 10.0}, 50: {1: 2.2, 2: 3.0}, 100: {1: 2.0, 2: 3.0}})

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from apps.instance import PROBE_AFTER_S, Instance, InstanceSpec
 from gpuprims import wire
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.wire import Status
+from orchestrator.instance import PROBE_AFTER_S, Instance, InstanceSpec
 
 SHAPE = (3, 32, 32)
 

@@ -1,0 +1,343 @@
+"""Supervision of the instance processes: spawn, wait for READY, route, reap, restart, refill shadows.
+
+The supervisor owns the instance table's processes; the node's loop calls :meth:`Supervisor.reap`
+every step. Its rules are what keeps every request answered exactly once when a process goes away:
+
+- **An active instance dies** (crash, SIGKILL, or killed as hung): a replacement is spawned and the
+  app's route switched to it *before* the dead instance's requests are reclaimed, so the ingest
+  requeues them into the replacement's queue (where they wait while it loads, and expire with
+  DEADLINE_MISSED if that takes too long) and new requests never meet an app without a queue. Only
+  what a replacement that never became ready held is answered INSTANCE_FAILED instead of requeued,
+  so a request cannot circle through failing replacements.
+- **An instance that drained** (``Ended``) or was told to stop: whatever it still held is requeued
+  to the app's other actives, or answered INSTANCE_FAILED by the ingest.
+- **A shadow dies**: its consumer is released and a new shadow is started (after a back-off that
+  grows with consecutive failures), so ``shadow: true`` keeps holding.
+- **An active goes silent** (no heartbeat for ``node.hang_timeout_s`` once serving): it is killed, and
+  the first rule applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpuprims.cpushare import CpuShare
+from gpuprims.ingest import Ingest
+from gpuprims.pool import PacketPool
+from orchestrator.config import AppConfig, NodeConfig
+from orchestrator.control import ControlServer, instance_env
+from orchestrator.errors import SupervisionError
+from orchestrator.instance import ENV_SPEC, InstanceSpec
+from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
+from orchestrator.param_share import ParamShare
+from orchestrator.placement import Placement
+from orchestrator.state import AppState, InstanceState
+
+log = logging.getLogger("gpuprims.node")
+
+#: Shadow restarts back off: 1 s after the first consecutive failure, doubling up to this.
+SHADOW_BACKOFF_MAX_S = 30.0
+
+
+
+class Supervisor:
+    """The instance processes of one node (see the module docstring)."""
+
+    def __init__(self, cfg: NodeConfig, apps: dict[str, AppState], instances: dict[str, InstanceState], *,
+                 pool: PacketPool, ingest: Ingest, server: ControlServer, token: str, run_dir: Path,
+                 placement: Placement, params: ParamShare, backend: str, python: str, heartbeat_ms: float,
+                 warmup: bool, consumers: int, mps: Any = None,
+                 record: Callable[[dict[str, Any]], None] = lambda e: None,
+                 on_lost: Callable[[InstanceState], None] = lambda st: None) -> None:
+        self.cfg = cfg
+        self.apps = apps
+        self.instances = instances
+        self.pool = pool
+        self.ingest = ingest
+        self.server = server
+        self.token = token
+        self.run_dir = run_dir
+        self.placement = placement
+        self.params = params
+        self.backend = backend
+        self.python = python
+        self.heartbeat_ms = heartbeat_ms
+        self.warmup = warmup
+        self.mps = mps
+        self.record = record
+        self.on_lost = on_lost
+        self.free_consumers = list(range(consumers - 1, -1, -1))
+        self._seq = itertools.count()
+        self._shadow_failures: dict[str, int] = {}
+        self._shadow_not_before: dict[str, float] = {}
+
+    # -- processes -------------------------------------------------------------------------------------
+    def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
+              gpu_pct: int | None = None) -> InstanceState:
+        """Start an instance process (``python -m orchestrator.instance``); an active unless ``defer_init``."""
+        if not self.free_consumers:
+            raise SupervisionError("no free consumer endpoint in the packet pool")
+        consumer = self.free_consumers.pop()
+        pct = gpu_pct if gpu_pct is not None else self.placement.instance_pct(app.name)
+        scheduled = self.placement.scheduled
+        spec = InstanceSpec(
+            name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
+            input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
+            slo_ms=app.slo_ms, max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, gpu_pct=pct,
+            backend=self.backend, gpu=self.cfg.gpu_of(app) if self.backend == "cuda" else 0,
+            cores=list(share.cores) if share is not None else None,
+            threads=share.threads if share is not None else None, defer_init=defer_init,
+            heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
+            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
+            if app.stages else None,
+            entry=app.entry_stages()[0] if app.stages else None,
+            share_params=self.params.mode_for(app, name),
+            dispatched=scheduled,
+            measure_lock=str(self.run_dir / "measure.lock") if scheduled else None,
+            stage_pcts=self.placement.stage_pcts(app.name) if scheduled else None,
+        )
+        env = dict(os.environ)
+        env.update(instance_env(self.server.address, name, self.token))
+        env[ENV_SPEC] = spec.to_json()
+        env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
+        env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
+        if share is not None:
+            env.update(share.env())
+        if self.backend == "cuda" and self.mps is not None:
+            env.update(self.mps.env(pct))
+            if defer_init:
+                # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
+                env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+        try:
+            proc = subprocess.Popen([self.python, "-m", "orchestrator.instance"], env=env, stdin=subprocess.DEVNULL,
+                                    cwd=str(Path(__file__).resolve().parent.parent))
+        except OSError as e:
+            self.free_consumers.append(consumer)
+            raise SupervisionError(f"could not start {name}: {e}") from e
+        st = InstanceState(name=name, app=app.name, spec=spec, proc=proc, role="shadow" if defer_init else "active")
+        self.instances[name] = st
+        log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
+        return st
+
+    def next_name(self, app: str, kind: str) -> str:
+        """A fresh instance name: ``<app>-<kind><n>`` (``s`` shadow, ``r`` replacement, ``k`` restart)."""
+        return f"{app}-{kind}{next(self._seq)}"
+
+    def spawn_shadow(self, app_name: str) -> InstanceState:
+        """Start a shadow of the app: CPU side initialised, model loaded only on InitGpu."""
+        return self.spawn(self.apps[app_name].cfg, self.next_name(app_name, "s"), None, defer_init=True)
+
+    def shadow_of(self, app_name: str) -> InstanceState | None:
+        """A live shadow of the app (ready or still starting), if there is one."""
+        for st in self.instances.values():
+            if st.app == app_name and st.role == "shadow" and st.error is None:
+                return st
+        return None
+
+    def actives(self, app_name: str) -> list[InstanceState]:
+        """The app's active instances, by name."""
+        return sorted((st for st in self.instances.values() if st.app == app_name and st.role == "active"),
+                      key=lambda st: st.name)
+
+    def init_shadow(self, st: InstanceState, gpu_pct: int, share: CpuShare | None) -> None:
+        """Tell a shadow to take ``gpu_pct`` (and, on the CPU backend, its new cores) and load its model."""
+        settings: dict[str, Any] = {}
+        if share is not None:
+            settings = {"cores": list(share.cores), "threads": share.threads}
+            st.spec.cores, st.spec.threads = list(share.cores), share.threads
+        self.server.send(st.name, InitGpu(instance=st.name, gpu_pct=gpu_pct, settings=settings))
+
+    def finish(self, st: InstanceState) -> None:
+        """<2, Finish>: the instance serves what it holds, reports Ended and exits."""
+        st.role = "finishing"
+        self.server.send(st.name, Finish(instance=st.name))
+
+    def kill(self, st: InstanceState, role: str = "stopping") -> None:
+        """SIGKILL an instance; :meth:`reap` handles its exit by ``role`` on the next step."""
+        st.role = role
+        if st.alive:
+            st.proc.kill()
+
+    def route(self, app_name: str) -> None:
+        """Point the ingest's route for the app at its active instances (ready or loading)."""
+        app = self.apps[app_name].cfg
+        consumers = [st.spec.consumer for st in self.instances.values()
+                     if st.app == app_name and st.role == "active" and not st.ended]
+        self.ingest.set_route(app.app_id, consumers)
+
+    def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None]) -> None:
+        """Wait for every instance in ``pending`` to report Ready (start-up); other messages go to ``handle``."""
+        waiting = {st.name for st in pending}
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SupervisionError(f"instance(s) {', '.join(sorted(waiting))} sent no READY within "
+                                       f"{timeout_s:.0f} s; raise ready_timeout_s (--ready-timeout) if the "
+                                       "models need longer to load")
+            item = self.server.poll(min(left, 0.2) * 1000)
+            if item is not None:
+                msg = item.msg
+                if isinstance(msg, Ready) and msg.instance in waiting:
+                    self.mark_ready(self.instances[msg.instance], msg)
+                    waiting.discard(msg.instance)
+                elif isinstance(msg, Error) and msg.instance in waiting:
+                    raise SupervisionError(f"instance {msg.instance} failed to start: {msg.kind}: {msg.message}")
+                else:
+                    handle(item)
+            for name in list(waiting):
+                rc = self.instances[name].proc.poll()
+                if rc is not None:
+                    raise SupervisionError(f"instance {name} exited with status {rc} before READY (see its log above)")
+
+    @staticmethod
+    def mark_ready(st: InstanceState, msg: Ready) -> None:
+        st.ready, st.initialized = True, bool(msg.info.get("initialized"))
+        st.last_beat, st.info = time.monotonic(), dict(msg.info)
+
+    # -- the loop's duties -------------------------------------------------------------------------------
+    def reap(self) -> list[InstanceState]:
+        """Handle every instance that exited since the last call (see the module docstring); returns them."""
+        gone = []
+        for st in list(self.instances.values()):
+            rc = st.proc.poll()
+            if rc is None:
+                continue
+            del self.instances[st.name]
+            gone.append(st)
+            app = self.apps[st.app]
+            if st.role == "shadow":
+                self._release(st)
+                st.error = st.error or f"exited with status {rc}"
+                self._shadow_failed(st.app)
+                log.error("shadow %s exited (status %s)", st.name, rc)
+                self.record({"event": "shadow_died", "app": st.app, "instance": st.name, "rc": rc})
+                continue
+            app.retire(st)
+            if st.role == "active" and not st.ended:
+                self._replace(st, rc)
+                continue
+            failed, requeued = self._release(st)
+            if st.role == "finishing" and not st.ended:
+                # Died while draining during a switch: what it held goes to the new active.
+                app.failed_by_crash += failed
+                app.requeued_by_crash += requeued
+                log.error("%s died while draining (status %s): %d requeued, %d answered INSTANCE_FAILED",
+                          st.name, rc, requeued, failed)
+                self.record({"event": "died_draining", "app": st.app, "instance": st.name, "failed": failed,
+                             "requeued": requeued})
+        return gone
+
+    def check_hangs(self, now: float, timeout_s: float) -> None:
+        """Kill active instances that have been serving but sent no heartbeat for ``timeout_s``."""
+        for st in list(self.instances.values()):
+            if (st.role == "active" and st.initialized and st.alive and st.last_beat
+                    and now - st.last_beat > timeout_s):
+                log.error("%s sent no heartbeat for %.1f s (node.hang_timeout_s %.1f); killing it as hung",
+                          st.name, now - st.last_beat, timeout_s)
+                self.apps[st.app].hangs += 1
+                self.record({"event": "hung", "app": st.app, "instance": st.name})
+                st.proc.kill()  # stays "active": reap() replaces it and requeues what it held
+
+    def refill_shadows(self, now: float, busy: set[str]) -> None:
+        """Start a shadow for every app that wants one and has none (not while a change of it runs)."""
+        if self.placement.scheduled:
+            return
+        for name, app in self.apps.items():
+            if not app.cfg.shadow or name in busy or self.shadow_of(name) is not None:
+                continue
+            if now < self._shadow_not_before.get(name, 0.0):
+                continue
+            try:
+                st = self.spawn_shadow(name)
+            except SupervisionError as e:
+                log.error("cannot start a shadow of %s: %s", name, e)
+                self._shadow_failed(name)
+                continue
+            app.shadow_restarts += 1
+            self.record({"event": "shadow_started", "app": name, "instance": st.name})
+
+    def shadow_ok(self, app_name: str) -> None:
+        """A shadow of the app became ready: reset its back-off."""
+        self._shadow_failures.pop(app_name, None)
+        self._shadow_not_before.pop(app_name, None)
+
+    def _shadow_failed(self, app_name: str) -> None:
+        n = self._shadow_failures.get(app_name, 0) + 1
+        self._shadow_failures[app_name] = n
+        self._shadow_not_before[app_name] = time.monotonic() + min(SHADOW_BACKOFF_MAX_S, 2.0 ** (n - 1))
+
+    def _release(self, st: InstanceState, *, requeue: bool = True) -> tuple[int, int]:
+        """Reclaim what a gone instance still held (requeued to the app's actives, or answered
+        INSTANCE_FAILED by the ingest), then free its consumer endpoint."""
+        try:
+            failed, requeued = self.ingest.reclaim(st.spec.consumer, requeue=requeue)
+        finally:
+            self.free_consumers.insert(0, st.spec.consumer)
+        return int(failed), int(requeued)
+
+    def _replace(self, st: InstanceState, rc: int) -> None:
+        """An active instance died: replacement first, then reclaim (see the module docstring)."""
+        app = self.apps[st.app]
+        self.on_lost(st)
+        stale = self.params.exporter_died(app.cfg, st.name, self.backend)
+        if stale is not None:
+            for other in self.instances.values():
+                if other.spec.share_params == stale:
+                    log.error("restarting %s: the weights it imported were exported by %s, which died",
+                              other.name, st.name)
+                    other.proc.kill()
+        share = None
+        if self.backend == "cpu" and st.spec.cores:
+            share = CpuShare(cores=list(st.spec.cores), threads=st.spec.threads or 1, gpu_pct=st.spec.gpu_pct)
+        new: InstanceState | None = None
+        try:
+            new = self.spawn(app.cfg, self.next_name(st.app, "r"), share, gpu_pct=st.spec.gpu_pct)
+        except SupervisionError as e:
+            log.error("cannot replace %s: %s", st.name, e)
+        self.route(st.app)
+        # A replacement that never became ready fails what it held rather than pass it on again.
+        failed, requeued = self._release(st, requeue=st.ready)
+        app.failed_by_crash += failed
+        app.requeued_by_crash += requeued
+        app.restarts += 1
+        why = f"signal {-rc}" if rc < 0 else f"status {rc}"
+        log.error("instance %s (pid %d) died (%s): %d held request(s) answered INSTANCE_FAILED, %d requeued to %s",
+                  st.name, st.pid, why, failed, requeued, new.name if new else "no replacement")
+        self.record({"event": "crash", "app": st.app, "instance": st.name, "rc": rc, "failed": failed,
+                     "requeued": requeued, "replacement": new.name if new else None})
+
+    def shutdown(self, drain: bool, timeout_s: float, pump: Callable[[float], None]) -> None:
+        """Stop every instance: Shutdown (draining what it holds when ``drain``), then SIGTERM, then SIGKILL.
+        ``pump(ms)`` runs the control loop's receive side while waiting."""
+        for st in self.instances.values():
+            st.role = "stopping"
+            try:
+                self.server.send(st.name, Shutdown(instance=st.name, drain=drain and st.initialized))
+            except Exception as e:  # a dead peer cannot be told; it is reaped below
+                log.debug("could not send Shutdown to %s: %s", st.name, e)
+        deadline = time.monotonic() + (timeout_s if drain else 2.0)
+        while time.monotonic() < deadline and any(st.alive for st in self.instances.values()):
+            pump(50)
+        for st in self.instances.values():
+            if st.alive:
+                log.warning("%s did not exit in time; terminating", st.name)
+                st.proc.terminate()
+        for st in self.instances.values():
+            try:
+                st.proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM; killing", st.name)
+                st.proc.kill()
+                st.proc.wait()
+        for st in list(self.instances.values()):
+            if st.role != "shadow":
+                self.apps[st.app].retire(st)
+        self.instances.clear()

@@ -1,0 +1,176 @@
+"""The house's layers import one way, with no circle: ``bench`` -> ``orchestrator`` -> ``gpuprims`` -> ``apps``.
+
+Every import statement counts, at module top or inside a function: a function-local import still
+makes the importing module depend on the imported one, and hiding a circle inside a function is
+exactly what this test exists to catch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("apps", "gpuprims", "orchestrator")
+#: Which project packages each layer may import (besides itself).
+ALLOWED = {"apps": set(), "gpuprims": {"apps"}, "orchestrator": {"gpuprims", "apps"}}
+#: What apps/ may import from outside the standard library.
+APPS_THIRD_PARTY = {"torch", "numpy"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            out[_module_name(path)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an import name refers to (the longest known prefix), or None."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        cand = ".".join(parts[:i])
+        if cand in MODULES:
+            return cand
+    return None
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """(imported name, line) for every import in the module, relative imports made absolute."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.append((base, node.lineno))
+            # `from pkg import mod` imports the submodule pkg.mod when it is one.
+            out += [(f"{base}.{alias.name}", node.lineno) for alias in node.names
+                    if f"{base}.{alias.name}" in MODULES]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for name, _ in _imports(module, path):
+            target = _resolve(name)
+            if target is not None and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def test_no_upward_arrow() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        layer = module.split(".")[0]
+        for name, line in _imports(module, path):
+            top = name.split(".")[0]
+            if top in PACKAGES and top != layer and top not in ALLOWED[layer]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {name}")
+            if top == "bench":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports the benchmarks ({name})")
+    assert not bad, "imports against the layering bench -> orchestrator -> gpuprims -> apps:\n" + "\n".join(bad)
+
+
+def test_apps_is_a_leaf_of_torch_and_numpy() -> None:
+    import sys
+
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = []
+    for module, path in MODULES.items():
+        if not module.startswith("apps"):
+            continue
+        for name, line in _imports(module, path):
+            top = name.split(".")[0]
+            if not name or top == "apps" or top in stdlib or top in APPS_THIRD_PARTY:
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, "apps/ may import only torch, numpy and the standard library:\n" + "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    # A package's __init__ re-exporting its submodules is not a circle of design: the submodules
+    # importing each other through it would be, so package nodes are kept but their re-export
+    # arrows (package -> own submodule) are dropped.
+    for module in graph:
+        graph[module] = {t for t in graph[module] if not t.startswith(module + ".")}
+    cycles = _cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module", ["orchestrator.reconfig"])
+def test_reconfig_imports_no_node_module(module: str) -> None:
+    path = MODULES[module]
+    names = [name for name, _ in _imports(module, path)]
+    assert not [n for n in names if n.startswith("orchestrator.node")], names
+
+
+def test_the_checker_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
