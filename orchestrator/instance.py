@@ -26,6 +26,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -36,8 +37,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from gpuprims.pool import RECORD_DTYPE
+from apps.zoo import load_model
+from gpuprims.batching import BatchPolicy
+from gpuprims.cpushare import CpuShare, apply_cpu_share
+from gpuprims.cuda import sync_lite
+from gpuprims.cuda.ipc import export_parameters, share_parameters
+from gpuprims.pool import RECORD_DTYPE, PacketPool
+from gpuprims.respond import Responder
+from gpuprims.wire import Status
+from orchestrator.control import connect_instance_from_env
+from orchestrator.logs import setup_logging
+from orchestrator.messages import (
+    BatchDone,
+    Ended,
+    Error,
+    Finish,
+    Heartbeat,
+    InitGpu,
+    Ready,
+    RunBatch,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
 
 ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
 #: After this long without running a batch, a request is served even if the latency model predicts
@@ -104,8 +128,6 @@ def preprocess(batch: Any, dtype: str) -> Any:
 
     The correctness oracle applies the same transform before running the model directly in torch.
     """
-    import torch
-
     if dtype == "uint8":
         return batch.to(torch.float32).div_(255.0)
     return batch
@@ -201,10 +223,6 @@ class Instance:
     """The serving loop of one instance (see the module docstring)."""
 
     def __init__(self, spec: InstanceSpec, control: Any | None) -> None:
-        from gpuprims.batching import BatchPolicy
-        from gpuprims.pool import PacketPool
-        from gpuprims.respond import Responder
-
         self.spec = spec
         self.control = control
         self.pool = PacketPool.attach(spec.pool)
@@ -228,14 +246,11 @@ class Instance:
         self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
         self.measured: dict[str, dict[str, float]] = {}  # stage -> {batch: ms}, from the warm-up
         self._threads: int | None = None
+        self._last_error: str | None = None
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_compute(self, gpu_pct: int) -> None:
         """Apply the share, load the model and warm it up (the GPU-side half of start-up)."""
-        import torch
-
-        from apps.zoo import load_model
-
         self.spec.gpu_pct = gpu_pct
         if self.spec.backend == "cuda":
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(gpu_pct)
@@ -244,7 +259,6 @@ class Instance:
         else:
             self.device = torch.device("cpu")
             if self.spec.cores:
-                from gpuprims.cpushare import CpuShare, apply_cpu_share
 
                 apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
                                          gpu_pct=gpu_pct))
@@ -274,7 +288,6 @@ class Instance:
         kw = {"seed": self.spec.seed, "num_classes": self.spec.num_classes, "input_shape": tuple(self.spec.input_shape)}
         mode, _, path = (self.spec.share_params or "").partition(":")
         if mode == "import":
-            from gpuprims.cuda.ipc import share_parameters
 
             with open(path, "rb") as f:
                 handles = f.read()
@@ -284,7 +297,6 @@ class Instance:
             return self.shared.model.eval()
         model = load_model(self.spec.model, **kw).to(self.device).eval()
         if mode == "export":
-            from gpuprims.cuda.ipc import export_parameters
 
             self.exported = export_parameters(model)
             tmp = f"{path}.{os.getpid()}"
@@ -315,7 +327,6 @@ class Instance:
     def _measure_stages(self) -> None:
         """Dispatched mode: median latency of every stage over ``profile_batches`` (the scheduler's
         starting profile; it corrects itself from measured latencies later)."""
-        import fcntl
 
         batches = sorted(set(self.spec.profile_batches or _default_profile_batches(self.spec.max_batch)))
         stages = [st["name"] for st in self.spec.stages] if self.spec.stages else ["main"]
@@ -329,8 +340,6 @@ class Instance:
                 lock.close()  # releases the lock
 
     def _measure(self, stages: list[str], batches: list[int]) -> None:
-        import torch
-
         with torch.inference_mode():
             for stage in stages:
                 model = self._stage_model(stage)
@@ -351,9 +360,6 @@ class Instance:
 
     def _warm_up(self) -> None:
         """Run batches of 1 and max_batch once to seed the latency model."""
-        import torch
-
-
         sizes = sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
         with torch.inference_mode():
             for b in sizes:
@@ -388,8 +394,6 @@ class Instance:
         the model would never learn that the instance is fast again. After that long without serving,
         the next request is let through as a probe.
         """
-        from gpuprims.wire import Status
-
         predictive = time.monotonic() - self._last_served < PROBE_AFTER_S
         expired = []
         while self.queue:
@@ -400,66 +404,81 @@ class Instance:
                 break
             expired.append(self.queue.popleft())
         if expired:
-            recs = np.array([r for r, _ in expired], np.uint32)
-            info = np.array([row for _, row in expired], dtype=RECORD_DTYPE)
-            self.responder.send_status(info, Status.DEADLINE_MISSED)
-            self.consumer.release(recs)
-            self.stats.counts["deadline_missed"] += len(expired)
+            self.fail(np.array([r for r, _ in expired], np.uint32),
+                      np.array([row for _, row in expired], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
 
-    def _serve_batch(self, take: int) -> None:
-        import torch
+    # -- the data path: one seam per step (gather, run, answer) ---------------------------------------------
+    def gather(self, items: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, Any] | None:
+        """The seam every serving mode gathers through: ``(records, rows, batch)`` for the requests in
+        ``items``, the batch model-ready on the instance's device; requests whose body is not the app's
+        input size are answered BAD_REQUEST here. None when nothing is left to run.
 
-        from gpuprims.wire import Status
-
-        items = [self.queue.popleft() for _ in range(take)]
+        Records are released only once answered: if this process dies before that, the ingest still
+        holds them and answers (or requeues) them, so no request is ever silently lost.
+        """
         recs = np.array([r for r, _ in items], np.uint32)
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
         bad = info["total_len"] != self.row_bytes
         if bad.any():
-            self.responder.send_status(info[bad], Status.BAD_REQUEST)
-            self.consumer.release(recs[bad])
-            self.stats.counts["error"] += int(bad.sum())
+            self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
             recs, info = recs[~bad], info[~bad]
-            if not recs.size:
-                return
-        n = recs.size
-        host = torch.empty((n, *self.spec.input_shape), dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
+        if not recs.size:
+            return None
+        host = torch.empty((recs.size, *self.spec.input_shape),
+                           dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
         self.pool.gather(recs, host)
-        # Records are released only once answered: if this process dies before that, the ingest
-        # still holds them and answers INSTANCE_FAILED, so no request is ever silently lost.
+        return recs, info, preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
+
+    def run(self, fn: Any, x: Any) -> Any:
+        """The seam every serving mode runs a model through: ``fn(x)`` without autograd; on CUDA its
+        completion is awaited with Sync-lite (event polling with the GIL released)."""
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                return sync_lite(fn, x, interval_us=100)
+            return fn(x)
+
+    def fail(self, recs: np.ndarray, info: np.ndarray, status: Status) -> None:
+        """Answer requests with an error status and release them."""
+        if not recs.size:
+            return
+        self.responder.send_status(info, status)
+        self.consumer.release(recs)
+        key = "deadline_missed" if status == Status.DEADLINE_MISSED else "error"
+        self.stats.counts[key] += int(recs.size)
+
+    def _timed_run(self, fn: Any, x: Any, what: str, recs: np.ndarray, info: np.ndarray) -> tuple[Any, float] | None:
+        """:meth:`run` with its model time; a failing model answers its batch INTERNAL (None is returned)
+        and the instance carries on."""
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                x = preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
-                if isinstance(self.model, DagModel):
-                    groups = self.model(x)
-                elif self.device.type == "cuda":
-                    from gpuprims.cuda import sync_lite
-
-                    groups = [(np.arange(n), sync_lite(self.model, x, interval_us=100))]
-                else:
-                    groups = [(np.arange(n), self.model(x))]
-                results = [(rows, out.float().cpu().numpy().reshape(len(rows), -1)) for rows, out in groups]
-        except Exception as e:  # a failing model answers its batch with INTERNAL, then carries on
-            log.error("model failed on a batch of %d: %s", n, e)
-            self.responder.send_status(info, Status.INTERNAL)
-            self.consumer.release(recs)
-            self.stats.counts["error"] += n
-            return
+            out = self.run(fn, x)
+        except Exception as e:
+            log.error("%s failed on a batch of %d: %s", what, recs.size, e)
+            self.fail(recs, info, Status.INTERNAL)
+            self._last_error = str(e)
+            return None
         model_ms = (time.perf_counter() - t0) * 1e3
-        self.policy.observe(n, model_ms)
         self.stats.model_ms.append(model_ms)
         self.stats.busy_ms += model_ms
-        for rows, logits in results:
-            self.responder.send(info[rows], Status.OK, logits)
-        self.consumer.release(recs)
-        done_ns = time.monotonic_ns()
-        lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
-        deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
-        self.stats.latencies_ms.extend(lat_ms.tolist())
-        self.stats.counts["ok"] += n
-        self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
-        self.stats.batch_sizes[n] += 1
+        return out, model_ms
+
+    @staticmethod
+    def _groups(out: Any, n: int) -> list[tuple[np.ndarray, Any]]:
+        """A model's output as ``[(rows, output)]``: DagModel returns groups already."""
+        return out if isinstance(out, list) else [(np.arange(n), out)]
+
+    def _serve_batch(self, take: int) -> None:
+        gathered = self.gather([self.queue.popleft() for _ in range(take)])
+        if gathered is None:
+            return
+        recs, info, x = gathered
+        done = self._timed_run(self.model, x, "model", recs, info)
+        if done is None:
+            return
+        out, model_ms = done
+        self.policy.observe(recs.size, model_ms)
+        for rows, group in self._groups(out, recs.size):
+            self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1))
 
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
@@ -518,21 +537,14 @@ class Instance:
         """CPU backend: run a stage with the threads its GPU% stands for, within the instance's cores."""
         if self.device is None or self.device.type != "cpu":
             return
-        import torch
-
         cores = len(self.spec.cores) if self.spec.cores else (os.cpu_count() or 1)
         n = max(1, min(cores, round((os.cpu_count() or 1) * gpu_pct / 100)))
         if n != self._threads:
             torch.set_num_threads(n)
             self._threads = n
 
-    def run_batch(self, msg: Any) -> Any:
+    def run_batch(self, msg: RunBatch) -> BatchDone:
         """Serve one RunBatch (see the module docstring) and return its BatchDone."""
-        import torch
-
-        from gpuprims.wire import Status
-        from orchestrator.messages import BatchDone
-
         stage = msg.stage
         if stage == self.entry_stage:
             items = self._take_from_ring(msg.batch)
@@ -546,73 +558,50 @@ class Instance:
                                      error=f"unknown stage {stage!r}")
                 q = self.stage_queues.setdefault(stage, collections.deque())
             items = [q.popleft() for _ in range(min(msg.batch, len(q)))]
+        taken = len(items)
         if not items:
             return BatchDone(instance=self.spec.name, id=msg.id, taken=0, measured_ms=0.0)
-        recs = np.array([r for r, _ in items], np.uint32)
-        info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
         if msg.action == "reject":
-            self.responder.send_status(info, Status.DEADLINE_MISSED)
-            self.consumer.release(recs)
-            self.stats.counts["deadline_missed"] += len(items)
-            return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items), measured_ms=0.0)
-        bad = info["total_len"] != self.row_bytes
-        if bad.any():
-            self.responder.send_status(info[bad], Status.BAD_REQUEST)
-            self.consumer.release(recs[bad])
-            self.stats.counts["error"] += int(bad.sum())
-            recs, info = recs[~bad], info[~bad]
-            items = [it for it, b in zip(items, bad.tolist()) if not b]
-            if not items:
-                return BatchDone(instance=self.spec.name, id=msg.id, taken=int(bad.sum()), measured_ms=0.0)
+            self.fail(np.array([r for r, _ in items], np.uint32), np.array([row for _, row in items],
+                                                                            dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0)
+        by_rec = dict(items)
+        gathered = self.gather(items)
+        if gathered is None:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0)
+        recs, info, x = gathered
         n = recs.size
-        host = torch.empty((n, *self.spec.input_shape),
-                           dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
-        self.pool.gather(recs, host)
         self._set_threads(msg.gpu_pct)
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                x = preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
-                out = self._stage_model(stage)(x)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                targets = (self.routes.get(stage) or []) if self.spec.stages else []
-                cls = out.argmax(dim=1).cpu().numpy() if targets else None
-                logits = out.float().cpu().numpy().reshape(n, -1)
-        except Exception as e:  # the batch is answered INTERNAL; the instance carries on
-            log.error("stage %s failed on a batch of %d: %s", stage, n, e)
-            self.responder.send_status(info, Status.INTERNAL)
-            self.consumer.release(recs)
-            self.stats.counts["error"] += n
-            return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items) + int(bad.sum()),
-                             measured_ms=(time.perf_counter() - t0) * 1e3, error=str(e))
-        model_ms = (time.perf_counter() - t0) * 1e3
-        self.stats.model_ms.append(model_ms)
-        self.stats.busy_ms += model_ms
+        targets = (self.routes.get(stage) or []) if self.spec.stages else []
+        self._last_error = None
+        done = self._timed_run(self._stage_model(stage), x, f"stage {stage}", recs, info)
+        if done is None:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0,
+                             error=self._last_error)
+        out, model_ms = done
+        cls = out.argmax(dim=1).cpu().numpy() if targets else None
+        logits = out.float().cpu().numpy().reshape(n, -1)
         routed: dict[str, list[float]] = {}
-        done = np.ones(n, dtype=bool)
+        finished = np.ones(n, dtype=bool)
         if cls is not None:
             for i, target in enumerate(targets):
                 sel = np.flatnonzero(cls == i)
                 if not sel.size:
                     continue
-                done[sel] = False
+                finished[sel] = False
                 q = self.stage_queues.setdefault(target, collections.deque())
                 for k in sel.tolist():
-                    q.append(items[k])
+                    q.append((int(recs[k]), by_rec[int(recs[k])]))
                 routed[target] = [self._abs_deadline_ms(info[k]) for k in sel.tolist()]
-        if done.any():
-            self._answer(recs[done], info[done], logits[done])
-        return BatchDone(instance=self.spec.name, id=msg.id, taken=len(items) + int(bad.sum()),
-                         measured_ms=model_ms, routed=routed)
+        if finished.any():
+            self._answer(recs[finished], info[finished], logits[finished])
+        return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=model_ms, routed=routed)
 
     def _abs_deadline_ms(self, row: np.ndarray) -> float:
         """A request's deadline in ms on CLOCK_MONOTONIC (the clock the scheduler plans on)."""
         return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
 
     def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray) -> None:
-        from gpuprims.wire import Status
-
         self.responder.send(info, Status.OK, logits)
         self.consumer.release(recs)
         lat_ms = (time.monotonic_ns() - info["first_ns"].astype(np.int64)) / 1e6
@@ -624,43 +613,27 @@ class Instance:
 
     def _drain_stages(self) -> None:
         """Serve what earlier stages routed to later ones and no RunBatch took (drain, shutdown)."""
-        import torch
-
-        from gpuprims.wire import Status
-
         for _ in range(len(self.stage_queues) + 1):
             pending = [(st, q) for st, q in self.stage_queues.items() if q]
             if not pending:
                 return
             for stage, q in pending:
                 while q:
-                    items = [q.popleft() for _ in range(min(len(q), self.spec.max_batch))]
-                    recs = np.array([r for r, _ in items], np.uint32)
-                    info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
-                    host = torch.empty((len(items), *self.spec.input_shape),
-                                       dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
-                    self.pool.gather(recs, host)
-                    try:
-                        with torch.inference_mode():
-                            x = preprocess(host.to(self.device), self.spec.dtype)
-                            groups = DagModel({k: self.stage_models[k] for k in self.stage_models},
-                                              self.routes, stage)(x)
-                            results = [(rows, out.float().cpu().numpy().reshape(len(rows), -1))
-                                       for rows, out in groups]
-                    except Exception as e:
-                        log.error("stage %s failed while draining %d request(s): %s", stage, len(items), e)
-                        self.responder.send_status(info, Status.INTERNAL)
-                        self.consumer.release(recs)
-                        self.stats.counts["error"] += len(items)
+                    gathered = self.gather([q.popleft() for _ in range(min(len(q), self.spec.max_batch))])
+                    if gathered is None:
                         continue
-                    for rows, logits in results:
-                        self._answer(recs[rows], info[rows], logits)
+                    recs, info, x = gathered
+                    dag = DagModel(self.stage_models, self.routes, stage)
+                    done = self._timed_run(dag, x, f"stage {stage} (draining)", recs, info)
+                    if done is None:
+                        continue
+                    for rows, group in self._groups(done[0], recs.size):
+                        self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1))
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if self.control is None or (not force and (now - self._last_beat) * 1e3 < self.spec.heartbeat_ms):
             return
-        from orchestrator.messages import Heartbeat
 
         self._last_beat = now
         held = len(self.queue) + sum(len(q) for q in self.stage_queues.values())
@@ -671,17 +644,6 @@ class Instance:
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 
     def handle(self, msg: Any) -> None:
-        from orchestrator.messages import (
-            Ended,
-            Finish,
-            InitGpu,
-            Ready,
-            RunBatch,
-            Shutdown,
-            StatsReply,
-            StatsRequest,
-        )
-
         if isinstance(msg, InitGpu):
             if "cores" in msg.settings:
                 self.spec.cores = [int(c) for c in msg.settings["cores"]]
@@ -756,15 +718,15 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-    from orchestrator.control import connect_instance_from_env
-    from orchestrator.logs import setup_logging
-    from orchestrator.messages import Error, Ready
 
     _die_with_parent()
     spec = InstanceSpec.from_json(os.environ[ENV_SPEC])
     setup_logging(os.environ.get("GPUPRIMS_LOG_LEVEL", "INFO"), os.environ.get("GPUPRIMS_LOG_FORMAT", "text"),
                   instance=spec.name)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A terminal's Ctrl-C reaches the whole process group: stopping is the orchestrator's to decide
+    # (it drains this instance), so the instance does not die of it with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = connect_instance_from_env()
     inst = None
     try:
