@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -131,15 +132,44 @@ def stop(run_dir: str | None, no_drain: bool) -> None:
 @click.argument("app")
 @click.argument("pct", type=click.IntRange(1, 100))
 @click.option("--run-dir", default=None, help="The node's run directory (default: the last node started).")
-@click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait for the switch.")
-def set_gpu(app: str, pct: int, run_dir: str | None, timeout: float) -> None:
-    """Change APP's GPU% to PCT with Overlapped-Execution (no downtime, no lost request)."""
-    from orchestrator.messages import SetGpuRequest
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Follow the change through its phases until it is done or failed.")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait for the change.")
+def set_gpu(app: str, pct: int, run_dir: str | None, wait: bool, timeout: float) -> None:
+    """Change APP's GPU% to PCT with Overlapped-Execution (no downtime, no lost request).
 
-    reply = _command(run_dir, SetGpuRequest(app=app, gpu_pct=pct), timeout * 1000)
+    The node accepts the change and carries it out in its own loop (pending, initialising, switched,
+    draining, done or failed); with --wait (the default) this command shows each phase as it happens.
+    """
+    from orchestrator.messages import SetGpuRequest, StatusRequest
+
+    reply = _command(run_dir, SetGpuRequest(app=app, gpu_pct=pct), 5000)
     click.echo(reply.message)  # type: ignore[attr-defined]
     if not reply.ok:  # type: ignore[attr-defined]
         sys.exit(1)
+    change = (reply.data or {}).get("change") or {}  # type: ignore[attr-defined]
+    if not wait or not change or change.get("phase") in ("done", "failed"):
+        return
+    deadline = time.monotonic() + timeout
+    shown = 0
+    while time.monotonic() < deadline:
+        st = _command(run_dir, StatusRequest(), 5000).status  # type: ignore[attr-defined]
+        now = next((c for c in st.get("changes", {}).get("recent", []) if c["id"] == change["id"]), None)
+        if now is None:
+            click.echo(f"change {change['id']} is no longer known to the node", err=True)
+            sys.exit(1)
+        for phase, at_s in now["phases"][shown:]:
+            click.echo(f"  {at_s:8.3f} s  {phase}")
+        shown = len(now["phases"])
+        if now["phase"] == "done":
+            click.echo(f"{app} now at {pct}%")
+            return
+        if now["phase"] == "failed":
+            click.echo(f"change failed: {now['error']}", err=True)
+            sys.exit(1)
+        time.sleep(0.2)
+    click.echo(f"change {change['id']} still {now['phase']} after {timeout:.0f} s (--timeout)", err=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class Monitor:
             service_rps=served / dt,
             queue=int(b["queue"]),
             queue_delta=int(b["queue"] - a["queue"]),
-            attainment=(b["within"] - a["within"]) / served if served >= self.policy.min_served else None,
+            attainment=(b["within"] - a["within"]) / served if served >= max(1, self.policy.min_served) else None,
             served=served,
             utilisation=max(0.0, (b["busy_ms"] - a["busy_ms"]) / 1e3 / dt / b["instances"]),
         )

@@ -425,8 +425,9 @@ class Node:
             except ChangeError as e:
                 self._reply(item, Result(ok=False, message=str(e)))
             else:
-                self._reply(item, Result(ok=True, message=f"change {ch.id} accepted: {ch.app} {ch.from_pct}% -> "
-                                                            f"{ch.to_pct}%" if not ch.phase.terminal else ch.message()))
+                text = ch.message() if ch.phase.terminal else \
+                    f"change {ch.id} accepted: {ch.app} {ch.from_pct}% -> {ch.to_pct}%"
+                self._reply(item, Result(ok=True, message=text, data={"change": ch.to_dict()}))
 
     def _reply(self, item: Incoming, msg: Any) -> None:
         assert self.server is not None

@@ -102,3 +102,11 @@ def test_steady_app_is_left_alone() -> None:
 def test_policy_validation(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         MonitorPolicy(**kw)
+
+
+def test_window_with_nothing_served_has_no_attainment_even_with_min_served_zero() -> None:
+    sim = Sim(Monitor(MonitorPolicy(min_served=0, confirm=1)))
+    sim.tick(arrive=0, serve=0, within_frac=1.0, busy_frac=0.0, queue=0)
+    sim.tick(arrive=0, serve=0, within_frac=1.0, busy_frac=0.0, queue=0)
+    w = sim.m.window("a")
+    assert w is not None and w.served == 0 and w.attainment is None

@@ -1,0 +1,103 @@
+"""Supervision under faults: instances SIGKILLed while the monitor and set-gpu change shares.
+
+The node must stay up (its loop never raises and counts no internal error), answer every request,
+never drop one for want of a route, start killed shadows again, and end with every app serving.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpuprims.wire import Status
+from orchestrator.config import load_config
+from orchestrator.errors import ChangeError
+from orchestrator.monitor import Monitor, MonitorPolicy
+from orchestrator.node import Node
+from orchestrator.reconfig import Phase
+from tests.orchestrator.test_reconfig import Load
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+node:
+  listen: {host: 127.0.0.1, port: 0}
+  backend: cpu
+  pool: {slot_count: 4096, max_chunks: 64, record_count: 512}
+  hang_timeout_s: 60
+apps:
+  - {name: a, model: mobilenet_v2, input_shape: [3, 32, 32], slo_ms: 5000, gpu_pct: 50, max_batch: 8, app_id: 1,
+     num_classes: 10, shadow: true}
+  - {name: b, model: resnet18, input_shape: [3, 32, 32], slo_ms: 5000, gpu_pct: 40, max_batch: 8, app_id: 2,
+     num_classes: 10, shadow: true}
+"""
+
+
+def _pump_until(node: Node, cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
+        node.step(20)
+
+
+def _serving(node: Node, app: str) -> bool:
+    return any(st.app == app and st.role == "active" and st.ready for st in node.instances.values())
+
+
+def test_kills_during_monitor_and_set_gpu_changes_leave_the_node_serving(tmp_path: Path) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(CONFIG)
+    # A monitor that always finds the apps under-using their share, so it keeps asking for changes.
+    monitor = Monitor(MonitorPolicy(interval_s=0.3, window_s=0.6, confirm=1, dwell_s=0.0, underuse_util=1.01,
+                                    step_pct=10, min_pct=10, min_served=0))
+    node = Node(load_config(p), heartbeat_ms=100, warmup=False, monitor=monitor).start()
+    rng = random.Random(7)
+    kills = {"active": 0, "shadow": 0}
+    accepted: list[int] = []
+    try:
+        load = Load(node.ingest.ports[0], rate_rps=30)
+        # Each fault waits for the node to have recovered from the last one (a kill every ~1.5 s on a
+        # fast machine, slower on a busy one): the test is about recovery, not about a fixed rate.
+        for round_ in range(8):
+            _pump_until(node, lambda: _serving(node, "a") and _serving(node, "b"), 120, "both apps serving")
+            t_next = time.monotonic() + 1.5
+            while time.monotonic() < t_next:
+                node.step(20)
+            victims = [st for st in node.instances.values() if st.role in ("active", "shadow") and st.alive]
+            victim = rng.choice(victims)
+            kills[victim.role] += 1
+            os.kill(victim.pid, signal.SIGKILL)
+            if round_ % 2 == 0:
+                try:
+                    accepted.append(node.set_gpu("a", rng.choice([20, 30, 40])).id)
+                except ChangeError:
+                    pass  # refused: a change of it is running (the monitor's, most likely)
+            node.step(20)
+        load.finish(node, timeout_s=120)
+        # The node still serves both apps, and killed shadows were started again.
+        _pump_until(node, lambda: _serving(node, "a") and _serving(node, "b"), 120, "both apps serving at the end")
+        _pump_until(node, lambda: node.shadow_of("a") is not None and node.shadow_of("b") is not None, 120,
+                    "shadows started again")
+        assert node.errors == {}, f"the node's loop failed internally: {node.errors}"
+        assert load.sent > 100
+        missing = [rid for rid in range(load.sent) if rid not in load.got]
+        assert not missing, f"{len(missing)} request(s) never answered, e.g. {missing[:5]}"
+        statuses = {s for v in load.got.values() for s, _ in v}
+        assert statuses <= {Status.OK, Status.INSTANCE_FAILED, Status.DEADLINE_MISSED}, statuses
+        assert sum(1 for v in load.got.values() if v[0][0] == Status.OK) > load.sent // 2
+        assert node.ingest.counters()["drop_unknown_app"] == 0
+        assert kills["active"] > 0
+        changes = list(node.changes)
+        assert any(ch.phase is Phase.DONE and ch.origin == "monitor" for ch in changes), \
+            [ch.to_dict() for ch in changes]
+        assert all(ch.phase.terminal or ch.app in node.changes.running for ch in changes)
+        assert node.apps["a"].restarts + node.apps["b"].restarts >= kills["active"] - 1
+    finally:
+        node.stop()
+    assert not node.instances
