@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ def _synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def warm_up(
-    model: nn.Module,
+    model: nn.Module | Callable[[torch.Tensor], object],
     input_shape: tuple[int, int, int],
     batch_sizes: Sequence[int],
     device: str | torch.device = "cpu",
@@ -40,17 +40,18 @@ def warm_up(
 ) -> dict[int, float]:
     """Median latency in ms of `model` on a float32 batch of each size in `batch_sizes`.
 
-    The model must already be on `device` and in inference mode. For each batch size it runs `discard`
+    The model (a module, or any callable taking a batch, such as a DAG app's stages) must already be
+    on `device` and in inference mode. For each batch size it runs `discard`
     untimed passes, then `repeats` timed ones (wall clock, `time.perf_counter_ns`, ending with a device
     synchronisation on CUDA). Inputs are standard normal, drawn on the CPU from `seed` and copied to
     the device before timing. Returns {batch size: median ms}, in ascending batch size order, ready
     for `LatencyModel(profile=...)`.
 
-    Raises ValueError for a model that is not an nn.Module, a bad input shape, an empty or
+    Raises ValueError for a model that is not callable, a bad input shape, an empty or
     non-positive batch size list, or bad counts.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(model):
+        raise ValueError(f"model must be a torch.nn.Module or a callable taking a batch, got {type(model).__name__}")
     if not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3 or any(
         isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape
     ):

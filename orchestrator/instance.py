@@ -44,6 +44,7 @@ from gpuprims.batching import BatchPolicy
 from gpuprims.cpushare import CpuShare, apply_cpu_share
 from gpuprims.cuda import sync_lite
 from gpuprims.cuda.ipc import export_parameters, share_parameters
+from gpuprims.device import warm_up
 from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.respond import Responder
 from gpuprims.wire import Status
@@ -259,7 +260,6 @@ class Instance:
         else:
             self.device = torch.device("cpu")
             if self.spec.cores:
-
                 apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
                                          gpu_pct=gpu_pct))
         if self.spec.stages:
@@ -288,7 +288,6 @@ class Instance:
         kw = {"seed": self.spec.seed, "num_classes": self.spec.num_classes, "input_shape": tuple(self.spec.input_shape)}
         mode, _, path = (self.spec.share_params or "").partition(":")
         if mode == "import":
-
             with open(path, "rb") as f:
                 handles = f.read()
             model = load_model(self.spec.model, device="meta", **kw)
@@ -297,7 +296,6 @@ class Instance:
             return self.shared.model.eval()
         model = load_model(self.spec.model, **kw).to(self.device).eval()
         if mode == "export":
-
             self.exported = export_parameters(model)
             tmp = f"{path}.{os.getpid()}"
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
@@ -340,37 +338,18 @@ class Instance:
                 lock.close()  # releases the lock
 
     def _measure(self, stages: list[str], batches: list[int]) -> None:
-        with torch.inference_mode():
-            for stage in stages:
-                model = self._stage_model(stage)
-                self._set_threads(self._stage_pct(stage))
-                row: dict[str, float] = {}
-                for b in batches:
-                    x = torch.zeros((b, *self.spec.input_shape), device=self.device)
-                    model(x)
-                    times = []
-                    for _ in range(3):
-                        t = time.perf_counter()
-                        model(x)
-                        if self.device.type == "cuda":
-                            torch.cuda.synchronize(self.device)
-                        times.append((time.perf_counter() - t) * 1e3)
-                    row[str(b)] = float(np.median(times))
-                self.measured[stage] = row
+        for stage in stages:
+            self._set_threads(self._stage_pct(stage))
+            medians = warm_up(self._stage_model(stage), tuple(self.spec.input_shape), batches, self.device,
+                              repeats=3, discard=1)
+            self.measured[stage] = {str(b): ms for b, ms in medians.items()}
 
     def _warm_up(self) -> None:
-        """Run batches of 1 and max_batch once to seed the latency model."""
+        """Run batches of 1, max_batch/2 and max_batch to seed the latency model."""
         sizes = sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
-        with torch.inference_mode():
-            for b in sizes:
-                x = torch.zeros((b, *self.spec.input_shape), device=self.device)
-                run = self.model.run_all if isinstance(self.model, DagModel) else self.model
-                run(x)  # first call pays one-time costs
-                t = time.perf_counter()
-                run(x)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.policy.observe(b, (time.perf_counter() - t) * 1e3)
+        run = self.model.run_all if isinstance(self.model, DagModel) else self.model
+        for b, ms in warm_up(run, tuple(self.spec.input_shape), sizes, self.device, repeats=1, discard=1).items():
+            self.policy.observe(b, ms)
 
     # -- serving -----------------------------------------------------------------------------------
     def _pull(self, timeout_ms: float) -> None:
@@ -718,7 +697,6 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-
     _die_with_parent()
     spec = InstanceSpec.from_json(os.environ[ENV_SPEC])
     setup_logging(os.environ.get("GPUPRIMS_LOG_LEVEL", "INFO"), os.environ.get("GPUPRIMS_LOG_FORMAT", "text"),

@@ -42,7 +42,6 @@ __all__ = [
     "Ready",
     "Result",
     "RunBatch",
-    "SetGpuPct",
     "SetGpuRequest",
     "Shutdown",
     "StatsReply",
@@ -149,18 +148,6 @@ class StatsRequest(Message):
 
     TAG: ClassVar[int] = 5
     instance: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SetGpuPct(Message):
-    """Change the share of an instance that can change it in place (CPU backend, green contexts)."""
-
-    TAG: ClassVar[int] = 7
-    instance: str
-    gpu_pct: int
-
-    def __post_init__(self) -> None:
-        _check_pct(self.gpu_pct)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,15 +265,15 @@ def _check_pct(v: object) -> None:
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
-    for cls in (Ready, Finish, Ended, Heartbeat, StatsRequest, StatsReply, SetGpuPct, InitGpu, Shutdown,
+    for cls in (Ready, Finish, Ended, Heartbeat, StatsRequest, StatsReply, InitGpu, Shutdown,
                 Error, StatusRequest, StatusReply, StopRequest, SetGpuRequest, Result, RunBatch, BatchDone)
 }
-assert len(MESSAGE_TYPES) == 17 and all(0 < t < 256 for t in MESSAGE_TYPES)
+assert len(MESSAGE_TYPES) == 16 and all(0 < t < 256 for t in MESSAGE_TYPES)
 
 #: Which tags each side may send; a receiver drops the rest as ``wrong_direction``.
 FROM_INSTANCE = frozenset({Ready.TAG, Ended.TAG, Heartbeat.TAG, StatsReply.TAG, Error.TAG, Result.TAG,
                            BatchDone.TAG})
-FROM_ORCHESTRATOR = frozenset({Finish.TAG, StatsRequest.TAG, SetGpuPct.TAG, InitGpu.TAG, Shutdown.TAG,
+FROM_ORCHESTRATOR = frozenset({Finish.TAG, StatsRequest.TAG, InitGpu.TAG, Shutdown.TAG,
                                RunBatch.TAG})
 FROM_CLI = frozenset({StatusRequest.TAG, StopRequest.TAG, SetGpuRequest.TAG})
 TO_CLI = frozenset({StatusReply.TAG, Result.TAG})

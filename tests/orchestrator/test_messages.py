@@ -21,7 +21,6 @@ from orchestrator.messages import (
     Ready,
     Result,
     RunBatch,
-    SetGpuPct,
     SetGpuRequest,
     Shutdown,
     StatsReply,
@@ -43,7 +42,6 @@ SAMPLES: list[Message] = [
     Heartbeat(instance="a-0", stats={"arrived": 3, "latency": {"b": {"10": 2}}}),
     StatsRequest(instance="a-0"),
     StatsReply(instance="a-0", stats={"served": 1}),
-    SetGpuPct(instance="a-0", gpu_pct=40),
     InitGpu(instance="a-1", gpu_pct=60),
     Shutdown(instance="a-0", drain=False),
     Error(instance="a-0", kind="cuda_oom", message="out of memory"),
@@ -90,8 +88,6 @@ def test_numpy_scalars_encode() -> None:
 @pytest.mark.parametrize("bad", [0, 101, True, 50.0])
 def test_gpu_pct_validated_at_construction(bad: object) -> None:
     with pytest.raises(ValueError, match="gpu_pct"):
-        SetGpuPct(instance="a", gpu_pct=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="gpu_pct"):
         SetGpuRequest(app="a", gpu_pct=bad)  # type: ignore[arg-type]
 
 
@@ -133,7 +129,7 @@ def _hdr(tag: int, body: object) -> bytes:
     ([TOKEN, _hdr(3, {"instance": "a", "drained_count": True})], "malformed", "must be int"),
     ([TOKEN, _hdr(2, {"instance": 5})], "malformed", "instance must be str"),
     ([TOKEN, _hdr(4, {"instance": "a", "stats": [1]})], "malformed", "stats must be dict"),
-    ([TOKEN, _hdr(7, {"instance": "a", "gpu_pct": 0})], "malformed", "gpu_pct must be an integer in 1..100"),
+    ([TOKEN, _hdr(14, {"app": "a", "gpu_pct": 0})], "malformed", "gpu_pct must be an integer in 1..100"),
     ([TOKEN, _hdr(9, {"instance": "a", "drain": 1})], "malformed", "drain must be bool"),
     ([TOKEN, b"\x02" + b" " * MAX_HEADER_BYTES], "oversized", "header frame"),
     ([TOKEN, _hdr(2, {"instance": "a"}), *([b""] * (MAX_BLOBS + 1))], "oversized", "blob frames"),
