@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from gpuprims import __version__
 from gpuprims.profile.format import save_profile
 from gpuprims.profile.measure import measure_profile, parse_int_list, plot_profile
 
@@ -21,6 +22,7 @@ def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="gpuprims-profile")
 @click.argument("model")
 @click.option("--batch", "batch", default="1,2,4,8", show_default=True, callback=_ints("--batch"),
               help="Comma-separated batch sizes.")

@@ -33,6 +33,7 @@ import click
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpuprims import __version__
 from gpuprims.profile.format import Profile, ProfileError, load_profiles, paper_profiles
 from gpuprims.sched.dag import App, Stage
 from gpuprims.sched.scenarios import many_apps, paper_table3
@@ -136,6 +137,7 @@ def run(workloads: list[Workload], profiles: dict[str, Profile], *, schedulers: 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="gpuprims-sim")
 @click.option("--scenario", type=click.Choice(["paper-table3", "many"]), default=None,
               help="A built-in workload (default paper-table3 unless --config).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -21,7 +21,7 @@ from typing import Any
 import click
 import numpy as np
 
-from gpuprims import wire
+from gpuprims import __version__, wire
 from gpuprims.traffic.stream import AppStream, Stream, parse_addr, read_intervals
 
 _APP_KEYS = {"rate": float, "pps": float, "process": str, "count": int, "duration": float, "to": str,
@@ -129,6 +129,7 @@ def _emit(doc: dict, json_path: str | None) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, "--version", prog_name="gpuprims-traffic")
 def main() -> None:
     """Generate, record, replay and measure gpuprims UDP request streams."""
 

@@ -11,7 +11,16 @@ import pytest
 
 from gpuprims.cuda.ipc import ParameterHandles
 from orchestrator import rundir
-from orchestrator.rundir import NodeRecord, RunDirBusy, claim, find_nodes, node_state, read_record, reap, write_record
+from orchestrator.rundir import (
+    NodeRecord,
+    RunDirBusy,
+    claim,
+    find_nodes,
+    node_state,
+    read_record,
+    reap,
+    write_record,
+)
 
 
 def _dead_pid() -> int:
