@@ -289,7 +289,11 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
             plan = replay_plan(read_pcap(pcap_path, skip_foreign=True), raw=True)
         except PcapError as e:
             raise click.ClickException(str(e)) from None
-    with SocketSet([p for _, p in addrs], addrs[0][0]) as socks:
+    try:
+        owned = SocketSet([p for _, p in addrs], addrs[0][0])
+    except OSError as e:  # a port in use, an address not on this host
+        raise click.ClickException(str(e)) from None
+    with owned as socks:
         if plan is None:
             plan = _empty_plan()
         tracker = Tracker(plan, np.zeros(plan.n_events, np.int64), timeout_ns=2**62)
@@ -358,9 +362,12 @@ def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_ev
     from gpuprims.traffic.echo import EchoServer
 
     host, port = parse_addr(listen)
-    srv = EchoServer(host, port, delay_s=delay_us / 1e6, status=wire.Status[status], response_bytes=response_bytes,
-                     drop_every=drop_every, duplicate_every=duplicate_every, spin_us=spin_us,
-                     stamp=response_bytes >= 16)
+    try:
+        srv = EchoServer(host, port, delay_s=delay_us / 1e6, status=wire.Status[status], response_bytes=response_bytes,
+                         drop_every=drop_every, duplicate_every=duplicate_every, spin_us=spin_us,
+                         stamp=response_bytes >= 16)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     click.echo(f"echo server on {srv.address[0]}:{srv.address[1]} (Ctrl-C to stop)", err=True)
     try:
         srv.serve()
