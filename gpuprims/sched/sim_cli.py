@@ -190,6 +190,28 @@ def main(scenario: str | None, config: str | None, scheduler: str, duration_s: f
     if out:
         Path(out).write_text(text + "\n")
     click.echo(text)
+    click.echo(summary(res), err=True)
+
+
+def summary(res: dict[str, Any]) -> str:
+    """A few rounded lines for a person (stderr), beside the JSON (stdout) that programs read."""
+    lines = []
+    for name, r in res["runs"].items():
+        t = r["total"]
+        util = r.get("gpu_util") or []
+        lines.append(f"{name:<15} {t['throughput_rps']:>9.1f} {100 * t['miss_rate']:>7.1f} "
+                     f"{_ms(t.get('latency_p50_ms')):>7} {_ms(t.get('latency_p99_ms')):>7} "
+                     f"{(100 * sum(util) / len(util)) if util else 0:>6.0f}%")
+    first = next(iter(res["runs"].values()))
+    head = (f"SIMULATED (not measured): {first['duration_ms'] / 1000:g} s, {first['num_gpus']} GPU(s)\n"
+            f"{'scheduler':<15} {'req/s':>9} {'miss %':>7} {'p50 ms':>7} {'p99 ms':>7} {'GPU':>7}")
+    ratio = res.get("throughput_ratio")
+    tail = [f"throughput spatio-temporal / temporal: {ratio:.2f}x"] if ratio is not None else []
+    return "\n".join([head, *lines, *tail])
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 if __name__ == "__main__":
