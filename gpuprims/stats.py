@@ -11,8 +11,7 @@ that are gone, so an app's series never go backwards).
 
 An instance does, once per answered batch::
 
-    self.stats.hist.observe_batch(info["first_ns"], start_ns=t_compute_start, end_ns=t_compute_end,
-                                  done_ns=time.monotonic_ns())
+    self.stats.hist.observe_answered(info["first_ns"], compute_s=model_ms / 1e3, done_ns=done_ns)
 
 and puts ``"hist": self.stats.hist.to_wire()`` into its heartbeat.
 """
@@ -111,6 +110,12 @@ class RequestHistograms:
         self.request.observe((done_ns - first) / 1e9)
         self.queue.observe((start_ns - first) / 1e9)
         self.compute.observe(np.full(first.size, (end_ns - start_ns) / 1e9))
+
+    def observe_answered(self, first_ns: np.ndarray | Sequence[int], *, compute_s: float, done_ns: int) -> None:
+        """`observe_batch` for a batch answered at ``done_ns`` after ``compute_s`` seconds of compute
+        that ended just before the answers went out (what an instance measures with perf_counter)."""
+        compute_ns = max(0, round(compute_s * 1e9))
+        self.observe_batch(first_ns, start_ns=done_ns - compute_ns, end_ns=done_ns, done_ns=done_ns)
 
     def to_wire(self) -> dict[str, Any]:
         """The heartbeat form: ``{"request": {...}, "queue": {...}, "compute": {...}}``."""

@@ -34,6 +34,8 @@ def test_batch_observation_and_wire_round_trip() -> None:
     wire = json.loads(json.dumps(r.to_wire()))
     back = RequestHistograms.from_wire(wire)
     assert back.to_wire() == r.to_wire()
+    r.observe_answered(first, compute_s=0.010, done_ns=1_015_000_000)
+    assert r.queue.sum_s == pytest.approx(0.004 + 0.002 + 0.005 + 0.003)  # compute ended at the answer
     r.observe_batch([], start_ns=0, end_ns=0, done_ns=0)  # nothing answered: nothing counted
     with pytest.raises(ValueError, match="start_ns"):
         r.observe_batch(first, start_ns=5, end_ns=4, done_ns=6)
