@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -211,11 +212,23 @@ def test_start_after_a_sigkill_cleans_up_and_stop_waits(tmp_path: Path) -> None:
         segs = _segments(rec, first.run_dir)
         os.kill(rec.pid, signal.SIGKILL)
         first.proc.wait(timeout=10)
-        second = _Started(tmp_path, cfg, "n1")  # the same run dir: used to fail on the old token
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            metrics_port = s.getsockname()[1]
+        # The same run dir (it used to fail on the old token), now with metrics.
+        second = _Started(tmp_path, _config(tmp_path, metrics=metrics_port), "n1")
         rec2 = second.wait_up()
         assert "removed what dead node n1" in second.output and "FileExistsError" not in second.output
         assert not any(s.exists() for s in segs)
         assert "stop it with: gpuprims-orchestrator stop --name n1" in second.output
+        base = f"http://127.0.0.1:{metrics_port}"
+        assert rec2.urls["metrics"] == base + "/metrics" and rec2.urls["health_ready"] == base + "/health/ready"
+        for url in rec2.urls.values():
+            assert url in second.output  # the start log prints every URL
+        with urllib.request.urlopen(rec2.urls["health_ready"], timeout=10) as resp:
+            assert resp.status == 200  # ready as soon as the node says it is up
+        with urllib.request.urlopen(rec2.urls["metrics"], timeout=10) as resp:
+            assert 'gpuprims_request_failure_total{app="cls",reason="instance_failed"} 0.0' in resp.read().decode()
 
         r = _cli(tmp_path, "stop")  # never acts on a node it was not given
         assert r.returncode == 1 and "--name n1" in r.stderr and str(cfg) in r.stderr
@@ -341,3 +354,16 @@ def test_readme_set_gpu_fits_the_example_shares() -> None:
     for ln in lines:
         app, pct = ln.split("set-gpu", 1)[1].split()[:2]
         check_share(node, app, int(pct))  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(strict=True, reason="the instance logs a ValueError from load_model with its traceback; needs "
+                                       "the `isinstance(e, ValueError)` branch in apps/instance.py main() (the "
+                                       "lead's file); remove this mark with it")
+def test_a_user_model_without_its_factory_ends_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "ops_nofactory_mod.py").write_text("x = 1\n")
+    env = {**_env(tmp_path), "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "start",
+                        str(_config(tmp_path, model="ops_nofactory_mod:factory"))], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=READY_S)
+    assert r.returncode == 1 and "has no attribute 'factory'" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
