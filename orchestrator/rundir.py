@@ -19,12 +19,15 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orchestrator.control import ENV_ADDRESS
 
 log = logging.getLogger("gpuprims.rundir")
 
@@ -153,10 +156,13 @@ class Removed:
     shm_bytes: int = 0
     files: list[str] = field(default_factory=list)
     dir_removed: bool = False
+    killed: list[int] = field(default_factory=list)  # its instance processes that were still running
 
     def describe(self) -> str:
         who = self.record.describe() if self.record is not None else "a node with no record"
         parts = []
+        if self.killed:
+            parts.append(f"{len(self.killed)} leftover instance process(es) (pid {', '.join(map(str, self.killed))})")
         if self.shm:
             parts.append(f"{len(self.shm)} shared-memory segment(s) ({self.shm_bytes / 1e6:.1f} MB: "
                          f"{', '.join(self.shm)})")
@@ -188,6 +194,40 @@ def _segments_of(run_dir: Path, rec: NodeRecord | None) -> list[str]:
     return sorted({n.lstrip("/") for n in names if n and "/" not in n.lstrip("/")})
 
 
+def leftover_processes(run_dir: str | os.PathLike[str]) -> list[int]:
+    """Processes of this user started as instances of the node in ``run_dir`` (their environment
+    names its control socket), other than this one."""
+    needle = f"{ENV_ADDRESS}=ipc://{Path(run_dir).absolute()}/".encode()
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            env = (p / "environ").read_bytes()
+        except OSError:
+            continue
+        if any(entry.startswith(needle) for entry in env.split(b"\0")):
+            out.append(int(p.name))
+    return sorted(out)
+
+
+def _kill(pids: list[int], grace_s: float = 2.0) -> list[int]:
+    """SIGTERM, then SIGKILL what is left after ``grace_s``; the pids that were running."""
+    ticks = {pid: proc_start_ticks(pid) for pid in pids}
+    alive = [pid for pid, t in ticks.items() if t is not None]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(proc_start_ticks(p) == ticks[p] for p in alive):
+        time.sleep(0.02)
+    for pid in alive:
+        if proc_start_ticks(pid) == ticks[pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return alive
+
+
 def reap(run_dir: str | os.PathLike[str]) -> Removed:
     """Remove what the dead node of ``run_dir`` left. Raises RunDirBusy if it is alive after all."""
     d = Path(run_dir)
@@ -196,6 +236,8 @@ def reap(run_dir: str | os.PathLike[str]) -> Removed:
         raise RunDirBusy(f"a node is running in {d}" + (f": {rec.describe()}" if rec else ""))
     rec = read_record(d)
     out = Removed(run_dir=d, record=rec)
+    # Instances normally follow their orchestrator (PDEATHSIG); one that did not still maps the memory.
+    out.killed = _kill(leftover_processes(d))
     for name in _segments_of(d, rec):
         p = SHM_DIR / name
         try:
@@ -233,6 +275,7 @@ def claim(run_dir: str | os.PathLike[str], rec: NodeRecord) -> Removed | None:
         if other is None or other.pid != os.getpid():
             raise RunDirBusy(f"a node is already running in {d}" + (f": {other.describe()}" if other else "")
                              + "; stop it first or give this one another --name / --run-dir")
+        return None  # this process claimed it already (the CLI, before its Node): keep that record
     elif state in ("dead", "starting"):
         removed = reap(d)
         if removed.dir_removed:

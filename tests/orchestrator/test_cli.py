@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -183,11 +184,21 @@ def _segments(rec: rundir.NodeRecord, run_dir: Path) -> list[Path]:
 def test_a_sigkilled_orchestrator_is_recognised_and_cleaned_up(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     node = _Started(tmp_path, cfg, "n1")
+    load = None
     try:
         rec = node.wait_up()
         kids = _instance_pids(rec)
         segs = _segments(rec, node.run_dir)
         assert kids and len(segs) == 2 and all(s.exists() for s in segs)  # the pool and the exported weights
+        load = subprocess.Popen([sys.executable, "-m", "gpuprims.traffic.cli", "replay", "--app", "1:3x16x16:float32",
+                                 "--rate", "100", "--duration", "60", "--to", f"127.0.0.1:{rec.ports[0]}",
+                                 "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # under load: the node is answering when it is killed
+            r = _cli(tmp_path, "status", "--json")
+            if r.returncode == 0 and json.loads(r.stdout)["apps"]["cls"]["ok"] > 0:
+                break
+            assert time.monotonic() < deadline, r.stdout + r.stderr
         os.kill(rec.pid, signal.SIGKILL)
         node.proc.wait(timeout=10)
         assert _gone(kids, 30.0)  # instances follow their orchestrator (PDEATHSIG)
@@ -200,6 +211,9 @@ def test_a_sigkilled_orchestrator_is_recognised_and_cleaned_up(tmp_path: Path) -
         assert "no running node" in r.stderr and time.monotonic() - t0 < 30
         assert not node.run_dir.exists() and not any(s.exists() for s in segs)
     finally:
+        if load is not None:
+            load.kill()
+            load.wait()
         node.close()
 
 

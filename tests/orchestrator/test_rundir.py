@@ -142,7 +142,29 @@ def test_claim_refuses_a_live_node_and_clears_a_dead_one(tmp_path: Path, shm_nam
     assert d.is_dir() and not (d / "token").exists()
     rec = read_record(d)
     assert rec is not None and rec.name == "new" and rec.alive
-    assert claim(d, NodeRecord.for_this_process(name="new")) is None  # this process's own dir
+    assert claim(d, NodeRecord.for_this_process(name="other")) is None  # this process's own dir: kept
+    rec = read_record(d)
+    assert rec is not None and rec.name == "new"
+
+
+def test_reap_stops_instances_the_dead_node_left(tmp_path: Path) -> None:
+    d = _private(tmp_path)
+    env = {**os.environ, "GPUPRIMS_CONTROL_ADDRESS": f"ipc://{d}/control.sock ipc://{d}/command.sock"}
+    stray = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print(flush=True); time.sleep(60)"], env=env,
+                             stdout=subprocess.PIPE)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # not of this node
+    try:
+        assert stray.stdout is not None and stray.stdout.readline() == b"\n"  # its SIGTERM is ignored by now
+        assert rundir.leftover_processes(d) == [stray.pid]
+        write_record(d, NodeRecord(pid=_dead_pid(), start_ticks=1, started_at=0.0, name="gone"))
+        removed = reap(d)
+        assert removed.killed == [stray.pid] and stray.wait(timeout=10) == -9
+        assert other.poll() is None and f"pid {stray.pid}" in removed.describe()
+    finally:
+        for p in (stray, other):
+            p.kill()
+            p.wait()
 
 
 def test_find_nodes_lists_live_and_dead_but_not_starting(tmp_path: Path) -> None:
