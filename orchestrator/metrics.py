@@ -731,7 +731,9 @@ class _Collector(Collector):
             for key, fam in hist.items():
                 dh = getattr(h, key)
                 fam.add_metric([app], _buckets(dh), dh.sum_s)
-            pct = _num(a.get("gpu_pct"))
+            serving = [_num(i.get("gpu_pct")) for i in insts if i.get("role", "active") == "active"]
+            pct = sum(v for v in serving if v is not None) if any(v is not None for v in serving) \
+                else _num(a.get("gpu_pct"))
             if pct is not None:
                 g["gpu_share"].add_metric([app], pct / 100)
             slo = _num(a.get("slo_ms"))
