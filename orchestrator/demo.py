@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpuprims.traffic.runner import run
     from gpuprims.traffic.stream import AppStream, Stream
     from orchestrator.logs import setup_logging
-    from orchestrator.metrics import format_status
-    from orchestrator.node import Node, StartError, install_signal_handlers
+    from orchestrator.node import Node, StartError
+    from orchestrator.status_format import format_status
 
     try:
         cfg = _with_free_port(load_config(args.config))
@@ -85,35 +86,55 @@ def main(argv: list[str] | None = None) -> int:
 
         monitor = Monitor()
     node = Node(cfg, monitor=monitor)
-    install_signal_handlers(node)
+    # Ctrl-C stays a KeyboardInterrupt in this (main) thread: the traffic runner turns it into a
+    # partial report; SIGTERM stops the same way.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         node.start()
     except StartError as e:
         print(f"node did not start: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted while the node was starting; everything it started is stopped", file=sys.stderr)
+        return 130
+    interrupted = False
     try:
         port = node.ingest.ports[0]  # type: ignore[union-attr]
         stream = Stream([AppStream(app_id=a.app_id, shape=tuple(a.input_shape), dtype=a.dtype, rate=args.rate,
                                    process="poisson", duration_s=args.duration, to=("127.0.0.1", port), variants=4)
                          for a in cfg.apps], seed=1, warmup_s=1.0)
-        log.info("replaying %.0f s of Poisson traffic at %.0f requests/s per app to port %d", args.duration,
-                 args.rate, port)
-        result: dict[str, Any] = {}
+        log.info("replaying %.0f s of Poisson traffic at %.0f requests/s per app to port %d (Ctrl-C ends it early "
+                 "with a partial report)", args.duration, args.rate, port)
+        done = threading.Event()
 
-        def traffic() -> None:
-            result["report"] = run(stream, timeout_s=max(a.slo_ms for a in cfg.apps) / 1000 * 2,
-                                   slo_ms=min(a.slo_ms for a in cfg.apps), progress=sys.stderr.isatty())
+        def control_loop() -> None:
+            while not done.is_set():
+                node.step(100)
 
-        t = threading.Thread(target=traffic, name="traffic")
-        t.start()
-        while t.is_alive():
-            node.step(100)
+        loop = threading.Thread(target=control_loop, name="node-control")
+        loop.start()
+        try:
+            report = run(stream, timeout_s=max(a.slo_ms for a in cfg.apps) / 1000 * 2,
+                         slo_ms=min(a.slo_ms for a in cfg.apps), progress=sys.stderr.isatty())
+        except KeyboardInterrupt:  # before the runner's own handling began
+            report = None
+        finally:
+            done.set()
+            loop.join()
+        # From here on a Ctrl-C only says to wait: the report and a clean stop come next.
+        signal.signal(signal.SIGINT, _be_patient)
+        signal.signal(signal.SIGTERM, _be_patient)
+        if report is None:
+            print("interrupted before any traffic was sent; stopping", file=sys.stderr)
+            interrupted = True
+            return 130
+        interrupted = report.interrupted
         for _ in range(10):
             node.step(100)  # collect the last heartbeats
-        report = result["report"]
         apps = per_app_report(report, cfg)
         status = node.status()
-        print("\n== client-side report (traffic tool) ==")
+        title = "client-side report (traffic tool)" + (", PARTIAL: interrupted" if interrupted else "")
+        print(f"\n== {title} ==")
         hdr = f"{'app':<12}{'sent':>7}{'answered':>10}{'lost':>6}{'rps':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9':>9}{'SLO':>8}"
         print(hdr)
         for name, a in apps.items():
@@ -125,13 +146,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== node status ==")
         print(format_status(status))
         if args.json:
-            Path(args.json).write_text(json.dumps({"apps": apps, "traffic": report.to_dict(), "node": status},
-                                                  indent=1, default=str))
+            Path(args.json).write_text(json.dumps({"apps": apps, "traffic": report.to_dict(), "node": status,
+                                                   "interrupted": interrupted}, indent=1, default=str))
     finally:
+        signal.signal(signal.SIGINT, _be_patient)
         t0 = time.monotonic()
         node.stop(drain=True)
         logging.getLogger("gpuprims.demo").info("stopped in %.1f s", time.monotonic() - t0)
-    return 0
+    return 130 if interrupted else 0
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _be_patient(signum: int, _frame: Any) -> None:
+    logging.getLogger("gpuprims.demo").warning("%s: stopping already; the node is draining",
+                                               signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

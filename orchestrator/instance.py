@@ -47,6 +47,7 @@ from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.respond import Responder
+from gpuprims.stats import RequestHistograms
 from gpuprims.wire import Status
 from orchestrator.control import connect_instance_from_env
 from orchestrator.logs import setup_logging
@@ -191,6 +192,7 @@ class LatencyStats:
         self.counts: collections.Counter[str] = collections.Counter()
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.busy_ms = 0.0  # time spent running the model
+        self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
         self.started = time.monotonic()
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
@@ -216,6 +218,7 @@ class LatencyStats:
             "busy_ms": self.busy_ms,
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "hist": self.hist.to_wire(),
             "uptime_s": elapsed,
         }
 
@@ -439,6 +442,7 @@ class Instance:
         model_ms = (time.perf_counter() - t0) * 1e3
         self.stats.model_ms.append(model_ms)
         self.stats.busy_ms += model_ms
+        self.stats.batch_sizes[int(recs.size)] += 1
         return out, model_ms
 
     @staticmethod
@@ -457,7 +461,8 @@ class Instance:
         out, model_ms = done
         self.policy.observe(recs.size, model_ms)
         for rows, group in self._groups(out, recs.size):
-            self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1))
+            self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                         compute_s=model_ms / 1e3)
 
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
@@ -573,22 +578,24 @@ class Instance:
                     q.append((int(recs[k]), by_rec[int(recs[k])]))
                 routed[target] = [self._abs_deadline_ms(info[k]) for k in sel.tolist()]
         if finished.any():
-            self._answer(recs[finished], info[finished], logits[finished])
+            self._answer(recs[finished], info[finished], logits[finished], compute_s=model_ms / 1e3)
         return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=model_ms, routed=routed)
 
     def _abs_deadline_ms(self, row: np.ndarray) -> float:
         """A request's deadline in ms on CLOCK_MONOTONIC (the clock the scheduler plans on)."""
         return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
 
-    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray) -> None:
+    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray, compute_s: float = 0.0) -> None:
+        """The seam every serving mode answers through: OK with the results, then release."""
         self.responder.send(info, Status.OK, logits)
         self.consumer.release(recs)
-        lat_ms = (time.monotonic_ns() - info["first_ns"].astype(np.int64)) / 1e6
+        done_ns = time.monotonic_ns()
+        self.stats.hist.observe_answered(info["first_ns"], compute_s=compute_s, done_ns=done_ns)
+        lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
         deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
         self.stats.latencies_ms.extend(lat_ms.tolist())
         self.stats.counts["ok"] += int(recs.size)
         self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
-        self.stats.batch_sizes[int(recs.size)] += 1
 
     def _drain_stages(self) -> None:
         """Serve what earlier stages routed to later ones and no RunBatch took (drain, shutdown)."""
@@ -607,7 +614,8 @@ class Instance:
                     if done is None:
                         continue
                     for rows, group in self._groups(done[0], recs.size):
-                        self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1))
+                        self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                                     compute_s=done[1] / 1e3)
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -717,7 +725,10 @@ def main() -> int:
         inst.serve()
         return 0
     except Exception as e:
-        log.exception("instance %s failed", spec.name)
+        if isinstance(e, ValueError):  # a bad model or spec: its message says it all
+            log.error("instance %s failed: %s", spec.name, e)
+        else:
+            log.exception("instance %s failed", spec.name)
         with contextlib.suppress(Exception):
             control.send(Error(instance=spec.name, kind=type(e).__name__, message=str(e)))
         return 1

@@ -222,7 +222,7 @@ class StatusRequest(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusReply(Message):
-    """The node's status dict, as `orchestrator.metrics.format_status` takes it."""
+    """The node's status dict, as `orchestrator.status_format.format_status` takes it."""
 
     TAG: ClassVar[int] = 12
     status: dict[str, Any] = field(default_factory=dict)

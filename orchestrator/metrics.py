@@ -10,7 +10,7 @@ Three layers:
   per app (keeping the totals of instances that have gone, so app counters never go backwards), holds
   the ingest's drop counters by reason, and renders `status()` (a JSON-able dict) and Prometheus
   metrics on its own `CollectorRegistry` (never the global one).
-- `MetricsServer` serves that registry over HTTP on loopback; `format_status` turns a status dict into
+- `MetricsServer` serves that registry over HTTP on loopback; `orchestrator.status_format.format_status` (the CLI's) turns a status dict into
   the table ``gpuprims-orchestrator status`` prints.
 
 Latencies are kept in a `LatencyHistogram`: fixed logarithmic buckets (about 2 % relative width), so
@@ -23,17 +23,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import platform
+import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from gpuprims import __version__
+from gpuprims.stats import DurationHistogram, RequestHistograms, add_wire
 from gpuprims.wire import Status
 
 __all__ = [
@@ -41,12 +47,10 @@ __all__ = [
     "LatencyHistogram",
     "MetricsServer",
     "NodeMetrics",
-    "format_status",
     "normalize_status",
+    "retire_into",
     "status_name",
 ]
-
-_QUANTILES = (0.5, 0.99)
 
 
 def status_name(status: int | str) -> str:
@@ -391,6 +395,7 @@ class NodeMetrics:
         self._started_s = clock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self.status))
+        _add_process_collectors(self.registry)
 
     def set_app(self, app: str, *, app_id: int | None = None, slo_ms: float | None = None) -> None:
         """Declare an app (so it is listed before its first heartbeat) with its id and SLO."""
@@ -461,7 +466,7 @@ class NodeMetrics:
             self._node_info.update(info)
 
     def status(self) -> dict[str, Any]:
-        """The JSON-able status of the node, as `format_status` and ``StatusReply`` take it."""
+        """The JSON-able status of the node, as `orchestrator.status_format.format_status` and ``StatusReply`` take it."""
         with self._lock:
             apps = [self._app_status(a) for a in sorted(self._apps.values(),
                                                         key=lambda a: (a.app_id or 0, a.name))]
@@ -515,6 +520,7 @@ class NodeMetrics:
             "arrived": total.arrived, "served": total.served, "slo_met": total.slo_met,
             "errors": dict(total.errors),
             "batch_sizes": {str(k): v for k, v in sorted(total.batches.items())},
+            "retired_batch_sizes": {str(k): v for k, v in sorted(a.retired.batches.items())},
             "instances": insts,
         }
 
@@ -551,7 +557,7 @@ def normalize_status(status: Mapping[str, Any]) -> dict[str, Any]:
 
     Also accepts the node's own summary: ``apps`` keyed by name instead of a list, counters named
     ``received`` / ``ok`` / ``within_slo``, errors as plain numbers, and drops under ``drops``.
-    Missing values stay missing (`format_status` prints ``-``; Prometheus skips them).
+    Missing values stay missing (the CLI's `format_status` prints ``-``; Prometheus skips them).
     """
     apps = status.get("apps") or []
     if isinstance(apps, Mapping):
@@ -579,8 +585,80 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
+#: Why a request was answered with something other than a result; every app exports each at zero from
+#: the start. ``error`` covers BAD_REQUEST/INTERNAL answers of an instance, ``instance_failed`` the
+#: requests an instance held when it died (answered INSTANCE_FAILED by the ingest).
+FAILURE_REASONS = ("deadline_missed", "error", "instance_failed")
+#: Counters of an instance that its app keeps when the instance goes (`retire_into`).
+RETIRED_COUNTERS = ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms")
+_INGEST_TOTALS = {
+    "packets_received": ("gpuprims_ingest_packets_received", "Datagrams the ingest received"),
+    "bytes_received": ("gpuprims_ingest_received_bytes", "Bytes of datagrams the ingest received"),
+    "packets_accepted": ("gpuprims_ingest_packets_accepted", "Datagrams the ingest accepted into the pool"),
+    "responses_sent": ("gpuprims_ingest_responses_sent", "Answers the ingest sent for instances"),
+    "response_send_errors": ("gpuprims_ingest_response_send_errors", "Answers that could not be sent"),
+    "kernel_drops": ("gpuprims_ingest_kernel_dropped_packets", "Datagrams the kernel dropped before the ingest"),
+}
+_INGEST_GAUGES = {
+    "free_slots": ("gpuprims_ingest_free_slots", "Free packet slots in the pool"),
+    "free_records": ("gpuprims_ingest_free_records", "Free request records in the pool"),
+}
+
+
+def retire_into(retired: dict[str, Any], stats: Mapping[str, Any]) -> None:
+    """Bank what a gone instance counted (its last heartbeat's ``stats``) in its app's ``retired`` dict.
+
+    The node keeps one such dict per app (``AppState.retired``) and adds it to the live instances'
+    counts, so an app's counters, batch counts and duration histograms never go backwards when an
+    instance is replaced (Overlapped-Execution, crash restart). Malformed histograms are skipped.
+    """
+    for k in RETIRED_COUNTERS:
+        v = stats.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            retired[k] = retired.get(k, 0) + (int(v) if k != "busy_ms" else float(v))
+    bs = retired.setdefault("retired_batch_sizes", {})
+    raw = stats.get("batch_sizes")
+    if isinstance(raw, Mapping):
+        for size, n in raw.items():
+            if _is_count(n):
+                bs[str(size)] = bs.get(str(size), 0) + int(n)
+    with contextlib.suppress(ValueError):
+        retired["retired_hist"] = add_wire(retired.get("retired_hist"), stats.get("hist"))
+
+
+def _batch_counts(*sources: Any) -> dict[int, int]:
+    sizes: dict[int, int] = {}
+    for raw in sources:
+        if not isinstance(raw, Mapping):
+            continue
+        for k, n in raw.items():
+            with contextlib.suppress(TypeError, ValueError):
+                size = int(k)
+                if size >= 1:
+                    sizes[size] = sizes.get(size, 0) + _as_count(n)
+    return sizes
+
+
+def _hists(*sources: Any) -> RequestHistograms:
+    h = RequestHistograms()
+    for raw in sources:
+        if raw:
+            with contextlib.suppress(ValueError):
+                h.merge(RequestHistograms.from_wire(raw))
+    return h
+
+
+def _buckets(h: DurationHistogram) -> list[tuple[str, float]]:
+    return [("+Inf" if math.isinf(b) else repr(float(b)), float(n)) for b, n in h.cumulative()]
+
+
 class _Collector(Collector):
-    """Renders a status dict (from ``source``) at scrape time on a private registry."""
+    """Renders a status dict (from ``source``) at scrape time on a private registry.
+
+    Everything counted is a ``_total`` counter in base units; every series is per app (label ``app``,
+    never ``instance``, which Prometheus reserves for the scrape target) and adds the app's retired
+    counts (`retire_into`) to its live instances', so it never goes backwards. See docs/metrics.md.
+    """
 
     def __init__(self, source: Callable[[], Mapping[str, Any]]) -> None:
         self._source = source
@@ -589,109 +667,180 @@ class _Collector(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
-        st = normalize_status(self._source())
-        il = ["app", "instance"]
-        fam = {
-            "arrived": CounterMetricFamily("gpuprims_requests_arrived", "Requests routed to an instance", labels=il),
-            "served": CounterMetricFamily("gpuprims_requests_served", "Requests answered OK", labels=il),
-            "slo_met": CounterMetricFamily("gpuprims_requests_slo_met", "Requests answered OK within the SLO",
-                                           labels=il),
-            "arrival_rps": GaugeMetricFamily("gpuprims_arrival_rate_rps", "Arrival rate, requests/s", labels=il),
-            "service_rps": GaugeMetricFamily("gpuprims_service_rate_rps", "Service rate, requests/s", labels=il),
-            "queue_len": GaugeMetricFamily("gpuprims_queue_length", "Requests queued at the instance", labels=il),
-            "held": GaugeMetricFamily("gpuprims_requests_held", "Requests held (queued plus running)", labels=il),
-            "gpu_pct": GaugeMetricFamily("gpuprims_gpu_pct", "GPU share of the instance, percent", labels=il),
-            "slo_attainment": GaugeMetricFamily("gpuprims_slo_attainment",
-                                                "Fraction answered within the SLO, last window", labels=il),
+        raw = self._source()
+        st = normalize_status(raw)
+        a_ = ["app"]
+        c = {
+            "arrived": CounterMetricFamily("gpuprims_request_arrivals", "Requests routed to the app", labels=a_),
+            "served": CounterMetricFamily("gpuprims_request_success", "Requests answered with a result "
+                                          "(Triton nv_inference_request_success)", labels=a_),
+            "slo_met": CounterMetricFamily("gpuprims_request_within_slo", "Requests answered with a result within "
+                                           "their deadline", labels=a_),
+            "requeued": CounterMetricFamily("gpuprims_request_requeued", "Requests a dead instance held that went "
+                                            "to another instance", labels=a_),
+            "inferences": CounterMetricFamily("gpuprims_inference_count", "Requests run through the model, summed "
+                                              "over batches (Triton nv_inference_count)", labels=a_),
+            "batches": CounterMetricFamily("gpuprims_batch_exec", "Batches run (Triton nv_inference_exec_count)",
+                                           labels=a_),
+            "restarts": CounterMetricFamily("gpuprims_instance_restarts", "Instances restarted after they died",
+                                            labels=a_),
         }
-        errors = CounterMetricFamily("gpuprims_request_errors", "Requests answered with an error status",
-                                     labels=[*il, "status"])
-        latency = GaugeMetricFamily("gpuprims_latency_ms", "Latency quantile over the last sample window, ms",
-                                    labels=[*il, "quantile"])
-        app_fam = {
-            "arrived": CounterMetricFamily("gpuprims_app_requests_arrived", "Requests of the app", labels=["app"]),
-            "served": CounterMetricFamily("gpuprims_app_requests_served", "Requests of the app answered OK",
-                                          labels=["app"]),
-            "slo_met": CounterMetricFamily("gpuprims_app_requests_slo_met", "Requests of the app within the SLO",
-                                           labels=["app"]),
-            "gpu_pct": GaugeMetricFamily("gpuprims_app_gpu_pct", "GPU share of the app's active instances, percent",
-                                         labels=["app"]),
-            "slo_attainment": GaugeMetricFamily("gpuprims_app_slo_attainment", "App SLO attainment, last window",
-                                                labels=["app"]),
-            "slo_ms": GaugeMetricFamily("gpuprims_app_slo_ms", "The app's latency SLO, ms", labels=["app"]),
+        failure = CounterMetricFamily("gpuprims_request_failure", "Requests answered without a result, by reason "
+                                      "(Triton nv_inference_request_failure)", labels=["app", "reason"])
+        hist = {
+            "request": HistogramMetricFamily("gpuprims_request_duration_seconds", "First datagram received to "
+                                             "answer sent, answered requests", labels=a_),
+            "queue": HistogramMetricFamily("gpuprims_queue_duration_seconds", "First datagram received to the start "
+                                           "of its batch's compute (Triton queue duration)", labels=a_),
+            "compute": HistogramMetricFamily("gpuprims_compute_duration_seconds", "Compute time of the batch each "
+                                             "request ran in (Triton compute_infer duration)", labels=a_),
         }
-        app_errors = CounterMetricFamily("gpuprims_app_request_errors", "Requests of the app answered with an "
-                                         "error", labels=["app", "status"])
-        app_latency = GaugeMetricFamily("gpuprims_app_latency_ms", "App latency quantile, last window, ms",
-                                        labels=["app", "quantile"])
-        batch = HistogramMetricFamily("gpuprims_batch_size", "Batch sizes run by an instance", labels=il)
+        batch = HistogramMetricFamily("gpuprims_batch_size", "Requests per batch run", labels=a_)
+        g = {
+            "gpu_share": GaugeMetricFamily("gpuprims_app_gpu_share_ratio", "The app's GPU share (CPU backend: share "
+                                           "of the cores), 0-1, summed over its serving instances", labels=a_),
+            "slo": GaugeMetricFamily("gpuprims_app_slo_seconds", "The app's latency SLO", labels=a_),
+            "queue_len": GaugeMetricFamily("gpuprims_app_queued_requests", "Requests waiting at the app's "
+                                           "instances", labels=a_),
+            "held": GaugeMetricFamily("gpuprims_app_held_requests", "Requests the app's instances hold (queued "
+                                      "plus running)", labels=a_),
+        }
+        roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
+                                  labels=["app", "role"])
         for a in st["apps"]:
             app = str(a.get("name", "?"))
-            for k, f in app_fam.items():
-                v = _num(a.get(k))
-                if v is not None:
-                    f.add_metric([app], v)
-            for s, n in sorted(a["errors"].items()):
-                app_errors.add_metric([app, str(s)], _as_count(n))
-            for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
-                v = _num(a.get(key))
-                if v is not None:
-                    app_latency.add_metric([app, str(q)], v)
-            for i in a["instances"]:
-                lv = [app, str(i.get("name", "?"))]
-                for k, f in fam.items():
-                    v = _num(i.get(k))
-                    if v is not None:
-                        f.add_metric(lv, v)
-                for s, n in sorted(i["errors"].items()):
-                    errors.add_metric([*lv, str(s)], _as_count(n))
-                for q, key in zip(_QUANTILES, ("p50_ms", "p99_ms")):
-                    v = _num(i.get(key))
-                    if v is not None:
-                        latency.add_metric([*lv, str(q)], v)
-                raw = i.get("batch_sizes")
-                if isinstance(raw, Mapping):
-                    sizes: dict[int, int] = {}
-                    for k, n in raw.items():
-                        with contextlib.suppress(TypeError, ValueError):
-                            sizes[int(k)] = _as_count(n)
-                    buckets = [(str(float(b)), sum(n for sz, n in sizes.items() if sz <= b)) for b in _BATCH_BOUNDS]
-                    buckets.append(("+Inf", sum(sizes.values())))
-                    batch.add_metric(lv, buckets, sum(sz * n for sz, n in sizes.items()))
-        yield from fam.values()
-        yield errors
-        yield latency
-        yield from app_fam.values()
-        yield app_errors
-        yield app_latency
+            insts = a["instances"]
+            for key in ("arrived", "served", "slo_met"):
+                c[key].add_metric([app], float(_as_count(a.get(key))))
+            c["requeued"].add_metric([app], float(_as_count(a.get("requeued_by_crash"))))
+            c["restarts"].add_metric([app], float(_as_count(a.get("restarts"))))
+            reasons = dict.fromkeys(FAILURE_REASONS, 0)
+            for s, n in a["errors"].items():
+                reasons[str(s)] = reasons.get(str(s), 0) + _as_count(n)
+            reasons["instance_failed"] += _as_count(a.get("failed_by_crash"))
+            for r, n in sorted(reasons.items()):
+                failure.add_metric([app, r], float(n))
+            sizes = _batch_counts(a.get("retired_batch_sizes"), *(i.get("batch_sizes") for i in insts))
+            c["batches"].add_metric([app], float(sum(sizes.values())))
+            c["inferences"].add_metric([app], float(sum(sz * n for sz, n in sizes.items())))
+            cum = [(repr(float(b)), float(sum(n for sz, n in sizes.items() if sz <= b))) for b in _BATCH_BOUNDS]
+            batch.add_metric([app], [*cum, ("+Inf", float(sum(sizes.values())))],
+                             float(sum(sz * n for sz, n in sizes.items())))
+            h = _hists(a.get("retired_hist"), *(i.get("hist") for i in insts))
+            for key, fam in hist.items():
+                dh = getattr(h, key)
+                fam.add_metric([app], _buckets(dh), dh.sum_s)
+            serving = [_num(i.get("gpu_pct")) for i in insts if i.get("role", "active") == "active"]
+            pct = sum(v for v in serving if v is not None) if any(v is not None for v in serving) \
+                else _num(a.get("gpu_pct"))
+            if pct is not None:
+                g["gpu_share"].add_metric([app], pct / 100)
+            slo = _num(a.get("slo_ms"))
+            if slo is not None:
+                g["slo"].add_metric([app], slo / 1000)
+            for key in ("queue_len", "held"):
+                g[key].add_metric([app], float(_as_count(a.get(key))))
+            counts: dict[str, int] = {}
+            for i in insts:
+                role = str(i.get("role") or "active")
+                counts[role] = counts.get(role, 0) + 1
+            for role, n in sorted(counts.items()):
+                roles.add_metric([app, role], float(n))
+        yield from c.values()
+        yield failure
+        yield from hist.values()
         yield batch
-        drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams/requests the ingest dropped",
+        yield from g.values()
+        yield roles
+        yield from self._node_families(raw, st)
+
+    @staticmethod
+    def _node_families(raw: Mapping[str, Any], st: Mapping[str, Any]) -> Iterator[Any]:
+        ingest = raw.get("ingest") if isinstance(raw.get("ingest"), Mapping) else {}
+        drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams the ingest dropped, by reason",
                                     labels=["reason"])
-        for r, n in sorted(st["ingest_drops"].items()):
-            drops.add_metric([str(r)], _as_count(n))
+        reasons = {k[5:]: v for k, v in ingest.items() if k.startswith("drop_")}
+        for r, n in st["ingest_drops"].items():
+            reasons.setdefault(str(r), n)
+        for r, n in sorted(reasons.items()):
+            drops.add_metric([r], float(_as_count(n)))
         yield drops
-        rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped", labels=["reason"])
+        reqs = CounterMetricFamily("gpuprims_ingest_requests", "Requests the ingest handled, by outcome",
+                                   labels=["outcome"])
+        for k, n in sorted(ingest.items()):
+            if k.startswith("requests_"):
+                reqs.add_metric([k[9:]], float(_as_count(n)))
+        yield reqs
+        for key, (name, text) in _INGEST_TOTALS.items():
+            if key in ingest:
+                yield CounterMetricFamily(name, text, value=float(_as_count(ingest[key])))
+        for key, (name, text) in _INGEST_GAUGES.items():
+            if key in ingest:
+                yield GaugeMetricFamily(name, text, value=float(_as_count(ingest[key])))
+        rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped, by reason",
+                                  labels=["reason"])
         for r, n in sorted(st["control_rejected"].items()):
-            rej.add_metric([str(r)], _as_count(n))
+            rej.add_metric([str(r)], float(_as_count(n)))
         yield rej
         uptime = _num(st["node"].get("uptime_s"))
-        if uptime is not None:
-            yield GaugeMetricFamily("gpuprims_uptime_seconds", "Seconds since the node started", value=uptime)
+        if uptime is not None and uptime > 0:
+            yield GaugeMetricFamily("gpuprims_start_time_seconds", "When the node started serving, Unix time",
+                                    value=round(time.time() - uptime, 3))
+        info = GaugeMetricFamily("gpuprims_build_info", "The gpuprims build serving these metrics (always 1)",
+                                 labels=["version", "python", "backend"])
+        info.add_metric([__version__, platform.python_version(), str(st["node"].get("backend") or "")], 1.0)
+        yield info
 
 
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
 
 
+def _status_ready(status: Mapping[str, Any]) -> bool:
+    """Ready: there are apps and every one has an active instance that said READY."""
+    apps = status.get("apps")
+    if isinstance(apps, Mapping):
+        apps = list(apps.values())
+    if not apps:
+        return False
+    for a in apps:
+        insts = a.get("instances") if isinstance(a, Mapping) else None
+        if isinstance(insts, Mapping):
+            insts = list(insts.values())
+        if not any(isinstance(i, Mapping) and i.get("role", "active") == "active" and i.get("ready", True)
+                   for i in insts or ()):
+            return False
+    return True
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: not worth a line
+        pass
+
+
 class MetricsServer:
-    """Serves Prometheus metrics over HTTP (``/metrics``) on loopback until closed.
+    """Serves ``/metrics`` (Prometheus text or OpenMetrics, as the scraper asks), ``/health/live`` and
+    ``/health/ready`` over HTTP on loopback until closed; any other path is 404.
 
     With ``metrics`` it renders that NodeMetrics at every scrape. Without, it renders the last status
     dict given to `update` (either shape `normalize_status` accepts). Either way on a private
-    `CollectorRegistry`, never the process-global one. ``port`` 0 picks a free port.
+    `CollectorRegistry` (with the ``process_*`` and ``python_info`` families), never the process-global
+    one. ``ready`` decides ``/health/ready`` (default: every app has a READY active instance in the
+    last status). ``port`` 0 picks a free port.
     """
 
-    def __init__(self, port: int, metrics: NodeMetrics | None = None, *, host: str = "127.0.0.1") -> None:
+    PATHS = ("/metrics", "/health/live", "/health/ready")
+
+    def __init__(self, port: int, metrics: NodeMetrics | None = None, *, host: str = "127.0.0.1",
+                 ready: Callable[[], bool] | None = None) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 = any free port), got {port!r}")
         self._host = host
@@ -700,9 +849,13 @@ class MetricsServer:
         self._snapshot_lock = threading.Lock()
         if metrics is not None:
             self.registry = metrics.registry
+            self._ready = ready or (lambda: _status_ready(metrics.status()))
         else:
             self.registry = CollectorRegistry(auto_describe=False)
             self.registry.register(_Collector(self._current))
+            _add_process_collectors(self.registry)
+            self._ready = ready or (lambda: _status_ready(self._current()))
+        self._metrics_app = make_wsgi_app(self.registry)
         self._httpd: Any = None
         self._finalizer: weakref.finalize | None = None
 
@@ -717,15 +870,34 @@ class MetricsServer:
         with self._snapshot_lock:
             return self._snapshot
 
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path not in self.PATHS:
+            return _text(start_response, "404 Not Found", f"not found; this server has {', '.join(self.PATHS)}\n")
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            return _text(start_response, "405 Method Not Allowed", "GET or HEAD\n", [("Allow", "GET, HEAD")])
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        if path == "/health/live":
+            return _text(start_response, "200 OK", "live\n")
+        try:
+            ok = bool(self._ready())
+        except Exception:  # a failing probe means not ready, never a 500 with a traceback
+            ok = False
+        return _text(start_response, "200 OK" if ok else "503 Service Unavailable", "ready\n" if ok else "not ready\n")
+
     def start(self) -> int:
         """Start serving; return the bound port. Raises OSError (e.g. address in use) naming the port."""
         if self._httpd is not None:
             raise RuntimeError("the metrics server is already started")
+        cls = _Server6 if ":" in self._host else _Server
         try:
-            httpd, thread = start_http_server(self._port, addr=self._host, registry=self.registry)
+            httpd = make_server(self._host, self._port, self._app, server_class=cls, handler_class=_QuietHandler)
         except OSError as e:
             raise OSError(e.errno, f"cannot serve metrics on {self._host}:{self._port} ({e.strerror}); "
                                    "choose another node.metrics_port or 0 to disable") from None
+        thread = threading.Thread(target=httpd.serve_forever, name="gpuprims-metrics", daemon=True)
+        thread.start()
         self._httpd = httpd
         self._finalizer = weakref.finalize(self, _stop_http, httpd, thread)
         return self.port
@@ -736,10 +908,23 @@ class MetricsServer:
         return int(self._httpd.server_address[1]) if self._httpd is not None else self._port
 
     @property
+    def base_url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}"
+
+    @property
     def url(self) -> str:
         """The scrape URL."""
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self.port}/metrics"
+        return self.base_url + "/metrics"
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """Every URL served, by name: ``metrics``, ``health_live``, ``health_ready``."""
+        return {p.strip("/").replace("/", "_"): self.base_url + p for p in self.PATHS}
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return self.PATHS
 
     def close(self) -> None:
         """Stop serving and release the port; idempotent."""
@@ -758,6 +943,19 @@ class MetricsServer:
         self.close()
 
 
+def _text(start_response: Callable[..., Any], status: str, body: str,
+          headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+    data = body.encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data))),
+                            *(headers or [])])
+    return [data]
+
+
+def _add_process_collectors(registry: CollectorRegistry) -> None:
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+
+
 def _stop_http(httpd: Any, thread: threading.Thread) -> None:
     httpd.shutdown()
     httpd.server_close()
@@ -765,81 +963,3 @@ def _stop_http(httpd: Any, thread: threading.Thread) -> None:
 
 
 # ---- the status table
-
-
-def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
-    if v is None or isinstance(v, bool):
-        return none
-    if isinstance(v, int | float):
-        if not math.isfinite(v):
-            return none
-        return format(int(v) if spec == "d" else v, spec)
-    return str(v)
-
-
-def _pct(v: Any) -> str:
-    n = _num(v)
-    return "-" if n is None else f"{100 * n:.1f}%"
-
-
-def _counts(d: Mapping[str, Any] | None) -> str:
-    if not d:
-        return "-"
-    return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
-
-
-def format_status(status: Mapping[str, Any]) -> str:
-    """The table ``gpuprims-orchestrator status`` prints, from `NodeMetrics.status` (or its JSON).
-
-    One line per app (totals over its instances) followed by one line per instance, then the ingest's
-    drops by reason. Missing values print as ``-``. Any shape `normalize_status` accepts will do.
-    """
-    st = normalize_status(status)
-    node = st["node"]
-    head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
-            for k, v in sorted(node.items()) if k != "uptime_s" and not isinstance(v, Mapping)]
-    if _num(node.get("uptime_s")) is not None:
-        head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
-    lines = ["node: " + ("  ".join(head) if head else "-")]
-    cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
-            "SLO att.", "ERRORS"]
-    rows: list[list[str]] = []
-    for a in st["apps"]:
-        slo = _num(a.get("slo_ms"))
-        name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
-        rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
-                     _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
-                     _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
-                     "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
-                     _counts(a.get("errors"))])
-        for i in a["instances"]:
-            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
-                         _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
-                         _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
-                         "", _pct(i.get("slo_attainment")), _counts(i.get("errors"))])
-    if rows:
-        widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-        left = {0, 1, len(cols) - 1}
-
-        def line(cells: list[str]) -> str:
-            return "  ".join(c.ljust(w) if j in left else c.rjust(w)
-                             for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-        lines.append(line(cols))
-        lines.extend(line(r) for r in rows)
-    else:
-        lines.append("no apps")
-    drops = st["ingest_drops"]
-    total = sum(_as_count(v) for v in drops.values())
-    lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
-    sch = status.get("scheduler") if isinstance(status, Mapping) else None
-    if isinstance(sch, Mapping) and sch.get("name") not in (None, "spatial"):
-        lines.append(f"scheduler: {sch.get('name')}  round={_fmt(sch.get('round_ms'))}ms  runs={_fmt(sch.get('runs'), 'd')}"
-                     f"  mean batch={_fmt(sch.get('mean_batch'))}  rejected={_fmt(sch.get('rejected_requests'), 'd')}"
-                     f"  aborted={_fmt(sch.get('aborted'), 'd')}  in flight={_fmt(sch.get('inflight'), 'd')}")
-        corr = sch.get("corrections")
-        if isinstance(corr, Mapping) and corr:
-            lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
-    if st["control_rejected"]:
-        lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
-    return "\n".join(lines)

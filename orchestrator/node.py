@@ -65,6 +65,7 @@ from orchestrator.mps import MpsDaemon, MpsUnavailable
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
+from orchestrator.rundir import NodeRecord, RunDirBusy, claim, update_record
 from orchestrator.state import AppState, InstanceState
 from orchestrator.supervisor import Supervisor
 
@@ -150,6 +151,12 @@ class Node:
         log.info("backend: %s (%s)", self.backend, why)
         self._own_run_dir = node.run_dir is None
         self.run_dir = make_run_dir(node.run_dir)
+        try:
+            removed = claim(self.run_dir, NodeRecord.for_this_process(name=self.run_dir.name))
+        except RunDirBusy as e:
+            raise StartError(str(e)) from None
+        if removed is not None:
+            log.warning("%s", removed.describe())
         write_token(self.run_dir, self.token)
         self._link_current()
         if self.backend == "cuda":
@@ -177,6 +184,7 @@ class Node:
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
                                       max_chunks=p.max_chunks, consumer_count=consumers)
+        update_record(self.run_dir, shm=[self.pool.name.lstrip("/")])
         listen: list[tuple[str, int] | tuple[str, int, int]] = [(node.listen.host, port) for port in node.listen.ports]
         listen += [(node.listen.host, a.port, a.app_id) for a in self.cfg.apps if a.port]
         self.ingest = Ingest(self.pool, listen, timeout_ms=node.reassembly_timeout_ms).start()
@@ -202,10 +210,11 @@ class Node:
                     later.append((app, name))
                 else:
                     self.supervisor.spawn(app, name, shares.get(name))
-        self.supervisor.await_ready(list(self.instances.values()), self.ready_timeout_s, self._handle)
+        self.supervisor.await_ready(list(self.instances.values()), self.ready_timeout_s, self._handle,
+                                    self._stop.is_set)
         if later:
             self.supervisor.await_ready([self.supervisor.spawn(app, name, shares.get(name)) for app, name in later],
-                                        self.ready_timeout_s, self._handle)
+                                        self.ready_timeout_s, self._handle, self._stop.is_set)
         if self.scheduled:
             self._start_dispatcher()
         for app in self.cfg.apps:
@@ -553,7 +562,7 @@ class Node:
                 if self._own_run_dir:
                     shutil.rmtree(self.run_dir, ignore_errors=True)
                 else:
-                    for leftover in ("token", "control.sock", "command.sock", "measure.lock"):
+                    for leftover in ("token", "control.sock", "command.sock", "measure.lock", "node.json"):
                         with contextlib.suppress(OSError):
                             (self.run_dir / leftover).unlink()
 

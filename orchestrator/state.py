@@ -13,6 +13,7 @@ from typing import Any
 
 from orchestrator.config import AppConfig
 from orchestrator.instance import InstanceSpec
+from orchestrator.metrics import retire_into
 
 #: An instance's role. ``active`` instances are routed to; a ``shadow`` waits (CPU side up, model not
 #: loaded) for a change of share; ``finishing`` drains after a switch; ``stopping`` is on its way out.
@@ -63,6 +64,6 @@ class AppState:
     retired: dict[str, int] = field(default_factory=dict)  # counters of instances that are gone
 
     def retire(self, st: InstanceState) -> None:
-        """Fold a departing instance's counters into the app's, so the app's totals never go back."""
-        for k in ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms"):
-            self.retired[k] = self.retired.get(k, 0) + int(st.stats.get(k) or 0)
+        """Fold a departing instance's counters (and batch counts and duration histograms) into the
+        app's, so the app's totals never go back."""
+        retire_into(self.retired, st.stats)

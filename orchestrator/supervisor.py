@@ -172,11 +172,15 @@ class Supervisor:
                      if st.app == app_name and st.role == "active" and not st.ended]
         self.ingest.set_route(app.app_id, consumers)
 
-    def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None]) -> None:
-        """Wait for every instance in ``pending`` to report Ready (start-up); other messages go to ``handle``."""
+    def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None],
+                    stopping: Callable[[], bool] = lambda: False) -> None:
+        """Wait for every instance in ``pending`` to report Ready (start-up); other messages go to ``handle``.
+        ``stopping()`` turning true (SIGINT/SIGTERM during start) ends the wait with an error."""
         waiting = {st.name for st in pending}
         deadline = time.monotonic() + timeout_s
         while waiting:
+            if stopping():
+                raise SupervisionError("interrupted while starting (SIGINT/SIGTERM)")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SupervisionError(f"instance(s) {', '.join(sorted(waiting))} sent no READY within "
@@ -195,7 +199,22 @@ class Supervisor:
             for name in list(waiting):
                 rc = self.instances[name].proc.poll()
                 if rc is not None:
-                    raise SupervisionError(f"instance {name} exited with status {rc} before READY (see its log above)")
+                    why = self._last_words(name, handle)
+                    raise SupervisionError(f"instance {name} failed to start: {why}" if why else
+                                           f"instance {name} exited with status {rc} before READY (see its log above)")
+
+    def _last_words(self, name: str, handle: Callable[[Any], None], wait_s: float = 2.0) -> str | None:
+        """The Error an instance that just exited sent before it went (its message can trail the exit on
+        a busy machine), or None."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            item = self.server.poll(50)
+            if item is None:
+                continue
+            if isinstance(item.msg, Error) and item.msg.instance == name:
+                return f"{item.msg.kind}: {item.msg.message}"
+            handle(item)
+        return None
 
     @staticmethod
     def mark_ready(st: InstanceState, msg: Ready) -> None:

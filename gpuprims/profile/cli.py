@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import click
 
+from gpuprims import __version__
 from gpuprims.profile.format import save_profile
-from gpuprims.profile.measure import measure_profile, parse_int_list, plot_profile
+from gpuprims.profile.measure import ProfileInterrupted, measure_profile, parse_int_list, plot_profile
 
 
 def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False):  # type: ignore[no-untyped-def]
@@ -21,6 +24,7 @@ def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="gpuprims-profile")
 @click.argument("model")
 @click.option("--batch", "batch", default="1,2,4,8", show_default=True, callback=_ints("--batch"),
               help="Comma-separated batch sizes.")
@@ -54,10 +58,25 @@ def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: st
     except (ValueError, RuntimeError) as e:
         click.echo(f"gpuprims-profile: {e}", err=True)
         sys.exit(2)
+    except ProfileInterrupted as e:
+        _save_interrupted(e, out)
+        sys.exit(130)
     path = save_profile(prof, out)
     click.echo(f"backend {prof.backend} ({prof.device}); wrote {len(prof.points)} points to {path}")
     if plot:
         click.echo(f"plot: {plot_profile(prof, plot)}")
+
+
+def _save_interrupted(e: ProfileInterrupted, out: str) -> None:
+    """Ctrl-C: every measured point goes to OUT.partial.json; the batch sizes measured at every GPU%
+    also make a valid profile at OUT."""
+    raw = Path(out).with_suffix(".partial.json")
+    raw.write_text(json.dumps({"measured": len(e.points), "of": e.total, "points": e.points}, indent=1) + "\n")
+    msg = f"gpuprims-profile: interrupted after {len(e.points)} of {e.total} points; measured points in {raw}"
+    if e.partial is not None:
+        path = save_profile(e.partial, out)
+        msg += f"; batch sizes {e.partial.batch_sizes} (complete) in {path}"
+    click.echo(msg, err=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -180,23 +181,53 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
     points: list[dict[str, Any]] = []
     ctx = get_context("spawn")
     bar = tqdm(specs, desc=f"profile {model} ({be})", unit="point", disable=not progress, file=sys.stderr)
-    for spec in bar:
-        bar.set_postfix(batch=spec.batch_size, gpu_pct=spec.gpu_pct)
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            fut = pool.submit(measure_point, spec)
-            try:
-                res = fut.result(timeout=timeout_s)
-            except FutureTimeout:
-                for p in list(getattr(pool, "_processes", {}).values()):
-                    p.kill()
-                raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} took "
-                                   f"longer than timeout_s={timeout_s}") from None
-            except Exception as e:
-                raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} "
-                                   f"failed: {type(e).__name__}: {e}") from e
-        points.append(res)
-        if on_point is not None:
-            on_point(res)
+    try:
+        for spec in bar:
+            bar.set_postfix(batch=spec.batch_size, gpu_pct=spec.gpu_pct)
+            # The worker ignores Ctrl-C (the terminal sends it to the whole group): this loop stops it.
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=signal.signal,
+                                     initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+                fut = pool.submit(measure_point, spec)
+                try:
+                    res = fut.result(timeout=timeout_s)
+                except FutureTimeout:
+                    _kill_workers(pool)
+                    raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} took "
+                                       f"longer than timeout_s={timeout_s}") from None
+                except KeyboardInterrupt:
+                    _kill_workers(pool)
+                    raise
+                except Exception as e:
+                    raise RuntimeError(f"profiling {model} batch={spec.batch_size} gpu_pct={spec.gpu_pct} "
+                                       f"failed: {type(e).__name__}: {e}") from e
+            points.append(res)
+            if on_point is not None:
+                on_point(res)
+    except KeyboardInterrupt:
+        bar.close()
+        rows = [b for b in bs if sum(p["batch_size"] == b for p in points) == len(gs)]
+        partial = _profile(model, be, specs, rows, gs, shape, repeats,
+                           [p for p in points if p["batch_size"] in rows]) if rows else None
+        raise ProfileInterrupted(points, len(specs), partial) from None
+    return _profile(model, be, specs, bs, gs, shape, repeats, points)
+
+
+class ProfileInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `measure_profile`: ``points`` were measured (of ``total``); ``partial`` is the
+    profile of the batch sizes measured at every GPU% (None if no batch size was complete)."""
+
+    def __init__(self, points: list[dict[str, Any]], total: int, partial: Profile | None) -> None:
+        super().__init__(f"interrupted after {len(points)} of {total} points")
+        self.points, self.total, self.partial = points, total, partial
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    for p in list(getattr(pool, "_processes", {}).values()):
+        p.kill()
+
+
+def _profile(model: str, be: str, specs: list[PointSpec], bs: list[int], gs: list[int], shape: tuple[int, ...],
+             repeats: int, points: list[dict[str, Any]]) -> Profile:
     from gpuprims import __version__
 
     return Profile(

@@ -33,6 +33,7 @@ import click
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpuprims import __version__
 from gpuprims.profile.format import Profile, ProfileError, load_profiles, paper_profiles
 from gpuprims.sched.dag import App, Stage
 from gpuprims.sched.scenarios import many_apps, paper_table3
@@ -136,6 +137,7 @@ def run(workloads: list[Workload], profiles: dict[str, Profile], *, schedulers: 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="gpuprims-sim")
 @click.option("--scenario", type=click.Choice(["paper-table3", "many"]), default=None,
               help="A built-in workload (default paper-table3 unless --config).")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -188,6 +190,28 @@ def main(scenario: str | None, config: str | None, scheduler: str, duration_s: f
     if out:
         Path(out).write_text(text + "\n")
     click.echo(text)
+    click.echo(summary(res), err=True)
+
+
+def summary(res: dict[str, Any]) -> str:
+    """A few rounded lines for a person (stderr), beside the JSON (stdout) that programs read."""
+    lines = []
+    for name, r in res["runs"].items():
+        t = r["total"]
+        util = r.get("gpu_util") or []
+        lines.append(f"{name:<15} {t['throughput_rps']:>9.1f} {100 * t['miss_rate']:>7.1f} "
+                     f"{_ms(t.get('latency_p50_ms')):>7} {_ms(t.get('latency_p99_ms')):>7} "
+                     f"{(100 * sum(util) / len(util)) if util else 0:>6.0f}%")
+    first = next(iter(res["runs"].values()))
+    head = (f"SIMULATED (not measured): {first['duration_ms'] / 1000:g} s, {first['num_gpus']} GPU(s)\n"
+            f"{'scheduler':<15} {'req/s':>9} {'miss %':>7} {'p50 ms':>7} {'p99 ms':>7} {'GPU':>7}")
+    ratio = res.get("throughput_ratio")
+    tail = [f"throughput spatio-temporal / temporal: {ratio:.2f}x"] if ratio is not None else []
+    return "\n".join([head, *lines, *tail])
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 import click
 import numpy as np
 
-from gpuprims import wire
+from gpuprims import __version__, wire
 from gpuprims.traffic.stream import AppStream, Stream, parse_addr, read_intervals
 
 _APP_KEYS = {"rate": float, "pps": float, "process": str, "count": int, "duration": float, "to": str,
@@ -129,6 +129,7 @@ def _emit(doc: dict, json_path: str | None) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, "--version", prog_name="gpuprims-traffic")
 def main() -> None:
     """Generate, record, replay and measure gpuprims UDP request streams."""
 
@@ -288,7 +289,11 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
             plan = replay_plan(read_pcap(pcap_path, skip_foreign=True), raw=True)
         except PcapError as e:
             raise click.ClickException(str(e)) from None
-    with SocketSet([p for _, p in addrs], addrs[0][0]) as socks:
+    try:
+        owned = SocketSet([p for _, p in addrs], addrs[0][0])
+    except OSError as e:  # a port in use, an address not on this host
+        raise click.ClickException(str(e)) from None
+    with owned as socks:
         if plan is None:
             plan = _empty_plan()
         tracker = Tracker(plan, np.zeros(plan.n_events, np.int64), timeout_ns=2**62)
@@ -357,9 +362,12 @@ def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_ev
     from gpuprims.traffic.echo import EchoServer
 
     host, port = parse_addr(listen)
-    srv = EchoServer(host, port, delay_s=delay_us / 1e6, status=wire.Status[status], response_bytes=response_bytes,
-                     drop_every=drop_every, duplicate_every=duplicate_every, spin_us=spin_us,
-                     stamp=response_bytes >= 16)
+    try:
+        srv = EchoServer(host, port, delay_s=delay_us / 1e6, status=wire.Status[status], response_bytes=response_bytes,
+                         drop_every=drop_every, duplicate_every=duplicate_every, spin_us=spin_us,
+                         stamp=response_bytes >= 16)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     click.echo(f"echo server on {srv.address[0]}:{srv.address[1]} (Ctrl-C to stop)", err=True)
     try:
         srv.serve()

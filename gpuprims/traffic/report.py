@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ def build_report(plan, sender, tracker, receiver_stats: dict, *, timeout_s: floa
     if n_sent_events:
         last = int(np.flatnonzero(meas_all)[-1])
         lateness = int(sent_ns[last] - (t0 + plan.ev_time_ns[last]))
-        window_ns = plan.span_ns + max(0, lateness) if complete else max(1, int(sender.end_ns - meas_start))
+        window_ns = plan.span_ns + max(0, lateness) if complete else max(1, int((sender.end_ns or time.monotonic_ns()) - meas_start))
     else:
         window_ns = max(1, int((sender.end_ns or meas_start) - meas_start))
     window_s = max(window_ns, 1) / 1e9

@@ -1,27 +1,45 @@
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from orchestrator import cli
+from orchestrator import cli, rundir
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _node_dir(base: Path, name: str) -> Path:
+    """A run dir whose record names this (live) process."""
     d = base / name
     d.mkdir(mode=0o700)
-    (d / "command.sock").touch()
+    rundir.write_record(d, rundir.NodeRecord.for_this_process(name=name, config=f"/cfg/{name}.yaml", ports=[9000]))
     return d
 
 
-def test_finds_the_one_live_node_through_the_current_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finds_the_one_live_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
     d = _node_dir(tmp_path, "run-a")
     (tmp_path / "current").symlink_to(d)
     assert cli._find_run_dir(None) == d.resolve()
-    assert cli._find_run_dir(str(tmp_path / "x")) == tmp_path / "x"
+    assert cli._find_run_dir(None, "run-a") == d
+    assert cli._find_run_dir(str(d)) == d
+    with pytest.raises(click.ClickException, match="no node is running"):
+        cli._find_run_dir(str(tmp_path / "x"))
+    with pytest.raises(click.UsageError, match="not both"):
+        cli._find_run_dir(str(d), "run-a")
 
 
 def test_refuses_to_guess_between_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,9 +47,26 @@ def test_refuses_to_guess_between_nodes(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(click.ClickException, match="no running node"):
         cli._find_run_dir(None)
     _node_dir(tmp_path, "run-a")
+    with pytest.raises(click.ClickException, match="which node to stop") as e:
+        cli._find_run_dir(None, must_name=True)
+    assert "--name run-a" in e.value.message and "/cfg/run-a.yaml" in e.value.message
     _node_dir(tmp_path, "run-b")
-    with pytest.raises(click.ClickException, match="several nodes are running"):
+    with pytest.raises(click.ClickException, match="several nodes are running") as e:
         cli._find_run_dir(None)
+    assert "--name run-a" in e.value.message and "--name run-b" in e.value.message
+
+
+def test_a_named_dead_node_is_cleaned_up_and_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
+    d = tmp_path / "gone"
+    d.mkdir(mode=0o700)
+    (d / "token").write_text("x")
+    with pytest.raises(click.ClickException, match="has not opened its command socket"):
+        cli._find_run_dir(None, "gone")
+    rundir.write_record(d, rundir.NodeRecord(pid=2**22 + 1, start_ticks=1, started_at=0.0, name="gone"))
+    with pytest.raises(click.ClickException, match="not running"):
+        cli._find_run_dir(None, "gone")
+    assert not d.exists()
 
 
 def test_validate_and_start_refuse_a_bad_config_with_file_and_key(tmp_path: Path) -> None:
@@ -55,3 +90,288 @@ def test_validate_accepts_the_bundled_examples() -> None:
     for name in ("apps.yaml", "apps-paper.yaml", "apps-table3.yaml"):
         r = CliRunner().invoke(cli.main, ["validate", str(root / "examples" / name)])
         assert r.exit_code == 0, r.output
+
+
+# ---- real orchestrator processes (private runtime base, loopback, every process reaped)
+
+TINY = """node:
+  listen: {host: 127.0.0.1, port: %(port)d}
+  backend: cpu
+  metrics_port: %(metrics)d
+  pool: {slot_count: 512, max_chunks: 16}
+apps:
+  - {name: cls, model: %(model)s, input_shape: [3, 16, 16], slo_ms: 5000, gpu_pct: 50, max_batch: 2, app_id: 1,
+     shadow: false}
+"""
+READY_S = 120.0  # loading one small model on a busy 2-core machine
+
+
+def _config(tmp_path: Path, *, port: int = 0, metrics: int = 0, model: str = "mobilenet_v2") -> Path:
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY % {"port": port, "metrics": metrics, "model": model})
+    return p
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"}
+
+
+def _base(tmp_path: Path) -> Path:
+    return tmp_path / "xdg" / "gpuprims"
+
+
+def _cli(tmp_path: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=_env(tmp_path), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class _Started:
+    """A `start` process in its own process group (as a terminal would run it), reaped at the end."""
+
+    def __init__(self, tmp_path: Path, config: Path, name: str) -> None:
+        self.err_path = tmp_path / f"{name}.{time.monotonic_ns()}.err"
+        self.run_dir = _base(tmp_path) / name
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "start", str(config), "--name", name],
+                                         env=_env(tmp_path), cwd=ROOT, stdout=err, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.err_path.read_text()
+
+    def wait_up(self) -> rundir.NodeRecord:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            rec = rundir.read_record(self.run_dir)
+            if rec is not None and rec.pid == self.proc.pid and rec.ports:
+                return rec
+            assert self.proc.poll() is None, self.output
+            time.sleep(0.1)
+        raise AssertionError(f"node not up within {READY_S} s:\n{self.output}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # instances left in the group
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(rundir.proc_start_ticks(p) is None for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _instance_pids(rec: rundir.NodeRecord) -> list[int]:
+    kids = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()
+    return [int(k) for k in kids]
+
+
+def _segments(rec: rundir.NodeRecord, run_dir: Path) -> list[Path]:
+    out = [rundir.SHM_DIR / n for n in rec.shm]
+    out += [rundir.SHM_DIR / n for n in rundir._param_segments(run_dir)]
+    return out
+
+
+def test_a_sigkilled_orchestrator_is_recognised_and_cleaned_up(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    node = _Started(tmp_path, cfg, "n1")
+    load = None
+    try:
+        rec = node.wait_up()
+        kids = _instance_pids(rec)
+        segs = _segments(rec, node.run_dir)
+        assert kids and len(segs) == 2 and all(s.exists() for s in segs)  # the pool and the exported weights
+        load = subprocess.Popen([sys.executable, "-m", "gpuprims.traffic.cli", "replay", "--app", "1:3x16x16:float32",
+                                 "--rate", "100", "--duration", "60", "--to", f"127.0.0.1:{rec.ports[0]}",
+                                 "--no-progress"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:  # under load: the node is answering when it is killed
+            r = _cli(tmp_path, "status", "--json")
+            if r.returncode == 0 and json.loads(r.stdout)["apps"]["cls"]["ok"] > 0:
+                break
+            assert time.monotonic() < deadline, r.stdout + r.stderr
+        os.kill(rec.pid, signal.SIGKILL)
+        node.proc.wait(timeout=10)
+        assert _gone(kids, 30.0)  # instances follow their orchestrator (PDEATHSIG)
+        assert node.run_dir.exists() and all(s.exists() for s in segs)  # what a SIGKILL leaves
+
+        t0 = time.monotonic()
+        r = _cli(tmp_path, "status")  # no 5 s timeout on the dead node's socket
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "removed what dead node n1" in r.stderr and "2 shared-memory segment(s)" in r.stderr
+        assert "no running node" in r.stderr and time.monotonic() - t0 < 30
+        assert not node.run_dir.exists() and not any(s.exists() for s in segs)
+    finally:
+        if load is not None:
+            load.kill()
+            load.wait()
+        node.close()
+
+
+def test_start_after_a_sigkill_cleans_up_and_stop_waits(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    first = _Started(tmp_path, cfg, "n1")
+    second = None
+    try:
+        rec = first.wait_up()
+        segs = _segments(rec, first.run_dir)
+        os.kill(rec.pid, signal.SIGKILL)
+        first.proc.wait(timeout=10)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            metrics_port = s.getsockname()[1]
+        # The same run dir (it used to fail on the old token), now with metrics.
+        second = _Started(tmp_path, _config(tmp_path, metrics=metrics_port), "n1")
+        rec2 = second.wait_up()
+        assert "removed what dead node n1" in second.output and "FileExistsError" not in second.output
+        assert not any(s.exists() for s in segs)
+        assert "stop it with: gpuprims-orchestrator stop --name n1" in second.output
+        base = f"http://127.0.0.1:{metrics_port}"
+        assert rec2.urls["metrics"] == base + "/metrics" and rec2.urls["health_ready"] == base + "/health/ready"
+        for url in rec2.urls.values():
+            assert url in second.output  # the start log prints every URL
+        with urllib.request.urlopen(rec2.urls["health_ready"], timeout=10) as resp:
+            assert resp.status == 200  # ready as soon as the node says it is up
+        with urllib.request.urlopen(rec2.urls["metrics"], timeout=10) as resp:
+            assert 'gpuprims_request_failure_total{app="cls",reason="instance_failed"} 0.0' in resp.read().decode()
+
+        r = _cli(tmp_path, "stop")  # never acts on a node it was not given
+        assert r.returncode == 1 and "--name n1" in r.stderr and str(cfg) in r.stderr
+        assert second.proc.poll() is None
+        r = _cli(tmp_path, "status")  # the only node: fine without a name
+        assert r.returncode == 0 and "cls" in r.stdout, r.stderr
+        r = _cli(tmp_path, "stop", "--name", "n1", timeout=90)
+        assert r.returncode == 0 and "stopped n1" in r.stdout, r.stderr
+        assert not rec2.alive  # stop returned once the node had stopped
+        assert second.proc.wait(timeout=10) == 0
+        assert not second.run_dir.exists() and not any(s.exists() for s in _segments(rec2, second.run_dir))
+        r = _cli(tmp_path, "status", "--name", "n1")
+        assert r.returncode == 1 and "no node is running" in r.stderr
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+@pytest.fixture(scope="module")
+def ctrl_c(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A node stopped by SIGINT to its whole process group, as a terminal's Ctrl-C sends it."""
+    tmp_path = tmp_path_factory.mktemp("ctrlc")
+    node = _Started(tmp_path, _config(tmp_path), "c1")
+    try:
+        rec = node.wait_up()
+        segs = _segments(rec, node.run_dir)
+        kids = _instance_pids(rec)
+        os.killpg(node.proc.pid, signal.SIGINT)
+        rc = node.proc.wait(timeout=60)
+        return {"rc": rc, "output": node.output, "run_dir": node.run_dir, "segs": segs, "kids_gone": _gone(kids, 10)}
+    finally:
+        node.close()
+
+
+def test_ctrl_c_stops_start_cleanly(ctrl_c: dict[str, Any]) -> None:
+    out = ctrl_c["output"]
+    assert ctrl_c["rc"] == 0 and "received SIGINT; stopping" in out and "node stopped" in out, out
+    assert ctrl_c["kids_gone"] and not ctrl_c["run_dir"].exists() and not any(s.exists() for s in ctrl_c["segs"])
+    tracebacks = [b for b in out.split("Traceback")[1:] if "orchestrator/instance.py" not in b]
+    assert not tracebacks, out  # none from the orchestrator
+
+
+def test_ctrl_c_leaves_no_instance_traceback(ctrl_c: dict[str, Any]) -> None:
+    assert "Traceback" not in ctrl_c["output"] and "KeyboardInterrupt" not in ctrl_c["output"]
+
+
+def _assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and all(f in last for f in fragments), r.stderr
+
+
+def test_start_says_which_port_is_in_use(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        port = udp.getsockname()[1]
+        r = _cli(tmp_path, "start", str(_config(tmp_path, port=port)))
+    _assert_one_line_error(r, f"127.0.0.1:{port}", "in use")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(1)
+        port = tcp.getsockname()[1]
+        r = _cli(tmp_path, "start", str(_config(tmp_path, metrics=port)))
+    _assert_one_line_error(r, f"127.0.0.1:{port}", "in use", "metrics_port")
+    assert not any(_base(tmp_path).iterdir())  # nothing left behind
+
+
+def test_start_refuses_an_unimportable_user_model(tmp_path: Path) -> None:
+    r = _cli(tmp_path, "start", str(_config(tmp_path, model="no_such_module_xyz:factory")))
+    _assert_one_line_error(r, "apps[0].model", "no_such_module_xyz", "cannot import")
+    r = _cli(tmp_path, "validate", str(_config(tmp_path, model="no_such_pkg_xyz.sub:factory")))
+    _assert_one_line_error(r, "no_such_pkg_xyz")
+
+
+def test_start_refuses_a_live_nodes_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
+    d = tmp_path / "busy"
+    d.mkdir(mode=0o700)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ticks = rundir.proc_start_ticks(other.pid)
+        assert ticks is not None
+        rundir.write_record(d, rundir.NodeRecord(pid=other.pid, start_ticks=ticks, started_at=0.0, name="busy",
+                                                 config="/a.yaml"))
+        r = CliRunner().invoke(cli.main, ["start", str(ROOT / "examples" / "apps.yaml"), "--name", "busy"])
+    finally:
+        other.kill()
+        other.wait()
+    assert r.exit_code == 1 and "already running" in r.output and "/a.yaml" in r.output
+    r = CliRunner().invoke(cli.main, ["start", str(ROOT / "examples" / "apps.yaml"), "--name", "../x"])
+    assert r.exit_code == 2 and "node name" in r.output
+
+
+@pytest.mark.parametrize("prog", ["orchestrator.cli", "gpuprims.traffic.cli", "gpuprims.profile.cli",
+                                  "gpuprims.sched.sim_cli"])
+def test_every_cli_has_h_and_version(prog: str) -> None:
+    import importlib
+
+    from gpuprims import __version__
+
+    main = importlib.import_module(prog).main
+    r = CliRunner().invoke(main, ["-h"])
+    assert r.exit_code == 0 and "Usage:" in r.output
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.exit_code == 0 and __version__ in r.output and "gpuprims-" in r.output
+
+
+def test_readme_set_gpu_fits_the_example_shares() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.placement import Placement
+    from orchestrator.state import AppState
+
+    cfg = load_config(ROOT / "examples" / "apps.yaml")
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines() if "gpuprims-orchestrator set-gpu" in ln]
+    assert lines
+    apps = {a.name: AppState(cfg=a, gpu_pct=a.gpu_pct, instances=a.instances) for a in cfg.apps}  # type: ignore[arg-type]
+    placement = Placement(cfg, apps, backend="cpu")
+    for ln in lines:
+        app, pct = ln.split("set-gpu", 1)[1].split()[:2]
+        placement.check_share(app, int(pct))
+
+
+def test_a_user_model_without_its_factory_ends_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "ops_nofactory_mod.py").write_text("x = 1\n")
+    env = {**_env(tmp_path), "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "start",
+                        str(_config(tmp_path, model="ops_nofactory_mod:factory"))], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=READY_S)
+    assert r.returncode == 1 and "has no attribute 'factory'" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

@@ -12,9 +12,9 @@ import torch
 from apps.zoo import RECOG_ROUTER_LABELS, load_model
 from gpuprims.wire import Status
 from orchestrator.config import load_config
-from orchestrator.metrics import format_status
 from orchestrator.node import Node
 from orchestrator.reconfig import change_gpu_pct
+from orchestrator.status_format import format_status
 from tests.orchestrator.client import ask
 
 pytestmark = pytest.mark.slow

@@ -1,25 +1,34 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import socket
+import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
+from gpuprims import __version__
+from gpuprims.stats import RequestHistograms
 from orchestrator.metrics import (
     InstanceCounters,
     LatencyHistogram,
     MetricsServer,
     NodeMetrics,
-    format_status,
     normalize_status,
+    retire_into,
     status_name,
 )
+from orchestrator.status_format import format_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -318,26 +327,26 @@ def test_metrics_endpoint() -> None:
     with MetricsServer(0, m) as srv:
         assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
         body = _scrape(srv.url)
-    lab = 'app="det",instance="det-0"'
+    lab = 'app="det"'
     for line in (
-        f"gpuprims_requests_arrived_total{{{lab}}} 10.0",
-        f"gpuprims_requests_served_total{{{lab}}} 9.0",
-        f"gpuprims_requests_slo_met_total{{{lab}}} 8.0",
-        f'gpuprims_request_errors_total{{{lab},status="deadline_missed"}} 1.0',
-        f"gpuprims_arrival_rate_rps{{{lab}}} 10.0",
-        f"gpuprims_gpu_pct{{{lab}}} 40.0",
-        f"gpuprims_slo_attainment{{{lab}}} 0.8",
+        f"gpuprims_request_arrivals_total{{{lab}}} 10.0",
+        f"gpuprims_request_success_total{{{lab}}} 9.0",
+        f"gpuprims_request_within_slo_total{{{lab}}} 8.0",
+        f'gpuprims_request_failure_total{{{lab},reason="deadline_missed"}} 1.0',
+        f'gpuprims_request_failure_total{{{lab},reason="instance_failed"}} 0.0',
+        f"gpuprims_app_gpu_share_ratio{{{lab}}} 0.4",
+        f"gpuprims_app_slo_seconds{{{lab}}} 0.05",
         f'gpuprims_batch_size_bucket{{{lab},le="8.0"}} 0.0',
         f'gpuprims_batch_size_bucket{{{lab},le="16.0"}} 1.0',
-        'gpuprims_app_requests_arrived_total{app="det"} 10.0',
-        'gpuprims_app_slo_ms{app="det"} 50.0',
+        f"gpuprims_batch_exec_total{{{lab}}} 1.0",
         'gpuprims_ingest_dropped_total{reason="bad_magic"} 3.0',
         'gpuprims_control_rejected_total{reason="bad_token"} 2.0',
+        "process_cpu_seconds_total ",
     ):
         assert line in body, line
-    assert f'gpuprims_latency_ms{{{lab},quantile="0.5"}}' in body
+    assert 'instance="' not in body
     # Our metrics never land in the process-global registry.
-    assert REGISTRY.get_sample_value("gpuprims_requests_arrived_total", {"app": "det", "instance": "det-0"}) is None
+    assert REGISTRY.get_sample_value("gpuprims_request_arrivals_total", {"app": "det"}) is None
 
 
 def test_metrics_server_stops_and_refuses() -> None:
@@ -346,7 +355,7 @@ def test_metrics_server_stops_and_refuses() -> None:
     port = srv.start()
     with pytest.raises(RuntimeError, match="already started"):
         srv.start()
-    assert "gpuprims_uptime_seconds" in _scrape(srv.url)
+    assert "gpuprims_build_info{" in _scrape(srv.url)
     srv.close()
     srv.close()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
@@ -368,18 +377,29 @@ def test_metrics_port_in_use() -> None:
 
 # ---- the node's own summary shape (apps keyed by name, received/ok/within_slo counters)
 
-NODE_SUMMARY = {
+def _hist_wire(request_s: list[float]) -> dict[str, Any]:
+    h = RequestHistograms()
+    h.request.observe(request_s)
+    h.queue.observe([v / 2 for v in request_s])
+    h.compute.observe([v / 2 for v in request_s])
+    return h.to_wire()
+
+
+NODE_SUMMARY: dict[str, Any] = {
     "node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
-    "ingest": {"packets": 10, "drop_bad_magic": 2},
+    "ingest": {"packets_received": 10, "packets_accepted": 8, "drop_bad_magic": 2, "drop_duplicate": 0,
+               "requests_completed": 10, "requests_timed_out": 0, "free_slots": 100},
     "drops": {"bad_magic": 2},
     "apps": {
         "detect": {
-            "app_id": 1, "model": "resnet18", "slo_ms": 50, "gpu_pct": 50, "restarts": 0,
+            "app_id": 1, "model": "resnet18", "slo_ms": 50, "gpu_pct": 50, "restarts": 1, "failed_by_crash": 2,
+            "requeued_by_crash": 1,
             "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7, "slo_attainment": 0.7,
             "instances": [{"name": "detect-0", "pid": 5, "role": "active", "ready": True, "gpu_pct": 50,
                            "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7,
                            "slo_attainment": 0.7, "p50_ms": 4.0, "p99_ms": 9.5, "arrival_rps": 3.3,
-                           "service_rps": 3.3, "queue_len": 0, "held": 0, "batch_sizes": {"1": 4, "2": 3}}],
+                           "service_rps": 3.3, "queue_len": 0, "held": 0, "batch_sizes": {"1": 4, "2": 3},
+                           "hist": _hist_wire([0.001, 0.004, 0.5])}],
         },
     },
 }
@@ -415,18 +435,122 @@ def test_format_status_garbage_values() -> None:
 
 def test_metrics_server_from_snapshots() -> None:
     with MetricsServer(0) as srv:
-        assert "gpuprims_requests_arrived_total{" not in _scrape(srv.url)
+        assert "gpuprims_request_arrivals_total{" not in _scrape(srv.url)
         srv.update(NODE_SUMMARY)
         body = _scrape(srv.url)
-    lab = 'app="detect",instance="detect-0"'
-    for line in (f"gpuprims_requests_arrived_total{{{lab}}} 10.0",
-                 f'gpuprims_request_errors_total{{{lab},status="error"}} 1.0',
-                 f'gpuprims_latency_ms{{{lab},quantile="0.99"}} 9.5',
+    lab = 'app="detect"'
+    for line in (f"gpuprims_request_arrivals_total{{{lab}}} 10.0",
+                 f'gpuprims_request_failure_total{{{lab},reason="error"}} 1.0',
+                 f'gpuprims_request_failure_total{{{lab},reason="instance_failed"}} 2.0',
+                 f"gpuprims_request_requeued_total{{{lab}}} 1.0",
                  f'gpuprims_batch_size_bucket{{{lab},le="2.0"}} 7.0',
-                 'gpuprims_app_slo_attainment{app="detect"} 0.7',
+                 f"gpuprims_inference_count_total{{{lab}}} 10.0",
+                 f'gpuprims_request_duration_seconds_bucket{{{lab},le="0.005"}} 2.0',
+                 f'gpuprims_request_duration_seconds_bucket{{{lab},le="+Inf"}} 3.0',
+                 f'gpuprims_compute_duration_seconds_count{{{lab}}} 3.0',
+                 f'gpuprims_app_instances{{{lab},role="active"}} 1.0',
                  'gpuprims_ingest_dropped_total{reason="bad_magic"} 2.0',
-                 "gpuprims_uptime_seconds 3.0"):
+                 'gpuprims_ingest_dropped_total{reason="duplicate"} 0.0',
+                 'gpuprims_ingest_requests_total{outcome="completed"} 10.0',
+                 "gpuprims_ingest_packets_received_total 10.0",
+                 'backend="cpu"'):
         assert line in body, line
     with pytest.raises(ValueError, match="mapping"):
         srv.update([])  # type: ignore[arg-type]
     srv.stop()
+
+
+def _families(body: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+def test_scrape_follows_prometheus_conventions() -> None:
+    with MetricsServer(0) as srv:
+        srv.update(NODE_SUMMARY)
+        fams = _families(_scrape(srv.url))
+    ours = {n: f for n, f in fams.items() if n.startswith("gpuprims_")}
+    assert {"gpuprims_request_duration_seconds", "gpuprims_queue_duration_seconds",
+            "gpuprims_compute_duration_seconds", "gpuprims_build_info"} <= set(ours)
+    assert any(n.startswith("process_") for n in fams)
+    for name, f in ours.items():
+        assert not re.search(r"_(ms|us|pct|rps)(_|$)", name), name  # base units only
+        for s in f.samples:
+            assert "instance" not in s.labels, s
+            if f.type == "counter":
+                assert s.name in (name + "_total", name + "_created"), s.name
+        if f.type == "histogram":
+            kinds = {s.name[len(name):] for s in f.samples}
+            assert kinds == {"_bucket", "_sum", "_count"}, kinds
+        if name.endswith("_ratio"):
+            assert all(0 <= s.value <= 1 for s in f.samples), f.samples
+    info = ours["gpuprims_build_info"].samples[0]
+    assert info.value == 1 and info.labels["version"] == __version__
+
+
+@pytest.mark.tools
+def test_promtool_accepts_the_scrape(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; scripts/install-tools.sh installs it)")
+    with MetricsServer(0) as srv:
+        srv.update(NODE_SUMMARY)
+        body = _scrape(srv.url)
+    r = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
+def test_app_series_never_go_backwards_across_a_switch() -> None:
+    """An instance replaced by Overlapped-Execution leaves its counts in the app's retired dict."""
+    old = NODE_SUMMARY["apps"]["detect"]["instances"][0]
+    app = {k: v for k, v in NODE_SUMMARY["apps"]["detect"].items() if k != "instances"}
+
+    def scrape(status: dict[str, Any]) -> dict[tuple[str, str], float]:
+        with MetricsServer(0) as srv:
+            srv.update(status)
+            fams = _families(_scrape(srv.url))
+        return {(s.name, s.labels.get("le", "")): s.value for f in fams.values() if f.name.startswith("gpuprims_")
+                and f.type in ("counter", "histogram") for s in f.samples if s.labels.get("app") == "detect"}
+
+    before = scrape({"apps": {"detect": {**app, "instances": [old]}}})
+    retired: dict[str, Any] = {}
+    retire_into(retired, old)
+    assert retired["received"] == 10 and retired["retired_batch_sizes"] == {"1": 4, "2": 3}
+    new = {"name": "detect-s1", "role": "active", "ready": True, "received": 1, "ok": 1, "batch_sizes": {"1": 1},
+           "hist": _hist_wire([0.001])}
+    # The node adds the retired counters into the app's totals and spreads the dict into the app entry.
+    totals = {k: retired.get(k, 0) + new.get(k, 0) for k in ("received", "ok", "deadline_missed", "errors",
+                                                               "within_slo")}
+    after = scrape({"apps": {"detect": {**app, **retired, **totals, "instances": [new]}}})
+    assert set(after) == set(before)
+    went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
+    assert not went_back, went_back
+    assert after[("gpuprims_request_duration_seconds_count", "")] == before[
+        ("gpuprims_request_duration_seconds_count", "")] + 1
+
+
+def test_health_endpoints() -> None:
+    with MetricsServer(0) as srv:
+        urls = srv.urls
+        assert set(urls) == {"metrics", "health_live", "health_ready"}
+        assert _scrape(urls["health_live"]) == "live\n"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _scrape(urls["health_ready"])
+        assert e.value.code == 503  # no app has a READY instance yet
+        srv.update(NODE_SUMMARY)
+        assert _scrape(urls["health_ready"]) == "ready\n"
+        for path in ("/", "/metrics/x", "/favicon.ico"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                _scrape(srv.base_url + path)
+            assert e.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(srv.url, data=b"x", method="POST"), timeout=10)
+        assert e.value.code == 405
+        with urllib.request.urlopen(urllib.request.Request(srv.url, headers={
+                "Accept": "application/openmetrics-text; version=1.0.0"}), timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert r.read().decode().endswith("# EOF\n")
+        down = {**NODE_SUMMARY, "apps": {"detect": {**NODE_SUMMARY["apps"]["detect"], "instances": []}}}
+        srv.update(down)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _scrape(urls["health_ready"])
+        assert e.value.code == 503

@@ -301,7 +301,7 @@ def test_status_and_metrics_match_the_traffic_tool(tmp_path: Path) -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         served = {}
         for line in body.splitlines():
-            if line.startswith("gpuprims_app_requests_served") and "app=" in line:
+            if line.startswith("gpuprims_request_success_total") and "app=" in line:
                 app = line.split('app="', 1)[1].split('"', 1)[0]
                 served[app] = float(line.rsplit(" ", 1)[1])
         assert served == {"cls": 40.0, "det": 30.0}, body[:2000]

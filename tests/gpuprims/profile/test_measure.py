@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +88,32 @@ def test_plot_marks_the_knee(tmp_path: Path) -> None:
     p = grid("toy", {25: {1: 8.0, 4: 20.0}, 50: {1: 4.0, 4: 10.0}, 100: {1: 3.8, 4: 6.0}})
     out = plot_profile(p, tmp_path / "k.png")
     assert out.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    args = [sys.executable, "-m", "gpuprims.profile.cli", "mobilenet", "--batch", "1,2", "--gpu-pct", "100",
+            "--input-shape", "3,32,32", "--width", "0.25", "--repeats", "3", "--warmup", "1", "--backend", "cpu",
+            "--out", str(out)]
+    err_path = tmp_path / "err.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                cwd=Path(__file__).resolve().parents[3])
+    try:
+        deadline = time.monotonic() + 120  # one point: a spawn process importing torch on a busy machine
+        while "1/2" not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err_path.read_text()
+    assert "Traceback" not in text and "interrupted after 1 of 2 points" in text, text
+    raw = json.loads(out.with_suffix(".partial.json").read_text())
+    assert raw["measured"] == 1 and raw["points"][0]["batch_size"] == 1
+    p = load_profile(out)
+    assert p.batch_sizes == [1] and p.gpu_pcts == [100]

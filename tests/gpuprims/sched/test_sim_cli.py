@@ -47,10 +47,12 @@ def test_config_run_is_labelled_simulated(tmp_path: Path) -> None:
 def test_builtin_scenarios() -> None:
     res = CliRunner().invoke(main, ["--scenario", "paper-table3", "--duration-s", "0.3", "--scheduler", "temporal"])
     assert res.exit_code == 0, res.output
-    assert set(json.loads(res.output)["runs"]) == {"temporal"}
+    assert set(json.loads(res.stdout)["runs"]) == {"temporal"}
+    assert res.stderr.startswith("SIMULATED (not measured): 0.3 s, 1 GPU(s)") and "\ntemporal " in res.stderr
     res = CliRunner().invoke(main, ["--scenario", "many", "--gpus", "2", "--apps", "4", "--duration-s", "0.2"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["runs"]["spatiotemporal"]["num_gpus"] == 2
+    assert json.loads(res.stdout)["runs"]["spatiotemporal"]["num_gpus"] == 2
+    assert "throughput spatio-temporal / temporal: " in res.stderr
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -104,5 +106,5 @@ def test_processes_option_splits_gpus() -> None:
     res = CliRunner().invoke(main, ["--scenario", "many", "--gpus", "2", "--apps", "4", "--duration-s", "0.2",
                                     "--scheduler", "temporal", "--processes", "2"])
     assert res.exit_code == 0, res.output
-    run = json.loads(res.output)["runs"]["temporal"]
+    run = json.loads(res.stdout)["runs"]["temporal"]
     assert run["processes"] == 2 and run["simulated"] is True

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -164,3 +165,18 @@ def test_busy_client_port_is_a_clear_error() -> None:
                                       str(port), "--no-progress"])
     assert r.exit_code == 1
     assert f"cannot bind client port 127.0.0.1:{port}" in r.output
+
+
+@pytest.mark.parametrize("command", ["recv", "echo", "replay"])
+def test_a_busy_port_ends_in_one_line(command: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        args = {"recv": ["recv", "--listen", f"127.0.0.1:{port}", "--duration", "0.1"],
+                "echo": ["echo", "--listen", f"127.0.0.1:{port}"],
+                "replay": ["replay", "--app", "1:8x8x3:uint8", "--rate", "10", "--count", "1", "--ports", str(port),
+                           "--to", "127.0.0.1:9", "--no-progress"]}[command]
+        r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1, r.output
+    assert r.output.strip().splitlines()[-1].startswith("Error: ") and f"127.0.0.1:{port}" in r.output
+    assert "Address already in use" in r.output and "Traceback" not in r.output

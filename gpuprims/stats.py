@@ -1,0 +1,145 @@
+"""Duration histograms an inference instance keeps and ships in its heartbeat.
+
+Prometheus histograms (``_bucket``/``_sum``/``_count``) need every request's duration, which a
+latency reservoir does not keep. `RequestHistograms` counts each answered request's durations into
+fixed buckets (`DURATION_BUCKETS_S`, the same for every instance, so the orchestrator adds them up
+exactly): the whole request (first datagram to answer sent), its time queued (to the start of the
+batch that served it) and its batch's compute time. Counts are cumulative since the instance
+started, so a lost heartbeat loses nothing; `to_wire` is the plain-JSON form for ``Heartbeat.stats``
+and `add_wire` adds one such form into another (the orchestrator sums live instances with the ones
+that are gone, so an app's series never go backwards).
+
+An instance does, once per answered batch::
+
+    self.stats.hist.observe_answered(info["first_ns"], compute_s=model_ms / 1e3, done_ns=done_ns)
+
+and puts ``"hist": self.stats.hist.to_wire()`` into its heartbeat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "DurationHistogram", "RequestHistograms", "add_wire"]
+
+#: Upper bounds (seconds) of the duration buckets; a last, implicit bucket is +Inf.
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)
+#: The histograms of one instance, by wire key.
+HISTOGRAMS = ("request", "queue", "compute")
+
+
+class DurationHistogram:
+    """Counts of durations (seconds) per bucket of `DURATION_BUCKETS_S` (+Inf last), their sum."""
+
+    __slots__ = ("counts", "sum_s")
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(len(DURATION_BUCKETS_S) + 1, np.int64)
+        self.sum_s = 0.0
+
+    @property
+    def count(self) -> int:
+        return int(self.counts.sum())
+
+    def observe(self, seconds: float | Sequence[float] | np.ndarray) -> None:
+        """Add one duration or an array of them; negative values count as 0, NaN is refused."""
+        v = np.maximum(np.asarray(seconds, dtype=np.float64).reshape(-1), 0.0)
+        if v.size == 0:
+            return
+        if np.isnan(v).any():
+            raise ValueError("durations must not be NaN")
+        idx = np.searchsorted(np.asarray(DURATION_BUCKETS_S), v, side="left")
+        self.counts += np.bincount(idx, minlength=self.counts.size)
+        self.sum_s += float(v[np.isfinite(v)].sum())
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= bound) for every bucket, ending with (inf, count)."""
+        cum = np.cumsum(self.counts)
+        return [(b, int(c)) for b, c in zip((*DURATION_BUCKETS_S, math.inf), cum)]
+
+    def to_wire(self) -> dict[str, Any]:
+        """``{"counts": [per bucket, +Inf last], "sum_s": total}`` (plain JSON)."""
+        return {"counts": [int(c) for c in self.counts], "sum_s": self.sum_s}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> DurationHistogram:
+        """Rebuild from `to_wire` output; ValueError says what is wrong."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a histogram must be a mapping, got {type(d).__name__}")
+        counts = d.get("counts")
+        if not isinstance(counts, list) or len(counts) != len(DURATION_BUCKETS_S) + 1 or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise ValueError(f"histogram counts must be {len(DURATION_BUCKETS_S) + 1} integers >= 0, got {counts!r}")
+        s = d.get("sum_s", 0.0)
+        if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s < 0:
+            raise ValueError(f"histogram sum_s must be a finite number >= 0, got {s!r}")
+        h = cls()
+        h.counts = np.asarray(counts, np.int64)
+        h.sum_s = float(s)
+        return h
+
+    def merge(self, other: DurationHistogram) -> None:
+        self.counts += other.counts
+        self.sum_s += other.sum_s
+
+
+class RequestHistograms:
+    """The request, queue and compute duration histograms of one instance."""
+
+    def __init__(self) -> None:
+        self.request = DurationHistogram()
+        self.queue = DurationHistogram()
+        self.compute = DurationHistogram()
+
+    def observe_batch(self, first_ns: np.ndarray | Sequence[int], *, start_ns: int, end_ns: int,
+                      done_ns: int) -> None:
+        """One answered batch: each request arrived at ``first_ns`` (CLOCK_MONOTONIC ns, as the pool's
+        records hold it), the batch computed from ``start_ns`` to ``end_ns`` and was answered at
+        ``done_ns``. Every request observes the batch's compute time (as Triton counts it)."""
+        first = np.asarray(first_ns, dtype=np.int64).reshape(-1)
+        if first.size == 0:
+            return
+        if not start_ns <= end_ns <= done_ns:
+            raise ValueError(f"need start_ns <= end_ns <= done_ns, got {start_ns}, {end_ns}, {done_ns}")
+        self.request.observe((done_ns - first) / 1e9)
+        self.queue.observe((start_ns - first) / 1e9)
+        self.compute.observe(np.full(first.size, (end_ns - start_ns) / 1e9))
+
+    def observe_answered(self, first_ns: np.ndarray | Sequence[int], *, compute_s: float, done_ns: int) -> None:
+        """`observe_batch` for a batch answered at ``done_ns`` after ``compute_s`` seconds of compute
+        that ended just before the answers went out (what an instance measures with perf_counter)."""
+        compute_ns = max(0, round(compute_s * 1e9))
+        self.observe_batch(first_ns, start_ns=done_ns - compute_ns, end_ns=done_ns, done_ns=done_ns)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The heartbeat form: ``{"request": {...}, "queue": {...}, "compute": {...}}``."""
+        return {k: getattr(self, k).to_wire() for k in HISTOGRAMS}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> RequestHistograms:
+        """Rebuild from `to_wire` output (a missing histogram is empty); ValueError says what is wrong."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"histograms must be a mapping, got {type(d).__name__}")
+        h = cls()
+        for k in HISTOGRAMS:
+            if k in d:
+                setattr(h, k, DurationHistogram.from_wire(d[k]))
+        return h
+
+    def merge(self, other: RequestHistograms) -> None:
+        for k in HISTOGRAMS:
+            getattr(self, k).merge(getattr(other, k))
+
+
+def add_wire(into: Mapping[str, Any] | None, other: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The wire form of ``into`` plus ``other`` (either may be None or empty); malformed input raises
+    ValueError."""
+    h = RequestHistograms.from_wire(into or {})
+    h.merge(RequestHistograms.from_wire(other or {}))
+    return h.to_wire()

@@ -1,0 +1,92 @@
+"""The text the CLI prints for a node's status (``gpuprims-orchestrator status``, ``make demo``).
+
+Formatting is the CLI's: the node and its metrics only produce the status dict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.metrics import _as_count, _num, normalize_status
+
+__all__ = ["format_status"]
+
+
+def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
+    if v is None or isinstance(v, bool):
+        return none
+    if isinstance(v, int | float):
+        if not math.isfinite(v):
+            return none
+        return format(int(v) if spec == "d" else v, spec)
+    return str(v)
+
+
+def _pct(v: Any) -> str:
+    n = _num(v)
+    return "-" if n is None else f"{100 * n:.1f}%"
+
+
+def _counts(d: Mapping[str, Any] | None) -> str:
+    if not d:
+        return "-"
+    return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+def format_status(status: Mapping[str, Any]) -> str:
+    """The table ``gpuprims-orchestrator status`` prints, from `NodeMetrics.status` (or its JSON).
+
+    One line per app (totals over its instances) followed by one line per instance, then the ingest's
+    drops by reason. Missing values print as ``-``. Any shape `normalize_status` accepts will do.
+    """
+    st = normalize_status(status)
+    node = st["node"]
+    head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
+            for k, v in sorted(node.items()) if k != "uptime_s" and not isinstance(v, Mapping)]
+    if _num(node.get("uptime_s")) is not None:
+        head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
+    lines = ["node: " + ("  ".join(head) if head else "-")]
+    cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
+            "SLO att.", "ERRORS"]
+    rows: list[list[str]] = []
+    for a in st["apps"]:
+        slo = _num(a.get("slo_ms"))
+        name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
+        rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
+                     _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
+                     _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
+                     "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
+                     _counts(a.get("errors"))])
+        for i in a["instances"]:
+            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
+                         _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
+                         _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
+                         "", _pct(i.get("slo_attainment")), _counts(i.get("errors"))])
+    if rows:
+        widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
+        left = {0, 1, len(cols) - 1}
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.ljust(w) if j in left else c.rjust(w)
+                             for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        lines.append(line(cols))
+        lines.extend(line(r) for r in rows)
+    else:
+        lines.append("no apps")
+    drops = st["ingest_drops"]
+    total = sum(_as_count(v) for v in drops.values())
+    lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
+    sch = status.get("scheduler") if isinstance(status, Mapping) else None
+    if isinstance(sch, Mapping) and sch.get("name") not in (None, "spatial"):
+        lines.append(f"scheduler: {sch.get('name')}  round={_fmt(sch.get('round_ms'))}ms  runs={_fmt(sch.get('runs'), 'd')}"
+                     f"  mean batch={_fmt(sch.get('mean_batch'))}  rejected={_fmt(sch.get('rejected_requests'), 'd')}"
+                     f"  aborted={_fmt(sch.get('aborted'), 'd')}  in flight={_fmt(sch.get('inflight'), 'd')}")
+        corr = sch.get("corrections")
+        if isinstance(corr, Mapping) and corr:
+            lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
+    if st["control_rejected"]:
+        lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from gpuprims.stats import DURATION_BUCKETS_S, DurationHistogram, RequestHistograms, add_wire
+
+
+def test_buckets_hold_values_up_to_their_bound() -> None:
+    h = DurationHistogram()
+    h.observe([0.0005, 0.0006, 0.001, 31.0, -1.0])
+    cum = dict(h.cumulative())
+    assert cum[0.0005] == 2  # the bound itself and the negative value (counted as 0)
+    assert cum[0.001] == 4 and cum[30.0] == 4 and cum[math.inf] == 5
+    assert h.count == 5 and h.sum_s == pytest.approx(0.0005 + 0.0006 + 0.001 + 31.0)
+    h.observe(0.02)
+    assert h.count == 6 and dict(h.cumulative())[0.02] == 5
+    with pytest.raises(ValueError, match="NaN"):
+        h.observe([float("nan")])
+    assert len(h.cumulative()) == len(DURATION_BUCKETS_S) + 1
+
+
+def test_batch_observation_and_wire_round_trip() -> None:
+    r = RequestHistograms()
+    first = np.array([1_000_000_000, 1_002_000_000], np.int64)
+    r.observe_batch(first, start_ns=1_004_000_000, end_ns=1_014_000_000, done_ns=1_015_000_000)
+    assert r.request.count == r.queue.count == r.compute.count == 2
+    assert r.request.sum_s == pytest.approx(0.015 + 0.013)
+    assert r.queue.sum_s == pytest.approx(0.004 + 0.002)
+    assert r.compute.sum_s == pytest.approx(0.020)  # each request counts its batch's 10 ms
+    wire = json.loads(json.dumps(r.to_wire()))
+    back = RequestHistograms.from_wire(wire)
+    assert back.to_wire() == r.to_wire()
+    r.observe_answered(first, compute_s=0.010, done_ns=1_015_000_000)
+    assert r.queue.sum_s == pytest.approx(0.004 + 0.002 + 0.005 + 0.003)  # compute ended at the answer
+    r.observe_batch([], start_ns=0, end_ns=0, done_ns=0)  # nothing answered: nothing counted
+    with pytest.raises(ValueError, match="start_ns"):
+        r.observe_batch(first, start_ns=5, end_ns=4, done_ns=6)
+
+
+def test_add_wire_sums_live_and_retired() -> None:
+    a, b = RequestHistograms(), RequestHistograms()
+    a.request.observe([0.001, 0.002])
+    b.request.observe([0.5])
+    total = add_wire(a.to_wire(), b.to_wire())
+    assert sum(total["request"]["counts"]) == 3 and total["request"]["sum_s"] == pytest.approx(0.503)
+    assert add_wire(None, b.to_wire()) == b.to_wire() and add_wire(None, None) == RequestHistograms().to_wire()
+
+
+@pytest.mark.parametrize(("bad", "fragment"), [
+    ([], "mapping"),
+    ({"request": {"counts": [1, 2]}}, "integers"),
+    ({"request": {"counts": [-1] * (len(DURATION_BUCKETS_S) + 1)}}, "integers"),
+    ({"request": {"counts": [0] * (len(DURATION_BUCKETS_S) + 1), "sum_s": float("inf")}}, "sum_s"),
+    ({"queue": "x"}, "mapping"),
+])
+def test_malformed_wire_is_refused(bad: object, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        RequestHistograms.from_wire(bad)
