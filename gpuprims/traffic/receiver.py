@@ -17,7 +17,7 @@ import numpy as np
 from gpuprims import wire
 from gpuprims.traffic.stream import Plan
 
-#: One received datagram, as the native receiver records it (Record in traffic_bind.cpp).
+#: One received datagram, as the native receiver records it (Record in native/src/traffic.h).
 RECORD_DTYPE = np.dtype([
     ("recv_ns", "<i8"), ("request_id", "<u8"), ("client_ts_ns", "<u8"), ("aux0", "<u8"), ("aux1", "<u8"),
     ("payload_off", "<u8"), ("chunk_index", "<u4"), ("chunk_count", "<u4"), ("payload_len", "<u4"),
