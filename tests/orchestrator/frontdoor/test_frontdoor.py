@@ -269,3 +269,31 @@ def test_start_refuses_bad_arguments_and_busy_ports(stack: Stack) -> None:
     busy = int(stack.door.http_url.rsplit(":", 1)[1])
     with pytest.raises(FrontDoorError, match=r"node\.http_port"):
         start_frontdoor(APPS, stack.node.address, busy, None)
+
+
+def test_grpc_typed_contents_without_raw(stack: Stack) -> None:
+    # tritonclient always sends raw_input_contents; other OIP clients send typed contents.
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    x, u = inputs("classify", 2, seed=40), inputs("detect", 1, seed=41)
+    assert stack.door.grpc_target is not None
+    with grpc.insecure_channel(stack.door.grpc_target) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        for name, arr, field in (("classify", x, "fp32_contents"), ("detect", u, "uint_contents")):
+            req = service_pb2.ModelInferRequest(model_name=name)
+            t = req.inputs.add(name="input", datatype="FP32" if arr.dtype == np.float32 else "UINT8",
+                               shape=list(arr.shape))
+            getattr(t.contents, field).extend(arr.reshape(-1).tolist())
+            resp = stub.ModelInfer(req, timeout=30)
+            assert resp.outputs[0].name == "logits" and list(resp.outputs[0].shape) == [len(arr), 10]
+            out = np.frombuffer(resp.raw_output_contents[0], "<f4").reshape(len(arr), 10)
+            np.testing.assert_allclose(out, stack.expect(name, arr), rtol=RTOL, atol=ATOL)
+        bad = service_pb2.ModelInferRequest(model_name="classify")
+        bad.inputs.add(name="input", datatype="FP32", shape=[1, 3, 32, 32]).contents.fp32_contents.extend([1.0])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(bad, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "elements" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelStreamInfer(iter([bad]), timeout=30).next()
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
