@@ -253,8 +253,21 @@ class Client:
             p.first_ns = p.first_ns or ts
             p.expires_ns = ts + p.timeout_ns
             self._pending[(p.app_id, rid)] = p
-        for d in dgrams:
-            self._sock.sendto(d, self.node)
+        try:
+            for d in dgrams:
+                self._sock.sendto(d, self.node)
+        except OSError:
+            with self._lock:
+                self._pending.pop((p.app_id, rid), None)
+            raise
+
+    def _send_again(self, p: _Pending) -> None:
+        """A retry from the receive thread: a send error fails the request instead of the thread."""
+        try:
+            self._send(p)
+        except OSError as e:
+            assert p.future is not None
+            p.future.set_exception(e)
 
     def _recv_loop(self) -> None:
         sock = self._sock
@@ -289,7 +302,7 @@ class Client:
             return
         status = _status(r.status)
         if status in RETRY_STATUSES and p.attempts_left > 0:
-            self._send(p)
+            self._send_again(p)
             return
         out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8) \
             if status == Status.OK else None
@@ -304,7 +317,7 @@ class Client:
         for (app, rid), p in gone:
             self._book.asm.forget(app, rid)
             if p.attempts_left > 0:
-                self._send(p)
+                self._send_again(p)
             else:
                 assert p.future is not None
                 p.future.set_exception(RequestLost(app, rid, p.timeout_ns / 1e9, p.attempts))

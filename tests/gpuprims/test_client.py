@@ -161,3 +161,21 @@ def test_close_fails_pending_requests() -> None:
             fut.result(timeout=5)
         with pytest.raises(RuntimeError, match="closed"):
             c.submit(1, _input(0))
+
+
+def test_overloaded_is_retried_only_when_asked() -> None:
+    with EchoServer(status=Status.OVERLOADED) as echo:
+        with Client(echo.address, timeout_s=2) as c:
+            r = c.infer(1, _input(0))
+            assert r.status is Status.OVERLOADED and r.attempts == 1
+        with Client(echo.address, timeout_s=2, retries=2) as c:
+            r = c.infer(1, _input(0))
+            assert r.status is Status.OVERLOADED and r.attempts == 3
+        assert echo.counters.requests == 4  # 1 + 3 attempts, each a new request id
+
+        async def main() -> Result:
+            async with AsyncClient(echo.address, timeout_s=2, retries=1) as a:
+                return await a.infer(1, _input(0))
+
+        r = asyncio.run(main())
+        assert r.status is Status.OVERLOADED and r.attempts == 2
