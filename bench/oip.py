@@ -17,8 +17,10 @@ Per path and rate: throughput (OK answers/s), p50/p99 latency of OK answers (fro
 answer, as the client sees it), SLO attainment (OK within the SLO / sent), errors by kind, the
 driver's lag behind its schedule, and the CPU time per request of the node process (ingest,
 control loop and, for http/grpc, the front door) and of the driver. ``added_ms_per_request`` of a
-front door is its p50 minus UDP's p50 at the lowest rate (no queueing: the pure per-request cost);
-``added_p50_ms``/``added_p99_ms`` are given at every rate.
+front door is its p50 minus UDP's p50 in a *mixed* run: the three paths at once, each at the lowest
+rate, their schedules interleaved, so they meet the same node, batches and background load request
+by request (``mixed.*`` keys). ``added_p50_ms``/``added_p99_ms`` of the blocked runs are given at
+every rate too, and ``added_node_cpu_ms_per_request``: the node process's CPU per request over UDP's.
 
 Run: ``python3 -m bench.oip [--quick]``. Reports, never asserts.
 """
@@ -49,7 +51,7 @@ CLIENT_TIMEOUT_S = 5.0
 
 
 async def _drive_async(path: str, target: str, rate: float, duration_s: float, warmup_s: float,
-                       seed: int) -> dict[str, Any]:
+                       seed: int, phase_s: float = 0.0) -> dict[str, Any]:
     x = np.random.default_rng(seed).random((1, *SHAPE), dtype=np.float32)
     if path == "udp":
         from gpuprims.client import AsyncClient, RequestLost
@@ -111,7 +113,7 @@ async def _drive_async(path: str, target: str, rate: float, duration_s: float, w
         lat[k] = (time.perf_counter_ns() - t) / 1e6
 
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = loop.time() + 0.1
+    t0 = loop.time() + 0.1 + phase_s
     tasks = []
     for k in range(n):
         at = t0 + k / rate
@@ -130,14 +132,14 @@ async def _drive_async(path: str, target: str, rate: float, duration_s: float, w
 
 
 def _driver(path: str, target: str, seed: int, cmds: Any, out: Any) -> None:
-    """Child process: serves ("run", rate, duration_s, warmup_s) commands until ("stop",)."""
+    """Child process: serves ("run", rate, duration_s, warmup_s, phase_s) commands until ("stop",)."""
     while True:
         cmd = cmds.get()
         if cmd[0] == "stop":
             return
-        _, rate, duration_s, warmup_s = cmd
+        _, rate, duration_s, warmup_s, phase_s = cmd
         try:
-            out.put(asyncio.run(_drive_async(path, target, rate, duration_s, warmup_s, seed)))
+            out.put(asyncio.run(_drive_async(path, target, rate, duration_s, warmup_s, seed, phase_s)))
         except BaseException as e:
             out.put({"error": repr(e)})
 
@@ -146,6 +148,22 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"latency_ms": [v for r in runs for v in r["latency_ms"]], "status": [v for r in runs for v in r["status"]],
             "lag_ms": [v for r in runs for v in r["lag_ms"]], "span_s": sum(r["span_s"] for r in runs),
             "driver_cpu_s": sum(r["driver_cpu_s"] for r in runs)}
+
+
+def _take(node: Any, driver: tuple[Any, Any, Any], timeout_s: float) -> dict[str, Any]:
+    """The driver's next result, pumping the node's control loop meanwhile."""
+    proc, _, out = driver
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and proc.is_alive():
+        node.step(50)
+        try:
+            run = out.get_nowait()
+        except queue.Empty:
+            continue
+        if "error" in run:
+            raise RuntimeError(f"driver failed: {run['error']}")
+        return run
+    raise RuntimeError(f"no result from the driver within {timeout_s:g} s (alive: {proc.is_alive()})")
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +214,9 @@ def main() -> None:
                 proc.start()
                 drivers[path] = (proc, cmds, out)
             try:
+                for path in PATHS:  # warm-up, discarded: connections, first calls, the instance's batches
+                    drivers[path][1].put(("run", rates[0], 1.0, 0.5, 0.0))
+                    _take(node, drivers[path], 60.0)
                 for rate in rates:
                     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
                     node_cpu = dict.fromkeys(PATHS, 0.0)
@@ -205,18 +226,9 @@ def main() -> None:
                         for path in PATHS[rep % 3:] + PATHS[:rep % 3]:
                             proc, cmds, out = drivers[path]
                             ru0 = resource.getrusage(resource.RUSAGE_SELF)
-                            cmds.put(("run", rate, duration / blocks, warmup))
-                            run = None
-                            end = time.monotonic() + warmup + duration + CLIENT_TIMEOUT_S + 120
-                            while run is None and time.monotonic() < end and proc.is_alive():
-                                node.step(50)
-                                try:
-                                    run = out.get_nowait()
-                                except queue.Empty:
-                                    continue
+                            cmds.put(("run", rate, duration / blocks, warmup, 0.0))
+                            run = _take(node, (proc, cmds, out), warmup + duration + CLIENT_TIMEOUT_S + 120)
                             ru1 = resource.getrusage(resource.RUSAGE_SELF)
-                            if run is None or "error" in run:
-                                raise RuntimeError(f"{path} at {rate} rps: driver failed: {run}")
                             runs[path].append(run)
                             node_cpu[path] += (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
                     for path in PATHS:
@@ -228,6 +240,31 @@ def main() -> None:
                         samples[key] = {"latency_ms": [round(v, 3) for v in run["latency_ms"]],
                                         "status": run["status"]}
                         print(f"{key}: {json.dumps(s)}", flush=True)
+                # Mixed: the three paths at the same time, each at the lowest rate, their schedules
+                # a third of an interval apart, so they meet the same node, batches and background
+                # load request by request: the fairest measure of what a front door adds.
+                rate = rates[0]
+                for i, path in enumerate(PATHS):
+                    drivers[path][1].put(("run", rate, duration, warmup, i / (3 * rate)))
+                pending = set(PATHS)
+                end = time.monotonic() + warmup + duration + CLIENT_TIMEOUT_S + 120
+                while pending and time.monotonic() < end:
+                    node.step(50)
+                    for path in list(pending):
+                        try:
+                            run = drivers[path][2].get_nowait()
+                        except queue.Empty:
+                            continue
+                        if "error" in run:
+                            raise RuntimeError(f"mixed {path}: driver failed: {run}")
+                        pending.discard(path)
+                        key = f"mixed.{path}.{rate:g}rps"
+                        results[key] = summarise(run)
+                        samples[key] = {"latency_ms": [round(v, 3) for v in run["latency_ms"]],
+                                        "status": run["status"]}
+                        print(f"{key}: {json.dumps(results[key])}", flush=True)
+                if pending:
+                    raise RuntimeError(f"mixed run: no result from {sorted(pending)}")
             finally:
                 for _proc, cmds, _ in drivers.values():
                     cmds.put(("stop",))
@@ -244,7 +281,8 @@ def main() -> None:
     for key, s in results.items():
         for k in ("throughput_rps", "p50_ms", "p99_ms", "slo_attainment", "node_process_cpu_ms_per_request",
                   "driver_cpu_ms_per_request", "driver_lag_p99_ms"):
-            summary[f"{key}.{k}"] = s[k]
+            if k in s:
+                summary[f"{key}.{k}"] = s[k]
         summary[f"{key}.errors"] = s["errors"]
     low = f"{rates[0]:g}rps"
     for door_path in ("http", "grpc"):
@@ -256,14 +294,18 @@ def main() -> None:
                 summary[f"{door_path}.{r}.added_p99_ms"] = round(a["p99_ms"] - b["p99_ms"], 3)
             summary[f"{door_path}.{r}.added_node_cpu_ms_per_request"] = round(
                 a["node_process_cpu_ms_per_request"] - b["node_process_cpu_ms_per_request"], 3)
-        summary[f"{door_path}.added_ms_per_request"] = summary.get(f"{door_path}.{low}.added_p50_ms")
+        a, b = results[f"mixed.{door_path}.{low}"], results[f"mixed.udp.{low}"]
+        if a["p50_ms"] is not None and b["p50_ms"] is not None:
+            summary[f"{door_path}.added_ms_per_request"] = round(a["p50_ms"] - b["p50_ms"], 3)
+            summary[f"{door_path}.added_p99_ms_mixed"] = round(a["p99_ms"] - b["p99_ms"], 3)
+        summary[f"{door_path}.blocked_added_p50_ms_lowest_rate"] = summary.get(f"{door_path}.{low}.added_p50_ms")
     summary.update({"model": "mobilenet_v2", "input_shape": "3x64x64", "dtype": "float32", "slo_ms": SLO_MS,
                     "gpu_pct": 50, "max_batch": 8, "rates_rps": rates, "duration_s": duration, "blocks": blocks,
                     "load_avg_before": [round(v, 2) for v in load_before],
                     "load_avg_after": [round(v, 2) for v in load_after]})
     notes = ("CPU backend (no GPU). At each rate the paths take turns in short blocks (order rotated); each "
-             "path's driver is a process of its own. added_ms_per_request = front-door p50 - UDP p50 at the "
-             "lowest rate.")
+             "path's driver is a process of its own. added_ms_per_request = front-door p50 - UDP p50 of the "
+             "mixed run (all three paths at once at the lowest rate, schedules interleaved).")
     path = write_result("oip", "cpu", summary, {"runs": samples, "instance": instance}, notes=notes)
     doc = json.loads(path.read_text())
     doc["machine"]["load_avg_before"] = summary["load_avg_before"]

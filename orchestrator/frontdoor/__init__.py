@@ -12,9 +12,10 @@ docs/oip.md lists the endpoints and how statuses map to HTTP and gRPC codes.
 
 from __future__ import annotations
 
+from orchestrator.frontdoor import oip_pb2
 from orchestrator.frontdoor.core import HTTP_CODE, STATUS_ERRORS, OipError
 from orchestrator.frontdoor.models import ModelInfo, model_info
 from orchestrator.frontdoor.server import FrontDoor, FrontDoorError, start_frontdoor
 
 __all__ = ["HTTP_CODE", "STATUS_ERRORS", "FrontDoor", "FrontDoorError", "ModelInfo", "OipError", "model_info",
-           "start_frontdoor"]
+           "oip_pb2", "start_frontdoor"]
