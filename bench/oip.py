@@ -17,10 +17,13 @@ Per path and rate: throughput (OK answers/s), p50/p99 latency of OK answers (fro
 answer, as the client sees it), SLO attainment (OK within the SLO / sent), errors by kind, the
 driver's lag behind its schedule, and the CPU time per request of the node process (ingest,
 control loop and, for http/grpc, the front door) and of the driver. ``added_ms_per_request`` of a
-front door is its p50 minus UDP's p50 in a *mixed* run: the three paths at once, each at the lowest
-rate, their schedules interleaved, so they meet the same node, batches and background load request
-by request (``mixed.*`` keys). ``added_p50_ms``/``added_p99_ms`` of the blocked runs are given at
-every rate too, and ``added_node_cpu_ms_per_request``: the node process's CPU per request over UDP's.
+front door is measured in a *paired* run: one driver sends one request per path in turn (udp, http,
+grpc, rotating the order), one at a time with 20 ms gaps, so the three requests of a triple meet the
+same node and background load; it is the median over triples of (front-door latency - UDP
+latency), with its 90th percentile beside it (``paired.*`` keys). ``added_p50_ms``/``added_p99_ms``
+of the blocked open-loop runs are given at every rate too (they move with the machine's background
+load between blocks), and ``added_node_cpu_ms_per_request``: the node process's CPU per request
+over UDP's.
 
 Run: ``python3 -m bench.oip [--quick]``. Reports, never asserts.
 """
@@ -131,6 +134,59 @@ async def _drive_async(path: str, target: str, rate: float, duration_s: float, w
             "span_s": duration_s, "driver_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)}
 
 
+async def _paired_async(targets: dict[str, str], n: int, gap_s: float) -> dict[str, Any]:
+    """One request per path in turn (udp, http, grpc, udp, ...), one at a time: each triple meets the
+    same node and background load, so per-triple differences isolate what a front door adds."""
+    import tritonclient.grpc as gmod
+    import tritonclient.grpc.aio as gaio
+    import tritonclient.http as hmod
+    import tritonclient.http.aio as haio
+
+    from gpuprims.client import AsyncClient
+
+    x = np.random.default_rng(2).random((1, *SHAPE), dtype=np.float32)
+    host, port = targets["udp"].rsplit(":", 1)
+    u = await AsyncClient((host, int(port)), timeout_s=CLIENT_TIMEOUT_S).open()
+    h = haio.InferenceServerClient(targets["http"])
+    g = gaio.InferenceServerClient(targets["grpc"])
+    hi = hmod.InferInput("input", list(x.shape), "FP32")
+    hi.set_data_from_numpy(x, binary_data=True)
+    gi = gmod.InferInput("input", list(x.shape), "FP32")
+    gi.set_data_from_numpy(x)
+    calls = {"udp": lambda: u.infer(APP_ID, x[0]), "http": lambda: h.infer(APP, [hi]),
+             "grpc": lambda: g.infer(APP, [gi], client_timeout=CLIENT_TIMEOUT_S)}
+    lat: dict[str, list[float]] = {p: [] for p in PATHS}
+    failed = 0
+    try:
+        for k in range(n + 5):  # the first 5 triples warm up
+            row = {}
+            for path in PATHS[k % 3:] + PATHS[:k % 3]:
+                t = time.perf_counter_ns()
+                try:
+                    r = await calls[path]()
+                    ok = getattr(r, "ok", True)
+                except Exception:
+                    ok = False
+                row[path] = (time.perf_counter_ns() - t) / 1e6 if ok else float("nan")
+                await asyncio.sleep(gap_s)
+            if k >= 5:
+                failed += sum(np.isnan(v) for v in row.values())
+                for path in PATHS:
+                    lat[path].append(row[path])
+    finally:
+        u.close()
+        await h.close()
+        await g.close()
+    return {"latency_ms": lat, "failed": int(failed)}
+
+
+def _paired(targets: dict[str, str], n: int, gap_s: float, out: Any) -> None:
+    try:
+        out.put(asyncio.run(_paired_async(targets, n, gap_s)))
+    except BaseException as e:
+        out.put({"error": repr(e)})
+
+
 def _driver(path: str, target: str, seed: int, cmds: Any, out: Any) -> None:
     """Child process: serves ("run", rate, duration_s, warmup_s, phase_s) commands until ("stop",)."""
     while True:
@@ -154,16 +210,19 @@ def _take(node: Any, driver: tuple[Any, Any, Any], timeout_s: float) -> dict[str
     """The driver's next result, pumping the node's control loop meanwhile."""
     proc, _, out = driver
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end and proc.is_alive():
+    while time.monotonic() < end:
         node.step(50)
+        alive = proc.is_alive()
         try:
-            run = out.get_nowait()
+            run = out.get(timeout=0.01 if alive else 1.0)
         except queue.Empty:
+            if not alive:
+                raise RuntimeError(f"driver exited ({proc.exitcode}) without a result") from None
             continue
         if "error" in run:
             raise RuntimeError(f"driver failed: {run['error']}")
         return run
-    raise RuntimeError(f"no result from the driver within {timeout_s:g} s (alive: {proc.is_alive()})")
+    raise RuntimeError(f"no result from the driver within {timeout_s:g} s")
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
@@ -190,9 +249,11 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[10.0, 30.0, 60.0], help="requests/s")
     ap.add_argument("--duration", type=float, default=12.0, help="measured seconds per path and rate")
     ap.add_argument("--blocks", type=int, default=4, help="turns each path takes at each rate")
+    ap.add_argument("--paired", type=int, default=300, help="request triples of the paired run")
     args = ap.parse_args()
     duration, warmup = (2.0, 0.5) if args.quick else (args.duration, 0.5)
     blocks = 1 if args.quick else args.blocks
+    paired_n = 20 if args.quick else args.paired
     rates = args.rates[:2] if args.quick else args.rates
     load_before = os.getloadavg()
     cfg = sv.node_config([sv.app(APP, "mobilenet_v2", APP_ID, shape=SHAPE, slo_ms=SLO_MS, gpu_pct=50,
@@ -240,31 +301,12 @@ def main() -> None:
                         samples[key] = {"latency_ms": [round(v, 3) for v in run["latency_ms"]],
                                         "status": run["status"]}
                         print(f"{key}: {json.dumps(s)}", flush=True)
-                # Mixed: the three paths at the same time, each at the lowest rate, their schedules
-                # a third of an interval apart, so they meet the same node, batches and background
-                # load request by request: the fairest measure of what a front door adds.
-                rate = rates[0]
-                for i, path in enumerate(PATHS):
-                    drivers[path][1].put(("run", rate, duration, warmup, i / (3 * rate)))
-                pending = set(PATHS)
-                end = time.monotonic() + warmup + duration + CLIENT_TIMEOUT_S + 120
-                while pending and time.monotonic() < end:
-                    node.step(50)
-                    for path in list(pending):
-                        try:
-                            run = drivers[path][2].get_nowait()
-                        except queue.Empty:
-                            continue
-                        if "error" in run:
-                            raise RuntimeError(f"mixed {path}: driver failed: {run}")
-                        pending.discard(path)
-                        key = f"mixed.{path}.{rate:g}rps"
-                        results[key] = summarise(run)
-                        samples[key] = {"latency_ms": [round(v, 3) for v in run["latency_ms"]],
-                                        "status": run["status"]}
-                        print(f"{key}: {json.dumps(results[key])}", flush=True)
-                if pending:
-                    raise RuntimeError(f"mixed run: no result from {sorted(pending)}")
+                # Paired: the three paths in turn, one request at a time, from one driver process.
+                out = ctx.Queue()
+                proc = ctx.Process(target=_paired, args=(targets, paired_n, 0.02, out), daemon=True)
+                proc.start()
+                paired = _take(node, (proc, None, out), paired_n * 3 * (CLIENT_TIMEOUT_S + 1) + 120)
+                proc.join(timeout=10)
             finally:
                 for _proc, cmds, _ in drivers.values():
                     cmds.put(("stop",))
@@ -278,6 +320,13 @@ def main() -> None:
             door.close()
     load_after = os.getloadavg()
     summary: dict[str, Any] = {}
+    for path in PATHS:
+        v = np.asarray(paired["latency_ms"][path])
+        v = v[np.isfinite(v)]
+        summary[f"paired.{path}.p50_ms"] = round(float(np.median(v)), 3) if v.size else None
+        summary[f"paired.{path}.p99_ms"] = round(float(np.percentile(v, 99)), 3) if v.size else None
+    summary["paired.requests_per_path"] = paired_n
+    summary["paired.failed"] = paired["failed"]
     for key, s in results.items():
         for k in ("throughput_rps", "p50_ms", "p99_ms", "slo_attainment", "node_process_cpu_ms_per_request",
                   "driver_cpu_ms_per_request", "driver_lag_p99_ms"):
@@ -294,18 +343,19 @@ def main() -> None:
                 summary[f"{door_path}.{r}.added_p99_ms"] = round(a["p99_ms"] - b["p99_ms"], 3)
             summary[f"{door_path}.{r}.added_node_cpu_ms_per_request"] = round(
                 a["node_process_cpu_ms_per_request"] - b["node_process_cpu_ms_per_request"], 3)
-        a, b = results[f"mixed.{door_path}.{low}"], results[f"mixed.udp.{low}"]
-        if a["p50_ms"] is not None and b["p50_ms"] is not None:
-            summary[f"{door_path}.added_ms_per_request"] = round(a["p50_ms"] - b["p50_ms"], 3)
-            summary[f"{door_path}.added_p99_ms_mixed"] = round(a["p99_ms"] - b["p99_ms"], 3)
+        d = np.asarray(paired["latency_ms"][door_path]) - np.asarray(paired["latency_ms"]["udp"])
+        d = d[np.isfinite(d)]
+        summary[f"{door_path}.added_ms_per_request"] = round(float(np.median(d)), 3) if d.size else None
+        summary[f"{door_path}.added_ms_per_request_p90"] = round(float(np.percentile(d, 90)), 3) if d.size else None
         summary[f"{door_path}.blocked_added_p50_ms_lowest_rate"] = summary.get(f"{door_path}.{low}.added_p50_ms")
     summary.update({"model": "mobilenet_v2", "input_shape": "3x64x64", "dtype": "float32", "slo_ms": SLO_MS,
                     "gpu_pct": 50, "max_batch": 8, "rates_rps": rates, "duration_s": duration, "blocks": blocks,
                     "load_avg_before": [round(v, 2) for v in load_before],
                     "load_avg_after": [round(v, 2) for v in load_after]})
     notes = ("CPU backend (no GPU). At each rate the paths take turns in short blocks (order rotated); each "
-             "path's driver is a process of its own. added_ms_per_request = front-door p50 - UDP p50 of the "
-             "mixed run (all three paths at once at the lowest rate, schedules interleaved).")
+             "path's driver is a process of its own. added_ms_per_request = median over the paired run's "
+             "triples (one request per path in turn, one at a time) of front-door latency - UDP latency.")
+    samples["paired"] = {p: [round(v, 3) for v in paired["latency_ms"][p]] for p in PATHS}
     path = write_result("oip", "cpu", summary, {"runs": samples, "instance": instance}, notes=notes)
     doc = json.loads(path.read_text())
     doc["machine"]["load_avg_before"] = summary["load_avg_before"]
