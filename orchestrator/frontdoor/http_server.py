@@ -4,7 +4,8 @@ Routes (``/versions/<v>`` may follow a model name; only version ``1`` exists):
 
 - ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``: server liveness, readiness, metadata
 - ``GET /v2/models/<name>``, ``GET /v2/models/<name>/ready``: model metadata and readiness
-- ``POST /v2/models/<name>/infer``: inference, JSON or JSON + binary (``Inference-Header-Content-Length``)
+- ``POST /v2/models/<name>/infer``: inference, JSON or JSON + binary (``Inference-Header-Content-Length``);
+  gzip/deflate request bodies (``Content-Encoding``) and answers (``Accept-Encoding``)
 - ``GET /v2/models/<name>/config``, ``GET /v2/models[/<name>]/stats``: Triton model configuration
   and statistics; ``POST /v2/repository/index``: the model repository index
 
@@ -175,13 +176,17 @@ async def infer(request: web.Request) -> web.Response:
     if not binary_out:
         tensor["data"] = out.reshape(-1).tolist()
         head["outputs"] = [tensor]
-        return _json(head)
-    raw = np.ascontiguousarray(out, dtype="<f4").tobytes()
-    tensor["parameters"] = {"binary_data_size": len(raw)}
-    head["outputs"] = [tensor]
-    js = json.dumps(head).encode()
-    return web.Response(body=js + raw, content_type="application/octet-stream",
-                        headers={HEADER_LENGTH: str(len(js))})
+        resp = _json(head)
+    else:
+        raw = np.ascontiguousarray(out, dtype="<f4").tobytes()
+        tensor["parameters"] = {"binary_data_size": len(raw)}
+        head["outputs"] = [tensor]
+        js = json.dumps(head).encode()
+        resp = web.Response(body=js + raw, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(len(js))})
+    if request.headers.get("Accept-Encoding"):
+        resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    return resp
 
 
 def make_app(core: Core) -> web.Application:

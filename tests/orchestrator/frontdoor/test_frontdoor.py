@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import queue
 import urllib.error
@@ -62,7 +63,11 @@ def test_http_uint8_app_and_default_outputs(stack: Stack) -> None:
     x = inputs("detect", 2, seed=2)
     with _http(stack) as c:
         out = c.infer("detect", [_http_input(x, True)]).as_numpy("logits")  # no outputs: all, binary
-    np.testing.assert_allclose(out, stack.expect("detect", x), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(out, stack.expect("detect", x), rtol=RTOL, atol=ATOL)
+        for alg in ("gzip", "deflate"):  # compressed request and answer bodies
+            out = c.infer("detect", [_http_input(x, True)], request_compression_algorithm=alg,
+                          response_compression_algorithm=alg).as_numpy("logits")
+            np.testing.assert_allclose(out, stack.expect("detect", x), rtol=RTOL, atol=ATOL)
 
 
 def test_http_many_in_flight(stack: Stack) -> None:
@@ -210,6 +215,12 @@ def test_malformed_http_requests_get_400(stack: Stack) -> None:
                                                                   "shape": list(x.shape),
                                                                   "data": x.tolist()}]}).encode())
     assert code == 200 and answer["id"] == "a" and answer["outputs"][0]["shape"] == [1, 10]
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.reshape(-1).tolist()}]}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Accept-Encoding": "gzip"}, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert json.loads(gzip.decompress(r.read()))["outputs"][0]["shape"] == [1, 10]
     np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(1, 10), stack.expect("classify", x),
                                rtol=RTOL, atol=ATOL)
 
