@@ -28,6 +28,8 @@ from orchestrator.frontdoor.models import ModelInfo, model_info
 log = logging.getLogger("gpuprims.frontdoor")
 #: How long start_frontdoor waits for both servers to listen.
 START_TIMEOUT_S = 30.0
+#: How long close() lets in-flight calls finish before they are cut.
+STOP_GRACE_S = 1.0
 
 
 class FrontDoorError(RuntimeError):
@@ -73,7 +75,8 @@ class FrontDoor:
         try:
             host_url = f"[{self.host}]" if ":" in self.host else self.host
             if self._http_port is not None:
-                runner = web.AppRunner(make_app(self.core), access_log=None, handle_signals=False)
+                runner = web.AppRunner(make_app(self.core), access_log=None, handle_signals=False,
+                                       shutdown_timeout=STOP_GRACE_S)
                 await runner.setup()
                 site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True)
                 try:
@@ -98,7 +101,7 @@ class FrontDoor:
             await self._stop.wait()
         finally:
             if grpc_server is not None:
-                await grpc_server.stop(grace=1.0)
+                await grpc_server.stop(grace=STOP_GRACE_S)
             if runner is not None:
                 await runner.cleanup()
             client.close()

@@ -6,6 +6,8 @@ import asyncio
 import gzip
 import json
 import queue
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -308,3 +310,33 @@ def test_grpc_typed_contents_without_raw(stack: Stack) -> None:
         with pytest.raises(grpc.RpcError) as e:
             stub.ModelStreamInfer(iter([bad]), timeout=30).next()
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_close_ends_in_flight_calls_and_the_thread() -> None:
+    app = AppConfig(name="echo", model="resnet18", input_shape=(3, 4, 4), dtype="uint8", num_classes=10,
+                    slo_ms=50, app_id=1)
+    errors: queue.Queue = queue.Queue()
+    with EchoServer(drop_every=1) as echo:  # never answers: the call waits for its 30 s timeout
+        door = start_frontdoor([app], echo.address, http_port=0, grpc_port=None, timeout_s=30)
+        assert door.http_url is not None and door.grpc_target is None
+
+        def call() -> None:
+            with httpclient.InferenceServerClient(door.http_url.removeprefix("http://"),  # type: ignore[union-attr]
+                                                  network_timeout=60) as h:
+                try:
+                    h.infer("echo", [_http_input(np.zeros((1, 3, 4, 4), np.uint8), True)])
+                    errors.put(None)
+                except Exception as e:
+                    errors.put(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 30
+        while echo.counters.requests == 0 and time.monotonic() < deadline:  # the row reached the "node"
+            time.sleep(0.01)
+        assert echo.counters.requests == 1
+        door.close()  # in-flight calls get STOP_GRACE_S, then the servers and the loop thread end
+        assert not door._thread.is_alive()
+        t.join(30)
+        assert not t.is_alive() and errors.get_nowait() is not None
+        door.close()  # idempotent
