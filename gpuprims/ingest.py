@@ -10,7 +10,10 @@ either accepted or dropped for exactly one reason, so
 
 Requests refused at admission (pool or request table full, every consumer queue full), timed out
 while incomplete, or held by a consumer that died are answered with an explicit status datagram
-(OVERLOADED, DEADLINE_MISSED, INSTANCE_FAILED) unless ``answer_drops`` is False.
+(OVERLOADED, DEADLINE_MISSED, INSTANCE_FAILED) unless ``answer_drops`` is False. So is a request
+for an app no instance serves (UNKNOWN_APP) and one too large for the pool (BAD_REQUEST): once per
+request, its key remembered for the dedup window so its other datagrams are dropped (and counted)
+without another answer.
 """
 
 from __future__ import annotations

@@ -317,6 +317,10 @@ class ResponseAssembler:
     def pending(self) -> int:
         return len(self._partial)
 
+    def forget(self, app_id: int, request_id: int) -> bool:
+        """Drop the incomplete response of one request (e.g. after its client gave up); True if any."""
+        return self._partial.pop((app_id, request_id), None) is not None
+
     def drop_pending(self) -> Iterator[tuple[int, int]]:
         """Forget every incomplete response, yielding their keys."""
         keys = list(self._partial)

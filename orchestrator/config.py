@@ -153,6 +153,14 @@ def _metrics_port(v: Any) -> int:
     return int(v)
 
 
+def _service_port(v: Any) -> int:
+    if v is None:
+        return 0
+    if not _is_int(v) or not 0 <= v <= 65535:
+        raise ValueError(f"must be a TCP port 1..65535, or 0 / null to turn it off, got {v!r}")
+    return int(v)
+
+
 def _log_level(v: Any) -> str:
     levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
     if not isinstance(v, str) or v.upper() not in levels:
@@ -180,6 +188,7 @@ Ports = Annotated[tuple[int, ...], PlainValidator(_ports), _AS_PLAIN]
 Gpus = Annotated[tuple[int, ...] | Literal["all"], PlainValidator(_gpus), _AS_PLAIN]
 Shape = Annotated[tuple[int, int, int], PlainValidator(_shape), _AS_PLAIN]
 MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
+ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
 
@@ -238,6 +247,9 @@ class NodeSettings(BaseModel):
     listen: ListenConfig = ListenConfig()
     backend: Literal["auto", "cpu", "cuda"] = "auto"
     metrics_port: MetricsPort = 0
+    # Open Inference Protocol front door (orchestrator/frontdoor) on listen.host; 0 = off.
+    http_port: ServicePort = 0
+    grpc_port: ServicePort = 0
     run_dir: str | None = None
     log_level: LogLevel = "INFO"
     log_format: Literal["json", "text"] = "text"
@@ -263,6 +275,21 @@ class NodeSettings(BaseModel):
         if v is not None and not v.strip():
             raise ValueError("must be a directory path or null")
         return v
+
+    @model_validator(mode="after")
+    def _distinct_tcp_ports(self) -> NodeSettings:
+        seen: dict[int, str] = {}
+        for key in ("metrics_port", "http_port", "grpc_port"):
+            port = getattr(self, key)
+            if port and port in seen:
+                raise _problem(key, f"port {port} is also node.{seen[port]}; each TCP service needs its own port")
+            seen.setdefault(port, key)
+        return self
+
+    @property
+    def frontdoor_enabled(self) -> bool:
+        """True when the OIP front door serves HTTP or gRPC."""
+        return bool(self.http_port or self.grpc_port)
 
     @property
     def metrics_enabled(self) -> bool:

@@ -416,10 +416,29 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
   const int verdict = wire::check_request(data, len, &h);
   if (verdict != wire::kOk) return drop(kDropTruncated + verdict - 1);
   const int port_app = sock_app_[size_t(sock)];
-  if ((port_app >= 0 && port_app != h.app_id) || routes_[h.app_id].empty()) return drop(kDropUnknownApp);
   const uint32_t stride = wire::chunk_stride(h);
-
   const Key key{h.request_id, src_key(addr, addrlen), h.app_id};
+  // A request the node cannot serve at all is answered once with a status (unless answer_drops is
+  // off) and its key remembered, so its other chunks are dropped for the same reason in silence:
+  // one answer per request, never one per datagram.
+  auto refuse = [&](int counter, uint16_t status) {
+    const uint64_t now = now_ns();
+    auto g = gone_.find(key);
+    if (g != gone_.end() && g->second.expires_ns > now) return drop(g->second.reason);
+    remember(key, counter, now);
+    if (opt_.answer_drops) {
+      pool::Record tmp{};
+      tmp.app_id = h.app_id;
+      tmp.request_id = h.request_id;
+      tmp.client_ts_ns = h.client_ts_ns;
+      std::memcpy(tmp.addr, &addr, std::min<size_t>(addrlen, sizeof tmp.addr));
+      tmp.addr_len = uint8_t(addrlen);
+      send_status(sock, tmp, status);
+    }
+    return drop(counter);
+  };
+  if ((port_app >= 0 && port_app != h.app_id) || routes_[h.app_id].empty())
+    return refuse(kDropUnknownApp, wire::kStatusUnknownApp);
   uint32_t r;
   auto it = active_.find(key);
   if (it == active_.end()) {
@@ -429,28 +448,17 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
       if (g->second.expires_ns > now) return drop(g->second.reason);
       gone_.erase(g);
     }
-    if (h.chunk_count > v_.hdr->max_chunks) return drop(kDropTooManyChunks);
-    if (stride > v_.hdr->max_payload) return drop(kDropOversize);
+    if (h.chunk_count > v_.hdr->max_chunks) return refuse(kDropTooManyChunks, wire::kStatusBadRequest);
+    if (stride > v_.hdr->max_payload) return refuse(kDropOversize, wire::kStatusBadRequest);
     // Admission: reserve every slot the request will need, so admitted requests always complete
     // and a flood cannot wedge the pool with partial requests.
     if (free_count_ - reserved_ < h.chunk_count) {
       bump(kRequestsRejectedPoolFull);
-      remember(key, kDropPoolFull, now);
-      if (opt_.answer_drops) {
-        pool::Record tmp{};
-        tmp.app_id = h.app_id;
-        tmp.request_id = h.request_id;
-        tmp.client_ts_ns = h.client_ts_ns;
-        std::memcpy(tmp.addr, &addr, std::min<size_t>(addrlen, sizeof tmp.addr));
-        tmp.addr_len = uint8_t(addrlen);
-        send_status(sock, tmp, wire::kStatusOverloaded);
-      }
-      return drop(kDropPoolFull);
+      return refuse(kDropPoolFull, wire::kStatusOverloaded);
     }
     if (free_records_.empty()) {
       bump(kRequestsRejectedNoRecord);
-      remember(key, kDropNoRecord, now);
-      return drop(kDropNoRecord);
+      return refuse(kDropNoRecord, wire::kStatusOverloaded);
     }
     r = free_records_.back();
     free_records_.pop_back();

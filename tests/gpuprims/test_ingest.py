@@ -181,7 +181,11 @@ def test_too_many_chunks_is_dropped() -> None:
     try:
         n.send(wire.encode_request(APP, 1, _body(1, 6000))[:2])
         c = n.wait(lambda c: c["packets_received"] == 2)
-        assert c["drop_too_many_chunks"] == 2
+        assert c["drop_too_many_chunks"] == 2 and packet_balance(c) == 0
+        # Answered once (BAD_REQUEST), not once per datagram.
+        (resp,) = n.responses(1)
+        assert resp.status == Status.BAD_REQUEST and resp.request_id == 1
+        assert c["responses_sent"] == 1
     finally:
         n.close()
 
@@ -253,6 +257,8 @@ def test_request_table_full_is_refused() -> None:
             n.send(wire.encode_request(APP, rid, _body(rid))[:1])
         c = n.wait(lambda c: c["packets_received"] == 3)
         assert c["requests_rejected_no_record"] == 1 and c["drop_no_record"] == 1
+        (resp,) = n.responses(1)
+        assert resp.status == Status.OVERLOADED and resp.request_id == 2
     finally:
         n.close()
 
@@ -279,7 +285,10 @@ def test_port_restricted_to_one_app() -> None:
         n.send(wire.encode_request(8, 1, _body(1)))
         n.send(wire.encode_request(APP, 2, _body(2)))
         c = n.wait(lambda c: c["packets_received"] == 10)
-        assert c["drop_unknown_app"] == 5 and c["requests_completed"] == 1
+        assert c["drop_unknown_app"] == 5 and c["requests_completed"] == 1 and packet_balance(c) == 0
+        # The request for another app on this app's port is answered UNKNOWN_APP, once.
+        (resp,) = n.responses(1)
+        assert resp.status == Status.UNKNOWN_APP and resp.request_id == 1 and c["responses_sent"] == 1
     finally:
         n.close()
 

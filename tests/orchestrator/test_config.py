@@ -50,6 +50,9 @@ def test_cpu_example_fits_a_small_machine() -> None:
     cfg = load_config(REPO / "examples" / "apps.yaml")
     assert sum(a.fixed_pct_per_instance() for a in cfg.apps) <= 100
     assert all(max(a.input_shape[1:]) <= 64 for a in cfg.apps)
+    # The front door is on, on loopback, on Triton's ports.
+    assert (cfg.node.http_port, cfg.node.grpc_port) == (8000, 8001) and cfg.node.frontdoor_enabled
+    assert cfg.node.listen.host == "127.0.0.1"
 
 
 def test_defaults(tmp_path: Path) -> None:
@@ -57,6 +60,7 @@ def test_defaults(tmp_path: Path) -> None:
     n = cfg.node
     assert n.listen.host == "127.0.0.1" and n.listen.ports == (9000,)
     assert n.backend == "auto" and n.metrics_port == 0 and not n.metrics_enabled
+    assert n.http_port == 0 and n.grpc_port == 0 and not n.frontdoor_enabled
     assert n.run_dir is None and n.log_level == "INFO" and n.log_format == "text"
     assert n.pool.max_payload == 1024 and n.gpus == "all" and n.default_gpu == 0
     assert n.allow_oversubscribe is False and n.mps == "best_effort"
@@ -164,6 +168,12 @@ BAD: list[tuple[str, Any, tuple[str, ...]]] = [
     ("shadow str", {"apps": [_app(shadow="yes")]}, ("apps[0].shadow",)),
     ("backend", {"node": {"backend": "rocm"}, "apps": [_app()]}, ("node.backend", "'cpu'")),
     ("metrics port", {"node": {"metrics_port": 70000}, "apps": [_app()]}, ("node.metrics_port", "disable")),
+    ("http port", {"node": {"http_port": 70000}, "apps": [_app()]}, ("node.http_port", "turn it off")),
+    ("grpc port str", {"node": {"grpc_port": "8001"}, "apps": [_app()]}, ("node.grpc_port", "TCP port")),
+    ("http is grpc port", {"node": {"http_port": 8000, "grpc_port": 8000}, "apps": [_app()]},
+     ("node.grpc_port", "node.http_port")),
+    ("grpc is metrics port", {"node": {"metrics_port": 9100, "grpc_port": 9100}, "apps": [_app()]},
+     ("node.grpc_port", "node.metrics_port")),
     ("listen port", {"node": {"listen": {"port": 65536}}, "apps": [_app()]}, ("node.listen.port", "0..65535")),
     ("listen ports dup", {"node": {"listen": {"port": [1, 1]}}, "apps": [_app()]}, ("node.listen.port", "twice")),
     ("listen ports empty", {"node": {"listen": {"port": []}}, "apps": [_app()]}, ("node.listen.port",)),

@@ -1,0 +1,472 @@
+"""Python clients for the node's UDP path (wire format v1): one blocking, one asyncio.
+
+>>> import numpy as np
+>>> from gpuprims.client import Client
+>>> with Client(("127.0.0.1", 9000)) as c:  # doctest: +SKIP
+...     r = c.infer(1, np.zeros((3, 64, 64), np.float32))
+...     r.raise_for_status().output.shape, r.latency_ms
+((1000,), 12.3)
+
+Each request gets a fresh request id (unique per client socket), its datagrams are sent to the node,
+and the answer is matched back by (app_id, request_id). A request whose answer does not come within
+``timeout_s`` raises :class:`RequestLost`; a non-OK status comes back as a :class:`Result` (call
+``raise_for_status()`` to turn it into a :class:`RequestError`). Retries are off by default: with
+``retries=n`` a lost or OVERLOADED request is sent again under a new request id, up to n times, so
+the node may run it more than once (it never answers one request id twice; see docs/wire-format.md).
+Many requests may be in flight at once (``submit``/``infer_many``, or ``asyncio.gather``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import select
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuprims import wire
+from gpuprims.wire import DType, Status
+
+#: How long a client waits for an answer by default. The node answers every request it admitted by
+#: about max(deadline, reassembly timeout) plus one batch's model time (docs/wire-format.md); two
+#: seconds covers the example configs on a busy CPU with room to spare.
+DEFAULT_TIMEOUT_S = 2.0
+SOCKET_BUFFER_BYTES = 8 << 20
+#: Statuses a client with ``retries`` sends again (with a new request id); every other is final.
+RETRY_STATUSES = frozenset({Status.OVERLOADED})
+
+Address = tuple[str, int]
+
+
+class RequestError(RuntimeError):
+    """The node answered a request with a status other than OK."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        self.status = result.status
+        super().__init__(f"app {result.app_id} request {result.request_id}: {result.status.name}")
+
+
+class RequestLost(TimeoutError):
+    """No answer came within the timeout (after every retry)."""
+
+    def __init__(self, app_id: int, request_id: int, timeout_s: float, attempts: int) -> None:
+        self.app_id, self.request_id, self.timeout_s, self.attempts = app_id, request_id, timeout_s, attempts
+        super().__init__(f"app {app_id} request {request_id}: no answer within {timeout_s:g} s "
+                         f"({attempts} attempt{'s' if attempts != 1 else ''}); raise timeout_s if the app is slow")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One answered request: its status, output (OK only) and the latency the client saw."""
+
+    app_id: int
+    request_id: int
+    status: Status
+    output: np.ndarray | None
+    latency_ms: float
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    def raise_for_status(self) -> Result:
+        """Return self if OK, else raise RequestError carrying this result."""
+        if not self.ok:
+            raise RequestError(self)
+        return self
+
+
+def as_request_tensor(tensor: Any) -> np.ndarray:
+    """A C-contiguous array of a wire dtype (float32, uint8, float16, int64), or ValueError."""
+    arr = np.ascontiguousarray(tensor)
+    try:
+        DType.from_numpy(arr.dtype)
+    except ValueError:
+        raise ValueError(f"tensor dtype {arr.dtype} has no wire dtype (use float32, uint8, float16 or "
+                         "int64)") from None
+    if arr.nbytes == 0:
+        raise ValueError("tensor is empty")
+    if arr.nbytes >= 2**32:
+        raise ValueError(f"tensor of {arr.nbytes} bytes does not fit one request (< 4 GiB)")
+    return arr
+
+
+def _status(code: int) -> Status:
+    try:
+        return Status(code)
+    except ValueError:  # a newer node's status: keep it an error, never OK
+        return Status.INTERNAL
+
+
+def _check_args(timeout_s: float, retries: int, chunk_payload: int) -> None:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+    wire.chunk_count_for(1, chunk_payload)  # validates chunk_payload
+
+
+def _check_request(app_id: int, deadline_us: int) -> None:
+    if isinstance(app_id, bool) or not isinstance(app_id, int | np.integer) or not 0 <= app_id <= 0xFFFF:
+        raise ValueError(f"app_id must be an integer in 0..65535, got {app_id!r}")
+    if isinstance(deadline_us, bool) or not isinstance(deadline_us, int | np.integer) \
+            or not 0 <= deadline_us < 2**32:
+        raise ValueError(f"deadline_us must be an integer in 0..2**32-1 (0 = the app's SLO), got {deadline_us!r}")
+
+
+def _make_socket(node: Address, bind_host: str | None) -> socket.socket:
+    family = socket.AF_INET6 if ":" in node[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+    try:
+        sock.bind((bind_host if bind_host is not None else ("::" if family == socket.AF_INET6 else ""), 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Book:
+    """The request ids, the response assembler and the counters a client keeps (no I/O)."""
+
+    def __init__(self, chunk_payload: int) -> None:
+        self.chunk_payload = chunk_payload
+        # Random start: a new client on a reused port does not repeat ids the node may still remember.
+        self._next_id = random.SystemRandom().getrandbits(46) + 1
+        self.asm = wire.ResponseAssembler()
+        self.invalid = 0  # datagrams that are not v1 responses
+        self.stray = 0  # answers to no pending request (late after a timeout, or not ours)
+
+    def new_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def encode(self, app_id: int, rid: int, arr: np.ndarray, deadline_us: int) -> tuple[list[bytes], int]:
+        ts = time.monotonic_ns()
+        return wire.encode_request(app_id, rid, arr, chunk_payload=self.chunk_payload, deadline_us=deadline_us,
+                                   client_ts_ns=ts), ts
+
+    def feed(self, data: bytes) -> wire.Response | None:
+        try:
+            return self.asm.feed(data)
+        except wire.WireError:
+            self.invalid += 1
+            return None
+
+
+@dataclass
+class _Pending:
+    app_id: int
+    arr: np.ndarray
+    deadline_us: int
+    timeout_ns: int
+    attempts_left: int
+    first_ns: int
+    rid: int = 0
+    expires_ns: int = 0
+    attempts: int = 0
+    future: concurrent.futures.Future[Result] | None = None
+
+
+class Client:
+    """Blocking client with a receive thread; ``submit`` returns a Future, so many can be in flight.
+
+    ``node`` is the node's UDP listen address. ``bind_host`` is the local address to receive answers
+    on (default: any). Close it with ``close()`` or ``with``.
+    """
+
+    def __init__(self, node: Address = ("127.0.0.1", 9000), *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retries: int = 0, chunk_payload: int = wire.DEFAULT_CHUNK_PAYLOAD,
+                 bind_host: str | None = None) -> None:
+        _check_args(timeout_s, retries, chunk_payload)
+        self.node = (str(node[0]), int(node[1]))
+        self.timeout_s, self.retries = float(timeout_s), retries
+        self._book = _Book(chunk_payload)
+        self._sock = _make_socket(self.node, bind_host)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._recv_loop, name="gpuprims-client", daemon=True)
+        self._thread.start()
+        self._fin = weakref.finalize(self, _close_sync, self._stop, self._thread, self._sock)
+
+    @property
+    def address(self) -> Address:
+        """Where this client receives answers."""
+        return self._sock.getsockname()[:2]
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def stray(self) -> int:
+        """Answers that matched no pending request (late, after a retry or timeout)."""
+        return self._book.stray
+
+    def submit(self, app_id: int, tensor: Any, *, deadline_us: int = 0,
+               timeout_s: float | None = None) -> concurrent.futures.Future[Result]:
+        """Send one request now; the Future resolves to its Result or raises RequestLost."""
+        if not self._thread.is_alive():
+            raise RuntimeError("client is closed")
+        arr = as_request_tensor(tensor)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        _check_args(t, self.retries, self._book.chunk_payload)
+        _check_request(app_id, deadline_us)
+        p = _Pending(app_id=int(app_id), arr=arr, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
+                     attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future())
+        self._send(p)
+        assert p.future is not None
+        return p.future
+
+    def infer(self, app_id: int, tensor: Any, *, deadline_us: int = 0, timeout_s: float | None = None) -> Result:
+        """Send one request and wait for its Result (raises RequestLost after the timeout)."""
+        return self.submit(app_id, tensor, deadline_us=deadline_us, timeout_s=timeout_s).result()
+
+    def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
+                   timeout_s: float | None = None) -> list[Result]:
+        """Send every tensor at once (all in flight together) and return their Results in order."""
+        futs = [self.submit(app_id, t, deadline_us=deadline_us, timeout_s=timeout_s) for t in tensors]
+        return [f.result() for f in futs]
+
+    def _send(self, p: _Pending) -> None:
+        rid = self._book.new_id()
+        dgrams, ts = self._book.encode(p.app_id, rid, p.arr, p.deadline_us)
+        with self._lock:
+            p.rid, p.attempts, p.attempts_left = rid, p.attempts + 1, p.attempts_left - 1
+            p.first_ns = p.first_ns or ts
+            p.expires_ns = ts + p.timeout_ns
+            self._pending[(p.app_id, rid)] = p
+        try:
+            for d in dgrams:
+                self._sock.sendto(d, self.node)
+        except OSError:
+            with self._lock:
+                self._pending.pop((p.app_id, rid), None)
+            raise
+
+    def _send_again(self, p: _Pending) -> None:
+        """A retry from the receive thread: a send error fails the request instead of the thread."""
+        try:
+            self._send(p)
+        except OSError as e:
+            assert p.future is not None
+            p.future.set_exception(e)
+
+    def _recv_loop(self) -> None:
+        sock = self._sock
+        while not self._stop.is_set():
+            select.select([sock], [], [], self._wait_s())
+            while True:
+                try:
+                    data = sock.recv(65536, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:  # ICMP errors from an earlier send, or a closed socket
+                    if self._stop.is_set():
+                        return
+                    break
+                r = self._book.feed(data)
+                if r is not None:
+                    self._resolve(r, time.monotonic_ns())
+            self._expire(time.monotonic_ns())
+
+    def _wait_s(self) -> float:
+        with self._lock:
+            if not self._pending:
+                return 0.05
+            first = min(p.expires_ns for p in self._pending.values())
+        return min(0.05, max(0.0, (first - time.monotonic_ns()) / 1e9))
+
+    def _resolve(self, r: wire.Response, now_ns: int) -> None:
+        with self._lock:
+            p = self._pending.pop((r.app_id, r.request_id), None)
+        if p is None:
+            self._book.stray += 1
+            return
+        status = _status(r.status)
+        if status in RETRY_STATUSES and p.attempts_left > 0:
+            self._send_again(p)
+            return
+        out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8) \
+            if status == Status.OK else None
+        assert p.future is not None
+        p.future.set_result(Result(p.app_id, r.request_id, status, out, (now_ns - p.first_ns) / 1e6, p.attempts))
+
+    def _expire(self, now_ns: int) -> None:
+        with self._lock:
+            gone = [(k, p) for k, p in self._pending.items() if p.expires_ns <= now_ns]
+            for k, _ in gone:
+                del self._pending[k]
+        for (app, rid), p in gone:
+            self._book.asm.forget(app, rid)
+            if p.attempts_left > 0:
+                self._send_again(p)
+            else:
+                assert p.future is not None
+                p.future.set_exception(RequestLost(app, rid, p.timeout_ns / 1e9, p.attempts))
+
+    def close(self) -> None:
+        """Stop the receive thread and close the socket; pending requests raise RequestLost."""
+        self._fin()
+        with self._lock:
+            left = list(self._pending.values())
+            self._pending.clear()
+        for p in left:
+            assert p.future is not None
+            if not p.future.done():
+                p.future.set_exception(RequestLost(p.app_id, p.rid, p.timeout_ns / 1e9, p.attempts))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_sync(stop: threading.Event, thread: threading.Thread, sock: socket.socket) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join()
+    sock.close()
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.client._on_datagram(data)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP port unreachable for an earlier send: the node is not there; the request times out.
+        self.client.send_errors += 1
+
+
+class AsyncClient:
+    """asyncio client: ``await infer(...)``; run many with ``asyncio.gather``. Use ``async with``.
+
+    Bound to the event loop that opened it (``await open()`` or ``async with``).
+    """
+
+    def __init__(self, node: Address = ("127.0.0.1", 9000), *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retries: int = 0, chunk_payload: int = wire.DEFAULT_CHUNK_PAYLOAD,
+                 bind_host: str | None = None) -> None:
+        _check_args(timeout_s, retries, chunk_payload)
+        self.node = (str(node[0]), int(node[1]))
+        self.timeout_s, self.retries = float(timeout_s), retries
+        self.bind_host = bind_host
+        self._book = _Book(chunk_payload)
+        self._pending: dict[tuple[int, int], asyncio.Future[tuple[wire.Response, int]]] = {}
+        self._transport: asyncio.DatagramTransport | None = None
+        self.send_errors = 0
+
+    async def open(self) -> AsyncClient:
+        if self._transport is not None:
+            return self
+        sock = _make_socket(self.node, self.bind_host)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
+        return self
+
+    @property
+    def address(self) -> Address:
+        if self._transport is None:
+            raise RuntimeError("client is not open")
+        return self._transport.get_extra_info("sockname")[:2]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    @property
+    def stray(self) -> int:
+        return self._book.stray
+
+    def _on_datagram(self, data: bytes) -> None:
+        r = self._book.feed(data)
+        if r is None:
+            return
+        fut = self._pending.pop((r.app_id, r.request_id), None)
+        if fut is None or fut.done():
+            self._book.stray += 1
+            return
+        fut.set_result((r, time.monotonic_ns()))
+
+    async def infer(self, app_id: int, tensor: Any, *, deadline_us: int = 0,
+                    timeout_s: float | None = None) -> Result:
+        """Send one request and await its Result (raises RequestLost after the timeout)."""
+        if self._transport is None:
+            raise RuntimeError("client is not open: use 'async with AsyncClient(...)' or 'await open()'")
+        arr = as_request_tensor(tensor)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        _check_args(t, self.retries, self._book.chunk_payload)
+        _check_request(app_id, deadline_us)
+        app_id = int(app_id)
+        loop = asyncio.get_running_loop()
+        first_ns = 0
+        rid = 0
+        for attempt in range(1, self.retries + 2):
+            rid = self._book.new_id()
+            dgrams, ts = self._book.encode(app_id, rid, arr, deadline_us)
+            first_ns = first_ns or ts
+            fut: asyncio.Future[tuple[wire.Response, int]] = loop.create_future()
+            key = (app_id, rid)
+            self._pending[key] = fut
+            for d in dgrams:
+                self._transport.sendto(d, self.node)
+            try:
+                r, recv_ns = await asyncio.wait_for(fut, t)
+            except (asyncio.TimeoutError, TimeoutError):
+                self._pending.pop(key, None)
+                self._book.asm.forget(app_id, rid)
+                continue
+            except BaseException:  # cancelled: forget the request so a late answer counts as stray
+                self._pending.pop(key, None)
+                self._book.asm.forget(app_id, rid)
+                raise
+            status = _status(r.status)
+            if status in RETRY_STATUSES and attempt <= self.retries:
+                continue
+            out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8) \
+                if status == Status.OK else None
+            return Result(app_id, rid, status, out, (recv_ns - first_ns) / 1e6, attempt)
+        raise RequestLost(app_id, rid, t, self.retries + 1)
+
+    async def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
+                         timeout_s: float | None = None) -> list[Result]:
+        """All tensors in flight together; Results in order (the first RequestLost is raised)."""
+        return list(await asyncio.gather(*(self.infer(app_id, x, deadline_us=deadline_us, timeout_s=timeout_s)
+                                           for x in tensors)))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        self._pending.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

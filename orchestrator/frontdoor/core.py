@@ -1,0 +1,176 @@
+"""The protocol-independent half of the front door: models, one inference, errors, statistics.
+
+An inference of ``[N, *input_shape]`` becomes N wire requests (one per row) sent together to the
+node's own UDP ingest with the asyncio UDP client, so they enter the same packet pool, queues,
+batches, SLO accounting and metrics as any UDP client's requests. The N answers are stacked into
+``[N, K]``. The first row that is not answered OK decides the error (:data:`STATUS_ERRORS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
+from gpuprims.wire import Status
+from orchestrator.frontdoor.models import ModelInfo
+
+#: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
+HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
+
+#: Each wire status other than OK: the error kind it is answered with, and why.
+STATUS_ERRORS: dict[Status, tuple[str, str]] = {
+    Status.DEADLINE_MISSED: ("deadline", "could not be served within its deadline"),
+    Status.OVERLOADED: ("unavailable", "node overloaded: refused at admission; retry later"),
+    Status.INSTANCE_FAILED: ("unavailable", "the instance serving it failed; retry"),
+    Status.BAD_REQUEST: ("invalid", "the node refused the input (size or dtype does not fit the app)"),
+    Status.UNKNOWN_APP: ("unavailable", "no instance serves this model right now (starting or restarting)"),
+    Status.INTERNAL: ("internal", "the model failed on this batch"),
+    Status.SHUTTING_DOWN: ("unavailable", "the node is stopping"),
+}
+#: The largest batch one inference may carry (each row is one request in the node's pool).
+MAX_ROWS = 256
+
+
+class OipError(Exception):
+    """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in HTTP_CODE:
+            raise ValueError(f"unknown error kind {kind!r}")
+        self.kind = kind
+        super().__init__(message)
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_CODE[self.kind]
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class ModelStats:
+    """Triton-style statistics of one model, counted at the front door."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    inference_count: int = 0  # rows answered OK
+    execution_count: int = 0  # inferences answered OK
+    last_inference_ms: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)  # answers by wire status name, per row
+
+    def as_dict(self, name: str) -> dict[str, Any]:
+        zero = Duration().as_dict()
+        return {
+            "name": name, "version": "1", "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count, "execution_count": self.execution_count,
+            "inference_stats": {"success": self.success.as_dict(), "fail": self.fail.as_dict(),
+                                "queue": zero, "compute_input": zero, "compute_infer": zero,
+                                "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
+            "batch_stats": [],
+        }
+
+
+class Core:
+    """Models by name and inference over the UDP client; shared by the HTTP and gRPC servers.
+
+    ``ready(name)`` says whether the node serves a model now (default: always); ``timeout_s`` is
+    how long one row waits for its answer (default: the larger of 2 s and 3 x the app's SLO).
+    """
+
+    def __init__(self, infos: list[ModelInfo], client: AsyncClient, *, timeout_s: float | None = None,
+                 ready: Callable[[str], bool] | None = None) -> None:
+        self.models = {m.name: m for m in infos}
+        self.client = client
+        self.timeout_s = timeout_s
+        self._ready = ready
+        self.stats = {m.name: ModelStats() for m in infos}
+
+    def model(self, name: str, version: str = "") -> ModelInfo:
+        info = self.models.get(name)
+        if info is None:
+            raise OipError("not_found", f"unknown model {name!r}; models: {', '.join(sorted(self.models))}")
+        if version not in ("", "1"):
+            raise OipError("not_found", f"model {name!r} has no version {version!r} (only '1')")
+        return info
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        self.model(name, version)
+        return self._ready is None or bool(self._ready(name))
+
+    def server_ready(self) -> bool:
+        return all(self.model_ready(n) for n in self.models)
+
+    def row_timeout_s(self, info: ModelInfo) -> float:
+        return self.timeout_s if self.timeout_s is not None else max(DEFAULT_TIMEOUT_S, 3 * info.slo_ms / 1e3)
+
+    def check_input(self, info: ModelInfo, name: str, datatype: str, shape: list[int]) -> None:
+        """Refuse (OipError invalid) an input that is not this model's, before reading its data."""
+        if name != "input":
+            raise OipError("invalid", f"model {info.name!r} has one input named 'input', got {name!r}")
+        if datatype != info.datatype:
+            raise OipError("invalid", f"input 'input' of model {info.name!r} is {info.datatype}, got {datatype}")
+        if len(shape) != len(info.input_shape) + 1 or tuple(shape[1:]) != info.input_shape:
+            raise OipError("invalid", f"input 'input' of model {info.name!r} has shape "
+                                      f"[-1, {', '.join(map(str, info.input_shape))}], got {list(shape)}")
+        if not 1 <= shape[0] <= MAX_ROWS:
+            raise OipError("invalid", f"batch of {shape[0]} rows; send 1..{MAX_ROWS} rows per inference")
+
+    async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0) -> np.ndarray:
+        """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError."""
+        t0 = time.monotonic_ns()
+        st = self.stats[info.name]
+        try:
+            results = await asyncio.gather(
+                *(self.client.infer(info.app_id, row, deadline_us=deadline_us, timeout_s=self.row_timeout_s(info))
+                  for row in x), return_exceptions=True)
+            out = self._collect(info, results, st)
+        except OipError:
+            st.fail.add(time.monotonic_ns() - t0)
+            raise
+        st.success.add(time.monotonic_ns() - t0)
+        st.inference_count += len(x)
+        st.execution_count += 1
+        st.last_inference_ms = int(time.time() * 1e3)
+        return out
+
+    def _collect(self, info: ModelInfo, results: list[Result | BaseException], st: ModelStats) -> np.ndarray:
+        first: OipError | None = None
+        rows = []
+        for r in results:
+            if isinstance(r, RequestLost):
+                st.statuses["LOST"] = st.statuses.get("LOST", 0) + 1
+                first = first or OipError("deadline", f"model {info.name!r}: no answer from the node within "
+                                                      f"{r.timeout_s:g} s")
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            st.statuses[r.status.name] = st.statuses.get(r.status.name, 0) + 1
+            if not r.ok:
+                kind, why = STATUS_ERRORS.get(r.status, ("internal", "unexpected status"))
+                first = first or OipError(kind, f"model {info.name!r}: {r.status.name}: {why}")
+                continue
+            assert r.output is not None
+            rows.append(r.output.astype(np.float32, copy=False))
+        if first is not None:
+            raise first
+        if len({len(r) for r in rows}) > 1:
+            raise OipError("invalid", f"model {info.name!r}: rows ended at stages with different output sizes "
+                                      f"({sorted({len(r) for r in rows})}); send one row per inference")
+        return np.stack(rows)

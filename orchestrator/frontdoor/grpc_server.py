@@ -1,0 +1,145 @@
+"""The Open Inference Protocol over gRPC (grpc.aio), registered as ``inference.GRPCInferenceService``.
+
+RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer (typed
+``contents`` or ``raw_input_contents`` in; ``raw_output_contents`` out), and Triton's ModelConfig,
+ModelStatistics and RepositoryIndex. Others (streaming, shared memory, load/unload) answer
+UNIMPLEMENTED. Errors abort the call with the code of :data:`GRPC_CODE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from gpuprims import __version__
+from orchestrator.frontdoor import oip_pb2 as pb
+from orchestrator.frontdoor.core import Core, OipError
+from orchestrator.frontdoor.http_server import EXTENSIONS
+from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+
+SERVICE = "inference.GRPCInferenceService"
+GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
+             "unavailable": grpc.StatusCode.UNAVAILABLE, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+             "internal": grpc.StatusCode.INTERNAL}
+#: Message size limits of the server (gRPC's default receive limit is 4 MiB).
+MAX_MESSAGE_BYTES = 256 << 20
+#: Typed contents field of each datatype.
+CONTENTS_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents", "FP16": None, "INT64": "int64_contents",
+                  "FP64": "fp64_contents", "INT32": "int_contents", "INT8": "int_contents", "BOOL": "bool_contents"}
+
+
+class Servicer:
+    """The RPC implementations over one Core."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def ServerLive(self, req: pb.ServerLiveRequest, ctx: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, req: pb.ServerReadyRequest, ctx: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.core.server_ready())
+
+    async def ServerMetadata(self, req: pb.ServerMetadataRequest, ctx: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="gpuprims", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelReady(self, req: pb.ModelReadyRequest, ctx: Any) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.core.model_ready(req.name, req.version))
+
+    async def ModelMetadata(self, req: pb.ModelMetadataRequest, ctx: Any) -> pb.ModelMetadataResponse:
+        return json_format.ParseDict(self.core.model(req.name, req.version).metadata(), pb.ModelMetadataResponse())
+
+    async def ModelConfig(self, req: pb.ModelConfigRequest, ctx: Any) -> pb.ModelConfigResponse:
+        cfg = self.core.model(req.name, req.version).config()
+        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, pb.ModelConfig()))
+
+    async def ModelStatistics(self, req: pb.ModelStatisticsRequest, ctx: Any) -> pb.ModelStatisticsResponse:
+        names = [self.core.model(req.name, req.version).name] if req.name else sorted(self.core.models)
+        stats = [self.core.stats[n].as_dict(n) for n in names]
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, req: pb.RepositoryIndexRequest, ctx: Any) -> pb.RepositoryIndexResponse:
+        models = [pb.RepositoryIndexResponse.ModelIndex(
+            name=n, version="1", state="READY" if self.core.model_ready(n) else "UNAVAILABLE")
+            for n in sorted(self.core.models)]
+        return pb.RepositoryIndexResponse(models=[m for m in models if m.state == "READY" or not req.ready])
+
+    async def ModelInfer(self, req: pb.ModelInferRequest, ctx: Any) -> pb.ModelInferResponse:
+        info = self.core.model(req.model_name, req.model_version)
+        if len(req.inputs) != 1:
+            raise OipError("invalid", f"model {info.name!r} takes exactly one input, 'input'")
+        t = req.inputs[0]
+        shape = list(t.shape)
+        self.core.check_input(info, t.name, t.datatype, shape)
+        for o in req.outputs:
+            if o.name != OUTPUT_NAME:
+                raise OipError("invalid", f"unknown output {o.name!r}; the only output is {OUTPUT_NAME!r}")
+        dtype = NUMPY_OF[info.datatype]
+        n = int(np.prod(shape))
+        if req.raw_input_contents:
+            if len(req.raw_input_contents) != 1:
+                raise OipError("invalid", f"{len(req.raw_input_contents)} raw_input_contents for one input")
+            raw = req.raw_input_contents[0]
+            if len(raw) != n * dtype.itemsize:
+                raise OipError("invalid", f"input 'input' needs {n * dtype.itemsize} bytes of raw contents, "
+                                          f"got {len(raw)}")
+            x = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        else:
+            field = CONTENTS_FIELD.get(info.datatype)
+            values = getattr(t.contents, field) if field else []
+            if len(values) != n:
+                raise OipError("invalid", f"input 'input' has {len(values)} elements in contents.{field}, "
+                                          f"shape {shape} needs {n}")
+            x = np.asarray(values, dtype=dtype).reshape(shape)
+        timeout = req.parameters["timeout"].int64_param if "timeout" in req.parameters else 0
+        if not 0 <= timeout < 2**32:
+            raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout}")
+        out = await self.core.infer(info, x, deadline_us=timeout)
+        return pb.ModelInferResponse(
+            model_name=info.name, model_version="1", id=req.id,
+            outputs=[pb.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype="FP32",
+                                                             shape=list(out.shape))],
+            raw_output_contents=[np.ascontiguousarray(out, dtype="<f4").tobytes()])
+
+
+def _wrap(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def call(req: Any, ctx: Any) -> Any:
+        try:
+            return await fn(req, ctx)
+        except OipError as e:
+            await ctx.abort(GRPC_CODE[e.kind], str(e))
+
+    return call
+
+
+def make_handler(core: Core) -> grpc.GenericRpcHandler:
+    """The generic handler serving every implemented RPC of ``core``."""
+    s = Servicer(core)
+    methods = {}
+    for name, (req_t, resp_t) in {
+        "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
+        "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse),
+        "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+        "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+        "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+        "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+        "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse),
+        "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
+        "RepositoryIndex": (pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
+    }.items():
+        methods[name] = grpc.unary_unary_rpc_method_handler(
+            _wrap(getattr(s, name)), request_deserializer=req_t.FromString,
+            response_serializer=resp_t.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def make_server(core: Core) -> grpc.aio.Server:
+    """A grpc.aio server with the service added (add a port, then ``await start()``)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server.add_generic_rpc_handlers((make_handler(core),))
+    return server

@@ -1,0 +1,208 @@
+"""The Open Inference Protocol over HTTP/REST (aiohttp), with Triton's binary tensor data extension.
+
+Routes (``/versions/<v>`` may follow a model name; only version ``1`` exists):
+
+- ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``: server liveness, readiness, metadata
+- ``GET /v2/models/<name>``, ``GET /v2/models/<name>/ready``: model metadata and readiness
+- ``POST /v2/models/<name>/infer``: inference, JSON or JSON + binary (``Inference-Header-Content-Length``);
+  gzip/deflate request bodies (``Content-Encoding``) and answers (``Accept-Encoding``)
+- ``GET /v2/models/<name>/config``, ``GET /v2/models[/<name>]/stats``: Triton model configuration
+  and statistics; ``POST /v2/repository/index``: the model repository index
+
+Errors are ``{"error": "<message>"}`` with the code of :data:`core.HTTP_CODE`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from gpuprims import __version__
+from orchestrator.frontdoor.core import Core, OipError
+from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+#: Largest request body accepted (aiohttp's default is 1 MiB; a 224x224x3 float32 batch of 8 is 4.8 MB).
+MAX_BODY_BYTES = 256 << 20
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+
+CORE_KEY: web.AppKey[Core] = web.AppKey("core", Core)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+def _error(e: OipError) -> web.Response:
+    return _json({"error": str(e)}, e.http_status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except OipError as e:
+        return _error(e)
+
+
+def _core(request: web.Request) -> Core:
+    return request.app[CORE_KEY]
+
+
+def _model(request: web.Request) -> Any:
+    return _core(request).model(request.match_info["name"], request.match_info.get("version", ""))
+
+
+async def live(request: web.Request) -> web.Response:
+    return _json({"live": True})
+
+
+async def ready(request: web.Request) -> web.Response:
+    ok = _core(request).server_ready()
+    return _json({"ready": ok}, 200 if ok else 503)
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return _json({"name": "gpuprims", "version": __version__, "extensions": EXTENSIONS})
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    return _json(_model(request).metadata())
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    info = _model(request)
+    ok = _core(request).model_ready(info.name)
+    return _json({"name": info.name, "ready": ok}, 200 if ok else 503)
+
+
+async def model_config(request: web.Request) -> web.Response:
+    return _json(_model(request).config())
+
+
+async def model_stats(request: web.Request) -> web.Response:
+    core = _core(request)
+    names = [_model(request).name] if "name" in request.match_info else sorted(core.models)
+    return _json({"model_stats": [core.stats[n].as_dict(n) for n in names]})
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    core = _core(request)
+    return _json([{"name": n, "version": "1", "state": "READY" if core.model_ready(n) else "UNAVAILABLE"}
+                  for n in sorted(core.models)])
+
+
+def _parse_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any], memoryview]:
+    """Split a request into its JSON header and the binary data after it."""
+    if header_len is None:
+        json_len = len(body)
+    else:
+        try:
+            json_len = int(header_len)
+        except ValueError:
+            raise OipError("invalid", f"{HEADER_LENGTH} must be an integer, got {header_len!r}") from None
+        if not 0 < json_len <= len(body):
+            raise OipError("invalid", f"{HEADER_LENGTH} {json_len} is outside the body of {len(body)} bytes")
+    try:
+        req = json.loads(body[:json_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OipError("invalid", f"request is not valid JSON: {e}") from None
+    if not isinstance(req, dict):
+        raise OipError("invalid", "request must be a JSON object with 'inputs'")
+    return req, memoryview(body)[json_len:]
+
+
+def _input_array(core: Core, info: Any, req: dict[str, Any], binary: memoryview) -> np.ndarray:
+    inputs = req.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise OipError("invalid", f"model {info.name!r} takes exactly one input, 'input'")
+    t = inputs[0]
+    shape = t.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise OipError("invalid", "input 'shape' must be a list of integers")
+    core.check_input(info, str(t.get("name")), str(t.get("datatype")), shape)
+    dtype = NUMPY_OF[info.datatype]
+    want = int(np.prod(shape)) * dtype.itemsize
+    params = t.get("parameters") or {}
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
+        if size != want or len(binary) != want:
+            raise OipError("invalid", f"input 'input' needs {want} bytes of binary data, binary_data_size is "
+                                      f"{size!r} and {len(binary)} bytes follow the JSON header")
+        return np.frombuffer(binary, dtype=dtype).reshape(shape)
+    if len(binary):
+        raise OipError("invalid", f"{len(binary)} bytes of binary data but no input has binary_data_size")
+    if "data" not in t:
+        raise OipError("invalid", "input 'input' has neither 'data' nor binary_data_size")
+    try:
+        arr = np.asarray(t["data"], dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise OipError("invalid", f"input 'input' data is not {info.datatype}: {e}") from None
+    if arr.size != int(np.prod(shape)):
+        raise OipError("invalid", f"input 'input' has {arr.size} elements, shape {shape} needs {int(np.prod(shape))}")
+    return arr.reshape(shape)
+
+
+def _wants_binary(req: dict[str, Any]) -> bool:
+    outputs = req.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+            raise OipError("invalid", "'outputs' must be a list of objects")
+        for o in outputs:
+            if o.get("name") != OUTPUT_NAME:
+                raise OipError("invalid", f"unknown output {o.get('name')!r}; the only output is {OUTPUT_NAME!r}")
+        if any((o.get("parameters") or {}).get("binary_data") for o in outputs):
+            return True
+    return bool((req.get("parameters") or {}).get("binary_data_output", False))
+
+
+async def infer(request: web.Request) -> web.Response:
+    core = _core(request)
+    info = _model(request)
+    req, binary = _parse_body(await request.read(), request.headers.get(HEADER_LENGTH))
+    x = _input_array(core, info, req, binary)
+    binary_out = _wants_binary(req)
+    timeout_us = (req.get("parameters") or {}).get("timeout", 0)
+    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or not 0 <= timeout_us < 2**32:
+        raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout_us!r}")
+    out = await core.infer(info, x, deadline_us=timeout_us)
+    head: dict[str, Any] = {"model_name": info.name, "model_version": "1"}
+    if "id" in req:
+        head["id"] = req["id"]
+    tensor: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": list(out.shape)}
+    if not binary_out:
+        tensor["data"] = out.reshape(-1).tolist()
+        head["outputs"] = [tensor]
+        resp = _json(head)
+    else:
+        raw = np.ascontiguousarray(out, dtype="<f4").tobytes()
+        tensor["parameters"] = {"binary_data_size": len(raw)}
+        head["outputs"] = [tensor]
+        js = json.dumps(head).encode()
+        resp = web.Response(body=js + raw, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(len(js))})
+    if request.headers.get("Accept-Encoding"):
+        resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    return resp
+
+
+def make_app(core: Core) -> web.Application:
+    """The aiohttp application serving ``core``."""
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app[CORE_KEY] = core
+    r = app.router
+    r.add_get("/v2/health/live", live)
+    r.add_get("/v2/health/ready", ready)
+    r.add_get("/v2", server_metadata)
+    r.add_get("/v2/models/stats", model_stats)
+    r.add_post("/v2/repository/index", repository_index)
+    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        r.add_get(base, model_metadata)
+        r.add_get(base + "/ready", model_ready)
+        r.add_get(base + "/config", model_config)
+        r.add_get(base + "/stats", model_stats)
+        r.add_post(base + "/infer", infer)
+    return app

@@ -1,0 +1,101 @@
+"""What the front door knows about each app: its OIP model metadata and configuration.
+
+An app's name is the model name. Its one input (``input``) is the app's ``input_shape`` and
+``dtype`` with a leading batch dimension; its one output (``logits``) is FP32 ``[batch, K]``, the
+row the instance answers with. K comes from the model zoo once at start: the app's ``num_classes``
+or the zoo model's own class count; a user model (``module:factory``) is built and run once on a
+zero input; a DAG app's K depends on the stage a request ends at, so it is ``-1`` (variable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from apps.zoo import MODELS, canonical_name, load_model
+from orchestrator.config import AppConfig
+
+#: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
+OIP_DATATYPE = {"float32": "FP32", "uint8": "UINT8"}
+NUMPY_OF = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1"), "FP16": np.dtype("<f2"), "INT64": np.dtype("<i8"),
+            "FP64": np.dtype("<f8"), "INT32": np.dtype("<i4"), "INT8": np.dtype("i1"), "BOOL": np.dtype("?")}
+INPUT_NAME = "input"
+OUTPUT_NAME = "logits"
+PLATFORM = "gpuprims"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One app as an OIP model. ``output_dim`` is -1 when it varies per request (DAG apps)."""
+
+    name: str
+    app_id: int
+    input_shape: tuple[int, ...]
+    dtype: str
+    output_dim: int
+    max_batch: int
+    max_wait_ms: float
+    slo_ms: float
+    instances: int
+
+    @property
+    def datatype(self) -> str:
+        return OIP_DATATYPE[self.dtype]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.input_shape) * self.numpy_dtype.itemsize
+
+    def metadata(self) -> dict[str, Any]:
+        """The OIP model metadata (GET /v2/models/<name>)."""
+        return {
+            "name": self.name,
+            "versions": ["1"],
+            "platform": PLATFORM,
+            "inputs": [{"name": INPUT_NAME, "datatype": self.datatype, "shape": [-1, *self.input_shape]}],
+            "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1, self.output_dim]}],
+        }
+
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (GET /v2/models/<name>/config), in its JSON form."""
+        return {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": PLATFORM,
+            "max_batch_size": self.max_batch,
+            "input": [{"name": INPUT_NAME, "data_type": f"TYPE_{self.datatype}", "format": "FORMAT_NCHW",
+                       "dims": list(self.input_shape)}],
+            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [self.output_dim]}],
+            "instance_group": [{"name": self.name, "count": self.instances, "kind": "KIND_AUTO"}],
+            "dynamic_batching": {"max_queue_delay_microseconds": round(self.max_wait_ms * 1000)},
+            "parameters": {"app_id": {"string_value": str(self.app_id)},
+                           "slo_ms": {"string_value": f"{self.slo_ms:g}"}},
+        }
+
+
+def output_dim(app: AppConfig) -> int:
+    """Length of one answer row of ``app`` (see the module docstring); -1 for a DAG app."""
+    if app.stages is not None or app.model is None:
+        return -1
+    if ":" not in app.model:
+        return app.num_classes or MODELS[canonical_name(app.model)].num_classes
+    import torch
+
+    model = load_model(app.model, seed=app.seed, num_classes=app.num_classes, input_shape=app.input_shape)
+    with torch.inference_mode():
+        out = model(torch.zeros((1, *app.input_shape)))
+    return math.prod(out.shape[1:])
+
+
+def model_info(app: AppConfig) -> ModelInfo:
+    """The ModelInfo of one app (builds a user model once to learn its output size)."""
+    return ModelInfo(name=app.name, app_id=app.app_id, input_shape=tuple(app.input_shape), dtype=app.dtype,
+                     output_dim=output_dim(app), max_batch=app.max_batch, max_wait_ms=app.max_wait_ms,
+                     slo_ms=app.slo_ms, instances=app.instances if app.instances != "auto" else 0)

@@ -1,0 +1,160 @@
+"""The front door's lifetime: one asyncio loop in a background thread hosting both servers.
+
+Why a thread and not a process: the node process's own Python work is its control loop (ticks of a
+few milliseconds) while the ingest, the part on every request's path, is native and holds no GIL;
+a thread needs no supervision, no IPC and no second copy of the config, and its requests still
+reach the node through the UDP ingest on loopback like any client's. Moving it to a process of its
+own later takes nothing but ``udp_target``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+from aiohttp import web
+
+from gpuprims.client import AsyncClient
+from orchestrator.config import AppConfig
+from orchestrator.frontdoor.core import Core
+from orchestrator.frontdoor.grpc_server import make_server
+from orchestrator.frontdoor.http_server import make_app
+from orchestrator.frontdoor.models import ModelInfo, model_info
+
+log = logging.getLogger("gpuprims.frontdoor")
+#: How long start_frontdoor waits for both servers to listen.
+START_TIMEOUT_S = 30.0
+#: How long close() lets in-flight calls finish before they are cut.
+STOP_GRACE_S = 1.0
+
+
+class FrontDoorError(RuntimeError):
+    """The front door could not start (a port in use, a bad address)."""
+
+
+class FrontDoor:
+    """A running front door. ``http_url`` / ``grpc_target`` are None for a server that is off."""
+
+    def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
+                 http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
+                 ready: Callable[[str], bool] | None) -> None:
+        self.models = infos
+        self.udp_target = udp_target
+        self.host = host
+        self.http_url: str | None = None
+        self.grpc_target: str | None = None
+        self.core: Core | None = None
+        self._http_port, self._grpc_port = http_port, grpc_port
+        self._timeout_s, self._ready = timeout_s, ready
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._stop = asyncio.Event()  # bound to the loop at its first use, in the loop's thread
+        self._thread = threading.Thread(target=self._run, name="gpuprims-frontdoor", daemon=True)
+        self._fin = weakref.finalize(self, _shutdown, self._loop, self._thread, self._stop)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as e:  # reported by start() / close()
+            self._error = e
+            self._started.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        client = await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open()
+        self.core = Core(self.models, client, timeout_s=self._timeout_s, ready=self._ready)
+        runner: web.AppRunner | None = None
+        grpc_server = None
+        try:
+            host_url = f"[{self.host}]" if ":" in self.host else self.host
+            if self._http_port is not None:
+                runner = web.AppRunner(make_app(self.core), access_log=None, handle_signals=False,
+                                       shutdown_timeout=STOP_GRACE_S)
+                await runner.setup()
+                site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True)
+                try:
+                    await site.start()
+                except OSError as e:
+                    raise FrontDoorError(f"cannot serve HTTP on {self.host}:{self._http_port}: {e.strerror or e}; "
+                                         "pick another node.http_port") from None
+                port = runner.addresses[0][1]
+                self.http_url = f"http://{host_url}:{port}"
+            if self._grpc_port is not None:
+                grpc_server = make_server(self.core)
+                try:
+                    port = grpc_server.add_insecure_port(f"{host_url}:{self._grpc_port}")
+                except RuntimeError as e:
+                    raise FrontDoorError(f"cannot serve gRPC on {self.host}:{self._grpc_port}: {e}; "
+                                         "pick another node.grpc_port") from None
+                await grpc_server.start()
+                self.grpc_target = f"{host_url}:{port}"
+            log.info("front door: HTTP %s, gRPC %s -> UDP %s:%d", self.http_url or "off",
+                     self.grpc_target or "off", *self.udp_target)
+            self._started.set()
+            await self._stop.wait()
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=STOP_GRACE_S)
+            if runner is not None:
+                await runner.cleanup()
+            client.close()
+
+    def _start(self) -> FrontDoor:
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            self.close()
+            raise FrontDoorError(f"front door did not start within {START_TIMEOUT_S:g} s")
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    def close(self) -> None:
+        """Stop both servers (in-flight calls get a second to finish) and the loop thread."""
+        self._fin()
+
+    def __enter__(self) -> FrontDoor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FrontDoor(http={self.http_url}, grpc={self.grpc_target}, udp={self.udp_target})"
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: asyncio.Event) -> None:
+    if thread.is_alive():
+        with contextlib.suppress(RuntimeError):  # the loop closed already
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
+    elif not loop.is_closed() and not thread.ident:  # never started
+        loop.close()
+
+
+def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http_port: int | None,
+                    grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
+                    ready: Callable[[str], bool] | None = None) -> FrontDoor:
+    """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
+
+    ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
+    becomes None at the caller). ``ready(app_name)`` tells the servers whether the node serves an
+    app now (default: always). ``timeout_s`` bounds each request's wait for the node's answer
+    (default: max(2 s, 3 x the app's SLO)). Returns once both servers listen, or raises
+    FrontDoorError; ``close()`` stops it.
+    """
+    if http_port is None and grpc_port is None:
+        raise ValueError("start_frontdoor needs http_port or grpc_port (None means off)")
+    for name, p in (("http_port", http_port), ("grpc_port", grpc_port)):
+        if p is not None and not 0 <= p <= 65535:
+            raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
+    infos = [model_info(a) for a in apps]
+    return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
+                     timeout_s=timeout_s, ready=ready)._start()

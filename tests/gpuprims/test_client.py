@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gpuprims import wire
+from gpuprims.client import AsyncClient, Client, RequestError, RequestLost, Result
+from gpuprims.ingest import packet_balance
+from gpuprims.traffic import EchoServer
+from gpuprims.wire import Status
+from tests.loopnode import LoopApp, LoopNode
+
+SHAPE = (3, 16, 16)  # 3072 bytes of float32 = 3 datagrams
+
+
+def _double_sum(x: np.ndarray) -> np.ndarray:
+    """(N, 3, 16, 16) -> (N, 2): a result that depends on every input byte, easy to check."""
+    flat = x.reshape(len(x), -1).astype(np.float64)
+    return np.stack([flat.sum(1), flat[:, ::7].sum(1)], axis=1).astype(np.float32)
+
+
+@pytest.fixture
+def node() -> Iterator[LoopNode]:
+    with LoopNode({1: LoopApp(SHAPE, "float32", _double_sum), 2: LoopApp((5,), "uint8", lambda x: x * 2.0)}) as n:
+        yield n
+
+
+def _input(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
+
+
+def test_sync_infer_returns_typed_result(node: LoopNode) -> None:
+    x = _input(0)
+    with Client(node.address, timeout_s=5) as c:
+        r = c.infer(1, x)
+        assert isinstance(r, Result) and r.ok and r.status is Status.OK and r.attempts == 1
+        assert r.output is not None and r.output.dtype == np.float32 and r.output.shape == (2,)
+        np.testing.assert_allclose(r.output, _double_sum(x[None])[0], rtol=1e-5)
+        assert r.latency_ms > 0 and r.raise_for_status() is r
+        u = c.infer(2, np.arange(5, dtype=np.uint8))
+        np.testing.assert_array_equal(u.output, np.arange(5, dtype=np.float32) * 2)
+        assert c.in_flight == 0 and c.stray == 0
+
+
+def test_many_requests_in_flight_each_get_their_own_answer(node: LoopNode) -> None:
+    xs = [_input(i) for i in range(24)]
+    with Client(node.address, timeout_s=5) as c:
+        results = c.infer_many(1, xs)
+        assert len({r.request_id for r in results}) == 24
+        for x, r in zip(xs, results):
+            np.testing.assert_allclose(r.raise_for_status().output, _double_sum(x[None])[0], rtol=1e-5)
+    assert max(node.batches) > 1  # they really were in flight together (the server batched them)
+
+
+def test_async_client_gathers_many(node: LoopNode) -> None:
+    xs = [_input(100 + i) for i in range(16)]
+
+    async def main() -> list[Result]:
+        async with AsyncClient(node.address, timeout_s=5) as c:
+            one = await c.infer(1, xs[0])
+            rest = await c.infer_many(1, xs[1:])
+            assert c.in_flight == 0 and c.stray == 0
+            return [one, *rest]
+
+    results = asyncio.run(main())
+    for x, r in zip(xs, results):
+        np.testing.assert_allclose(r.raise_for_status().output, _double_sum(x[None])[0], rtol=1e-5)
+
+
+def test_wrong_size_gets_bad_request(node: LoopNode) -> None:
+    with Client(node.address, timeout_s=5) as c:
+        r = c.infer(1, np.zeros((3, 8, 8), np.float32))
+        assert r.status is Status.BAD_REQUEST and r.output is None and not r.ok
+        with pytest.raises(RequestError) as e:
+            r.raise_for_status()
+        assert e.value.status is Status.BAD_REQUEST
+
+
+def test_unknown_app_is_answered_once_and_counted(node: LoopNode) -> None:
+    with Client(node.address, timeout_s=5) as c:
+        r = c.infer(99, _input(1))  # 3 datagrams, no route for app 99
+        assert r.status is Status.UNKNOWN_APP
+        cnt = node.wait(lambda k: k["packets_received"] == 3)
+        assert cnt["drop_unknown_app"] == 3 and cnt["responses_sent"] == 1 and packet_balance(cnt) == 0
+        # A second request id is a second request: one more answer, no more.
+        assert c.infer(99, _input(2)).status is Status.UNKNOWN_APP
+        cnt = node.wait(lambda k: k["packets_received"] == 6)
+        assert cnt["responses_sent"] == 2 and packet_balance(cnt) == 0
+        assert c.stray == 0
+
+
+def test_unknown_app_repeated_chunks_stay_silent(node: LoopNode) -> None:
+    # The same request's datagrams sent twice: still one UNKNOWN_APP answer (the key is remembered).
+    import socket
+
+    dg = wire.encode_request(99, 7, _input(3))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(5)
+        for d in dg + dg:
+            s.sendto(d, node.address)
+        cnt = node.wait(lambda k: k["packets_received"] == 6)
+        assert cnt["drop_unknown_app"] == 6 and cnt["responses_sent"] == 1 and packet_balance(cnt) == 0
+        h = wire.check_response(s.recv(65536))
+        assert (h.status, h.request_id, h.total_len) == (Status.UNKNOWN_APP, 7, 0)
+
+
+def test_lost_answer_raises_after_timeout_and_retry_recovers() -> None:
+    with EchoServer(drop_every=1) as echo, Client(echo.address, timeout_s=0.2) as c:
+        with pytest.raises(RequestLost) as e:
+            c.infer(1, _input(0))
+        assert e.value.attempts == 1 and "timeout_s" in str(e.value)
+    # Every second answer is dropped: the first attempt is lost, the retry (new id) is answered.
+    with EchoServer(drop_every=2) as echo, Client(echo.address, timeout_s=0.2, retries=1) as c:
+        assert c.infer(1, _input(0)).ok  # request 1 answered
+        r = c.infer(1, _input(0))  # request 2 dropped, its retry (3) answered
+        assert r.ok and r.attempts == 2 and r.latency_ms >= 200
+
+
+def test_async_timeout_and_retry() -> None:
+    async def main(echo: EchoServer) -> None:
+        async with AsyncClient(echo.address, timeout_s=0.2, retries=1) as c:
+            assert (await c.infer(1, _input(0))).attempts == 1
+            assert (await c.infer(1, _input(0))).attempts == 2
+        async with AsyncClient(echo.address, timeout_s=0.1) as c:
+            with pytest.raises(RequestLost):
+                await c.infer(1, _input(0))  # the echo's 4th request: dropped, no retry
+            assert (await c.infer(1, _input(0))).ok  # 5th answered
+
+    with EchoServer(drop_every=2) as echo:
+        asyncio.run(main(echo))
+
+
+def test_bad_arguments_are_refused_early() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        Client(timeout_s=0)
+    with pytest.raises(ValueError, match="retries"):
+        AsyncClient(retries=-1)
+    with EchoServer() as echo, Client(echo.address) as c:
+        with pytest.raises(ValueError, match="wire dtype"):
+            c.submit(1, np.zeros(4, np.float64))
+        with pytest.raises(ValueError, match="empty"):
+            c.submit(1, np.zeros(0, np.float32))
+        with pytest.raises(ValueError, match="app_id"):
+            c.submit(70000, np.zeros(4, np.float32))
+        with pytest.raises(ValueError, match="deadline_us"):
+            c.submit(1, np.zeros(4, np.float32), deadline_us=-1)
+    with pytest.raises(RuntimeError, match="not open"):
+        asyncio.run(AsyncClient().infer(1, np.zeros(4, np.float32)))
+
+
+def test_close_fails_pending_requests() -> None:
+    with EchoServer(drop_every=1) as echo:
+        c = Client(echo.address, timeout_s=30)
+        fut = c.submit(1, _input(0))
+        c.close()
+        with pytest.raises(RequestLost):
+            fut.result(timeout=5)
+        with pytest.raises(RuntimeError, match="closed"):
+            c.submit(1, _input(0))
+
+
+def test_overloaded_is_retried_only_when_asked() -> None:
+    with EchoServer(status=Status.OVERLOADED) as echo:
+        with Client(echo.address, timeout_s=2) as c:
+            r = c.infer(1, _input(0))
+            assert r.status is Status.OVERLOADED and r.attempts == 1
+        with Client(echo.address, timeout_s=2, retries=2) as c:
+            r = c.infer(1, _input(0))
+            assert r.status is Status.OVERLOADED and r.attempts == 3
+        assert echo.counters.requests == 4  # 1 + 3 attempts, each a new request id
+
+        async def main() -> Result:
+            async with AsyncClient(echo.address, timeout_s=2, retries=1) as a:
+                return await a.infer(1, _input(0))
+
+        r = asyncio.run(main())
+        assert r.status is Status.OVERLOADED and r.attempts == 2
