@@ -48,7 +48,7 @@ from gpuprims.device import warm_up
 from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.respond import Responder
 from gpuprims.stats import RequestHistograms
-from gpuprims.wire import Status
+from gpuprims.wire import DType, Status
 from orchestrator.control import connect_instance_from_env
 from orchestrator.logs import setup_logging
 from orchestrator.messages import (
@@ -238,6 +238,7 @@ class Instance:
         self.model: Any = None
         self.device: Any = None
         self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
+        self.wire_dtype = int(DType.UINT8 if spec.dtype == "uint8" else DType.FLOAT32)
         self.finishing = False
         self.stopping = False
         self.initialized = False
@@ -400,7 +401,10 @@ class Instance:
         """
         recs = np.array([r for r, _ in items], np.uint32)
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
-        bad = info["total_len"] != self.row_bytes
+        # The body must be the app's input: its size, and its wire dtype when it names one (a uint8 body of
+        # a float32 app's byte size is not a float32 image; untyped BYTES bodies are taken as the app's).
+        bad = (info["total_len"] != self.row_bytes) | ((info["dtype"] != self.wire_dtype)
+                                                       & (info["dtype"] != int(DType.BYTES)))
         if bad.any():
             self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
             recs, info = recs[~bad], info[~bad]

@@ -48,6 +48,7 @@ from orchestrator.control import (
 )
 from orchestrator.dispatch import LiveScheduler, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
+from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.messages import (
     BatchDone,
     Ended,
@@ -121,6 +122,7 @@ class Node:
         self._next_sample = 0.0
         self._lock = threading.RLock()
         self.dispatcher: LiveScheduler | None = None
+        self.frontdoor: FrontDoor | None = None  # Open Inference Protocol over HTTP/gRPC (node.http_port/grpc_port)
 
     @property
     def changing(self) -> set[str]:
@@ -221,9 +223,27 @@ class Node:
             self.supervisor.route(app.name)
             if app.shadow and not self.scheduled:
                 self.supervisor.spawn_shadow(app.name)
+        if node.frontdoor_enabled:
+            self._start_frontdoor()
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
+
+    def _start_frontdoor(self) -> None:
+        """The Open Inference Protocol front door: HTTP/gRPC requests enter through the node's own UDP
+        ingest on loopback, so they share the pool, the instances, batching, statuses and metrics."""
+        assert self.ingest is not None
+        node = self.cfg.node
+        h = node.listen.host
+        udp_host = "127.0.0.1" if h in ("0.0.0.0", "") else ("::1" if h == "::" else h)
+        ingest = self.ingest
+        try:
+            self.frontdoor = start_frontdoor(
+                self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
+                grpc_port=node.grpc_port or None, host=h,
+                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)))
+        except FrontDoorError as e:
+            raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 
     def _start_dispatcher(self) -> None:
         """Build the live scheduler from the instances' measured warm-up (or node.profiles) and bind them."""
@@ -524,6 +544,10 @@ class Node:
                 return
             self._stopped = True
             self._stop.set()
+            if self.frontdoor is not None:
+                with contextlib.suppress(Exception):
+                    self.frontdoor.close()
+                self.frontdoor = None
             self.changes.cancel_all("the node is stopping")
             if self.ingest is not None:
                 for a in self.apps.values():

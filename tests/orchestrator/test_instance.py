@@ -86,3 +86,27 @@ def test_expire_tolerates_a_request_newer_than_its_clock(setup: tuple[Instance, 
     inst._expire(before)  # must not raise on the negative age
     assert len(inst.queue) == 1
     assert _answer(inst, sock).status == Status.OK
+
+
+def _send_body(ing: Ingest, sock: socket.socket, rid: int, body: np.ndarray | bytes) -> None:
+    for d in wire.encode_request(1, rid, body):
+        sock.sendto(d, ("127.0.0.1", ing.ports[0]))
+
+
+def test_gather_answers_a_body_of_the_wrong_size_or_dtype_bad_request(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    n = int(np.prod(SHAPE))
+    # float32 bytes of the right size, but sent as uint8 elements: not this app's input
+    wrong_dtype = np.zeros(4 * n, np.uint8)
+    _send_body(ing, sock, 1, wrong_dtype)
+    assert _answer(inst, sock).status == Status.BAD_REQUEST
+    # the right dtype, the wrong size
+    _send_body(ing, sock, 2, np.zeros(n // 2, np.float32))
+    assert _answer(inst, sock).status == Status.BAD_REQUEST
+    # untyped bytes of the right size are taken as the app's float32 input
+    x = np.random.default_rng(3).random(SHAPE, dtype=np.float32)
+    _send_body(ing, sock, 3, x.tobytes())
+    r = _answer(inst, sock)
+    assert r.status == Status.OK and r.array().shape == (10,)
+    assert inst.stats.counts["error"] == 2 and inst.stats.counts["ok"] == 1

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-
 from apps.instance import preprocess
+
 from apps.zoo import build_model
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor import FrontDoor, start_frontdoor
