@@ -104,6 +104,8 @@ class Event:
         self.device = device
         self.flags = flags
         self.handle = int(rt.cuda_event_create(device, flags))
+        self.last_polls = 0
+        self.last_wait_ns = 0
         self._finalizer = weakref.finalize(self, rt.cuda_event_destroy, self.handle)
         self._finalizer.atexit = False
 
@@ -129,10 +131,20 @@ class Event:
         is in the future. Returns the number of queries. Raises TimeoutError after `timeout_s`."""
         interval = _check_interval(interval_us)
         timeout_us = -1 if timeout_s is None else _check_timeout(timeout_s)
-        polls = int(runtime.cuda().cuda_event_poll(self.handle, int(wake_at_ns), interval, timeout_us))
+        polls, elapsed_ns = runtime.cuda().cuda_event_poll(self.handle, int(wake_at_ns), interval, timeout_us)
+        polls = int(polls)
+        # What the wait achieved, for reports: the requested interval is a floor that sleeps stretch.
+        self.last_polls = abs(polls)
+        self.last_wait_ns = int(elapsed_ns)
         if polls < 0:
             raise TimeoutError(f"event not complete after {timeout_s} s ({-polls} queries)")
         return polls
+
+    @property
+    def achieved_interval_us(self) -> float:
+        """Mean time between queries in the last :meth:`wait` (the native poll lowers the thread's
+        timer slack to 1 us, so this is close to the requested interval plus one query)."""
+        return self.last_wait_ns / 1e3 / max(1, self.last_polls - 1) if self.last_polls > 1 else 0.0
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds between this event and `end` (cudaEventElapsedTime); both need timing=True."""

@@ -4,6 +4,10 @@ queries, schedule flags, and owners of device memory and pinned host memory.
 Nothing here touches the GPU at import. The first call that reaches the CUDA runtime records this
 process's pid; a child forked after that refuses every CUDA call with a "use spawn" message instead
 of failing obscurely inside the driver (STYLE.md 6).
+
+With ``GPUPRIMS_FAKE_CUDA`` set in the environment (see :mod:`gpuprims.cuda.fake`), :func:`cuda`
+returns the fake CUDA runtime instead of the native one: the whole Python CUDA layer, and a node on
+top of it, then runs on a machine without a GPU with device memory in host memory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gpuprims.cuda import fake
 from gpuprims.cuda.errors import CudaUnavailableError
 
 # cudaHostRegister / cudaHostAlloc flags.
@@ -44,8 +49,19 @@ def native() -> ModuleType:
     return _native
 
 
+FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
+
+
+def is_fake() -> bool:
+    """True if this process runs on the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA`` is set and not 0)."""
+    return os.environ.get(FAKE_ENV, "") not in ("", "0")
+
+
 def kernels_built() -> bool:
-    """True if the extension was compiled with its CUDA kernels (nvcc was found at build)."""
+    """True if the extension was compiled with its CUDA kernels (nvcc was found at build), or the
+    fake runtime stands in for them."""
+    if is_fake():
+        return True
     try:
         return bool(native().CUDA_KERNELS_BUILT)
     except ImportError:
@@ -80,6 +96,8 @@ def cuda() -> ModuleType:
     _check_fork()
     if _touched_pid is None:
         _touched_pid = os.getpid()
+    if is_fake():
+        return fake.runtime()  # type: ignore[return-value]
     return native()
 
 

@@ -43,12 +43,13 @@ def images(n: int, shape: tuple[int, ...] = (20, 17, 3), dtype: type = np.uint8,
 
 
 def normalized(body: np.ndarray, norm: Normalize) -> np.ndarray:
-    """The numpy oracle of the fused gather (float32 arithmetic, two roundings)."""
-    a, b = norm.coefficients
+    """The numpy oracle of the fused gather (float32 arithmetic, three roundings)."""
+    a, b, d = norm.coefficients
     c = len(norm.mean)
     flat = body.reshape(-1).astype(np.float32)
     ch = np.arange(flat.size) % c
-    return (flat * np.array(a, np.float32)[ch] + np.array(b, np.float32)[ch]).reshape(body.shape)
+    y = (flat * np.array(a, np.float32)[ch] + np.array(b, np.float32)[ch]) / np.array(d, np.float32)[ch]
+    return y.reshape(body.shape)
 
 
 # -- layout -------------------------------------------------------------------------------------------
