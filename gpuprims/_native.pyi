@@ -8,7 +8,6 @@ from typing import Annotated, overload
 import numpy
 from numpy.typing import NDArray
 
-
 CUDA_KERNELS_BUILT: bool = True
 
 WIRE_MAGIC: int = 1297240135
