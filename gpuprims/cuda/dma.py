@@ -162,11 +162,11 @@ class PinnedPool:
                         "registered and its scratch allocated (call close() again once the device is idle)") from None
                 except CudaError as e:
                     log.error("closing a pool whose last GPU-DMA job failed: %s", e)
-            eng.close()
+            _release_lost(eng.close)
             with self._lock:
                 self._engines.pop(dev, None)
         if self.region is not None:
-            self.region.close()
+            _release_lost(self.region.close)
 
     def __enter__(self) -> PinnedPool:
         return self
@@ -377,7 +377,18 @@ class _Engine:
     def close(self) -> None:
         for obj in (self.staging, self.result, self.status, self.event):
             if obj is not None:
-                obj.close()
+                _release_lost(obj.close)
+
+
+def _release_lost(close: Any) -> None:
+    """Run a release; if the device context is lost (a sticky error), the release cannot succeed and
+    is not needed (the driver frees everything with the process): log it once and carry on."""
+    try:
+        close()
+    except CudaError as e:
+        if not e.is_sticky:
+            raise
+        log.error("the CUDA context is lost (%s); its memory is released with the process", e.name)
 
 
 class DmaJob:
@@ -415,8 +426,12 @@ class DmaJob:
             try:
                 eng.event.wait(interval_us, timeout_s=timeout_s)
             except CudaError as e:
-                # The device failed under the job: it is over (nothing will complete it), so the
-                # engine is free again and every later wait or launch sees this error, not "in flight".
+                if not e.is_sticky:
+                    # The query failed but the kernel may still run: block until it cannot touch the
+                    # pool or the scratch any more before letting anyone free them.
+                    _release_lost(eng.event.synchronize)
+                # The job is over (a lost context completes nothing), so the engine is free again and
+                # every later wait or launch sees this error, not "in flight".
                 self._fail(e)
                 raise
             self._complete()
@@ -477,7 +492,13 @@ def gpu_dma_async(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: i
             raise RuntimeError("a GPU-DMA job on this pool and device is still in flight: wait() for it first")
         handle = _default_stream(stream, t)
         _launch(plan, t.device, handle, packets.pool.device_pointer(t.device), eng.status.ptr, eng.result_dev)
-        eng.event.record(handle)
+        try:
+            eng.event.record(handle)
+        except CudaError:
+            # The kernel is queued but cannot be tracked: wait for the stream so that nothing it
+            # reads or writes is freed under it, then report the error.
+            _release_lost(lambda: runtime.cuda().cuda_stream_synchronize(handle))
+            raise
         job = DmaJob(eng, n)
         job._user_statuses = statuses
         job._keepalive = t.keepalive  # the destination must outlive the kernel writing it
@@ -530,6 +551,8 @@ def gpu_dma(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | N
 def _default_stream(stream: StreamLike, t: _Target) -> int:
     if stream is not None:
         return stream_handle(stream)
+    if runtime.is_fake():
+        return 0  # the fake runtime has no torch streams: the legacy default stream
     import torch
 
     return int(torch.cuda.current_stream(t.device).cuda_stream)

@@ -51,7 +51,7 @@ class Stream:
         self.device = device
         self.handle = int(rt.cuda_stream_create(device, runtime.STREAM_NON_BLOCKING if non_blocking else 0,
                                                 priority))
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, rt.cuda_stream_destroy, self.handle)
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, runtime._release, rt.cuda_stream_destroy, self.handle)
         self._finalizer.atexit = False
 
     @classmethod
@@ -106,7 +106,7 @@ class Event:
         self.handle = int(rt.cuda_event_create(device, flags))
         self.last_polls = 0
         self.last_wait_ns = 0
-        self._finalizer = weakref.finalize(self, rt.cuda_event_destroy, self.handle)
+        self._finalizer = weakref.finalize(self, runtime._release, rt.cuda_event_destroy, self.handle)
         self._finalizer.atexit = False
 
     def record(self, stream: StreamLike = None) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuprims.cuda.errors import CudaError
+from gpuprims.cuda.errors import STICKY_STATUSES, CudaError
 
 FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
 
@@ -77,7 +77,7 @@ _NAMES = {
                                  "pointer does not correspond to a registered memory region"),
 }
 #: Statuses that corrupt the context: once one happens, every later call returns it (sticky).
-STICKY = frozenset({ILLEGAL_ADDRESS, LAUNCH_FAILURE, 714, 715, 716, 717, 718, 720})
+STICKY = STICKY_STATUSES
 
 _ALIGN = 256
 

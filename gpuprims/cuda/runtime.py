@@ -13,6 +13,7 @@ top of it, then runs on a machine without a GPU with device memory in host memor
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 import weakref
@@ -22,7 +23,9 @@ from typing import Any, Literal
 import numpy as np
 
 from gpuprims.cuda import fake
-from gpuprims.cuda.errors import CudaUnavailableError
+from gpuprims.cuda.errors import CudaError, CudaUnavailableError
+
+log = logging.getLogger("gpuprims.cuda")
 
 # cudaHostRegister / cudaHostAlloc flags.
 HOST_PORTABLE = 0x01
@@ -157,6 +160,17 @@ def synchronize(device: int) -> None:
     cuda().cuda_device_synchronize(device)
 
 
+def _release(fn: Any, *args: Any) -> None:
+    """A finalizer's release call: if the CUDA context is lost (sticky error) the memory goes with the
+    process, so that is logged, not raised from a finalizer; any other error is raised."""
+    try:
+        fn(*args)
+    except CudaError as e:
+        if not e.is_sticky:
+            raise
+        log.error("CUDA context lost (%s): %s not released, it goes with the process", e.name, e.call)
+
+
 def _host_array(address: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
     buf = (ctypes.c_char * nbytes).from_address(address)
     return np.frombuffer(buf, dtype=np.uint8).view(dtype)
@@ -177,7 +191,7 @@ class DeviceMemory:
         self.device = device
         self.nbytes = nbytes
         self.ptr = int(rt.cuda_malloc(device, nbytes))
-        self._finalizer = weakref.finalize(self, rt.cuda_free, device, self.ptr)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_free, device, self.ptr)
         self._finalizer.atexit = False
 
     @property
@@ -206,7 +220,7 @@ class PinnedBuffer:
         self.mapped = mapped
         self.address = int(rt.cuda_host_alloc(nbytes, flags))
         self._device_ptrs: dict[int, int] = {}
-        self._finalizer = weakref.finalize(self, rt.cuda_free_host, self.address)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_free_host, self.address)
         self._finalizer.atexit = False
 
     def array(self, dtype: np.dtype | type = np.uint8) -> np.ndarray:
@@ -248,7 +262,7 @@ class PinnedRegion:
         self._owner = owner
         rt.cuda_host_register(address, nbytes, HOST_MAPPED | (HOST_PORTABLE if portable else 0))
         self._device_ptrs: dict[int, int] = {}
-        self._finalizer = weakref.finalize(self, rt.cuda_host_unregister, address)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_host_unregister, address)
         self._finalizer.atexit = False
 
     @property

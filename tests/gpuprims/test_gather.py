@@ -127,7 +127,7 @@ def test_make_gatherer_validates() -> None:
         make_gatherer("cpu", None, (3, 0), "uint8", 8)
     with PacketPool.create(slot_count=16, record_count=4, consumer_count=1) as pool:
         g = make_gatherer("cpu", pool, SHAPE, "uint8", 4)
-        with pytest.raises(ValueError, match="1..4 record indices"):
+        with pytest.raises(ValueError, match=r"1\.\.4 record indices"):
             g.gather(np.arange(5, dtype=np.uint32))
 
 
