@@ -99,6 +99,10 @@ class Resource:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class _Op:
     fn: Callable[[], None]
@@ -136,6 +140,8 @@ class _FakeStream:
             finally:
                 with self.lock:
                     self.pending.remove(op)
+                op.fn = _nothing  # drop what the work held (buffers, the pool geometry)
+                op.touches = ()
                 op.done.set()
 
     def idle(self) -> bool:
@@ -193,6 +199,11 @@ class FakeRuntime:
         """Live resources (of one kind: device, host_alloc, registered, stream, event, ipc_open)."""
         with self.lock:
             return [r for (k, _), r in self.resources.items() if kind is None or k == kind]
+
+    def shutdown(self) -> None:
+        """Stop the stream workers once their queued work is done (the runtime is being replaced)."""
+        for s in list(self._streams.values()):
+            s.stop()
 
     def quiesce(self, timeout_s: float = 10.0) -> None:
         """Wait until every stream is idle (for tests and shutdown)."""
@@ -725,5 +736,7 @@ def reset(spec: str | None = None) -> FakeRuntime:
     """A fresh fake runtime (tests): ``spec`` as in ``GPUPRIMS_FAKE_CUDA``, default the variable's."""
     global _runtime
     with _runtime_lock:
+        if _runtime is not None and _runtime.pid == os.getpid():
+            _runtime.shutdown()
         _runtime = FakeRuntime(os.environ.get(FAKE_ENV, "1") if spec is None else spec)
         return _runtime
