@@ -30,6 +30,9 @@ SNAPSHOT = ROOT / "native/cuda/resource-usage.json"
 #: The architectures of CMakeLists.txt's GPUPRIMS_CUDA_ARCHS: every edge GPU's SASS, plus compute_75 PTX.
 ARCHS = ("75", "80", "86", "87", "89", "90")
 PTX_ARCH = "75"
+#: Newer architectures the PTX is JIT-compiled for (Blackwell): not in the build (older toolkits do not
+#: know them), but checked for spills here when this nvcc can target them.
+CHECK_ONLY = ("100", "120")
 #: Registers a kernel may use at its __launch_bounds__ (65536 per SM / threads per block, capped at 255).
 MAX_REGS = {"gather_kernel": 255, "finalize_kernel": 128}
 
@@ -52,7 +55,9 @@ def nvcc_version(binary: str) -> str:
 def compile_all(binary: str) -> tuple[str, dict[str, dict[str, dict[str, int]]]]:
     """Build every .cu for every arch; returns (ptxas output, {kernel: {sm: resources}}). Raises
     RuntimeError with the compiler's output on any warning, spill or error."""
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    known = subprocess.run([binary, "--list-gpu-code"], capture_output=True, text=True, timeout=60).stdout.split()
+    extra = [a for a in CHECK_ONLY if f"sm_{a}" in known]
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (*ARCHS, *extra)]
     gencode.append(f"-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}")
     log = []
     usage: dict[str, dict[str, dict[str, int]]] = {}

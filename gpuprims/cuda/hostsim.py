@@ -51,13 +51,14 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def build(out_dir: Path, *, sanitize: bool = False) -> Path:
+def build(out_dir: Path, *, sanitize: bool = False, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernel source and the shim into a shared library under `out_dir` (cached by the
-    sources' contents). Raises RuntimeError with the compiler's output if it fails."""
+    sources' contents and flags; `extra_flags` come last). Raises RuntimeError with the compiler's
+    output if it fails."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    flags = BASE_FLAGS + (SANITIZE_FLAGS if sanitize else ["-O2"])
+    flags = BASE_FLAGS + (SANITIZE_FLAGS if sanitize else ["-O2"]) + list(extra_flags)
     h = hashlib.sha256(" ".join(flags).encode())
     for f in (*SOURCES, *HEADERS):
         h.update(f.read_bytes())

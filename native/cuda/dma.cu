@@ -36,6 +36,16 @@ __device__ __forceinline__ float convert(uint32_t byte, uint32_t ch, const Launc
   return __fdiv_rn(__fadd_rn(__fmul_rn(float(byte), p.a[ch]), p.b[ch]), p.d[ch]);
 }
 
+// Word i of a 16-byte load, selected without indexing an array: a dynamically indexed local array
+// lives in local memory (stack), which ptxas reports as spills on sm_100.
+__device__ __forceinline__ uint32_t word_of(const uint4& v, uint32_t i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint32_t byte_of(const uint4& v, uint32_t k) {  // k in 0..15
+  return (word_of(v, k / 4) >> (8 * (k % 4))) & 0xFFu;
+}
+
 __device__ __forceinline__ uint32_t next_channel(uint32_t ch, uint32_t k, uint32_t channels) {
   // 32-bit only: ch < channels <= 4 and k <= 16, so the sum never wraps.
   return (ch + k) % channels;
@@ -53,15 +63,13 @@ __device__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint32_t len, int l
     for (uint32_t i = lane; i < full; i += 32) d4[i] = __ldcv(s4 + i);
     if (full < vecs && lane == 0) {
       const uint4 v = __ldcv(s4 + full);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      for (uint32_t j = full * 16; j < len; ++j) dst[j] = uint8_t(words[(j % 16) / 4] >> (8 * (j % 4)));
+      for (uint32_t j = full * 16; j < len; ++j) dst[j] = uint8_t(byte_of(v, j % 16));
     }
   } else {
     for (uint32_t i = lane; i < vecs; i += 32) {
       const uint4 v = __ldcv(s4 + i);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
       const uint32_t base = i * 16, end = min(len, base + 16u);
-      for (uint32_t j = base; j < end; ++j) dst[j] = uint8_t(words[(j - base) / 4] >> (8 * (j % 4)));
+      for (uint32_t j = base; j < end; ++j) dst[j] = uint8_t(byte_of(v, j - base));
     }
   }
 }
@@ -74,15 +82,14 @@ __device__ void convert_bytes(const uint8_t* src, float* dst, uint32_t ch0, uint
   const bool dst16 = (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
   for (uint32_t i = lane; i < vecs; i += 32) {
     const uint4 v = __ldcv(s4 + i);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
     const uint32_t base = i * 16;
     // 16 * i % channels without a 64-bit (or any per-element) division: 16 % 3 == 1, else 0.
     const uint32_t ch = next_channel(ch0, (p.channels == 3 ? i % 3 : 0), p.channels);
     if (dst16 && base + 16 <= len) {
       float4* d4 = reinterpret_cast<float4*>(dst + base);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t w = words[k];
+      for (uint32_t k = 0; k < 4; ++k) {
+        const uint32_t w = word_of(v, k);
         const uint32_t c = next_channel(ch, 4 * k, p.channels);
         d4[k] = make_float4(convert(w & 0xFFu, c, p), convert((w >> 8) & 0xFFu, next_channel(c, 1, p.channels), p),
                             convert((w >> 16) & 0xFFu, next_channel(c, 2, p.channels), p),
@@ -92,13 +99,16 @@ __device__ void convert_bytes(const uint8_t* src, float* dst, uint32_t ch0, uint
       const uint32_t end = min(len, base + 16u);
       for (uint32_t j = base; j < end; ++j) {
         const uint32_t k = j - base;
-        dst[j] = convert((words[k / 4] >> (8 * (k % 4))) & 0xFFu, next_channel(ch, k, p.channels), p);
+        dst[j] = convert(byte_of(v, k), next_channel(ch, k, p.channels), p);
       }
     }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant__ LaunchParams p) {
+// minBlocksPerMultiprocessor 2 gives ptxas an explicit register budget (up to 128 per thread); with
+// the thread count alone, ptxas 13 settles on 48 registers for sm_80 and later and spills.
+// scripts/check_cuda_archs.py holds the result (no spills, no stack) for every architecture.
+__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const __grid_constant__ LaunchParams p) {
   __shared__ RecordView rec;
   __shared__ int32_t rec_verdict;
   const uint32_t row = blockIdx.y;

@@ -46,3 +46,24 @@ def test_harness_notices_a_wrong_kernel(tmp_path: Path) -> None:
         hostsim.SOURCES = sources
     failures = hostsim.run_all(k, quick=True)["failures"]
     assert failures and all("u8f32x" in name for name in failures)
+
+
+def test_fused_multiply_add_would_change_the_bits(tmp_path: Path) -> None:
+    """Finding 8: the kernel rounds x * a and + b separately (__fmul_rn/__fadd_rn), so its host twin and
+    the CPU reference must not let the compiler contract them into an FMA. Built with FMA allowed
+    (-mfma -ffp-contract=fast, what GCC does by default on aarch64/Jetson), the fused conversion no
+    longer matches the reference (which the extension builds with -ffp-contract=off); with the flag
+    it does, on the same FMA-capable target."""
+    if "fma" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no FMA instructions to contract into")
+    fused = hostsim.HostKernel(hostsim.build(tmp_path, extra_flags=("-mfma", "-ffp-contract=fast")))
+    failures = hostsim.run_all(fused, quick=True)["failures"]
+    assert failures and all("u8f32x" in name for name in failures)
+    exact = hostsim.HostKernel(hostsim.build(tmp_path, extra_flags=("-mfma", "-ffp-contract=off")))
+    assert hostsim.run_all(exact, quick=True)["failures"] == {}
+
+
+def test_extension_builds_its_reference_without_contraction() -> None:
+    cmake = (hostsim.ROOT / "CMakeLists.txt").read_text()
+    line = next(ln for ln in cmake.splitlines() if ln.startswith("target_compile_options(_native"))
+    assert "-ffp-contract=off" in line
