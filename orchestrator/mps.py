@@ -212,3 +212,25 @@ class MpsDaemon:
             log.warning("MPS daemon did not quit cleanly: %s", out)
         self.started = False
         self.active = False
+
+
+def probe_daemon(pipe_dir: str | None = None, binary: str | None = None) -> dict[str, object]:
+    """What a running MPS control daemon says, without starting one (for ``gpuprims doctor``):
+    ``installed``, ``answering``, the ``pipe_dir`` asked, and ``servers`` as {server pid: [client pids]}."""
+    binary = binary or shutil.which(CONTROL)
+    pipe = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR)
+    info: dict[str, object] = {"installed": binary is not None, "answering": False, "pipe_dir": pipe, "servers": {}}
+    if binary is None:
+        return info
+    ok, out = _query(binary, pipe, "get_server_list")
+    info["answering"] = ok
+    if not ok:
+        info["error"] = out
+        return info
+    servers: dict[int, list[int]] = {}
+    for server in out.split():
+        if server.isdigit():
+            ok2, out2 = _query(binary, pipe, f"get_client_list {server}")
+            servers[int(server)] = [int(p) for p in (out2.split() if ok2 else []) if p.isdigit()]
+    info["servers"] = servers
+    return info

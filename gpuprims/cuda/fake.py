@@ -647,7 +647,7 @@ class FakeRuntime:
                 res[1 + i] = int(status[i])
 
         # The native layer validates the same arguments before launching (check_rows).
-        _native.dma_gather_cpu(0, geometry, recs[:0], 1, out_nbytes, row_stride, row_src_bytes, expect_dtype, mode,
+        _native.dma_gather_cpu(0, geometry, recs[:0], out, out_nbytes, row_stride, row_src_bytes, expect_dtype, mode,
                                channels, a, b, d, np.zeros(1, np.int32))
         st.submit(_Op(kernel, touches))
 

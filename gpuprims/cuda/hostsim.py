@@ -223,8 +223,9 @@ def shape_cases(quick: bool) -> Iterator[Case]:
                 sp = _pool(chunk, n, size, seed)
                 recs = np.array([sp.add_request(7, 100 + i, body, chunk_payload=chunk)
                                  for i, body in enumerate(_bodies(rng, n, size))], dtype=np.uint32)
-                variants = [(0, 0, 1)] if quick else [(0, 0, 1), (3, 0, 2), (0, 16, 7)]
-                variants += [(5, 1, 3)] if mode == MODE_COPY else [(4, 4, 3)]
+                # (row padding, destination misalignment, blocks per row); float32 rows start on 4 bytes.
+                variants = [(0, 0, 1)] if quick else [(0, 0, 1), (12, 0, 2), (0, 16, 7)]
+                variants += [(5, 1, 3), (3, 7, 2)] if mode == MODE_COPY else [(4, 4, 3), (8, 12, 5)]
                 for pad, offset, bpr in variants:
                     label = "copy" if norm is None else f"u8f32x{len(norm.mean)}"
                     yield Case(f"{label} chunk={chunk} size={size} pad={pad} off={offset} bpr={bpr}", sp, recs,

@@ -113,14 +113,20 @@ struct PoolGeometry {
   uint32_t max_payload() const { return slot_size - uint32_t(wire::kHeaderSize); }
 };
 
-void check_rows(uint64_t n, uint64_t out_nbytes, uint64_t row_stride, uint64_t row_src_bytes, uint32_t mode,
-                uint32_t channels, size_t na, size_t nb_, size_t nd) {
+void check_rows(uint64_t n, uintptr_t out, uint64_t out_nbytes, uint64_t row_stride, uint64_t row_src_bytes,
+                uint32_t mode, uint32_t channels, size_t na, size_t nb_, size_t nd) {
   if (n > d::kMaxBatch)
     throw std::invalid_argument("at most " + std::to_string(d::kMaxBatch) + " rows per launch, got " +
                                 std::to_string(n));
   if (mode != d::kModeCopy && mode != d::kModeU8ToF32) throw std::invalid_argument("unknown mode");
   if (channels < 1 || channels > d::kMaxChannels || na < channels || nb_ < channels || nd < channels)
     throw std::invalid_argument("channels must be 1..4 with that many scale/offset/divisor values");
+  // The kernel stores float32 elements: a row that starts off a 4-byte boundary would be a
+  // misaligned-address fault on the GPU (and undefined behaviour in the reference).
+  if (mode == d::kModeU8ToF32 && (row_stride % 4 != 0 || out % 4 != 0))
+    throw std::invalid_argument("uint8->float32 rows must start on 4-byte boundaries (row_stride " +
+                                std::to_string(row_stride) + ", destination offset " + std::to_string(out % 4) +
+                                ")");
   const uint64_t row_dst = row_src_bytes * (mode == d::kModeU8ToF32 ? 4 : 1);
   if (row_src_bytes == 0 || row_stride < row_dst)
     throw std::invalid_argument("row_stride is smaller than a row");
@@ -586,7 +592,7 @@ void bind_runtime(nb::module_& m) {
          const std::vector<float>& dv, uintptr_t status_dev,
          uintptr_t result_dev, uint32_t blocks_per_row) {
         const uint64_t n = records.shape(0);
-        check_rows(n, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
+        check_rows(n, out, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
         d::LaunchParams p{};
         p.pool = reinterpret_cast<const uint8_t*>(pool_dev);
         p.slots_offset = g.slots_offset;
@@ -664,7 +670,7 @@ void bind_cuda(nb::module_& m) {
          const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& dv,
          StatusArray status) {
         const uint64_t n = records.shape(0);
-        check_rows(n, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
+        check_rows(n, out, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
         if (status.shape(0) < n) throw std::invalid_argument("status array is shorter than the record list");
         const d::Geometry geo{g.max_chunks, g.max_payload(), row_src_bytes, expect_dtype};
         const uint32_t* recs = records.data();
