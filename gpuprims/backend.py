@@ -10,7 +10,11 @@ torch working is not enough, because the extension carries its own CUDA runtime 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -82,14 +86,33 @@ class CudaProbe:
                 "driver_version": self.driver_version, "devices": self.devices}
 
 
-def cuda_probe(device: int | None = None) -> CudaProbe:
+_CHILD = "import json, sys; from gpuprims.backend import cuda_probe; print(json.dumps(cuda_probe({dev}).as_dict()))"
+
+
+def _probe_in_child(device: int | None, timeout_s: float) -> CudaProbe:
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD.format(dev=device)], capture_output=True, text=True,
+                           timeout=timeout_s, env=dict(os.environ))
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+        return CudaProbe(**d)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError) as e:
+        return CudaProbe(False, f"the CUDA probe process failed: {e}")
+
+
+def cuda_probe(device: int | None = None, *, isolated: bool = False, timeout_s: float = 120.0) -> CudaProbe:
     """Ask the native CUDA layer whether it can run here (never raises).
+
+    Loading the kernels creates a CUDA context in the calling process; ``isolated=True`` probes in
+    a short-lived child process instead (for a supervisor such as the node, which must hold no
+    context of its own and whose instances are separate processes).
 
     Checks, in order: kernels built; the extension's runtime against the driver (a 13.x runtime on a
     CUDA 12 driver fails every call with cudaErrorInsufficientDriver while torch, with its own 12.x
     runtime, works); a device; and, for `device` (every device if None), that the driver can load
     the GPU-DMA kernels (an image for its architecture, or PTX it can JIT).
     """
+    if isolated:
+        return _probe_in_child(device, timeout_s)
     fake = runtime.is_fake()
     if not cuda_kernels_built():
         return CudaProbe(False, "gpuprims._native was built without CUDA kernels (no nvcc at build time)")
@@ -141,12 +164,13 @@ def cuda_probe(device: int | None = None) -> CudaProbe:
     return probe
 
 
-def resolve_backend(requested: str, *, device: int | None = None) -> BackendName:
+def resolve_backend(requested: str, *, device: int | None = None, isolated: bool = False) -> BackendName:
     """Map 'auto' / 'cpu' / 'cuda' to the backend that will run.
 
     cuda needs torch with CUDA (except on the fake runtime, where torch runs on the CPU) and
     :func:`cuda_probe` to pass. 'cuda' refuses with the reason where they do not; 'auto' falls back to
-    cpu and logs the reason at WARNING (silent only where there is no driver at all).
+    cpu and logs the reason at WARNING (silent only where there is no driver at all). A supervisor
+    that must not create a CUDA context passes ``isolated=True`` (the probe runs in a child).
     """
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {requested!r}")
@@ -157,7 +181,7 @@ def resolve_backend(requested: str, *, device: int | None = None) -> BackendName
         if requested == "cuda":
             raise RuntimeError("backend 'cuda' was requested but torch sees no CUDA device with a driver")
         return "cpu"
-    probe = cuda_probe(device)
+    probe = cuda_probe(device, isolated=isolated)
     if probe.ok:
         return "cuda"
     if requested == "cuda":

@@ -268,3 +268,13 @@ def test_ipc_open_and_close_across_processes(fake_cuda: fake.FakeRuntime) -> Non
     (res,) = [r for r in fake_cuda.live("device") if r.handle == mem.ptr]
     mem.close()
     assert not os.path.exists(f"/dev/shm/{res.keep.name}")
+
+
+def test_isolated_probe_runs_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node probes without creating a CUDA context of its own: the child inherits the environment."""
+    monkeypatch.setenv(fake.FAKE_ENV, "driver=12020,runtime=13000")
+    probe = backend.cuda_probe(isolated=True)
+    assert not probe.ok and probe.fake and "rebuild" in probe.reason
+    assert backend.resolve_backend("auto", isolated=True) == "cpu"
+    monkeypatch.setenv(fake.FAKE_ENV, "1")
+    assert backend.cuda_probe(isolated=True).ok
