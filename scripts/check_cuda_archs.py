@@ -99,6 +99,42 @@ def parse(out: str) -> dict[str, dict[str, dict[str, int]]]:
     return usage
 
 
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, or the one the PyPI package nvidia-cuda-cuobjdump installs (the dev extra)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for cand in sorted(Path(base).glob("*/bin/cuobjdump")):
+                return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+def built_images(library: Path, binary: str) -> tuple[set[str], set[str]]:
+    """(SASS architectures, PTX architectures) inside a built extension, e.g. ({"sm_75", ...}, {"sm_75"})."""
+    r = subprocess.run([binary, "--list-elf", "--list-ptx", str(library)], capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed on {library}: {r.stderr.strip()}")
+    elf = set(re.findall(r"ELF file\s+\d+: \S+?\.(sm_\d+)\.cubin", r.stdout))
+    ptx = set(re.findall(r"PTX file\s+\d+: \S+?\.(sm_\d+)\.ptx", r.stdout))
+    return elf, ptx
+
+
+def check_built(library: Path, binary: str) -> list[str]:
+    """What the built extension lacks: machine code for every target architecture and the PTX."""
+    elf, ptx = built_images(library, binary)
+    bad = [f"no machine code for sm_{a} in {library.name}" for a in ARCHS if f"sm_{a}" not in elf]
+    if f"sm_{PTX_ARCH}" not in ptx:
+        bad.append(f"no compute_{PTX_ARCH} PTX in {library.name} (found {sorted(ptx)})")
+    return bad
+
+
 def invariants(usage: dict[str, dict[str, dict[str, int]]]) -> list[str]:
     bad = []
     for kernel, per_arch in usage.items():

@@ -46,3 +46,14 @@ def test_snapshot_covers_every_arch_without_spills() -> None:
 @pytest.mark.skipif(check.nvcc() is None, reason="nvcc not found: the per-architecture build check needs it")
 def test_kernels_build_for_every_arch_and_match_the_snapshot(capsys: pytest.CaptureFixture[str]) -> None:
     assert check.main([]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.skipif(check.cuobjdump() is None, reason="cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+def test_the_built_extension_carries_every_arch_and_the_ptx() -> None:
+    """What was actually built, not what CMake was asked: an old build tree once kept building sm_90
+    only (a cached architecture list outlives a new default)."""
+    from gpuprims import _native
+
+    if not _native.CUDA_KERNELS_BUILT:
+        pytest.skip("the installed extension was built without CUDA kernels (no nvcc at build)")
+    assert check.check_built(Path(_native.__file__), check.cuobjdump()) == []
