@@ -10,11 +10,12 @@ Raw handles are ints and print in hex.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -230,6 +231,21 @@ def _cpu_stream_worker(q: queue.SimpleQueue[Any]) -> None:
             fut.set_exception(exc)
 
 
+@contextlib.contextmanager
+def _low_timer_slack(ns: int = 1000) -> Iterator[None]:
+    """This thread's Linux timer slack lowered to `ns` for a polling loop (PR_SET_TIMERSLACK; the
+    default 50 us stretches every short sleep), restored afterwards."""
+    native = runtime.native()
+    prev = int(native.get_timer_slack_ns())
+    if prev > ns:
+        native.set_timer_slack_ns(ns)
+    try:
+        yield
+    finally:
+        if prev > ns:
+            native.set_timer_slack_ns(prev)
+
+
 class CpuEvent:
     """The CPU backend's event: a marker queued into a :class:`CpuStream` behind the work before it."""
 
@@ -237,6 +253,8 @@ class CpuEvent:
         self._flag = threading.Event()
         self._flag.set()  # an event never recorded counts as complete, as a fresh cudaEvent does
         self._t_ns = 0
+        self.last_polls = 0
+        self.last_wait_ns = 0
 
     def record(self, stream: CpuStream) -> None:
         """Mark the point after all work queued so far on `stream`."""
@@ -267,19 +285,29 @@ class CpuEvent:
         interval = _check_interval(interval_us) / 1e6
         deadline = None if timeout_s is None else time.monotonic() + _check_timeout(timeout_s) / 1e6
         polls = 1
+        self.last_polls, self.last_wait_ns = 1, 0
         if self._flag.is_set():
             return polls
-        delay_ns = int(wake_at_ns) - time.monotonic_ns()
-        if delay_ns > 0:
-            time.sleep(delay_ns / 1e9 if deadline is None else min(delay_ns / 1e9, max(0.0, deadline - time.monotonic())))
-        while True:
-            polls += 1
-            if self._flag.is_set():
-                return polls
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"event not complete after {timeout_s} s ({polls} queries)")
-            if interval:
-                time.sleep(interval)
+        t0 = time.monotonic_ns()
+        with _low_timer_slack():
+            delay_ns = int(wake_at_ns) - time.monotonic_ns()
+            if delay_ns > 0:
+                time.sleep(delay_ns / 1e9 if deadline is None
+                           else min(delay_ns / 1e9, max(0.0, deadline - time.monotonic())))
+            while True:
+                polls += 1
+                self.last_polls, self.last_wait_ns = polls, time.monotonic_ns() - t0
+                if self._flag.is_set():
+                    return polls
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"event not complete after {timeout_s} s ({polls} queries)")
+                if interval:
+                    time.sleep(interval)
+
+    @property
+    def achieved_interval_us(self) -> float:
+        """Mean time between queries in the last :meth:`wait`."""
+        return self.last_wait_ns / 1e3 / max(1, self.last_polls - 1) if self.last_polls > 1 else 0.0
 
     def elapsed_time(self, end: CpuEvent) -> float:
         """Milliseconds between the completion of this event and of `end`."""
