@@ -19,7 +19,8 @@ Each check says whether it passed, its figures, and what it proves:
 
 Without a GPU it says so and runs what it can (the extension); ``--fake`` runs every check on the
 fake CUDA runtime (gpuprims.cuda.fake), which proves the Python paths, not the device. Results go to
-``bench/results/<device>/doctor.json`` (or ``--out``). Exit status 1 if any check failed.
+``bench/results/<device>/doctor.json`` (``doctor-fake.json`` on the fake runtime; or ``--out``). Exit
+status 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -281,8 +282,9 @@ PROVES = {
 
 
 def _device_name(results: list[dict[str, Any]]) -> str:
+    """BENCH.md's machine name: the GPU's short name, else cpu-<N>core (also on the fake runtime)."""
     if runtime.is_fake():
-        return "fake"
+        return f"cpu-{os.cpu_count()}core"
     for r in results:
         if r["name"] == "runtime_driver" and r.get("ok") and r.get("devices"):
             name = str(r["devices"][0].get("name", "gpu")).lower()
@@ -351,7 +353,7 @@ def doctor(fake_runtime: bool, instances: tuple[str, ...], out: Path | None) -> 
            "samples": {r["name"]: r.get("trace", "") for r in results if r.get("trace")}}
     out_dir = out or ROOT / "bench" / "results" / device
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "doctor.json"
+    path = out_dir / ("doctor-fake.json" if runtime.is_fake() else "doctor.json")
     path.write_text(json.dumps(doc, indent=1, default=str))
     click.echo(f"doctor: wrote {path}")
     if any(r["ok"] is False for r in results):

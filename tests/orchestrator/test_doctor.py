@@ -33,12 +33,12 @@ def test_without_a_gpu_it_says_so_and_checks_what_it_can(tmp_path: Path, monkeyp
 def test_on_the_fake_runtime_every_gpu_check_runs(tmp_path: Path, fake_cuda: object) -> None:
     r = CliRunner().invoke(doctor.main, ["doctor", "--fake", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    s = json.loads((tmp_path / "doctor.json").read_text())["summary"]
+    s = json.loads((tmp_path / "doctor-fake.json").read_text())["summary"]
     for k in ("runtime_driver", "pinned_mapped", "events", "ipc", "gpu_dma", "sync_lite"):
         assert s[k]["ok"] is True, (k, s[k])
     assert s["gpu_dma"]["gpu_dma_exact"] and s["gpu_dma"]["cuda_copy_exact"]
     assert s["events"]["achieved_interval_us"] >= 0
-    assert json.loads((tmp_path / "doctor.json").read_text())["machine"]["device"] == "fake"
+    assert json.loads((tmp_path / "doctor-fake.json").read_text())["machine"]["fake_runtime"] is True
 
 
 def test_a_driver_too_old_for_the_runtime_fails_with_the_reason(tmp_path: Path,
@@ -50,7 +50,7 @@ def test_a_driver_too_old_for_the_runtime_fails_with_the_reason(tmp_path: Path,
     finally:
         fake.reset("1")
     assert r.exit_code == 1
-    s = json.loads((tmp_path / "doctor.json").read_text())["summary"]
+    s = json.loads((tmp_path / "doctor-fake.json").read_text())["summary"]
     assert s["runtime_driver"]["ok"] is False and "rebuild" in s["runtime_driver"]["reason"]
     assert s["gpu_dma"]["ok"] is None  # skipped with the same reason, not failed obscurely
 
