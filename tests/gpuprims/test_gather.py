@@ -181,3 +181,20 @@ def test_serving_path_end_to_end_on_fake_runtime(loop: Loopback, fake_cuda: obje
                 assert got[rid].status == Status.OK
                 assert got[rid].array().tobytes() == ref[row].astype(np.float32).tobytes()
     assert fake_cuda.live("registered") == [] and fake_cuda.unsafe_frees == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["gpu_dma", "cuda_copy"])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_cuda_methods_match_host_bits_on_a_gpu(loop: Loopback, dtype: str, method: str) -> None:
+    """The same bits as the host method, from the real kernels on a real device."""
+    loop.send(_bodies(dtype, 6, seed=3))
+    recs = loop.take(6)
+    g = make_gatherer("cuda", loop.pool, SHAPE, dtype, 8, 0, method)
+    try:
+        x = g.gather(recs)
+        assert x.is_cuda and _same_bits(x.cpu(), _today(loop.pool, recs, dtype))
+        assert g.statuses.tolist() == [0] * 6
+        del x
+    finally:
+        g.close()
