@@ -9,8 +9,9 @@ each loading the model and running one batch-1 inference, and all kept alive:
   (share_parameters) from a model built on the meta device, so they allocate no weights.
 
 CUDA: the memory an instance adds is the drop of the device's free memory (cudaMemGetInfo, read by
-the parent) from just before it starts to when it is ready (context, weights, activations and
-workspace). CPU: the USS (private memory) of each instance, with PSS beside it. The instances that
+the parent) from just before it starts to when its weights are in place (context and weights),
+read before its first inference; what the inference then adds (activations, the cuBLAS/cuDNN
+workspace, the same with or without Param-Share) is reported apart as ``*_inference_mb``. CPU: the USS (private memory) of each instance, with PSS beside it. The instances that
 fit in a fixed budget (16 GiB, the paper's T4) follow from these.
 """
 
@@ -53,6 +54,12 @@ def instance(backend: str, name: str, mode: str, blob: bytes | None, conn: Any) 
             exp = export_parameters(model)
             if cuda:
                 torch.cuda.empty_cache()  # the pre-export copies are free now; give them back
+        if cuda:
+            torch.cuda.synchronize()
+        # The parent reads the device's memory here (weights in place, no inference yet), then again
+        # after the inference below, whose workspace is the same with or without Param-Share.
+        conn.send({"loaded": True})
+        conn.recv()
         with torch.no_grad():
             model(torch.randn(1, 3, 224, 224, device=dev))
         if cuda:
@@ -76,17 +83,26 @@ class Fleet:
         self.ctx = mp.get_context("spawn")
         self.procs: list[tuple[Any, Any]] = []
 
-    def start(self, *args: Any, timeout_s: float = 600) -> dict[str, Any]:
+    def start(self, *args: Any, timeout_s: float = 600, on_loaded: Any = None) -> dict[str, Any]:
+        """Start one instance; `on_loaded()` runs once its weights are in place (before its first
+        inference), and its value is returned as ``msg["loaded"]``."""
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=instance, args=(*args, child))
         p.start()
         self.procs.append((p, parent))
-        if not parent.poll(timeout_s):
-            raise TimeoutError(f"instance {args} not ready within {timeout_s} s")
-        msg = parent.recv()
-        if "error" in msg:
-            raise RuntimeError(f"instance {args} failed: {msg['error']}")
-        return msg
+        loaded = None
+        while True:
+            if not parent.poll(timeout_s):
+                raise TimeoutError(f"instance {args} not ready within {timeout_s} s")
+            msg = parent.recv()
+            if "error" in msg:
+                raise RuntimeError(f"instance {args} failed: {msg['error']}")
+            if msg.get("loaded"):
+                loaded = on_loaded() if on_loaded is not None else None
+                parent.send("go")
+                continue
+            msg["loaded"] = loaded
+            return msg
 
     def stop(self) -> None:
         # Importers before the exporter: release in the order CUDA IPC requires.
@@ -122,6 +138,7 @@ def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict
     for mode in ("unshared", "shared"):
         fleet = Fleet()
         per: list[float] = []
+        infer: list[float] = []
         pss: list[float] = []
         weights = 0
         try:
@@ -129,12 +146,13 @@ def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict
             for i in range(added + 1):
                 role = "unshared" if mode == "unshared" else ("export" if i == 0 else "import")
                 before = device_used_mib() if cuda else 0.0
-                msg = fleet.start(backend, name, role, blob)
+                msg = fleet.start(backend, name, role, blob, on_loaded=device_used_mib if cuda else None)
                 if role == "export":
                     blob = msg["blob"]
                     weights = msg["weights_bytes"]
                 if cuda:
-                    per.append(device_used_mib() - before)
+                    per.append(msg["loaded"] - before)
+                    infer.append(device_used_mib() - msg["loaded"])
                 else:
                     uss, p = host_mem_mib(msg["pid"])
                     per.append(uss)
@@ -142,7 +160,8 @@ def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict
                 weights = weights or msg["weights_bytes"]
         finally:
             fleet.stop()
-        samples[mode] = {"mem_mib_per_instance": per, "pss_mib_per_instance": pss, "weights_bytes": weights}
+        samples[mode] = {"mem_mib_per_instance": per, "pss_mib_per_instance": pss, "weights_bytes": weights,
+                         "inference_mib_per_instance": infer}
     s: dict[str, Any] = {}
     un = samples["unshared"]["mem_mib_per_instance"]
     sh = samples["shared"]["mem_mib_per_instance"]
@@ -153,6 +172,8 @@ def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict
     s[f"{name}_instances_fit_unshared"] = int(BUDGET_MIB // max(s[f"{name}_mem_per_instance_mb_unshared"], 1e-9))
     s[f"{name}_instances_fit_shared"] = int(
         1 + max(0.0, BUDGET_MIB - s[f"{name}_first_instance_mb"]) // max(s[f"{name}_mem_per_instance_mb_shared"], 1e-9))
+    if cuda:
+        s[f"{name}_inference_mb"] = float(np.mean(samples["unshared"]["inference_mib_per_instance"]))
     if not cuda:
         s[f"{name}_pss_per_instance_mb_unshared"] = float(np.mean(samples["unshared"]["pss_mib_per_instance"]))
         s[f"{name}_pss_per_instance_mb_shared"] = float(np.mean(samples["shared"]["pss_mib_per_instance"][1:]))

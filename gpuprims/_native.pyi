@@ -115,6 +115,14 @@ DMA_MODE_U8_TO_F32: int = 1
 
 DMA_MAX_CHANNELS: int = 4
 
+def get_timer_slack_ns() -> int:
+    """This thread's Linux timer slack (PR_GET_TIMERSLACK), ns."""
+
+def set_timer_slack_ns(ns: int) -> None:
+    """
+    Set this thread's Linux timer slack (PR_SET_TIMERSLACK), ns (0 is taken as 1).
+    """
+
 def dma_record_layout() -> dict:
     """Record field name -> (offset, size) as the GPU-DMA kernel reads them."""
 
@@ -139,7 +147,7 @@ class PoolGeometry:
     @property
     def max_payload(self) -> int: ...
 
-def dma_gather_cpu(base: int, geometry: PoolGeometry, records: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], out: int, out_nbytes: int, row_stride: int, row_src_bytes: int, expect_dtype: int, mode: int, channels: int, a: Sequence[float], b: Sequence[float], status: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> int:
+def dma_gather_cpu(base: int, geometry: PoolGeometry, records: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], out: int, out_nbytes: int, row_stride: int, row_src_bytes: int, expect_dtype: int, mode: int, channels: int, a: Sequence[float], b: Sequence[float], d: Sequence[float], status: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> int:
     """
     CPU reference of the GPU-DMA kernel: same checks, verdicts and bytes. Returns rows placed.
     """
@@ -156,6 +164,15 @@ def cuda_raise(arg0: int, arg1: str, /) -> None:
 def cuda_runtime_version() -> int: ...
 
 def cuda_driver_version() -> int: ...
+
+def cuda_kernel_image(arg: int, /) -> dict:
+    """
+    Loads the GPU-DMA kernels for device dev (cudaFuncGetAttributes): their registers, local memory and the PTX/binary versions of the image the driver picked; raises CudaError (cudaErrorNoKernelImageForDevice, cudaErrorUnsupportedPtxVersion, ...) if none can run there.
+    """
+
+def cuda_device_capability(arg: int, /) -> tuple: ...
+
+def cuda_device_name(arg: int, /) -> str: ...
 
 def cuda_device_count() -> int: ...
 
@@ -195,14 +212,14 @@ def cuda_event_synchronize(arg: int, /) -> None: ...
 
 def cuda_event_elapsed_ms(arg0: int, arg1: int, /) -> float: ...
 
-def cuda_event_poll(event: int, wake_at_ns: int, interval_us: int, timeout_us: int) -> int:
+def cuda_event_poll(event: int, wake_at_ns: int, interval_us: int, timeout_us: int) -> tuple:
     """
-    cudaEventQuery every interval_us (after sleeping until wake_at_ns, CLOCK_MONOTONIC) with the GIL released; returns the query count, negative if timeout_us passed first.
+    cudaEventQuery every interval_us (after sleeping until wake_at_ns, CLOCK_MONOTONIC) with the GIL released and the thread's timer slack at 1 us; returns (queries, elapsed_ns), queries negative if timeout_us passed first.
     """
 
 def cuda_callback_wait(stream: int, timeout_us: int) -> bool:
     """
-    Enqueues cudaLaunchHostFunc on stream and blocks (GIL released) until it runs; False on timeout.
+    Enqueues cudaLaunchHostFunc on stream and blocks (GIL released) until it runs; False on timeout; raises CudaError if the stream faults meanwhile (CUDA then never runs the function).
     """
 
 @overload
@@ -236,7 +253,7 @@ def cuda_ipc_open_mem_handle(arg0: int, arg1: bytes, /) -> int: ...
 
 def cuda_ipc_close_mem_handle(arg0: int, arg1: int, /) -> None: ...
 
-def dma_launch(device: int, stream: int, geometry: PoolGeometry, pool_dev: int, records: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], out: int, out_nbytes: int, row_stride: int, row_src_bytes: int, expect_dtype: int, mode: int, channels: int, a: Sequence[float], b: Sequence[float], status_dev: int, result_dev: int, blocks_per_row: int) -> None: ...
+def dma_launch(device: int, stream: int, geometry: PoolGeometry, pool_dev: int, records: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], out: int, out_nbytes: int, row_stride: int, row_src_bytes: int, expect_dtype: int, mode: int, channels: int, a: Sequence[float], b: Sequence[float], d: Sequence[float], status_dev: int, result_dev: int, blocks_per_row: int) -> None: ...
 
 TRAFFIC_RECORD_SIZE: int = 72
 

@@ -339,7 +339,7 @@ class AppConfig(BaseModel):
     slo_ms: float = Field(gt=0, le=3_600_000)
     gpu_pct: PctOrAuto = "auto"
     instances: CountOrAuto = 1
-    max_batch: int = Field(8, ge=1, le=4096)
+    max_batch: int = Field(8, ge=1, le=512)  # 512: the GPU-DMA gather's launch limit
     max_wait_ms: float = Field(2.0, ge=0)
     #: 0 only before NodeConfig assigns it; a loaded config always has 1..65535.
     app_id: int = Field(0, ge=1, le=65535)

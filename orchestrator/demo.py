@@ -21,18 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import ConfigError, NodeConfig, load_config
+from orchestrator.config import ConfigError, NodeConfig, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _with_free_port(cfg: NodeConfig) -> NodeConfig:
-    """The same config listening on an ephemeral port, so the demo never collides with a running node."""
+    """The same config listening on an ephemeral port, so the demo never collides with a running node
+    (the HTTP/gRPC front door, on fixed ports in the example, is left off: the demo replays UDP)."""
     data = cfg.model_dump()
     data["node"]["listen"]["port"] = [0]
     data["node"]["run_dir"] = None
-    from orchestrator.config import parse_config
-
+    data["node"]["http_port"] = data["node"]["grpc_port"] = 0
     return parse_config(data, source="demo")
 
 

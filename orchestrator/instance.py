@@ -42,9 +42,9 @@ import torch
 from apps.zoo import load_model
 from gpuprims.batching import BatchPolicy
 from gpuprims.cpushare import CpuShare, apply_cpu_share
-from gpuprims.cuda import sync_lite
 from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
+from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
 from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.respond import Responder
 from gpuprims.stats import RequestHistograms
@@ -110,6 +110,7 @@ class InstanceSpec:
     # A file the node's instances lock while measuring, so that their measurements do not overlap.
     measure_lock: str | None = None
     stage_pcts: dict[str, int] | None = None  # dispatched: the GPU% each stage is measured and run at
+    gather_method: str | None = None  # host (cpu) | gpu_dma (cuda default) | cuda_copy (the baseline)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -123,16 +124,6 @@ class InstanceSpec:
             raise ValueError(f"unknown instance spec keys: {sorted(unknown)}")
         data["input_shape"] = tuple(data.get("input_shape", (3, 224, 224)))
         return cls(**data)
-
-
-def preprocess(batch: Any, dtype: str) -> Any:
-    """The app's input transform: uint8 bodies become float32 in [0, 1]; float32 passes unchanged.
-
-    The correctness oracle applies the same transform before running the model directly in torch.
-    """
-    if dtype == "uint8":
-        return batch.to(torch.float32).div_(255.0)
-    return batch
 
 
 class DagModel:
@@ -252,17 +243,20 @@ class Instance:
         self.measured: dict[str, dict[str, float]] = {}  # stage -> {batch: ms}, from the warm-up
         self._threads: int | None = None
         self._last_error: str | None = None
+        self.gatherer: Gatherer | None = None
+        self.runner: ModelRunner | None = None
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_compute(self, gpu_pct: int) -> None:
         """Apply the share, load the model and warm it up (the GPU-side half of start-up)."""
         self.spec.gpu_pct = gpu_pct
+        # cuda:<gpu> on the cuda backend; cpu on the cpu backend and on the fake CUDA runtime.
+        self.device = torch_device(self.spec.backend, self.spec.gpu)
         if self.spec.backend == "cuda":
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(gpu_pct)
-            self.device = torch.device("cuda", self.spec.gpu)
-            torch.cuda.set_device(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
         else:
-            self.device = torch.device("cpu")
             if self.spec.cores:
                 apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
                                          gpu_pct=gpu_pct))
@@ -276,6 +270,11 @@ class Instance:
             self.model = DagModel(self.stage_models, self.routes, entry)
         else:
             self.model = self._load_single(load_model)
+        # The gather and run seams: GPU-DMA into a preallocated device batch and Sync-lite on cuda
+        # (the spec's gather_method may pick the CUDA-Copy baseline); the native host gather on cpu.
+        self.gatherer = make_gatherer(self.spec.backend, self.pool, tuple(self.spec.input_shape), self.spec.dtype,
+                                      self.spec.max_batch, self.spec.gpu, self.spec.gather_method)
+        self.runner = ModelRunner(self.spec.backend, self.spec.gpu, stream=self.gatherer.stream)
         if self.spec.dispatched:
             self._measure_stages()  # the scheduler's starting profile, needed even without warm-up
         elif self.spec.warmup:
@@ -410,18 +409,21 @@ class Instance:
             recs, info = recs[~bad], info[~bad]
         if not recs.size:
             return None
-        host = torch.empty((recs.size, *self.spec.input_shape),
-                           dtype=torch.uint8 if self.spec.dtype == "uint8" else torch.float32)
-        self.pool.gather(recs, host)
-        return recs, info, preprocess(host.to(self.device, non_blocking=True), self.spec.dtype)
+        assert self.gatherer is not None
+        x = self.gatherer.gather(recs)  # valid until the next gather
+        ok = self.gatherer.statuses == 0
+        if ok.size and not ok.all():  # the GPU-DMA kernel's verdicts on the records it read
+            self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
+            recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]
+            if not recs.size:
+                return None
+        return recs, info, x
 
     def run(self, fn: Any, x: Any) -> Any:
         """The seam every serving mode runs a model through: ``fn(x)`` without autograd; on CUDA its
         completion is awaited with Sync-lite (event polling with the GIL released)."""
-        with torch.inference_mode():
-            if self.device.type == "cuda":
-                return sync_lite(fn, x, interval_us=100)
-            return fn(x)
+        assert self.runner is not None
+        return self.runner.run(fn, x)
 
     def fail(self, recs: np.ndarray, info: np.ndarray, status: Status) -> None:
         """Answer requests with an error status and release them."""
@@ -688,6 +690,10 @@ class Instance:
                     self.handle(msg)
 
     def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.gatherer is not None:
+            self.gatherer.close()  # before the pool it registered goes
         self.responder.close()
         self.pool.close()
 

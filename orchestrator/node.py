@@ -146,7 +146,8 @@ class Node:
 
     def _start(self) -> None:
         node = self.cfg.node
-        self.backend = resolve_backend(node.backend)
+        # isolated: the probe runs in a child, so the orchestrator itself never holds a CUDA context.
+        self.backend = resolve_backend(node.backend, isolated=True)
         self.placement.backend = self.backend
         why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
             if node.backend == "auto" else "requested"
@@ -217,6 +218,11 @@ class Node:
         if later:
             self.supervisor.await_ready([self.supervisor.spawn(app, name, shares.get(name)) for app, name in later],
                                         self.ready_timeout_s, self._handle, self._stop.is_set)
+        if self.mps is not None:
+            try:  # every instance must be the MPS daemon's client at its percentage, or run without a limit
+                self.mps.check_clients({st.pid: st.spec.gpu_pct for st in self.instances.values()})
+            except MpsUnavailable as e:
+                raise StartError(f"node.mps is 'require' but an instance is not an MPS client: {e}") from e
         if self.scheduled:
             self._start_dispatcher()
         for app in self.cfg.apps:

@@ -18,3 +18,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> object:
+    """This process on the fake CUDA runtime (gpuprims.cuda.fake) for one test; a fresh runtime whose
+    ledger the test may inspect. Afterwards its streams are drained."""
+    from gpuprims.cuda import fake
+
+    monkeypatch.setenv(fake.FAKE_ENV, "delay_us=300")
+    rt = fake.reset()
+    yield rt
+    rt.quiesce()
+    fake.reset("1")

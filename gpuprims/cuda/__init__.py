@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Event": "event", "Stream": "event", "CpuEvent": "event", "CpuStream": "event", "stream_handle": "event",
     # GPU-DMA
     "gpu_dma": "dma", "gpu_dma_async": "dma", "cuda_copy_gather": "dma", "DmaJob": "dma", "DmaStatus": "dma",
-    "Normalize": "dma", "IMAGENET": "dma", "Packets": "dma", "PinnedPool": "dma", "PoolLayout": "dma",
+    "Normalize": "dma", "IMAGENET": "dma", "UNIT": "dma", "DeviceRows": "dma", "Packets": "dma", "PinnedPool": "dma", "PoolLayout": "dma",
     # Sync-lite
     "sync_lite": "sync", "sync_blocking": "sync", "sync_callback": "sync", "AdaptiveWait": "sync",
     "default_cpu_stream": "sync",

@@ -15,8 +15,9 @@ Row i receives record ``packets.records[i]``; the first ``num_packets`` of them 
 verdict is a :class:`DmaStatus`; the return value is the number of rows placed with ``OK``.
 
 ``normalize=Normalize(...)`` is the fused variant: uint8 payloads become float32
-``x * scale / std[c] - mean[c] / std[c]`` (channel ``c = element % len(mean)``, HWC order) while
-they are gathered, so a quarter of the bytes cross the bus.
+``(x * scale / std[c] - mean[c] / std[c]) / divide`` (channel ``c = element % len(mean)``, HWC order)
+while they are gathered, so a quarter of the bytes cross the bus. :data:`UNIT` is the apps' own
+``x / 255`` (bit for bit what ``torch`` computes for ``batch.float().div_(255)``).
 
 ``cuda_copy_gather`` is the baseline: the CPU gathers the payloads into a pinned staging buffer and
 cudaMemcpyAsync copies it to the device (CUDA-Copy); on the CPU backend, a staging gather then a copy.
@@ -25,6 +26,7 @@ cudaMemcpyAsync copies it to the device (CUDA-Copy); on the CPU backend, a stagi
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -34,7 +36,10 @@ from typing import Any, Literal
 import numpy as np
 
 from gpuprims.cuda import runtime
+from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, StreamLike, stream_handle
+
+log = logging.getLogger("gpuprims.dma")
 
 MAX_BATCH = 512  # rows per call; equals _native.DMA_MAX_BATCH (a test keeps them in step)
 _MODE_COPY = 0
@@ -135,13 +140,33 @@ class PinnedPool:
                 eng = self._engines[device] = _Engine(device)
             return eng
 
-    def close(self) -> None:
-        """Release per-device scratch and unregister the pool (cudaHostUnregister). Idempotent."""
-        for eng in self._engines.values():
-            eng.close()
-        self._engines.clear()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Release per-device scratch and unregister the pool (cudaHostUnregister). Idempotent.
+
+        A GPU-DMA job still in flight reads the pool and writes the scratch, so it is waited for
+        first (up to `timeout_s`). If it is still running then, nothing is freed or unregistered
+        (a later close() tries again) and TimeoutError says so: freeing memory under a running
+        kernel is a device fault or silent corruption. A job that failed with a device error frees
+        normally (the context is gone; nothing runs any more).
+        """
+        with self._lock:
+            engines = list(self._engines.items())
+        for dev, eng in engines:
+            job = eng.pending
+            if job is not None:
+                try:
+                    job.wait(timeout_s=timeout_s)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"a GPU-DMA job on device {dev} is still running after {timeout_s} s; the pool stays "
+                        "registered and its scratch allocated (call close() again once the device is idle)") from None
+                except CudaError as e:
+                    log.error("closing a pool whose last GPU-DMA job failed: %s", e)
+            _release_lost(eng.close)
+            with self._lock:
+                self._engines.pop(dev, None)
         if self.region is not None:
-            self.region.close()
+            _release_lost(self.region.close)
 
     def __enter__(self) -> PinnedPool:
         return self
@@ -166,31 +191,50 @@ class Packets:
 
 @dataclass(frozen=True)
 class Normalize:
-    """uint8 -> float32 conversion of the fused gather: ``x * scale / std[c] - mean[c] / std[c]``."""
+    """uint8 -> float32 conversion of the fused gather:
+    ``(x * (scale / std[c]) + (-mean[c] / std[c])) / divide``, each operation rounded to float32."""
 
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     scale: float = 1.0 / 255.0
+    divide: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.mean) <= 4 or len(self.mean) != len(self.std):
             raise ValueError(f"mean and std need the same length, 1..4 channels; got {self.mean!r}, {self.std!r}")
-        vals = (*self.mean, *self.std, self.scale)
+        vals = (*self.mean, *self.std, self.scale, self.divide)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
             raise ValueError(f"mean, std and scale must be finite numbers, got {self!r}")
-        if any(s == 0 for s in self.std):
-            raise ValueError(f"std must not contain 0, got {self.std!r}")
+        if any(s == 0 for s in self.std) or self.divide == 0:
+            raise ValueError(f"std and divide must not contain 0, got std={self.std!r}, divide={self.divide!r}")
 
     @property
-    def coefficients(self) -> tuple[list[float], list[float]]:
-        """(a, b) per channel in float32, padded to 4: y = x * a[c] + b[c]."""
+    def coefficients(self) -> tuple[list[float], list[float], list[float]]:
+        """(a, b, d) per channel in float32, padded to 4: y = (x * a[c] + b[c]) / d[c]."""
         a = [float(np.float32(self.scale) / np.float32(s)) for s in self.std]
         b = [float(-np.float32(m) / np.float32(s)) for m, s in zip(self.mean, self.std)]
-        return a + [0.0] * (4 - len(a)), b + [0.0] * (4 - len(b))
+        d = [float(np.float32(self.divide))] * len(a)
+        return a + [0.0] * (4 - len(a)), b + [0.0] * (4 - len(b)), d + [1.0] * (4 - len(d))
 
 
 #: ImageNet normalisation, the usual input convention of the zoo's models.
 IMAGENET = Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+#: The apps' input transform (gpuprims.gather.preprocess): uint8 x becomes x / 255 in float32, computed
+#: as ((x * 1) + -0) / 255, which is exactly torch's ``x.to(torch.float32).div_(255.0)``.
+UNIT = Normalize(scale=1.0, divide=255.0)
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """A destination given by address: `rows` equal rows of `nbytes` in all on `device` (a gatherer's
+    preallocated batch buffer). ``keepalive`` is held while a launch writes it."""
+
+    ptr: int
+    nbytes: int
+    rows: int
+    device: int
+    is_float32: bool
+    keepalive: Any = None
 
 
 @dataclass
@@ -206,6 +250,11 @@ class _Target:
 
 
 def _target(gpu_buffer: Any) -> _Target:
+    if isinstance(gpu_buffer, DeviceRows):
+        if gpu_buffer.rows <= 0 or gpu_buffer.nbytes <= 0 or gpu_buffer.nbytes % gpu_buffer.rows:
+            raise ValueError(f"DeviceRows needs rows > 0 dividing nbytes, got {gpu_buffer!r}")
+        return _Target("cuda", gpu_buffer.ptr, gpu_buffer.nbytes, gpu_buffer.rows, gpu_buffer.nbytes // gpu_buffer.rows,
+                       gpu_buffer.is_float32, gpu_buffer.device, gpu_buffer.keepalive)
     if isinstance(gpu_buffer, np.ndarray):
         if not gpu_buffer.flags.c_contiguous or not gpu_buffer.flags.writeable:
             raise ValueError("gpu_buffer must be a writable C-contiguous array")
@@ -241,6 +290,7 @@ class _Plan:
     mode: int
     a: list[float]
     b: list[float]
+    d: list[float]
     channels: int
 
 
@@ -271,20 +321,20 @@ def _plan(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | Non
         raise ValueError(f"gpu_buffer is in host memory (cpu backend) but gpu_id={gpu_id!r} was given; pass None")
     if normalize is None:
         mode, row_src, channels = _MODE_COPY, t.row_stride, 1
-        a, b = [1.0] * 4, [0.0] * 4
+        a, b, d = [1.0] * 4, [0.0] * 4, [1.0] * 4
     else:
         if not t.is_float32:
             raise ValueError("the fused uint8 -> float32 gather needs a float32 gpu_buffer")
         if t.row_stride % 4:
             raise ValueError(f"row of {t.row_stride} bytes is not a whole number of float32")
         mode, row_src, channels = _MODE_U8_TO_F32, t.row_stride // 4, len(normalize.mean)
-        a, b = normalize.coefficients
+        a, b, d = normalize.coefficients
         if expect_dtype is None:
             from gpuprims.wire import DType
 
             expect_dtype = int(DType.UINT8)
     return _Plan(packets, packets.records[:num_packets], t, row_src, -1 if expect_dtype is None else int(expect_dtype),
-                 mode, a, b, channels)
+                 mode, a, b, d, channels)
 
 
 def _check_statuses(statuses: np.ndarray | None, n: int) -> None:
@@ -297,7 +347,7 @@ def _gather_cpu(plan: _Plan, out_ptr: int, out_nbytes: int, status: np.ndarray) 
     pool = plan.packets.pool
     return int(runtime.native().dma_gather_cpu(
         pool.address, pool._geometry, plan.records, out_ptr, out_nbytes, plan.target.row_stride, plan.row_src_bytes,
-        plan.expect_dtype, plan.mode, plan.channels, plan.a, plan.b, status))
+        plan.expect_dtype, plan.mode, plan.channels, plan.a, plan.b, plan.d, status))
 
 
 class _Engine:
@@ -327,7 +377,18 @@ class _Engine:
     def close(self) -> None:
         for obj in (self.staging, self.result, self.status, self.event):
             if obj is not None:
-                obj.close()
+                _release_lost(obj.close)
+
+
+def _release_lost(close: Any) -> None:
+    """Run a release; if the device context is lost (a sticky error), the release cannot succeed and
+    is not needed (the driver frees everything with the process): log it once and carry on."""
+    try:
+        close()
+    except CudaError as e:
+        if not e.is_sticky:
+            raise
+        log.error("the CUDA context is lost (%s); its memory is released with the process", e.name)
 
 
 class DmaJob:
@@ -343,6 +404,7 @@ class DmaJob:
         self._statuses = np.zeros(n, dtype=np.int32) if statuses is None else statuses
         self._user_statuses: np.ndarray | None = None
         self._keepalive: Any = None
+        self._error: CudaError | None = None
 
     @property
     def event(self) -> Event | None:
@@ -356,18 +418,43 @@ class DmaJob:
     def wait(self, interval_us: float = 20, *, timeout_s: float | None = None) -> int:
         """Wait for completion, polling cudaEventQuery every `interval_us` with the GIL released, and
         return the number of rows placed with status OK."""
+        if self._error is not None:
+            raise self._error
         if self._placed is None:
             eng = self._engine
             assert eng is not None
-            eng.event.wait(interval_us, timeout_s=timeout_s)
-            self._placed = int(eng.result_view[0])
-            self._statuses[:] = eng.result_view[1:1 + self.n]
-            self._keepalive = None
-            with eng.lock:
-                eng.pending = None
-            if self._user_statuses is not None:
-                self._user_statuses[:self.n] = self._statuses
+            try:
+                eng.event.wait(interval_us, timeout_s=timeout_s)
+            except CudaError as e:
+                if not e.is_sticky:
+                    # The query failed but the kernel may still run: block until it cannot touch the
+                    # pool or the scratch any more before letting anyone free them.
+                    _release_lost(eng.event.synchronize)
+                # The job is over (a lost context completes nothing), so the engine is free again and
+                # every later wait or launch sees this error, not "in flight".
+                self._fail(e)
+                raise
+            self._complete()
         return self._placed
+
+    def _complete(self) -> None:
+        eng = self._engine
+        assert eng is not None
+        self._placed = int(eng.result_view[0])
+        self._statuses[:] = eng.result_view[1:1 + self.n]
+        self._keepalive = None
+        with eng.lock:
+            if eng.pending is self:
+                eng.pending = None
+        if self._user_statuses is not None:
+            self._user_statuses[:self.n] = self._statuses
+
+    def _fail(self, e: CudaError) -> None:
+        self._error = e
+        self._keepalive = None
+        eng = self._engine
+        if eng is not None and eng.pending is self:
+            eng.pending = None
 
     @property
     def statuses(self) -> np.ndarray:
@@ -399,17 +486,39 @@ def gpu_dma_async(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: i
         return DmaJob(None, 0, 0)
     assert t.device is not None
     eng = packets.pool._engine(t.device)
+    _settle(eng)
     with eng.lock:
         if eng.pending is not None:
             raise RuntimeError("a GPU-DMA job on this pool and device is still in flight: wait() for it first")
         handle = _default_stream(stream, t)
         _launch(plan, t.device, handle, packets.pool.device_pointer(t.device), eng.status.ptr, eng.result_dev)
-        eng.event.record(handle)
+        try:
+            eng.event.record(handle)
+        except CudaError:
+            # The kernel is queued but cannot be tracked: wait for the stream so that nothing it
+            # reads or writes is freed under it, then report the error.
+            _release_lost(lambda: runtime.cuda().cuda_stream_synchronize(handle))
+            raise
         job = DmaJob(eng, n)
         job._user_statuses = statuses
         job._keepalive = t.keepalive  # the destination must outlive the kernel writing it
         eng.pending = job
     return job
+
+
+def _settle(eng: _Engine) -> None:
+    """Before a launch: a previous job that finished unwaited is completed; one the device failed
+    under raises its real error (CudaError) instead of a misleading "still in flight"."""
+    job = eng.pending
+    if job is None:
+        return
+    try:
+        done = job._engine is not None and job._engine.event.query()
+    except CudaError as e:
+        job._fail(e)
+        raise
+    if done:
+        job._complete()
 
 
 def _launch(plan: _Plan, device: int, stream: int, pool_dev: int, status_ptr: int, result_dev: int) -> None:
@@ -419,7 +528,7 @@ def _launch(plan: _Plan, device: int, stream: int, pool_dev: int, status_ptr: in
     blocks_per_row = max(1, min(64, -(-chunks // _WARPS_PER_BLOCK)))
     runtime.cuda().dma_launch(device, stream, plan.packets.pool._geometry, pool_dev, plan.records, t.ptr, t.nbytes,
                               t.row_stride, plan.row_src_bytes, plan.expect_dtype, plan.mode, plan.channels, plan.a,
-                              plan.b, status_ptr, result_dev, blocks_per_row)
+                              plan.b, plan.d, status_ptr, result_dev, blocks_per_row)
 
 
 def gpu_dma(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | None, *, stream: StreamLike = None,
@@ -442,6 +551,8 @@ def gpu_dma(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | N
 def _default_stream(stream: StreamLike, t: _Target) -> int:
     if stream is not None:
         return stream_handle(stream)
+    if runtime.is_fake():
+        return 0  # the fake runtime has no torch streams: the legacy default stream
     import torch
 
     return int(torch.cuda.current_stream(t.device).cuda_stream)

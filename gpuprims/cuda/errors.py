@@ -14,6 +14,11 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2
 CUDA_ERROR_INSUFFICIENT_DRIVER = 35
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_NOT_READY = 600
+#: Statuses that corrupt the CUDA context ("sticky"): every later call in the process returns them and
+#: the process must exit to use the device again (illegal address, hardware stack error, illegal
+#: instruction, misaligned address, invalid address space, invalid pc, launch failure, launch timeout
+#: is not among them). See the CUDA runtime API's error types.
+STICKY_STATUSES = frozenset({700, 714, 715, 716, 717, 718, 719})
 
 
 class CudaError(RuntimeError):
@@ -33,6 +38,11 @@ class CudaError(RuntimeError):
 
     def __reduce__(self) -> tuple[type, tuple[int, str, str, str]]:
         return (type(self), (self.status, self.name, self.message, self.call))
+
+    @property
+    def is_sticky(self) -> bool:
+        """True if the context is lost (the status is one of STICKY_STATUSES): nothing more will run."""
+        return self.status in STICKY_STATUSES
 
     @property
     def is_out_of_memory(self) -> bool:

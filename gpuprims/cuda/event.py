@@ -10,11 +10,12 @@ Raw handles are ints and print in hex.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,7 +52,7 @@ class Stream:
         self.device = device
         self.handle = int(rt.cuda_stream_create(device, runtime.STREAM_NON_BLOCKING if non_blocking else 0,
                                                 priority))
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, rt.cuda_stream_destroy, self.handle)
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, runtime._release, rt.cuda_stream_destroy, self.handle)
         self._finalizer.atexit = False
 
     @classmethod
@@ -104,7 +105,9 @@ class Event:
         self.device = device
         self.flags = flags
         self.handle = int(rt.cuda_event_create(device, flags))
-        self._finalizer = weakref.finalize(self, rt.cuda_event_destroy, self.handle)
+        self.last_polls = 0
+        self.last_wait_ns = 0
+        self._finalizer = weakref.finalize(self, runtime._release, rt.cuda_event_destroy, self.handle)
         self._finalizer.atexit = False
 
     def record(self, stream: StreamLike = None) -> None:
@@ -129,10 +132,20 @@ class Event:
         is in the future. Returns the number of queries. Raises TimeoutError after `timeout_s`."""
         interval = _check_interval(interval_us)
         timeout_us = -1 if timeout_s is None else _check_timeout(timeout_s)
-        polls = int(runtime.cuda().cuda_event_poll(self.handle, int(wake_at_ns), interval, timeout_us))
+        polls, elapsed_ns = runtime.cuda().cuda_event_poll(self.handle, int(wake_at_ns), interval, timeout_us)
+        polls = int(polls)
+        # What the wait achieved, for reports: the requested interval is a floor that sleeps stretch.
+        self.last_polls = abs(polls)
+        self.last_wait_ns = int(elapsed_ns)
         if polls < 0:
             raise TimeoutError(f"event not complete after {timeout_s} s ({-polls} queries)")
         return polls
+
+    @property
+    def achieved_interval_us(self) -> float:
+        """Mean time between queries in the last :meth:`wait` (the native poll lowers the thread's
+        timer slack to 1 us, so this is close to the requested interval plus one query)."""
+        return self.last_wait_ns / 1e3 / max(1, self.last_polls - 1) if self.last_polls > 1 else 0.0
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds between this event and `end` (cudaEventElapsedTime); both need timing=True."""
@@ -218,6 +231,21 @@ def _cpu_stream_worker(q: queue.SimpleQueue[Any]) -> None:
             fut.set_exception(exc)
 
 
+@contextlib.contextmanager
+def _low_timer_slack(ns: int = 1000) -> Iterator[None]:
+    """This thread's Linux timer slack lowered to `ns` for a polling loop (PR_SET_TIMERSLACK; the
+    default 50 us stretches every short sleep), restored afterwards."""
+    native = runtime.native()
+    prev = int(native.get_timer_slack_ns())
+    if prev > ns:
+        native.set_timer_slack_ns(ns)
+    try:
+        yield
+    finally:
+        if prev > ns:
+            native.set_timer_slack_ns(prev)
+
+
 class CpuEvent:
     """The CPU backend's event: a marker queued into a :class:`CpuStream` behind the work before it."""
 
@@ -225,6 +253,8 @@ class CpuEvent:
         self._flag = threading.Event()
         self._flag.set()  # an event never recorded counts as complete, as a fresh cudaEvent does
         self._t_ns = 0
+        self.last_polls = 0
+        self.last_wait_ns = 0
 
     def record(self, stream: CpuStream) -> None:
         """Mark the point after all work queued so far on `stream`."""
@@ -255,19 +285,29 @@ class CpuEvent:
         interval = _check_interval(interval_us) / 1e6
         deadline = None if timeout_s is None else time.monotonic() + _check_timeout(timeout_s) / 1e6
         polls = 1
+        self.last_polls, self.last_wait_ns = 1, 0
         if self._flag.is_set():
             return polls
-        delay_ns = int(wake_at_ns) - time.monotonic_ns()
-        if delay_ns > 0:
-            time.sleep(delay_ns / 1e9 if deadline is None else min(delay_ns / 1e9, max(0.0, deadline - time.monotonic())))
-        while True:
-            polls += 1
-            if self._flag.is_set():
-                return polls
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"event not complete after {timeout_s} s ({polls} queries)")
-            if interval:
-                time.sleep(interval)
+        t0 = time.monotonic_ns()
+        with _low_timer_slack():
+            delay_ns = int(wake_at_ns) - time.monotonic_ns()
+            if delay_ns > 0:
+                time.sleep(delay_ns / 1e9 if deadline is None
+                           else min(delay_ns / 1e9, max(0.0, deadline - time.monotonic())))
+            while True:
+                polls += 1
+                self.last_polls, self.last_wait_ns = polls, time.monotonic_ns() - t0
+                if self._flag.is_set():
+                    return polls
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"event not complete after {timeout_s} s ({polls} queries)")
+                if interval:
+                    time.sleep(interval)
+
+    @property
+    def achieved_interval_us(self) -> float:
+        """Mean time between queries in the last :meth:`wait`."""
+        return self.last_wait_ns / 1e3 / max(1, self.last_polls - 1) if self.last_polls > 1 else 0.0
 
     def elapsed_time(self, end: CpuEvent) -> float:
         """Milliseconds between the completion of this event and of `end`."""

@@ -4,11 +4,16 @@ queries, schedule flags, and owners of device memory and pinned host memory.
 Nothing here touches the GPU at import. The first call that reaches the CUDA runtime records this
 process's pid; a child forked after that refuses every CUDA call with a "use spawn" message instead
 of failing obscurely inside the driver (STYLE.md 6).
+
+With ``GPUPRIMS_FAKE_CUDA`` set in the environment (see :mod:`gpuprims.cuda.fake`), :func:`cuda`
+returns the fake CUDA runtime instead of the native one: the whole Python CUDA layer, and a node on
+top of it, then runs on a machine without a GPU with device memory in host memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 import weakref
@@ -17,7 +22,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gpuprims.cuda.errors import CudaUnavailableError
+from gpuprims.cuda import fake
+from gpuprims.cuda.errors import CudaError, CudaUnavailableError
+
+log = logging.getLogger("gpuprims.cuda")
 
 # cudaHostRegister / cudaHostAlloc flags.
 HOST_PORTABLE = 0x01
@@ -44,8 +52,19 @@ def native() -> ModuleType:
     return _native
 
 
+FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
+
+
+def is_fake() -> bool:
+    """True if this process runs on the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA`` is set and not 0)."""
+    return os.environ.get(FAKE_ENV, "") not in ("", "0")
+
+
 def kernels_built() -> bool:
-    """True if the extension was compiled with its CUDA kernels (nvcc was found at build)."""
+    """True if the extension was compiled with its CUDA kernels (nvcc was found at build), or the
+    fake runtime stands in for them."""
+    if is_fake():
+        return True
     try:
         return bool(native().CUDA_KERNELS_BUILT)
     except ImportError:
@@ -80,6 +99,8 @@ def cuda() -> ModuleType:
     _check_fork()
     if _touched_pid is None:
         _touched_pid = os.getpid()
+    if is_fake():
+        return fake.runtime()  # type: ignore[return-value]
     return native()
 
 
@@ -139,6 +160,17 @@ def synchronize(device: int) -> None:
     cuda().cuda_device_synchronize(device)
 
 
+def _release(fn: Any, *args: Any) -> None:
+    """A finalizer's release call: if the CUDA context is lost (sticky error) the memory goes with the
+    process, so that is logged, not raised from a finalizer; any other error is raised."""
+    try:
+        fn(*args)
+    except CudaError as e:
+        if not e.is_sticky:
+            raise
+        log.error("CUDA context lost (%s): %s not released, it goes with the process", e.name, e.call)
+
+
 def _host_array(address: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
     buf = (ctypes.c_char * nbytes).from_address(address)
     return np.frombuffer(buf, dtype=np.uint8).view(dtype)
@@ -159,7 +191,7 @@ class DeviceMemory:
         self.device = device
         self.nbytes = nbytes
         self.ptr = int(rt.cuda_malloc(device, nbytes))
-        self._finalizer = weakref.finalize(self, rt.cuda_free, device, self.ptr)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_free, device, self.ptr)
         self._finalizer.atexit = False
 
     @property
@@ -188,7 +220,7 @@ class PinnedBuffer:
         self.mapped = mapped
         self.address = int(rt.cuda_host_alloc(nbytes, flags))
         self._device_ptrs: dict[int, int] = {}
-        self._finalizer = weakref.finalize(self, rt.cuda_free_host, self.address)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_free_host, self.address)
         self._finalizer.atexit = False
 
     def array(self, dtype: np.dtype | type = np.uint8) -> np.ndarray:
@@ -230,7 +262,7 @@ class PinnedRegion:
         self._owner = owner
         rt.cuda_host_register(address, nbytes, HOST_MAPPED | (HOST_PORTABLE if portable else 0))
         self._device_ptrs: dict[int, int] = {}
-        self._finalizer = weakref.finalize(self, rt.cuda_host_unregister, address)
+        self._finalizer = weakref.finalize(self, _release, rt.cuda_host_unregister, address)
         self._finalizer.atexit = False
 
     @property

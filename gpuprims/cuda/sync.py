@@ -214,17 +214,26 @@ def sync_blocking(model: Model, batch: Any, *, how: BlockingHow = "stream", stre
     return fut.result()
 
 
-def sync_callback(model: Model, batch: Any, *, stream: StreamLike = None, timeout_s: float | None = None) -> Any:
+#: How long sync_callback waits by default: CUDA never runs a host function in a faulted context, so
+#: the native wait also checks the stream for a fault every 10 ms; this bounds the rest (a model that
+#: never finishes).
+CALLBACK_TIMEOUT_S = 60.0
+
+
+def sync_callback(model: Model, batch: Any, *, stream: StreamLike = None,
+                  timeout_s: float | None = CALLBACK_TIMEOUT_S) -> Any:
     """Baseline: run ``model(batch)``, enqueue a host callback after it (cudaLaunchHostFunc) that
     signals this thread, and block (GIL released) until it fires. CPU: a callback queued behind the
-    model on the CpuStream sets a threading.Event. Raises TimeoutError after `timeout_s`."""
+    model on the CpuStream sets a threading.Event. Raises CudaError at once if the device faults
+    meanwhile (the callback would never run), TimeoutError after `timeout_s` (None: no deadline)."""
     _check_model_batch(model, batch)
     _check_timeout(timeout_s)
     if batch.is_cuda:
         out, ts = _cuda_run(model, batch, stream)
         timeout_us = -1 if timeout_s is None else int(timeout_s * 1e6)
         if not runtime.cuda().cuda_callback_wait(ts.cuda_stream, timeout_us):
-            raise TimeoutError(f"host callback did not run within {timeout_s} s")
+            raise TimeoutError(f"host callback did not run within {timeout_s} s: the model's work is still "
+                               "running on the stream (raise timeout_s for longer models)")
         return out
     fut, s = _cpu_submit(model, batch, stream)
     fired = threading.Event()

@@ -29,49 +29,86 @@ __device__ __forceinline__ uint64_t ld_u64(const uint8_t* p) {
   return __ldcv(reinterpret_cast<const unsigned long long*>(p));
 }
 
-__device__ __forceinline__ float convert(uint32_t byte, uint64_t element, const LaunchParams& p) {
-  const uint32_t ch = p.channels == 1 ? 0u : uint32_t(element % p.channels);
-  // Two roundings, no fused multiply-add: the CPU reference computes the same bits.
-  return __fadd_rn(__fmul_rn(float(byte), p.a[ch]), p.b[ch]);
+// ch is the element's channel (0..channels-1). Three roundings, no fused multiply-add, so the CPU
+// reference computes the same bits: (x * a + b) / d. d is 1 for an affine normalisation (exact) and
+// 255 for the apps' x / 255 (what torch's div computes on the host).
+__device__ __forceinline__ float convert(uint32_t byte, uint32_t ch, const LaunchParams& p) {
+  return __fdiv_rn(__fadd_rn(__fmul_rn(float(byte), p.a[ch]), p.b[ch]), p.d[ch]);
 }
 
+// Word i of a 16-byte load, selected without indexing an array: a dynamically indexed local array
+// lives in local memory (stack), which ptxas reports as spills on sm_100.
+__device__ __forceinline__ uint32_t word_of(const uint4& v, uint32_t i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint32_t byte_of(const uint4& v, uint32_t k) {  // k in 0..15
+  return (word_of(v, k / 4) >> (8 * (k % 4))) & 0xFFu;
+}
+
+__device__ __forceinline__ uint32_t next_channel(uint32_t ch, uint32_t k, uint32_t channels) {
+  // 32-bit only: ch < channels <= 4 and k <= 16, so the sum never wraps.
+  return (ch + k) % channels;
+}
+
+// Host (pool) memory is only ever read with 16-byte loads: the payload starts 48 bytes into a slot
+// and slots are 16-byte aligned with a 16-byte multiple of room, so the load that covers the tail
+// stays inside the slot. Stores go to device memory and follow the destination's alignment.
 __device__ void copy_bytes(const uint8_t* src, uint8_t* dst, uint32_t len, int lane) {
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15u) == 0) {
-    const uint32_t vecs = len / 16;
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  const uint32_t vecs = (len + 15) / 16;
+  if ((reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
     uint4* d4 = reinterpret_cast<uint4*>(dst);
-    for (uint32_t i = lane; i < vecs; i += 32) d4[i] = __ldcv(s4 + i);
-    for (uint32_t i = vecs * 16 + lane; i < len; i += 32) dst[i] = __ldcv(src + i);
+    const uint32_t full = len / 16;
+    for (uint32_t i = lane; i < full; i += 32) d4[i] = __ldcv(s4 + i);
+    if (full < vecs && lane == 0) {
+      const uint4 v = __ldcv(s4 + full);
+      for (uint32_t j = full * 16; j < len; ++j) dst[j] = uint8_t(byte_of(v, j % 16));
+    }
   } else {
-    for (uint32_t i = lane; i < len; i += 32) dst[i] = __ldcv(src + i);
-  }
-}
-
-// uint8 payload -> float32 row elements starting at `element`.
-__device__ void convert_bytes(const uint8_t* src, float* dst, uint64_t element, uint32_t len, int lane,
-                              const LaunchParams& p) {
-  if ((reinterpret_cast<uintptr_t>(src) & 15u) == 0 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
-    const uint32_t vecs = len / 16;
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
     for (uint32_t i = lane; i < vecs; i += 32) {
       const uint4 v = __ldcv(s4 + i);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      float4* d4 = reinterpret_cast<float4*>(dst + size_t(i) * 16);
-      const uint64_t e = element + uint64_t(i) * 16;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t w = words[k];
-        d4[k] = make_float4(convert(w & 0xFFu, e + 4 * k, p), convert((w >> 8) & 0xFFu, e + 4 * k + 1, p),
-                            convert((w >> 16) & 0xFFu, e + 4 * k + 2, p), convert(w >> 24, e + 4 * k + 3, p));
-      }
+      const uint32_t base = i * 16, end = min(len, base + 16u);
+      for (uint32_t j = base; j < end; ++j) dst[j] = uint8_t(byte_of(v, j - base));
     }
-    for (uint32_t i = vecs * 16 + lane; i < len; i += 32) dst[i] = convert(__ldcv(src + i), element + i, p);
-  } else {
-    for (uint32_t i = lane; i < len; i += 32) dst[i] = convert(__ldcv(src + i), element + i, p);
   }
 }
 
-__global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant__ LaunchParams p) {
+// uint8 payload -> float32 row elements; ch0 is the channel of the payload's first element.
+__device__ void convert_bytes(const uint8_t* src, float* dst, uint32_t ch0, uint32_t len, int lane,
+                              const LaunchParams& p) {
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  const uint32_t vecs = (len + 15) / 16;
+  const bool dst16 = (reinterpret_cast<uintptr_t>(dst) & 15u) == 0;
+  for (uint32_t i = lane; i < vecs; i += 32) {
+    const uint4 v = __ldcv(s4 + i);
+    const uint32_t base = i * 16;
+    // 16 * i % channels without a 64-bit (or any per-element) division: 16 % 3 == 1, else 0.
+    const uint32_t ch = next_channel(ch0, (p.channels == 3 ? i % 3 : 0), p.channels);
+    if (dst16 && base + 16 <= len) {
+      float4* d4 = reinterpret_cast<float4*>(dst + base);
+#pragma unroll
+      for (uint32_t k = 0; k < 4; ++k) {
+        const uint32_t w = word_of(v, k);
+        const uint32_t c = next_channel(ch, 4 * k, p.channels);
+        d4[k] = make_float4(convert(w & 0xFFu, c, p), convert((w >> 8) & 0xFFu, next_channel(c, 1, p.channels), p),
+                            convert((w >> 16) & 0xFFu, next_channel(c, 2, p.channels), p),
+                            convert(w >> 24, next_channel(c, 3, p.channels), p));
+      }
+    } else {
+      const uint32_t end = min(len, base + 16u);
+      for (uint32_t j = base; j < end; ++j) {
+        const uint32_t k = j - base;
+        dst[j] = convert(byte_of(v, k), next_channel(ch, k, p.channels), p);
+      }
+    }
+  }
+}
+
+// minBlocksPerMultiprocessor 2 gives ptxas an explicit register budget (up to 128 per thread); with
+// the thread count alone, ptxas 13 settles on 48 registers for sm_80 and later and spills.
+// scripts/check_cuda_archs.py holds the result (no spills, no stack) for every architecture.
+__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const __grid_constant__ LaunchParams p) {
   __shared__ RecordView rec;
   __shared__ int32_t rec_verdict;
   const uint32_t row = blockIdx.y;
@@ -129,7 +166,9 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
     if (p.mode == kModeCopy) {
       copy_bytes(payload, row_out + at, len, lane);
     } else {
-      convert_bytes(payload, reinterpret_cast<float*>(row_out) + at, at, len, lane, p);
+      // One 64-bit remainder per chunk (not per element) gives the channel of its first element.
+      const uint32_t ch0 = p.channels == 1 ? 0u : uint32_t(at % p.channels);
+      convert_bytes(payload, reinterpret_cast<float*>(row_out) + at, ch0, len, lane, p);
     }
   }
   // Every lane of a warp saw the same headers, so lane 0 speaks for it.
@@ -155,13 +194,39 @@ __global__ void __launch_bounds__(kMaxBatch) finalize_kernel(int32_t* status, ui
 
 cudaError_t launch_gather(const LaunchParams& p, uint32_t blocks_per_row, int32_t* result, cudaStream_t stream) {
   if (p.n > kMaxBatch) return cudaErrorInvalidValue;
+  // A launch reports its own failure only: an earlier call's non-sticky error still waiting in the
+  // thread's last-error slot would otherwise be returned by the cudaGetLastError below as ours.
+  // A sticky (context) error is returned again by every later call, so it is not hidden by this.
+  (void)cudaGetLastError();
+  // cudaLaunchKernelEx (CUDA 11.8+) with the typed variadic form: the same call on every toolkit,
+  // and plain C++, so the host shim (tests/native/cuda_host_shim.h) compiles this file unchanged.
+  cudaLaunchConfig_t cfg{};
+  cfg.stream = stream;
   if (p.n > 0) {
-    gather_kernel<<<dim3(blocks_per_row == 0 ? 1 : blocks_per_row, p.n), kThreads, 0, stream>>>(p);
-    const cudaError_t err = cudaGetLastError();
+    cfg.gridDim = dim3(blocks_per_row == 0 ? 1 : blocks_per_row, p.n, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, gather_kernel, p);
     if (err != cudaSuccess) return err;
   }
-  finalize_kernel<<<1, kMaxBatch, 0, stream>>>(p.status, p.n, result);
+  cfg.gridDim = dim3(1, 1, 1);
+  cfg.blockDim = dim3(kMaxBatch, 1, 1);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, finalize_kernel, p.status, p.n, result);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
+}
+
+cudaError_t kernel_info(KernelInfo* out) {
+  cudaFuncAttributes g{}, f{};
+  cudaError_t err = cudaFuncGetAttributes(&g, gather_kernel);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncGetAttributes(&f, finalize_kernel);
+  if (err != cudaSuccess) return err;
+  out->gather_regs = g.numRegs;
+  out->gather_local_bytes = int(g.localSizeBytes);
+  out->gather_ptx_version = g.ptxVersion;
+  out->gather_binary_version = g.binaryVersion;
+  out->finalize_regs = f.numRegs;
+  return cudaSuccess;
 }
 
 }  // namespace gpuprims::dma

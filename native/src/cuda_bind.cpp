@@ -24,6 +24,8 @@
 #include "gpuprims/pool.h"
 #include "gpuprims/wire.h"
 
+#include <sys/prctl.h>
+
 #ifdef GPUPRIMS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <time.h>
@@ -56,6 +58,32 @@ static_assert(offsetof(pool::Record, total_len) == d::kRecTotalLen, "Record.tota
 static_assert(offsetof(pool::Record, request_id) == d::kRecRequestId, "Record.request_id");
 static_assert(pool::kRecDelivered == d::kStateDelivered, "delivered state");
 
+// Linux timer slack of the calling thread (PR_SET_TIMERSLACK): how far the kernel may postpone a
+// sleep's wake-up to batch timers. 50 us by default, which stretches every short poll sleep.
+constexpr int64_t kPollSlackNs = 1000;
+
+int64_t get_timer_slack_ns() { return int64_t(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)); }
+
+void set_timer_slack_ns(int64_t ns) {
+  if (ns < 0) throw std::invalid_argument("timer slack must be >= 0 ns, got " + std::to_string(ns));
+  // 0 would mean "the default"; 1 ns is the smallest explicit value.
+  if (prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(ns == 0 ? 1 : ns), 0, 0, 0) != 0)
+    throw std::runtime_error("prctl(PR_SET_TIMERSLACK) failed");
+}
+
+// Lowers the thread's timer slack for a scope and restores it.
+struct SlackGuard {
+  int64_t prev;
+  explicit SlackGuard(int64_t ns) : prev(get_timer_slack_ns()) {
+    if (prev > ns) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(ns), 0, 0, 0);
+  }
+  ~SlackGuard() {
+    if (prev > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(prev), 0, 0, 0);
+  }
+  SlackGuard(const SlackGuard&) = delete;
+  SlackGuard& operator=(const SlackGuard&) = delete;
+};
+
 // Where a pool's regions lie; validated once so the gathers can trust it.
 struct PoolGeometry {
   uint64_t nbytes, slots_offset, records_offset, chunkmap_offset;
@@ -85,14 +113,20 @@ struct PoolGeometry {
   uint32_t max_payload() const { return slot_size - uint32_t(wire::kHeaderSize); }
 };
 
-void check_rows(uint64_t n, uint64_t out_nbytes, uint64_t row_stride, uint64_t row_src_bytes, uint32_t mode,
-                uint32_t channels, size_t na, size_t nb_) {
+void check_rows(uint64_t n, uintptr_t out, uint64_t out_nbytes, uint64_t row_stride, uint64_t row_src_bytes,
+                uint32_t mode, uint32_t channels, size_t na, size_t nb_, size_t nd) {
   if (n > d::kMaxBatch)
     throw std::invalid_argument("at most " + std::to_string(d::kMaxBatch) + " rows per launch, got " +
                                 std::to_string(n));
   if (mode != d::kModeCopy && mode != d::kModeU8ToF32) throw std::invalid_argument("unknown mode");
-  if (channels < 1 || channels > d::kMaxChannels || na < channels || nb_ < channels)
-    throw std::invalid_argument("channels must be 1..4 with that many scale/offset values");
+  if (channels < 1 || channels > d::kMaxChannels || na < channels || nb_ < channels || nd < channels)
+    throw std::invalid_argument("channels must be 1..4 with that many scale/offset/divisor values");
+  // The kernel stores float32 elements: a row that starts off a 4-byte boundary would be a
+  // misaligned-address fault on the GPU (and undefined behaviour in the reference).
+  if (mode == d::kModeU8ToF32 && (row_stride % 4 != 0 || out % 4 != 0))
+    throw std::invalid_argument("uint8->float32 rows must start on 4-byte boundaries (row_stride " +
+                                std::to_string(row_stride) + ", destination offset " + std::to_string(out % 4) +
+                                ")");
   const uint64_t row_dst = row_src_bytes * (mode == d::kModeU8ToF32 ? 4 : 1);
   if (row_src_bytes == 0 || row_stride < row_dst)
     throw std::invalid_argument("row_stride is smaller than a row");
@@ -118,7 +152,7 @@ d::RecordView read_record(const uint8_t* base, const PoolGeometry& g, uint32_t r
 // CPU reference of gather_kernel: same order of checks, same verdicts, same bytes written.
 int64_t gather_cpu(const uint8_t* base, const PoolGeometry& g, const uint32_t* records, uint32_t n, uint8_t* out,
                    uint64_t row_stride, const d::Geometry& geo, uint32_t mode, uint32_t channels, const float* a,
-                   const float* b, int32_t* status) {
+                   const float* b, const float* dv, int32_t* status) {
   int64_t placed = 0;
   for (uint32_t row = 0; row < n; ++row) {
     const uint32_t r = records[row];
@@ -155,8 +189,11 @@ int64_t gather_cpu(const uint8_t* base, const PoolGeometry& g, const uint32_t* r
           float* dst = reinterpret_cast<float*>(row_out) + at;
           uint32_t ch = uint32_t(at % channels);
           for (uint32_t i = 0; i < len; ++i) {
-            const float m = float(payload[i]) * a[ch];  // two roundings, as the kernel's __fmul_rn/__fadd_rn
-            dst[i] = m + b[ch];
+            // Three roundings, as the kernel's __fmul_rn/__fadd_rn/__fdiv_rn: this file is built with
+            // -ffp-contract=off (CMakeLists.txt), so no compiler fuses the multiply and the add.
+            const float m = float(payload[i]) * a[ch];
+            const float s = m + b[ch];
+            dst[i] = s / dv[ch];
             if (++ch == channels) ch = 0;
           }
         }
@@ -207,6 +244,8 @@ inline cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_
 inline cudaEvent_t as_event(uintptr_t e) { return reinterpret_cast<cudaEvent_t>(e); }
 inline void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+constexpr int64_t kCallbackSliceUs = 10000;  // how often a callback wait checks the stream for a fault
+
 int64_t monotonic_ns() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -228,8 +267,9 @@ void sleep_for_us(int64_t us) {
 
 // Polls cudaEventQuery: first sleeps until wake_at_ns (CLOCK_MONOTONIC; 0 = not at all), then polls
 // every interval_us (0 = spin). Returns the number of queries, negated if timeout_us passed first.
-int64_t event_poll(uintptr_t ev, int64_t wake_at_ns, int64_t interval_us, int64_t timeout_us) {
-  nb::gil_scoped_release release;
+// The thread's timer slack (50 us by default on Linux) is lowered to 1 us for the wait, so a 20 us
+// sleep is not stretched to 70 us; the caller's slack is restored afterwards.
+int64_t event_poll_impl(uintptr_t ev, int64_t wake_at_ns, int64_t interval_us, int64_t timeout_us) {
   const int64_t t0 = monotonic_ns();
   const int64_t deadline = timeout_us < 0 ? INT64_MAX : t0 + timeout_us * 1000;
   int64_t polls = 0;
@@ -249,6 +289,20 @@ int64_t event_poll(uintptr_t ev, int64_t wake_at_ns, int64_t interval_us, int64_
     if (monotonic_ns() >= deadline) return -polls;
     sleep_for_us(interval_us);
   }
+}
+
+// (polls, elapsed_ns): the count (negative on timeout) and the wall time the wait took, from which
+// the caller reports the interval it achieved.
+nb::tuple event_poll(uintptr_t ev, int64_t wake_at_ns, int64_t interval_us, int64_t timeout_us) {
+  int64_t polls = 0, elapsed = 0;
+  {
+    nb::gil_scoped_release release;
+    SlackGuard slack(kPollSlackNs);
+    const int64_t t0 = monotonic_ns();
+    polls = event_poll_impl(ev, wake_at_ns, interval_us, timeout_us);
+    elapsed = monotonic_ns() - t0;
+  }
+  return nb::make_tuple(polls, elapsed);
 }
 
 // State shared by a cudaLaunchHostFunc callback and the thread waiting for it; whichever of the two
@@ -273,6 +327,10 @@ void CUDART_CB host_signal_fn(void* arg) {
   s->release();
 }
 
+// Waits for the host function enqueued behind the work on `stream`. CUDA never runs a host function
+// once the context has faulted, so the wait is sliced: between slices cudaStreamQuery is asked, and
+// an error there (the fault) is raised instead of waiting forever. timeout_us < 0 waits without a
+// deadline but still stops on a fault. Returns false on timeout.
 bool callback_wait(uintptr_t stream, int64_t timeout_us) {
   auto* s = new HostSignal;
   const cudaError_t err = cudaLaunchHostFunc(as_stream(stream), host_signal_fn, s);
@@ -281,17 +339,34 @@ bool callback_wait(uintptr_t stream, int64_t timeout_us) {
     check(err, "cudaLaunchHostFunc");
   }
   bool fired = false;
+  cudaError_t fault = cudaSuccess;
   {
     nb::gil_scoped_release release;
+    const int64_t deadline = timeout_us < 0 ? INT64_MAX : monotonic_ns() + timeout_us * 1000;
     std::unique_lock<std::mutex> lock(s->m);
-    if (timeout_us < 0) {
-      s->cv.wait(lock, [s] { return s->fired; });
-      fired = true;
-    } else {
-      fired = s->cv.wait_for(lock, std::chrono::microseconds(timeout_us), [s] { return s->fired; });
+    for (;;) {
+      const int64_t left_us = (deadline - monotonic_ns()) / 1000;
+      if (left_us <= 0 && deadline != INT64_MAX) break;
+      const int64_t slice_us = std::min<int64_t>(kCallbackSliceUs, deadline == INT64_MAX ? kCallbackSliceUs : left_us);
+      if (s->cv.wait_for(lock, std::chrono::microseconds(slice_us), [s] { return s->fired; })) {
+        fired = true;
+        break;
+      }
+      lock.unlock();
+      const cudaError_t st = cudaStreamQuery(as_stream(stream));
+      lock.lock();
+      if (st != cudaSuccess && st != cudaErrorNotReady) {
+        fault = st;
+        break;
+      }
+      if (s->fired) {
+        fired = true;
+        break;
+      }
     }
   }
-  s->release();
+  s->release();  // the callback, if it ever runs, frees the signal after us
+  if (fault != cudaSuccess) check(fault, "cudaStreamQuery (while waiting for cudaLaunchHostFunc)");
   return fired;
 }
 
@@ -324,6 +399,31 @@ void bind_runtime(nb::module_& m) {
     int v = 0;
     check(cudaDriverGetVersion(&v), "cudaDriverGetVersion");
     return v;  // 0 where no driver is installed
+  });
+  m.def("cuda_kernel_image", [](int dev) {
+    DeviceGuard g(dev);
+    d::KernelInfo info{};
+    check(d::kernel_info(&info), "cudaFuncGetAttributes (GPU-DMA kernels for this device)");
+    nb::dict out;
+    out["gather_regs"] = info.gather_regs;
+    out["gather_local_bytes"] = info.gather_local_bytes;
+    out["gather_ptx_version"] = info.gather_ptx_version;
+    out["gather_binary_version"] = info.gather_binary_version;
+    out["finalize_regs"] = info.finalize_regs;
+    return out;
+  }, "Loads the GPU-DMA kernels for device dev (cudaFuncGetAttributes): their registers, local memory and "
+     "the PTX/binary versions of the image the driver picked; raises CudaError (cudaErrorNoKernelImageForDevice, "
+     "cudaErrorUnsupportedPtxVersion, ...) if none can run there.");
+  m.def("cuda_device_capability", [](int dev) {
+    int major = 0, minor = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    return nb::make_tuple(major, minor);
+  });
+  m.def("cuda_device_name", [](int dev) {
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+    return std::string(prop.name);
   });
   m.def("cuda_device_count", [] {
     int n = 0;
@@ -416,9 +516,11 @@ void bind_runtime(nb::module_& m) {
   m.def("cuda_event_poll", &event_poll, nb::arg("event"), nb::arg("wake_at_ns"), nb::arg("interval_us"),
         nb::arg("timeout_us"),
         "cudaEventQuery every interval_us (after sleeping until wake_at_ns, CLOCK_MONOTONIC) with the GIL "
-        "released; returns the query count, negative if timeout_us passed first.");
+        "released and the thread's timer slack at 1 us; returns (queries, elapsed_ns), queries negative if "
+        "timeout_us passed first.");
   m.def("cuda_callback_wait", &callback_wait, nb::arg("stream"), nb::arg("timeout_us"),
-        "Enqueues cudaLaunchHostFunc on stream and blocks (GIL released) until it runs; False on timeout.");
+        "Enqueues cudaLaunchHostFunc on stream and blocks (GIL released) until it runs; False on timeout; "
+        "raises CudaError if the stream faults meanwhile (CUDA then never runs the function).");
   m.def("monotonic_ns", &monotonic_ns);
 
   // Memory.
@@ -486,10 +588,11 @@ void bind_runtime(nb::module_& m) {
       "dma_launch",
       [](int dev, uintptr_t stream, const PoolGeometry& g, uintptr_t pool_dev, RecordArray records, uintptr_t out,
          uint64_t out_nbytes, uint64_t row_stride, uint64_t row_src_bytes, int32_t expect_dtype, uint32_t mode,
-         uint32_t channels, const std::vector<float>& a, const std::vector<float>& b, uintptr_t status_dev,
+         uint32_t channels, const std::vector<float>& a, const std::vector<float>& b,
+         const std::vector<float>& dv, uintptr_t status_dev,
          uintptr_t result_dev, uint32_t blocks_per_row) {
         const uint64_t n = records.shape(0);
-        check_rows(n, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size());
+        check_rows(n, out, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
         d::LaunchParams p{};
         p.pool = reinterpret_cast<const uint8_t*>(pool_dev);
         p.slots_offset = g.slots_offset;
@@ -508,6 +611,7 @@ void bind_runtime(nb::module_& m) {
         for (uint32_t i = 0; i < d::kMaxChannels; ++i) {
           p.a[i] = i < a.size() ? a[i] : 0.f;
           p.b[i] = i < b.size() ? b[i] : 0.f;
+          p.d[i] = i < dv.size() ? dv[i] : 1.f;
         }
         std::memcpy(p.records, records.data(), n * sizeof(uint32_t));
         DeviceGuard guard(dev);
@@ -516,7 +620,7 @@ void bind_runtime(nb::module_& m) {
       },
       nb::arg("device"), nb::arg("stream"), nb::arg("geometry"), nb::arg("pool_dev"), nb::arg("records"),
       nb::arg("out"), nb::arg("out_nbytes"), nb::arg("row_stride"), nb::arg("row_src_bytes"),
-      nb::arg("expect_dtype"), nb::arg("mode"), nb::arg("channels"), nb::arg("a"), nb::arg("b"),
+      nb::arg("expect_dtype"), nb::arg("mode"), nb::arg("channels"), nb::arg("a"), nb::arg("b"), nb::arg("d"),
       nb::arg("status_dev"), nb::arg("result_dev"), nb::arg("blocks_per_row"));
 }
 
@@ -530,6 +634,9 @@ void bind_cuda(nb::module_& m) {
   m.attr("DMA_MODE_U8_TO_F32") = d::kModeU8ToF32;
   m.attr("DMA_MAX_CHANNELS") = d::kMaxChannels;
 
+  m.def("get_timer_slack_ns", &get_timer_slack_ns, "This thread's Linux timer slack (PR_GET_TIMERSLACK), ns.");
+  m.def("set_timer_slack_ns", &set_timer_slack_ns, nb::arg("ns"),
+        "Set this thread's Linux timer slack (PR_SET_TIMERSLACK), ns (0 is taken as 1).");
   m.def("dma_record_layout", [] {
     nb::dict dd;
 #define GP_FIELD(name) dd[#name] = nb::make_tuple(offsetof(pool::Record, name), sizeof(pool::Record::name))
@@ -560,9 +667,10 @@ void bind_cuda(nb::module_& m) {
       "dma_gather_cpu",
       [](uintptr_t base, const PoolGeometry& g, RecordArray records, uintptr_t out, uint64_t out_nbytes,
          uint64_t row_stride, uint64_t row_src_bytes, int32_t expect_dtype, uint32_t mode, uint32_t channels,
-         const std::vector<float>& a, const std::vector<float>& b, StatusArray status) {
+         const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& dv,
+         StatusArray status) {
         const uint64_t n = records.shape(0);
-        check_rows(n, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size());
+        check_rows(n, out, out_nbytes, row_stride, row_src_bytes, mode, channels, a.size(), b.size(), dv.size());
         if (status.shape(0) < n) throw std::invalid_argument("status array is shorter than the record list");
         const d::Geometry geo{g.max_chunks, g.max_payload(), row_src_bytes, expect_dtype};
         const uint32_t* recs = records.data();
@@ -570,11 +678,11 @@ void bind_cuda(nb::module_& m) {
         nb::gil_scoped_release release;
         return gather_cpu(reinterpret_cast<const uint8_t*>(base), g, recs, uint32_t(n),
                           reinterpret_cast<uint8_t*>(out), row_stride, geo, mode, channels, a.data(), b.data(),
-                          st);
+                          dv.data(), st);
       },
       nb::arg("base"), nb::arg("geometry"), nb::arg("records"), nb::arg("out"), nb::arg("out_nbytes"),
       nb::arg("row_stride"), nb::arg("row_src_bytes"), nb::arg("expect_dtype"), nb::arg("mode"),
-      nb::arg("channels"), nb::arg("a"), nb::arg("b"), nb::arg("status"),
+      nb::arg("channels"), nb::arg("a"), nb::arg("b"), nb::arg("d"), nb::arg("status"),
       "CPU reference of the GPU-DMA kernel: same checks, verdicts and bytes. Returns rows placed.");
 
 #ifdef GPUPRIMS_HAVE_CUDA

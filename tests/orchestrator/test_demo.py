@@ -47,5 +47,5 @@ def test_ctrl_c_ends_the_demo_with_its_partial_report(tmp_path: Path) -> None:
     answered = int(next(ln for ln in out.splitlines() if ln.startswith("cls")).split()[2])
     assert answered > 0
     assert "stopped in" in err
-    assert not [b for b in err.split("Traceback")[1:] if "apps/instance.py" not in b], err
+    assert not [b for b in err.split("Traceback")[1:] if "orchestrator/instance.py" not in b], err
     assert not any((xdg / "gpuprims").glob("run-*"))  # the node removed its run dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,103 @@ def test_off_and_bad_mode(run_dir: Path) -> None:
     with pytest.raises(ValueError, match="mps mode"):
         MpsDaemon(run_dir, mode="sometimes")
     assert os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") is None
+
+
+DAEMONISING = """#!/bin/sh
+# Stand-in that daemonises like the real one: "-d" leaves a background process behind that keeps the
+# inherited stdout/stderr open. {answer} decides whether the daemon ever answers on the pipe dir.
+if [ "$1" = "-d" ]; then
+  sleep 60 &
+  echo $! > "{pidfile}"
+  [ -n "{answer}" ] && touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+  exit 0
+fi
+read cmd args
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || {{ echo "no daemon" >&2; exit 1; }}
+case "$cmd" in
+  get_server_list) echo 4242 ;;
+  get_client_list) cat "$CUDA_MPS_PIPE_DIRECTORY/clients" 2>/dev/null ;;
+  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"; kill "$(cat {pidfile})" 2>/dev/null ;;
+esac
+exit 0
+"""
+
+
+def daemonising_binary(tmp_path: Path, *, answer: bool) -> tuple[str, Path]:
+    pidfile = tmp_path / "daemon.pid"
+    p = tmp_path / "nvidia-cuda-mps-control"
+    p.write_text(DAEMONISING.format(pidfile=pidfile, answer="1" if answer else ""))
+    p.chmod(0o755)
+    return str(p), pidfile
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_start_returns_although_the_daemon_holds_inherited_output(tmp_path: Path, run_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 7: the daemon inherits -d's stdout; reading it through pipes waited for the daemon to
+    exit, so the start timed out with the daemon up (and leaked it)."""
+    binary, pidfile = daemonising_binary(tmp_path, answer=True)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    d = MpsDaemon(run_dir, mode="require", binary=binary, start_timeout_s=5)
+    t0 = time.monotonic()
+    assert d.ensure() and d.started
+    assert time.monotonic() - t0 < 4
+    pid = int(pidfile.read_text())
+    assert _alive(pid)
+    d.stop()
+    assert _wait_gone(pid)
+
+
+def test_a_daemon_that_never_answers_is_stopped_not_leaked(tmp_path: Path, run_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    binary, pidfile = daemonising_binary(tmp_path, answer=False)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    d = MpsDaemon(run_dir, mode="require", binary=binary, start_timeout_s=0.5)
+    with pytest.raises(MpsUnavailable, match="does not answer"):
+        d.ensure()
+    assert _wait_gone(int(pidfile.read_text()))
+
+
+@pytest.mark.parametrize("mode", ["require", "best_effort"])
+def test_instances_that_are_not_mps_clients_are_refused_or_reported(tmp_path: Path, run_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture,
+                                                                    mode: str) -> None:
+    """Finding 7: CUDA silently runs without MPS when a client cannot connect; the node asks the
+    daemon which instances it serves."""
+    binary, _ = daemonising_binary(tmp_path, answer=True)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    d = MpsDaemon(run_dir, mode=mode, binary=binary, start_timeout_s=5)
+    assert d.ensure()
+    try:
+        (run_dir / "mps-pipe" / "clients").write_text("1001\n1002\n")
+        ok = d.check_clients({1001: 30, 1002: 50})
+        assert ok.served == {1001: 30, 1002: 50} and ok.unenforced == {}
+        if mode == "require":
+            with pytest.raises(MpsUnavailable, match=r"pid 1003 \(GPU% 20\)"):
+                d.check_clients({1001: 30, 1003: 20})
+        else:
+            report = d.check_clients({1001: 30, 1003: 20})
+            assert report.unenforced == {1003: 20}
+            assert "WITHOUT their GPU% limit" in caplog.text and "pid 1003" in caplog.text
+    finally:
+        d.stop()

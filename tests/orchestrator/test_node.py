@@ -20,7 +20,7 @@ from gpuprims.ingest import packet_balance
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.control import connect_command, control_address, read_token
-from orchestrator.instance import preprocess
+from gpuprims.gather import preprocess
 from orchestrator.messages import StatusRequest
 from orchestrator.node import Node, StartError
 

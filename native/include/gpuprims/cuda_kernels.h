@@ -26,8 +26,9 @@ struct LaunchParams {
   int32_t* status;      // device array of kMaxBatch row verdicts, zero on entry (left zero on exit)
   uint32_t mode;        // kModeCopy / kModeU8ToF32
   uint32_t channels;    // 1..kMaxChannels, for kModeU8ToF32
-  float a[kMaxChannels];
+  float a[kMaxChannels];  // kModeU8ToF32: y = (x * a[ch] + b[ch]) / d[ch], three roundings
   float b[kMaxChannels];
+  float d[kMaxChannels];
   uint32_t records[kMaxBatch];
 };
 
@@ -36,5 +37,17 @@ struct LaunchParams {
 // device pointer to mapped pinned host memory (so the host reads it once the stream passes it).
 // Returns the launch status (cudaGetLastError) without synchronising.
 cudaError_t launch_gather(const LaunchParams& p, uint32_t blocks_per_row, int32_t* result, cudaStream_t stream);
+
+// What the driver loaded for the current device (cudaFuncGetAttributes on both kernels). Fails with
+// cudaErrorNoKernelImageForDevice / cudaErrorInvalidDeviceFunction when the build has no image the
+// device can run, and cudaErrorUnsupportedPtxVersion when only PTX newer than the driver is there.
+struct KernelInfo {
+  int gather_regs;
+  int gather_local_bytes;
+  int gather_ptx_version;
+  int gather_binary_version;
+  int finalize_regs;
+};
+cudaError_t kernel_info(KernelInfo* out);
 
 }  // namespace gpuprims::dma

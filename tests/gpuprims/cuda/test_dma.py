@@ -43,12 +43,13 @@ def images(n: int, shape: tuple[int, ...] = (20, 17, 3), dtype: type = np.uint8,
 
 
 def normalized(body: np.ndarray, norm: Normalize) -> np.ndarray:
-    """The numpy oracle of the fused gather (float32 arithmetic, two roundings)."""
-    a, b = norm.coefficients
+    """The numpy oracle of the fused gather (float32 arithmetic, three roundings)."""
+    a, b, d = norm.coefficients
     c = len(norm.mean)
     flat = body.reshape(-1).astype(np.float32)
     ch = np.arange(flat.size) % c
-    return (flat * np.array(a, np.float32)[ch] + np.array(b, np.float32)[ch]).reshape(body.shape)
+    y = (flat * np.array(a, np.float32)[ch] + np.array(b, np.float32)[ch]) / np.array(d, np.float32)[ch]
+    return y.reshape(body.shape)
 
 
 # -- layout -------------------------------------------------------------------------------------------
@@ -588,3 +589,21 @@ def test_native_launch_binding_accepts_what_python_passes(normalize: Normalize |
     big.records = PinnedPool(many, backend="cpu").packets(rs).records  # 513 rows: past the native limit
     with pytest.raises(ValueError, match="at most 512"):
         dma_mod._launch(big, 0, 0, 0x10000, 0x20000, 0x30000)
+
+
+def test_float_rows_off_a_4_byte_boundary_are_refused() -> None:
+    """UBSan found misaligned float stores for such rows in the host-run kernel; on a GPU they are a
+    misaligned-address fault, so the native checks refuse them up front (both launch and reference)."""
+    sp = SyntheticPool(slot_count=8, max_payload=64, record_count=2, max_chunks=2)
+    try:
+        geo = PoolLayout.of(sp).geometry()
+        recs = np.zeros(1, np.uint32)
+        out = np.zeros(64, np.uint8)
+        base = out.ctypes.data + (-out.ctypes.data) % 16
+        args = (1, [1.0] * 4, [0.0] * 4, [1.0] * 4, np.zeros(1, np.int32))
+        with pytest.raises(ValueError, match="4-byte boundaries"):
+            _native.dma_gather_cpu(sp.address, geo, recs, base, 40, 10 * 4 + 2, 10, -1, 1, *args)
+        with pytest.raises(ValueError, match="4-byte boundaries"):
+            _native.dma_gather_cpu(sp.address, geo, recs, base + 2, 40, 40, 10, -1, 1, *args)
+    finally:
+        sp.close()

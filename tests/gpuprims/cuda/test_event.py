@@ -128,3 +128,36 @@ def test_cuda_event_and_stream() -> None:
     assert "0x" in repr(ev) and "0x" in repr(s)
     for obj in (ev, start, end, s, other):
         obj.close()
+
+
+
+
+def test_polling_lowers_the_timer_slack_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 6: a 50 us default timer slack stretches every short poll sleep; the wait lowers the
+    polling thread's slack (PR_SET_TIMERSLACK) while it sleeps between polls, puts it back, and
+    reports the interval it achieved."""
+    import types
+
+    from gpuprims import _native
+    from gpuprims.cuda import event as event_module
+
+    _native.set_timer_slack_ns(50_000)  # the Linux default, whatever this thread had
+    slack_while_sleeping: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        slack_while_sleeping.append(_native.get_timer_slack_ns())
+        time.sleep(seconds)
+
+    monkeypatch.setattr(event_module, "time", types.SimpleNamespace(
+        sleep=sleep, monotonic=time.monotonic, monotonic_ns=time.monotonic_ns, perf_counter_ns=time.perf_counter_ns))
+    s = CpuStream()
+    ev = CpuEvent()
+    s.submit(time.sleep, 0.05)
+    ev.record(s)
+    polls = ev.wait(200, timeout_s=10)
+    s.close()
+    assert slack_while_sleeping and set(slack_while_sleeping) == {1000}
+    assert polls >= 2 and ev.achieved_interval_us >= 200
+    assert _native.get_timer_slack_ns() == 50_000  # restored
+    with pytest.raises(ValueError):
+        _native.set_timer_slack_ns(-1)

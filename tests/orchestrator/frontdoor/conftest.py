@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from apps.instance import preprocess
 
 from apps.zoo import build_model
+from gpuprims.gather import preprocess
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor import FrontDoor, start_frontdoor
 from tests.loopnode import LoopApp, LoopNode

@@ -10,9 +10,9 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from apps.instance import preprocess
 
 from apps.zoo import build_model
+from gpuprims.gather import preprocess
 from gpuprims.ingest import packet_balance
 from orchestrator.config import load_config
 from orchestrator.frontdoor import start_frontdoor

@@ -1,0 +1,344 @@
+"""The gather and run steps of the serving data path (STYLE.md 16): an instance turns the record
+indices of a batch into the model-ready input with one call, and runs its model with another.
+
+    gatherer = make_gatherer(backend, pool, input_shape, dtype, max_batch, device)
+    runner = ModelRunner(backend, device, stream=gatherer.stream)
+    x = gatherer.gather(recs)          # float32 (len(recs), *input_shape); uint8 inputs scaled to [0, 1]
+    out = runner.run(model, x)         # completed output (Sync-lite on cuda)
+    ...
+    gatherer.close()                   # before the pool is closed
+
+Methods (``method=``):
+
+* ``host`` (the cpu backend's, and the default there): the native host gather into a preallocated
+  host tensor, then the apps' transform, bit for bit what ``preprocess(pool.gather(...))`` gave.
+* ``gpu_dma`` (the cuda default): the pool is registered once as mapped pinned memory; the GPU-DMA
+  kernel reads the packets straight from it into a preallocated device batch buffer, converting
+  uint8 to float32 / 255 as it goes (fused, exact: the same bits as torch's ``div_(255)``), then a
+  Sync-lite wait (cudaEventQuery polling) for the verdicts.
+* ``cuda_copy`` (the baseline): the CPU gathers into pinned staging memory, cudaMemcpyAsync copies it
+  to the device, and the transform runs there.
+
+On the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA``, :mod:`gpuprims.cuda.fake`) the cuda methods run the
+same code with "device" memory in host memory, so the tensors they return are CPU tensors and
+:func:`torch_device` says ``cpu``: an instance uses that device for its model.
+
+Rows whose packets fail the kernel's checks (see :class:`gpuprims.cuda.dma.DmaStatus`) are not
+placed; ``gatherer.statuses`` holds each row's verdict after a gather (0 = OK), so the caller answers
+those requests with an error instead of running the model on stale bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from gpuprims.cuda import runtime
+from gpuprims.cuda.dma import UNIT, DeviceRows, PinnedPool, cuda_copy_gather, gpu_dma_async
+from gpuprims.cuda.event import Event, Stream
+
+Method = Literal["host", "gpu_dma", "cuda_copy"]
+METHODS: tuple[str, ...] = ("host", "gpu_dma", "cuda_copy")
+DTYPES = ("uint8", "float32")
+
+#: How long a gather or a model run may take before it is reported as stuck (a device that stopped).
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class Gatherer(Protocol):
+    """What every gather method offers."""
+
+    method: str
+    statuses: np.ndarray
+    stream: Any
+
+    def gather(self, recs: np.ndarray) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def preprocess(batch: Any, dtype: str) -> Any:
+    """The apps' input transform on the host: uint8 bodies become float32 in [0, 1] (x / 255, as the
+    GPU-DMA kernel's UNIT normalisation computes it); float32 passes unchanged. The correctness oracle
+    applies the same transform before running the model directly in torch."""
+    import torch
+
+    if dtype == "uint8":
+        return batch.to(torch.float32).div_(255.0)
+    return batch
+
+
+def default_method(backend: str) -> Method:
+    """``gpu_dma`` on cuda, ``host`` on cpu."""
+    return "gpu_dma" if backend == "cuda" else "host"
+
+
+def torch_device(backend: str, gpu: int = 0) -> Any:
+    """The torch device an instance's model and inputs live on: ``cuda:<gpu>`` on the cuda backend,
+    ``cpu`` on the cpu backend and on the fake CUDA runtime."""
+    import torch
+
+    if backend == "cuda" and not runtime.is_fake():
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
+
+
+def _check_args(backend: str, input_shape: tuple[int, ...], dtype: str, max_batch: int, method: str) -> None:
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be 'cpu' or 'cuda' (resolve 'auto' first), got {backend!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (backend == "cpu") != (method == "host"):
+        raise ValueError(f"method {method!r} does not run on the {backend} backend "
+                         f"({'host' if backend == 'cpu' else 'gpu_dma or cuda_copy'} does)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if not input_shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in input_shape):
+        raise ValueError(f"input_shape must be positive ints, got {input_shape!r}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 512:
+        raise ValueError(f"max_batch must be an int in 1..512 (the GPU-DMA launch limit), got {max_batch!r}")
+
+
+def _records(recs: Any, max_batch: int) -> np.ndarray:
+    arr = np.ascontiguousarray(recs, dtype=np.uint32)
+    if arr.ndim != 1 or not 1 <= arr.size <= max_batch:
+        raise ValueError(f"recs must be 1..{max_batch} record indices, got shape {arr.shape}")
+    return arr
+
+
+class HostGatherer:
+    """``host``: native gather into a preallocated host tensor, then the apps' transform."""
+
+    method = "host"
+
+    def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int) -> None:
+        import torch
+
+        self.pool = pool
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.stream = None
+        self._host = torch.empty((max_batch, *input_shape), dtype=torch.uint8 if dtype == "uint8" else torch.float32)
+        self.statuses = np.zeros(0, dtype=np.int32)
+
+    def gather(self, recs: np.ndarray) -> Any:
+        """float32 rows for `recs`; raises ValueError (from the pool) if a request has the wrong size.
+        The result is valid until the next gather."""
+        arr = _records(recs, self.max_batch)
+        host = self._host[:arr.size]
+        self.pool.gather(arr, host)
+        self.statuses = np.zeros(arr.size, dtype=np.int32)
+        return preprocess(host, self.dtype)
+
+    def close(self) -> None:
+        """Nothing to release (the host tensor goes with the object)."""
+
+
+class _DeviceBatch:
+    """A device buffer of max_batch rows, as DeviceRows for the kernels and as a torch tensor."""
+
+    def __init__(self, device: int, max_batch: int, input_shape: tuple[int, ...], elem: Any) -> None:
+        import torch
+
+        row = math.prod(input_shape) * torch.tensor([], dtype=elem).element_size()
+        self.mem = runtime.DeviceMemory(row * max_batch, device)
+        if runtime.is_fake():  # "device" memory is host memory: a CPU tensor views it
+            raw = (ctypes.c_char * self.mem.nbytes).from_address(self.mem.ptr)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+        else:
+            flat = torch.as_tensor(self.mem, device=torch.device("cuda", device))
+        self.tensor = flat.view(elem).view(max_batch, *input_shape)
+        self.rows = DeviceRows(self.mem.ptr, self.mem.nbytes, max_batch, device, elem == torch.float32, self.mem)
+
+    def close(self) -> None:
+        self.tensor = None
+        self.mem.close()
+
+
+class _CudaGatherer:
+    """Shared by gpu_dma and cuda_copy: the pinned pool, the device batch, the stream."""
+
+    method = ""
+
+    def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
+                 stream: Any, interval_us: float, timeout_s: float) -> None:
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.device = device
+        self.interval_us = interval_us
+        self.timeout_s = timeout_s
+        self.statuses = np.zeros(0, dtype=np.int32)
+        self._own_stream: Stream | None = None
+        if stream is None:
+            if runtime.is_fake():
+                stream = self._own_stream = Stream(device)
+            else:
+                import torch
+
+                stream = torch.cuda.current_stream(device)
+        self.stream = stream
+        self.pinned = PinnedPool(pool, backend="cuda")
+        self._batches: list[_DeviceBatch] = []
+
+    def _finish(self, placed: int, statuses: np.ndarray) -> None:
+        self.statuses = statuses.astype(np.int32, copy=True)
+
+    def close(self) -> None:
+        """Wait for work in flight, unregister the pool and free the device buffers (every tensor
+        returned by gather() must be gone)."""
+        self.pinned.close(timeout_s=self.timeout_s)
+        for b in self._batches:
+            b.close()
+        self._batches.clear()
+        if self._own_stream is not None:
+            self._own_stream.close()
+            self._own_stream = None
+
+
+class GpuDmaGatherer(_CudaGatherer):
+    """``gpu_dma``: the GPU-DMA kernel into a preallocated float32 device batch (uint8 fused / 255)."""
+
+    method = "gpu_dma"
+
+    def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
+                 stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        import torch
+
+        super().__init__(pool, input_shape, dtype, max_batch, device, stream, interval_us, timeout_s)
+        self.batch = _DeviceBatch(device, max_batch, input_shape, torch.float32)
+        self._batches.append(self.batch)
+        self.normalize = UNIT if dtype == "uint8" else None
+
+    def gather(self, recs: np.ndarray) -> Any:
+        """float32 rows for `recs` in device memory (valid until the next gather); per-row verdicts
+        in ``statuses``. Waits for the kernel with Sync-lite (cudaEventQuery every interval_us)."""
+        arr = _records(recs, self.max_batch)
+        st = np.zeros(arr.size, dtype=np.int32)
+        job = gpu_dma_async(self.pinned.packets(arr), arr.size, self.batch.rows, self.device, stream=self.stream,
+                            normalize=self.normalize, expect_dtype=-1, statuses=st)
+        placed = job.wait(self.interval_us, timeout_s=self.timeout_s)
+        self._finish(placed, st)
+        return self.batch.tensor[:arr.size]
+
+
+class CudaCopyGatherer(_CudaGatherer):
+    """``cuda_copy``: host gather into pinned staging, cudaMemcpyAsync to the device, transform there."""
+
+    method = "cuda_copy"
+
+    def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
+                 stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        import torch
+
+        super().__init__(pool, input_shape, dtype, max_batch, device, stream, interval_us, timeout_s)
+        self.batch = _DeviceBatch(device, max_batch, input_shape, torch.uint8 if dtype == "uint8" else torch.float32)
+        self._batches.append(self.batch)
+
+    def gather(self, recs: np.ndarray) -> Any:
+        """float32 rows for `recs` on the device; per-row verdicts in ``statuses``."""
+        import torch
+
+        arr = _records(recs, self.max_batch)
+        st = np.zeros(arr.size, dtype=np.int32)
+        placed = cuda_copy_gather(self.pinned.packets(arr), arr.size, self.batch.rows, self.device,
+                                  stream=self.stream, expect_dtype=-1, statuses=st)
+        self._finish(placed, st)
+        rows = self.batch.tensor[:arr.size]
+        if self.dtype == "uint8":
+            return rows.to(torch.float32).div_(255.0)
+        return rows
+
+
+def make_gatherer(backend: str, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int,
+                  device: int = 0, method: Method | None = None, *, stream: Any = None, interval_us: float = 20,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Gatherer:
+    """The gather step for one instance (see the module docstring).
+
+    `backend` is the resolved backend (``cpu`` or ``cuda``); `pool` the instance's PacketPool;
+    `input_shape` and `dtype` (``uint8`` or ``float32``) the app's request body; `max_batch` the
+    largest batch (<= 512); `device` the GPU index; `method` defaults to :func:`default_method`.
+    `stream` (cuda) is where the gather runs, torch's current stream by default (so the model that
+    follows on it is ordered after the gather); `interval_us` the Sync-lite polling interval;
+    `timeout_s` how long a gather may take before it raises TimeoutError.
+    """
+    method = default_method(backend) if method is None else method
+    shape = tuple(input_shape)
+    _check_args(backend, shape, dtype, max_batch, method)
+    if method == "host":
+        return HostGatherer(pool, shape, dtype, max_batch)
+    if method == "gpu_dma":
+        return GpuDmaGatherer(pool, shape, dtype, max_batch, device, stream, interval_us, timeout_s)
+    return CudaCopyGatherer(pool, shape, dtype, max_batch, device, stream, interval_us, timeout_s)
+
+
+class ModelRunner:
+    """The run step: ``run(model, x)`` returns the model's completed output.
+
+    cpu: the model under torch.inference_mode. cuda: :func:`gpuprims.cuda.sync_lite` on `stream`
+    (cudaEventRecord after the model, cudaEventQuery every `interval_us` with the GIL released). On the
+    fake runtime the model runs on the fake stream's worker and the same event polling waits for it.
+    """
+
+    def __init__(self, backend: str, device: int = 0, *, stream: Any = None, interval_us: float = 100,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+        self.backend = backend
+        self.device = device
+        self.stream = stream
+        self.interval_us = interval_us
+        self.timeout_s = timeout_s
+        self._event: Event | None = None
+        self._own_stream: Stream | None = None
+
+    def run(self, model: Any, x: Any) -> Any:
+        import torch
+
+        if self.backend == "cpu":
+            with torch.inference_mode():
+                return model(x)
+        if not runtime.is_fake():
+            from gpuprims.cuda.sync import sync_lite
+
+            with torch.inference_mode():
+                return sync_lite(model, x, interval_us=self.interval_us, stream=self.stream, timeout_s=self.timeout_s)
+        return self._run_fake(model, x)
+
+    def _run_fake(self, model: Any, x: Any) -> Any:
+        import torch
+
+        from gpuprims.cuda.event import stream_handle
+
+        rt = runtime.cuda()
+        if self.stream is None:
+            self.stream = self._own_stream = Stream(self.device)
+        if self._event is None:
+            self._event = Event(self.device)
+        box: list[Any] = []
+
+        def infer() -> None:
+            try:
+                with torch.inference_mode():
+                    box.append(model(x))
+            except Exception as e:  # raised on the host below, as torch raises a failed enqueue
+                box.append(e)
+
+        handle = stream_handle(self.stream)
+        rt.launch_host_func(handle, infer)  # type: ignore[attr-defined]
+        self._event.record(handle)
+        self._event.wait(self.interval_us, timeout_s=self.timeout_s)
+        out = box[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def close(self) -> None:
+        if self._event is not None:
+            self._event.close()
+            self._event = None
+        if self._own_stream is not None:
+            self._own_stream.close()
+            self._own_stream = None

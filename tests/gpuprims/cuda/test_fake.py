@@ -1,0 +1,283 @@
+"""The Python CUDA layer on the fake CUDA runtime (gpuprims.cuda.fake): GPU-DMA with Sync-lite,
+events, streams, the callback wait, IPC across processes, every error path of check(), lifetimes
+(no leak, no free while work is queued, no hang) and that the real device error surfaces."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpuprims import backend
+from gpuprims.cuda import fake, runtime
+from gpuprims.cuda.dma import DeviceRows, DmaStatus, PinnedPool, gpu_dma_async
+from gpuprims.cuda.errors import CudaError
+from gpuprims.cuda.event import Event, Stream
+from gpuprims.cuda.synthetic import SyntheticPool
+
+ROW = 2000
+
+
+def _filled(n: int = 4, seed: int = 0) -> tuple[SyntheticPool, np.ndarray, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    sp = SyntheticPool(slot_count=n * 3 + 8, max_payload=1024, record_count=n + 2, max_chunks=4, seed=seed)
+    bodies = [rng.integers(0, 256, ROW, dtype=np.uint8) for _ in range(n)]
+    recs = np.array([sp.add_request(1, i, b) for i, b in enumerate(bodies)], np.uint32)
+    return sp, recs, bodies
+
+
+def _rows(n: int) -> tuple[runtime.DeviceMemory, DeviceRows]:
+    mem = runtime.DeviceMemory(n * ROW, 0)
+    return mem, DeviceRows(mem.ptr, mem.nbytes, n, 0, False, mem)
+
+
+def _host(mem: runtime.DeviceMemory) -> np.ndarray:
+    return runtime._host_array(mem.ptr, mem.nbytes)
+
+
+def test_gpu_dma_places_rows_and_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fake.FAKE_ENV, "delay_us=300000")  # long enough to see the job in flight on a busy machine
+    fake_cuda = fake.reset()
+    sp, recs, bodies = _filled()
+    pp = PinnedPool(sp, backend="cuda")
+    mem, rows = _rows(4)
+    s = Stream(0)
+    job = gpu_dma_async(pp.packets(recs), 4, rows, 0, stream=s)
+    assert not job.done  # the "kernel" takes delay_us
+    assert job.wait(20, timeout_s=5) == 4
+    assert _host(mem).tobytes() == b"".join(b.tobytes() for b in bodies)
+    assert job.statuses.tolist() == [0] * 4
+    pp.close()
+    mem.close()
+    s.close()
+    gc.collect()
+    assert fake_cuda.live("registered") == [] and fake_cuda.live("device") == []
+    assert fake_cuda.live("host_alloc") == [] and fake_cuda.live("event") == []
+    assert fake_cuda.unsafe_frees == []
+    sp.close()
+    fake.reset("1")
+
+
+def test_pool_close_waits_for_a_job_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 5: close() on the timeout path must not unregister the pool or free the scratch while
+    the kernel still reads and writes them; a later close() finishes the job."""
+    monkeypatch.setenv(fake.FAKE_ENV, "delay_us=400000")
+    rt = fake.reset()
+    sp, recs, _ = _filled()
+    pp = PinnedPool(sp, backend="cuda")
+    mem, rows = _rows(4)
+    job = gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    with pytest.raises(TimeoutError, match="still running"):
+        pp.close(timeout_s=0.01)
+    assert rt.unsafe_frees == []
+    assert len(rt.live("registered")) == 1
+    pp.close(timeout_s=10)
+    assert job.wait() == 4
+    assert rt.unsafe_frees == [] and rt.live("registered") == []
+    mem.close()
+    fake.reset("1")
+
+
+def test_device_error_surfaces_instead_of_in_flight(fake_cuda: fake.FakeRuntime) -> None:
+    """Finding 5: after a device fault under a GPU-DMA job, its wait raises the fault, and so does
+    every later launch (not "still in flight"); the pool still closes."""
+    sp, recs, _ = _filled()
+    pp = PinnedPool(sp, backend="cuda")
+    _mem, rows = _rows(4)
+    fake_cuda.inject("kernel", fake.ILLEGAL_ADDRESS)
+    job = gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    with pytest.raises(CudaError) as e:
+        job.wait(20, timeout_s=5)
+    assert e.value.name == "cudaErrorIllegalAddress"
+    with pytest.raises(CudaError) as e2:
+        gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    assert e2.value.status == fake.ILLEGAL_ADDRESS
+    with pytest.raises(CudaError):
+        job.wait()  # the job stays failed
+    pp.close()  # the context is gone; close() still releases what it holds in Python
+
+
+def test_unwaited_failed_job_raises_its_error_at_the_next_launch(fake_cuda: fake.FakeRuntime) -> None:
+    sp, recs, _ = _filled()
+    pp = PinnedPool(sp, backend="cuda")
+    _mem, rows = _rows(4)
+    fake_cuda.inject("kernel", fake.LAUNCH_FAILURE)
+    gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    fake_cuda.quiesce()
+    with pytest.raises(CudaError) as e:
+        gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    assert e.value.name == "cudaErrorLaunchFailure"
+
+
+def test_freeing_under_a_running_kernel_is_caught_by_the_ledger(fake_cuda: fake.FakeRuntime) -> None:
+    """The fake's ledger sees a free while work is queued and the kernel faults, as a GPU would."""
+    sp, recs, _ = _filled()
+    pp = PinnedPool(sp, backend="cuda")
+    _mem, rows = _rows(4)
+    job = gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    assert pp.region is not None
+    pp.region.close()  # bypasses PinnedPool.close's wait on purpose
+    assert fake_cuda.unsafe_frees and "cudaHostUnregister" in fake_cuda.unsafe_frees[0]
+    with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+        job.wait(20, timeout_s=5)
+
+
+def test_bad_rows_get_verdicts(fake_cuda: fake.FakeRuntime) -> None:
+    sp, recs, _bodies = _filled()
+    sp.set_header_field(int(recs[2]), 1, "request_id", 77)
+    pp = PinnedPool(sp, backend="cuda")
+    _mem, rows = _rows(4)
+    st = np.zeros(4, np.int32)
+    assert gpu_dma_async(pp.packets(recs), 4, rows, 0, statuses=st).wait() == 3
+    assert st.tolist() == [0, 0, DmaStatus.MISMATCH, 0]
+    pp.close()
+
+
+def test_events_streams_and_sync_lite_polling(fake_cuda: fake.FakeRuntime) -> None:
+    s = Stream(0)
+    ev = Event(0)
+    assert ev.query()  # never recorded: complete
+    fake_cuda.launch_host_func(s.handle, lambda: time.sleep(0.3))
+    ev.record(s)
+    assert not ev.query() and not s.query()
+    polls = ev.wait(1000, timeout_s=10)
+    assert polls >= 2 and ev.query() and s.query()
+    assert ev.last_wait_ns >= 200_000_000 and ev.achieved_interval_us >= 1000
+    fake_cuda.launch_host_func(s.handle, lambda: time.sleep(0.3))
+    ev.record(s)
+    with pytest.raises(TimeoutError, match="not complete"):
+        ev.wait(100, timeout_s=0.02)
+    s.synchronize()
+    ev.close()
+    s.close()
+
+
+def test_callback_wait_stops_on_a_device_fault(fake_cuda: fake.FakeRuntime) -> None:
+    """Finding 4 (the fake follows the native slicing): CUDA never runs a host function after a fault,
+    so the wait checks the stream and raises the fault instead of hanging."""
+    s = Stream(0)
+    rt = runtime.cuda()
+
+    def fault() -> None:
+        time.sleep(0.02)
+        fake_cuda.fault(fake.ILLEGAL_ADDRESS)
+
+    fake_cuda.launch_host_func(s.handle, fault)
+    fake_cuda.launch_host_func(s.handle, lambda: time.sleep(0.01))  # never runs: the context is dead
+    t0 = time.monotonic()
+    with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+        rt.cuda_callback_wait(s.handle, -1)  # no deadline: only the fault check ends it
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("call,make", [
+    ("cuda_malloc", lambda: runtime.DeviceMemory(64, 0)),
+    ("cuda_host_alloc", lambda: runtime.PinnedBuffer(64)),
+    ("cuda_host_register", lambda: PinnedPool(_filled()[0], backend="cuda")),
+    ("cuda_event_create", lambda: Event(0)),
+    ("cuda_stream_create", lambda: Stream(0)),
+    ("cuda_memset", lambda: PinnedPool(_filled()[0], backend="cuda")._engine(0)),
+    ("cuda_host_get_device_pointer", lambda: runtime.PinnedBuffer(64).device_pointer(0)),
+    ("dma_launch", lambda: _launch_once()),
+    ("cuda_event_record", lambda: _launch_once()),
+    ("cuda_event_query", lambda: _launch_once().wait()),
+    ("cuda_device_count", lambda: runtime.device_count()),
+])
+def test_every_error_path_raises_the_named_cuda_error_and_leaks_nothing(fake_cuda: fake.FakeRuntime, call: str,
+                                                                        make: Any) -> None:
+    fake_cuda.inject(call, fake.MEMORY_ALLOCATION)
+    with pytest.raises(CudaError) as e:
+        make()
+    assert e.value.status == fake.MEMORY_ALLOCATION and e.value.is_out_of_memory
+    assert e.value.call  # names the call that failed
+    del e  # its traceback holds the half-built objects; their finalizers release them
+    fake_cuda.quiesce()
+    gc.collect()
+    leaked = [r for r in fake_cuda.live() if r.kind != "stream"]
+    assert leaked == [], leaked
+    assert fake_cuda.unsafe_frees == []
+
+
+def _launch_once() -> Any:
+    sp, recs, _ = _filled(seed=5)
+    pp = PinnedPool(sp, backend="cuda")
+    _mem, rows = _rows(4)
+    job = gpu_dma_async(pp.packets(recs), 4, rows, 0)
+    job._pool = pp  # keep the pool alive with the job
+    return job
+
+
+def test_probe_and_backend_on_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 2: a runtime newer than the driver, or no kernel image for the device, is found by the
+    native layer's own probe, and backend auto falls back to cpu with the reason."""
+    monkeypatch.setenv(fake.FAKE_ENV, "driver=12040,runtime=13000")
+    fake.reset()
+    probe = backend.cuda_probe()
+    assert not probe.ok and "13.0" in probe.reason and "12.4" in probe.reason and "rebuild" in probe.reason
+    assert backend.resolve_backend("auto") == "cpu"
+    with pytest.raises(RuntimeError, match="cannot run"):
+        backend.resolve_backend("cuda")
+    monkeypatch.setenv(fake.FAKE_ENV, "no_kernel_image,capability=7.0")
+    fake.reset()
+    probe = backend.cuda_probe()
+    assert not probe.ok and "sm_7.0" in probe.reason and "cudaErrorNoKernelImageForDevice" in probe.reason
+    assert backend.resolve_backend("auto") == "cpu"
+    monkeypatch.setenv(fake.FAKE_ENV, "driver=12080,runtime=12040")
+    fake.reset()
+    probe = backend.cuda_probe()
+    assert probe.ok and probe.devices[0]["kernels"]["gather_regs"] > 0
+    assert backend.resolve_backend("auto") == "cuda"
+    fake.reset("1")
+
+
+def _ipc_child(handle: bytes, q: Any) -> None:
+    try:
+        rt = runtime.cuda()
+        p = rt.cuda_ipc_open_mem_handle(0, handle)
+        q.put(runtime._host_array(p, 8).tobytes())
+        runtime._host_array(p, 8)[:] = 7
+        rt.cuda_ipc_close_mem_handle(0, p)
+        q.put(len(fake.runtime().live("ipc_open")))
+    except Exception as e:  # reported to the parent
+        q.put(repr(e))
+
+
+def test_ipc_open_and_close_across_processes(fake_cuda: fake.FakeRuntime) -> None:
+    rt = runtime.cuda()
+    mem = runtime.DeviceMemory(4096, 0)
+    runtime._host_array(mem.ptr, 8)[:] = np.arange(8, dtype=np.uint8)
+    handle = rt.cuda_ipc_get_mem_handle(0, mem.ptr)
+    assert len(handle) == 64
+    with pytest.raises(CudaError):
+        rt.cuda_ipc_open_mem_handle(0, handle)  # a process cannot open its own handle
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_ipc_child, args=(handle, q))
+    p.start()
+    try:
+        assert q.get(timeout=60) == bytes(range(8))
+        assert q.get(timeout=60) == 0
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert runtime._host_array(mem.ptr, 8).tolist() == [7] * 8  # the child wrote through its mapping
+    (res,) = [r for r in fake_cuda.live("device") if r.handle == mem.ptr]
+    mem.close()
+    assert not os.path.exists(f"/dev/shm/{res.keep.name}")
+
+
+def test_isolated_probe_runs_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node probes without creating a CUDA context of its own: the child inherits the environment."""
+    monkeypatch.setenv(fake.FAKE_ENV, "driver=12020,runtime=13000")
+    probe = backend.cuda_probe(isolated=True)
+    assert not probe.ok and probe.fake and "rebuild" in probe.reason
+    assert backend.resolve_backend("auto", isolated=True) == "cpu"
+    monkeypatch.setenv(fake.FAKE_ENV, "1")
+    assert backend.cuda_probe(isolated=True).ok
