@@ -16,11 +16,11 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims import wire
+from gpuprims.gather import preprocess
 from gpuprims.ingest import packet_balance
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.control import connect_command, control_address, read_token
-from gpuprims.gather import preprocess
 from orchestrator.messages import StatusRequest
 from orchestrator.node import Node, StartError
 
