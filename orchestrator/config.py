@@ -269,6 +269,12 @@ class NodeSettings(BaseModel):
     # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
     autoscale: bool = True
 
+    @field_validator("mps", mode="before")
+    @classmethod
+    def _mps_off(cls, v: Any) -> Any:
+        # YAML reads a bare `off` as false: `mps: off` means what it says.
+        return "off" if v is False else v
+
     @field_validator("run_dir")
     @classmethod
     def _run_dir(cls, v: str | None) -> str | None:

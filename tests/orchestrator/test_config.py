@@ -320,3 +320,10 @@ def test_round_trips_for_child_processes(name: str) -> None:
     assert NodeConfig.model_validate_json(cfg.model_dump_json()) == cfg
     assert parse_config(json.loads(cfg.model_dump_json())) == cfg
     assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_mps_off_in_yaml_is_off(tmp_path: Path) -> None:
+    # YAML 1.1 reads a bare `off` as false.
+    p = tmp_path / "apps.yaml"
+    p.write_text("node: {mps: off}\napps:\n  - {name: a, model: resnet18, slo_ms: 50}\n")
+    assert load_config(p).node.mps == "off"

@@ -1,0 +1,78 @@
+"""A whole node on the cuda backend, run on the fake CUDA runtime (no GPU here).
+
+The instances take the cuda serving path: the pool registered for GPU-DMA, the gather kernel's
+reference writing each batch into a preallocated "device" buffer, the model awaited with Sync-lite
+on the fake stream. Every answer must equal the model run directly in torch on the same input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from apps.zoo import load_model
+from gpuprims.cuda import runtime
+from gpuprims.gather import preprocess
+from gpuprims.wire import Status
+from orchestrator.config import load_config
+from orchestrator.node import Node
+from tests.orchestrator.client import ask
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+node:
+  listen: {host: 127.0.0.1, port: 0}
+  backend: cuda
+  mps: off
+  run_dir: RUN_DIR
+  pool: {slot_count: 2048, max_chunks: 64, record_count: 256}
+apps:
+  - {name: cls, model: mobilenet_v2, input_shape: [3, 32, 32], slo_ms: 10000, gpu_pct: 50, max_batch: 4,
+     app_id: 1, num_classes: 10, seed: 3, shadow: false}
+  - {name: det, model: resnet18, input_shape: [3, 32, 32], dtype: uint8, slo_ms: 10000, gpu_pct: 50,
+     max_batch: 4, app_id: 2, num_classes: 10, seed: 4, shadow: false}
+"""
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # The node and the instances it spawns (which inherit the environment) run on the fake runtime.
+    monkeypatch.setenv(runtime.FAKE_ENV, "1")
+    yield
+
+
+def test_a_node_on_the_fake_runtime_serves_with_gpu_dma_and_sync_lite(tmp_path: Path, fake_cuda: None) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(CONFIG.replace("RUN_DIR", str(tmp_path / "run")))
+    node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
+    try:
+        assert node.backend == "cuda"
+        rng = np.random.default_rng(0)
+        xs: dict[int, tuple[int, np.ndarray]] = {}
+        for rid in range(24):
+            if rid % 2:
+                xs[rid] = (2, rng.integers(0, 256, (3, 32, 32), dtype=np.uint8))
+            else:
+                xs[rid] = (1, rng.random((3, 32, 32), dtype=np.float32))
+        got = ask(node, xs)
+        for _ in range(5):
+            node.step(100)  # heartbeats
+        status = node.status()
+    finally:
+        node.stop()
+    assert sorted(got) == sorted(xs)
+    models = {1: load_model("mobilenet_v2", seed=3, num_classes=10, input_shape=(3, 32, 32)).eval(),
+              2: load_model("resnet18", seed=4, num_classes=10, input_shape=(3, 32, 32)).eval()}
+    for rid, (app, x) in xs.items():
+        r = got[rid]
+        assert r.status == Status.OK, (rid, r.status)
+        with torch.inference_mode():
+            ref = models[app](preprocess(torch.from_numpy(x)[None], "uint8" if app == 2 else "float32"))
+        np.testing.assert_allclose(r.array(), ref.numpy().reshape(-1), rtol=1e-4, atol=1e-5)
+    for app in ("cls", "det"):
+        assert status["apps"][app]["ok"] == 12
