@@ -404,15 +404,29 @@ class Node:
         for d in self.monitor.sample(time.monotonic(), self.status()):
             if d.app in self.changes.running:
                 continue  # its change is still running; the monitor asks again if it still holds
-            log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, d.to_pct, d.reason)
+            # A change that does not change what the instances get (on the CPU backend: whole cores)
+            # costs a shadow start and buys nothing: take the next share that does, or none.
+            others = sum(a.gpu_pct * a.instances for name, a in self.apps.items()
+                         if name != d.app and self.cfg.gpu_of(a.cfg) == self.cfg.gpu_of(self.apps[d.app].cfg))
+            n = max(1, self.apps[d.app].instances)
+            hi = 100 if self.cfg.node.allow_oversubscribe else (100 - others) // n
+            target = self.placement.effective_target(d.from_pct, d.to_pct, self.monitor.policy.min_pct, hi)
+            if target is None:
+                self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
+                             "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": False, "automatic": True,
+                             "result": f"not made: no share toward {d.to_pct}% changes what {d.app} gets "
+                                       f"({self.placement.capacity(d.from_pct)} at {d.from_pct}%)"})
+                continue
+            log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, target, d.reason)
             try:
-                ch = self.set_gpu(d.app, d.to_pct, origin="monitor")
+                ch = self.set_gpu(d.app, target, origin="monitor")
                 ok, text = True, f"change {ch.id} accepted"
             except ChangeError as e:
                 ok, text = False, str(e)
                 log.warning("monitor: change of %s refused: %s", d.app, text)
             self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
-                         "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": ok, "result": text})
+                         "from_pct": d.from_pct, "to_pct": target, "asked_pct": d.to_pct, "ok": ok,
+                         "automatic": True, "result": text})
 
     def request_stop(self, drain: bool = True) -> None:
         """Ask serve() to stop (safe from signal handlers and other threads)."""

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from apps.zoo.registry import canonical_name
-from gpuprims.cpushare import CpuShare, plan_cpu_shares
+from gpuprims.cpushare import CpuShare, available_cores, cores_for_pct, plan_cpu_shares
 from gpuprims.profile import Profile, ProfileError, load_profile
 from gpuprims.sched import multi_model
 from orchestrator.config import NodeConfig
@@ -167,6 +167,25 @@ class Placement:
         shares = plan_cpu_shares(reqs, allow_oversubscribe=self.cfg.node.allow_oversubscribe)
         # An app with more live instances than configured (a replacement still starting) reuses the last plan.
         return shares.get(f"{app_name}-{index}") or shares[f"{app_name}-{self.apps[app_name].instances - 1}"]
+
+    def capacity(self, gpu_pct: int) -> int:
+        """What an instance gets at ``gpu_pct``: on the CPU backend its whole cores (and as many threads),
+        on CUDA the percentage itself (MPS limits threads at that granularity)."""
+        if self.backend == "cpu":
+            return cores_for_pct(gpu_pct, len(available_cores()))
+        return gpu_pct
+
+    def effective_target(self, from_pct: int, to_pct: int, lo: int, hi: int) -> int | None:
+        """The share to change to so that the instance really gets more (``to_pct > from_pct``) or less:
+        ``to_pct`` if that changes :meth:`capacity`, else the nearest share beyond it in the same
+        direction, within ``lo..hi``, that does; None when no share in range changes anything (a
+        change would cost a shadow start and buy nothing)."""
+        have = self.capacity(from_pct)
+        if to_pct > from_pct:
+            cands = range(to_pct, min(hi, 100) + 1)
+            return next((p for p in cands if self.capacity(p) > have), None)
+        cands = range(to_pct, max(lo, 1) - 1, -1)
+        return next((p for p in cands if self.capacity(p) < have), None)
 
     def needed_pct(self, app_name: str, arrival_rps: float) -> int | None:
         """The smallest GPU% at which the app's instances serve ``arrival_rps`` (with 20% headroom)
