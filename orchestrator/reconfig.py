@@ -213,7 +213,7 @@ class Change:
                 old = None
             if old is None or old.ended:
                 self.switched[-1]["old_served"] = old.stats.get("ok") if old is not None else None
-                self._next_instance()
+                self._next_instance(host)
 
     def _switch(self, host: ChangeHost, shadow: InstanceState) -> None:
         init_ms = (time.monotonic() - self._t_init) * 1e3
@@ -231,14 +231,18 @@ class Change:
                      "gpu_pct": self.to_pct})
         self._enter(Phase.SWITCHED)
 
-    def _next_instance(self) -> None:
+    def _next_instance(self, host: ChangeHost) -> None:
+        """On to the next active instance still at another share, or done when there is none."""
         if self._old is not None:
             self._done_with.add(self._old)
         if self._new is not None:
             self._done_with.add(self._new)
         self._old = self._new = None
         self._index += 1
-        self._enter(Phase.PENDING)
+        if self._next_old(host) is None:
+            self._complete(host)
+        else:
+            self._enter(Phase.PENDING)
 
     def _restart(self, host: ChangeHost) -> None:
         if self.phase is Phase.PENDING:
@@ -262,7 +266,7 @@ class Change:
                 self.fail(host, f"{self._new} failed to start at {self.to_pct}%")
             elif new.ready:
                 self.switched[-1]["init_ms"] = round((time.monotonic() - self._t_init) * 1e3, 1)
-                self._next_instance()
+                self._next_instance(host)
             elif self._timed_out():
                 self.fail(host, f"{self._new} start did not happen within {self.timeout_s:.0f} s; raise "
                                 "node.change_timeout_s if needed")

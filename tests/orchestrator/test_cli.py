@@ -375,3 +375,27 @@ def test_a_user_model_without_its_factory_ends_in_one_line(tmp_path: Path) -> No
                        capture_output=True, text=True, timeout=READY_S)
     assert r.returncode == 1 and "has no attribute 'factory'" in r.stderr.strip().splitlines()[-1], r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_set_gpu_follows_the_change_through_its_phases(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("shadow: false", "shadow: true"))
+    node = _Started(tmp_path, cfg, "sg")
+    try:
+        node.wait_up()
+        r = _cli(tmp_path, "set-gpu", "cls", "30", "--name", "sg", timeout=2 * READY_S)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "change 1 accepted: cls 50% -> 30%" in r.stdout
+        lines = r.stdout.splitlines()
+        phases = [ln.split()[-1] for ln in lines if ln.startswith("  ") and ln.split()[-1].isalpha()]
+        assert phases[:5] == ["pending", "initialising", "switched", "draining", "done"], r.stdout
+        assert lines[-1] == "cls now at 30%"
+        refused = _cli(tmp_path, "set-gpu", "nope", "10", "--name", "sg")
+        assert refused.returncode == 1 and "no app named 'nope'" in refused.stdout, refused.stdout + refused.stderr
+        status = _cli(tmp_path, "status", "--name", "sg", "--json")
+        st = json.loads(status.stdout)
+        assert st["apps"]["cls"]["gpu_pct"] == 30
+        assert st["changes"]["counts"]["done"] == 1 and st["changes"]["counts"]["refused"] == 1
+        assert _cli(tmp_path, "stop", "--name", "sg", timeout=READY_S).returncode == 0
+    finally:
+        node.close()
