@@ -73,3 +73,55 @@ def test_tritonclient_through_a_real_node(node: Node) -> None:
     while time.monotonic() < deadline and node.status()["apps"]["cls"]["ok"] < 8:
         node.step(20)  # the node's control loop takes the instance's heartbeats in
     assert node.status()["apps"]["cls"]["ok"] >= 8
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_node_started_from_the_example_serves_tritonclient(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """examples/apps.yaml as shipped (front door on), with ports and run dir made private to the test."""
+    from pathlib import Path
+
+    from orchestrator.config import parse_config
+
+    tmp = tmp_path_factory.mktemp("example")
+    example = load_config(Path(__file__).resolve().parents[3] / "examples" / "apps.yaml")
+    assert example.node.http_port and example.node.grpc_port, "the example turns the front door on"
+    data = example.model_dump()
+    data["node"].update(listen={"host": "127.0.0.1", "port": [0]}, run_dir=str(tmp / "run"), backend="cpu",
+                        autoscale=False, http_port=_free_tcp_port(), grpc_port=_free_tcp_port())
+    cfg = parse_config(data, source="examples/apps.yaml (test ports)")
+    node = Node(cfg, warmup=False, heartbeat_ms=100).start()
+    try:
+        assert node.frontdoor is not None and node.frontdoor.http_url and node.frontdoor.grpc_target
+        rng = np.random.default_rng(1)
+        for app in cfg.apps:
+            model = build_model(app.model or "", seed=app.seed, num_classes=app.num_classes,
+                                input_shape=tuple(app.input_shape))
+            if app.dtype == "uint8":
+                x = rng.integers(0, 256, (2, *app.input_shape), dtype=np.uint8)
+                dt = "UINT8"
+            else:
+                x = rng.random((2, *app.input_shape), dtype=np.float32)
+                dt = "FP32"
+            with torch.inference_mode():
+                want = model.eval()(preprocess(torch.from_numpy(x), app.dtype)).numpy()
+            with httpclient.InferenceServerClient(node.frontdoor.http_url.removeprefix("http://")) as h:
+                assert h.is_model_ready(app.name)
+                t = httpclient.InferInput("input", list(x.shape), dt)
+                t.set_data_from_numpy(x, binary_data=True)
+                out_http = h.infer(app.name, [t]).as_numpy("logits")
+            with grpcclient.InferenceServerClient(node.frontdoor.grpc_target) as g:
+                t2 = grpcclient.InferInput("input", list(x.shape), dt)
+                t2.set_data_from_numpy(x)
+                out_grpc = g.infer(app.name, [t2]).as_numpy("logits")
+            np.testing.assert_allclose(out_http, want, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(out_grpc, want, rtol=1e-4, atol=1e-4)
+    finally:
+        node.stop()
+    assert node.frontdoor is None
