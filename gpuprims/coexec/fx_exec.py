@@ -500,6 +500,47 @@ class LstmExecutor:
         self.close()
 
 
+def _step_cell(cell: Any, x: Any, start: threading.Barrier, repeats: int, out: list[float]) -> None:
+    import torch
+
+    with torch.inference_mode():
+        h = c = x.new_zeros(x.shape[0], cell.hidden_size)
+        for _ in range(10):
+            h, c = cell(x, (h, c))
+        start.wait()
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            h, c = cell(x, (h, c))
+            out.append((time.perf_counter_ns() - t0) / 1e6)
+
+
+def measure_lstm_cell_ms(*, batch: int, features: int, max_workers: int, repeats: int = 200,
+                         seed: int = 0) -> dict[int, float]:
+    """Median time (ms) of one LSTM cell step (``features`` in and hidden, ``batch`` rows) on the CPU
+    while ``k`` worker threads run cells at once, for k = 1..max_workers: what ``LstmExecutor``'s
+    CPU workers see, contention for cores, caches and the interpreter lock included."""
+    import torch
+    from torch import nn
+
+    if batch < 1 or features < 1 or max_workers < 1 or repeats < 1:
+        raise ValueError("batch, features, max_workers and repeats must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[int, float] = {}
+    for k in range(1, max_workers + 1):
+        cells = [nn.LSTMCell(features, features) for _ in range(k)]
+        xs = [torch.randn(batch, features, generator=gen) for _ in range(k)]
+        times: list[list[float]] = [[] for _ in range(k)]
+        start = threading.Barrier(k)
+        threads = [threading.Thread(target=_step_cell, args=(cells[i], xs[i], start, repeats, times[i]))
+                   for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[k] = statistics.median([x for ts in times for x in ts])
+    return out
+
+
 def cpu_count() -> int:
     """Cores this process may run on (affinity), at least 1."""
     try:
