@@ -481,12 +481,11 @@ class LstmExecutor:
                     run(op, GPU)
         except BaseException as e:
             failed.append(e)
-            raise
         finally:
             for f in futs:
                 f.exception()  # wait for the workers; their error (if any) is in ``failed``
         if failed:
-            raise failed[0]
+            raise failed[0]  # the first failure, not a waiter's "another operator failed"
         return _to(state["head"], torch.device("cpu"))
 
     def close(self) -> None:
