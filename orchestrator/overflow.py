@@ -18,7 +18,7 @@ docs/cpu-coexecution.md for the exact calls.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuprims.coexec.graph import CPU, GPU
@@ -67,7 +67,7 @@ def plan_pools(cfg: NodeConfig, cores: Sequence[int] | None = None) -> dict[str,
     return out
 
 
-def _batch_model(prof: Profile, pct: float):  # type: ignore[no-untyped-def]
+def _batch_model(prof: Profile, pct: float) -> Callable[[int], float]:
     """Latency (ms) of a batch at ``pct`` from a profile, linear beyond its largest measured batch."""
     lo, hi = prof.gpu_pcts[0], prof.gpu_pcts[-1]
     p = min(max(pct, lo), hi)
@@ -99,10 +99,17 @@ class AppOverflow:
         self._lock = threading.Lock()
         self._in_flight = {GPU: 0, CPU: 0}
         self.routed = {GPU: 0, CPU: 0}
+        self.closed = False
 
     def route(self, *, batch: int = 1, accel_queue: int | None = None, cpu_queue: int | None = None) -> RouteDecision:
-        """Where this request (or batch of ``batch``) goes; marks it in flight there."""
+        """Where this request (or batch of ``batch``) goes; marks it in flight there. After ``close``
+        everything goes to the accelerator (the CPU instance may be gone)."""
         with self._lock:
+            if self.closed:
+                d = RouteDecision(GPU, self._router.service_ms(GPU, batch), float("inf"))
+                self._in_flight[GPU] += batch
+                self.routed[GPU] += batch
+                return d
             d = self._router.route(accel_queue=self._in_flight[GPU] if accel_queue is None else accel_queue,
                                    cpu_queue=self._in_flight[CPU] if cpu_queue is None else cpu_queue, batch=batch)
             self._in_flight[d.device] += batch
@@ -118,6 +125,11 @@ class AppOverflow:
             self._in_flight[device] = max(0, self._in_flight[device] - batch)
             if measured_ms is not None:
                 self._router.observe(device, measured_ms, batch)
+
+    def close(self) -> None:
+        """From now on every request goes to the accelerator; idempotent."""
+        with self._lock:
+            self.closed = True
 
     def in_flight(self) -> dict[str, int]:
         """Requests routed and not yet finished, per device."""
@@ -138,8 +150,10 @@ class OverflowHandle:
         return self.apps.get(name)
 
     def close(self) -> None:
-        """Stop routing to the CPU pools (every later ``route`` call is the node's to avoid); idempotent."""
+        """Stop routing to the CPU pools: later ``route`` calls answer the accelerator; idempotent."""
         self.closed = True
+        for a in self.apps.values():
+            a.close()
 
     def __enter__(self) -> OverflowHandle:
         return self

@@ -49,6 +49,8 @@ def test_route_overflows_once_the_accelerator_queue_is_longer_than_the_cpu_takes
         assert ov.in_flight() == {"gpu": 2, "cpu": 0}
         # measured queue lengths override the count of what was routed
         assert ov.route(accel_queue=0, cpu_queue=0).device == "gpu"
+    # closed: the CPU pool is going away, so everything goes to the accelerator
+    assert ov.route(accel_queue=100, cpu_queue=0).device == "gpu"
 
 
 def test_measured_slowness_moves_the_decision_and_batches_use_the_profile() -> None:
