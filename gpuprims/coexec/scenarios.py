@@ -117,21 +117,26 @@ def _sir_model(model: str, accel_ms: float, accel_src: str, cpu: Profile, *, loa
 
 def paper_sir(*, loads: Sequence[float] = (0.5, 0.8, 0.96, 1.3), requests: int = 20000, seed: int = 0,
               alpha_ms: float = DEFAULT_ALPHA_MS) -> dict[str, Any]:
-    """Request overflow at rising load with and without the router, for two models.
+    """Request overflow at rising load with and without the router, for three models.
 
     ``resnet50``: accelerator = the bundled paper profile of the GPU runtime primitives paper (V100,
-    batch 1 at 100%); ``siamese``: the DUET TITAN V times of its subgraphs, run one after another.
+    batch 1 at 100%); ``siamese`` and ``mt_dnn``: the DUET TITAN V times of their subgraphs, run one
+    after another. (The CPU runs resnet50 ~100x slower than the V100, mt_dnn a few times slower, the
+    small siamese LSTMs faster: the three regimes of request overflow.)
     CPU: this machine's measured latency on one core, one CPU worker per core. ``loads`` are
     fractions of the accelerator's capacity; the highest at most 1.0 is "high load" (SIR+'s 15 RPS
     against a 15.6 RPS peak is 0.96). Throughput is measured offered 1.5x what both devices can serve.
     """
     r50 = paper_profile("resnet50")
     sia = bundled("paper", "siamese")
+    mt = bundled("paper", "mt_dnn")
     models = {
         "resnet50": (r50.latency_ms(1, 100), f"paper: {r50.device}, batch 1 at 100% (gpu-runtime-primitives)",
                      bundled("cpu", "resnet50")),
         "siamese": (sum(s.latency_ms[GPU] for s in sia.stages), f"paper: {sia.device}, DUET Table II subgraphs in sequence",
                     bundled("cpu", "siamese")),
+        "mt_dnn": (sum(s.latency_ms[GPU] for s in mt.stages), f"paper: {mt.device}, DUET Table II subgraphs in sequence",
+                   bundled("cpu", "mt_dnn")),
     }
     out: dict[str, Any] = {"simulated": True, "scenario": "paper-sir", "models": {}}
     for name, (accel, src, cpu) in models.items():
