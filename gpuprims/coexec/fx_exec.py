@@ -375,6 +375,27 @@ def profile_subgraphs(part: FxPartition, inputs: Sequence[Any], *, device: Any =
     return out
 
 
+def placement_timer(part: FxPartition, inputs: Sequence[Any], *, repeats: int = 10, warmup: int = 2,
+                    accel: Any = None) -> Callable[[dict[str, str]], float]:
+    """A DUET ``measure`` callback: the median wall time (ms) of running ``inputs`` through a placement
+    with ``SubgraphExecutor`` (on a GPU host, the paper's step 3 on real runs)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+
+    def measure(placement: dict[str, str]) -> float:
+        import torch
+
+        with SubgraphExecutor(part, placement, accel=accel) as ex:
+            def once() -> None:
+                ex(*inputs)
+                if ex.accel.type == "cuda":
+                    torch.cuda.synchronize()
+
+            return _time_ms(once, repeats, warmup)
+
+    return measure
+
+
 def _nbytes(v: Any) -> int:
     import torch
 

@@ -6,7 +6,13 @@ from torch import nn
 
 from apps.zoo import build_model
 from apps.zoo.seqnets import wide_deep_shape
-from gpuprims.coexec.fx_exec import LstmExecutor, SubgraphExecutor, partition, profile_subgraphs
+from gpuprims.coexec.fx_exec import (
+    LstmExecutor,
+    SubgraphExecutor,
+    partition,
+    placement_timer,
+    profile_subgraphs,
+)
 from gpuprims.coexec.graph import CPU, GPU
 from gpuprims.coexec.oppart import CpuCores, chrion_plan, lstm_graph
 from gpuprims.coexec.subgraph import duet
@@ -69,6 +75,19 @@ def test_a_duet_plan_from_measured_profiles_runs_and_answers_exactly() -> None:
         want = model(x)
     with SubgraphExecutor(part, plan.placement) as ex:
         assert torch.equal(ex(x), want)
+
+
+def test_duet_corrects_on_real_runs_with_the_placement_timer() -> None:
+    model, x = _model("siamese")
+    part = partition(model)
+    measure = placement_timer(part, [x[:1]], repeats=2, warmup=0)
+    assert measure({"left": GPU, "right": CPU, "merge": CPU}) > 0
+    graph = part.task_graph({"left": {CPU: 3.0, GPU: 3.2}, "right": {CPU: 3.0, GPU: 3.2}, "merge": {CPU: 0.1, GPU: 0.1}})
+    plan = duet(graph, measure=measure)
+    assert set(plan.placement) == {"left", "right", "merge"} and plan.cost > 0
+    assert plan.notes["measure_calls"] >= 3  # greedy, at least one swap, and the single-device baselines
+    with pytest.raises(ValueError, match="repeats"):
+        placement_timer(part, [x], repeats=0)
 
 
 def test_executor_refuses_bad_placements_and_inputs() -> None:
