@@ -96,9 +96,9 @@ class TaskGraph:
     """A validated DAG of tasks: unique names, known dependencies, no cycles."""
 
     tasks: tuple[Task, ...]
-    _index: dict[str, Task] = field(default_factory=dict, repr=False, compare=False)
-    _succ: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
-    _topo: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    _index: dict[str, Task] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _succ: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _topo: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tasks = tuple(self.tasks)
