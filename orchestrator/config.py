@@ -253,8 +253,10 @@ class NodeSettings(BaseModel):
     profiles: str | None = None
     # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
     autoscale: bool = True
-    # CPU co-execution: cores no overflow pool may take (the ingest loop and the orchestrator).
+    # CPU co-execution: cores no overflow pool may take (the ingest loop and the orchestrator), and the
+    # directory of CPU profiles (gpuprims-profile MODEL --device cpu) of the overflowing apps' models.
     overflow_reserved_cores: int = Field(1, ge=0, le=1024)
+    overflow_profiles: str | None = None
 
     @field_validator("run_dir")
     @classmethod
