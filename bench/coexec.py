@@ -6,7 +6,7 @@ again: ``gpuprims-profile --device cpu --stages`` for the DUET models and ResNet
 time with 1..N busy cores). The three scenarios (``gpuprims.coexec.scenarios``) are simulated from
 these profiles: no accelerator ran here. Writes ``bench/results/<machine>/coexec.json`` (+ ``.png``).
 
-Run: ``python3 -m bench.coexec [--measure-cpu]``. Reports, never asserts.
+Run: ``python3 -m bench.coexec [--measure-cpu] [--quick]``. Reports, never asserts.
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure-cpu", action="store_true", help="measure the CPU profiles again first")
     ap.add_argument("--requests", type=int, default=20000, help="simulated requests per SIR run")
+    ap.add_argument("--quick", action="store_true", help="fewer simulated requests (4000 per SIR run)")
     args = ap.parse_args()
+    if args.quick:
+        args.requests = min(args.requests, 4000)
     load_before = _loadavg()
     if args.measure_cpu:
         measure_cpu()
