@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-ORDER = ["gather", "ingest", "traffic", "e2e", "dma", "sync", "share", "overlap", "multi", "css", "knee", "sched"]
+ORDER = ["gather", "ingest", "traffic", "e2e", "dma", "sync", "share", "overlap", "multi", "css", "knee", "sched", "coexec"]
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "AppConfig",
     "ConfigError",
+    "HostResources",
     "ListenConfig",
     "NodeConfig",
     "NodeSettings",
@@ -268,6 +269,10 @@ class NodeSettings(BaseModel):
     change_timeout_s: float = Field(180.0, gt=0, le=3600)
     # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
     autoscale: bool = True
+    # CPU co-execution: cores no overflow pool may take (the ingest loop and the orchestrator), and the
+    # directory of CPU profiles (gpuprims-profile MODEL --device cpu) of the overflowing apps' models.
+    overflow_reserved_cores: int = Field(1, ge=0, le=1024)
+    overflow_profiles: str | None = None
 
     @field_validator("mps", mode="before")
     @classmethod
@@ -353,6 +358,11 @@ class AppConfig(BaseModel):
     gpu: int | None = Field(None, ge=0)
     stages: tuple[StageConfig, ...] | None = None
     shadow: bool = True
+    # CPU co-execution (SIR+): requests may overflow to a CPU instance on ``overflow_cores`` cores
+    # when that finishes sooner (gpuprims.coexec.OverflowRouter; orchestrator/overflow.py).
+    overflow: Literal["none", "cpu"] = "none"
+    overflow_cores: int | None = Field(None, ge=1, le=1024)
+    overflow_alpha_ms: float = Field(0.1, ge=0, le=1000)
 
     @field_validator("name")
     @classmethod
@@ -377,6 +387,8 @@ class AppConfig(BaseModel):
             if "gpu_pct" in self.model_fields_set and self.gpu_pct != "auto":
                 raise _problem("gpu_pct", "a DAG app takes gpu_pct on each stage, not on the app")
             _check_dag(self.stages)
+        if self.overflow == "none" and self.overflow_cores is not None:
+            raise _problem("overflow_cores", "applies only with overflow: cpu")
         if self.max_wait_ms >= self.slo_ms:
             raise _problem("max_wait_ms", f"{self.max_wait_ms} ms batching wait leaves no time within "
                                           f"slo_ms={self.slo_ms}; it must be less than slo_ms")
@@ -392,6 +404,13 @@ class AppConfig(BaseModel):
         if max_payload < 1:
             raise ValueError(f"max_payload must be >= 1, got {max_payload}")
         return -(-self.input_nbytes // max_payload)
+
+    @property
+    def cpu_overflow_cores(self) -> int:
+        """Cores of this app's CPU overflow pool: ``overflow_cores`` (1 if not given), 0 without overflow."""
+        if self.overflow != "cpu":
+            return 0
+        return self.overflow_cores or 1
 
     @property
     def is_dag(self) -> bool:
@@ -646,12 +665,97 @@ def _problems_from(err: ValidationError, model: type[BaseModel]) -> list[tuple[s
     return problems
 
 
+class HostResources(BaseModel):
+    """What this machine offers CPU overflow pools: cores this process may use and free memory (MB)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cores: int = Field(ge=1)
+    mem_available_mb: float = Field(ge=0)
+
+    @classmethod
+    def probe(cls) -> HostResources:
+        """This machine: the affinity set's size and ``MemAvailable`` from /proc/meminfo."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        mem = 0.0
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    mem = int(line.split()[1]) / 1024
+                    break
+        except OSError:
+            mem = float("inf")
+        return cls(cores=max(1, cores), mem_available_mb=mem)
+
+
+#: Share of the host's free memory the overflow pools may plan to take.
+OVERFLOW_MEM_FRACTION = 0.8
+
+
+def _zoo_model_mb(ref: str, input_shape: tuple[int, int, int], num_classes: int | None) -> float | None:
+    """Parameter and buffer memory (MB) of a zoo model (meta build: nothing allocated); None for a user
+    model or a name the zoo does not know (those are checked elsewhere)."""
+    if ":" in ref:
+        return None
+    from apps.zoo.registry import build_model, model_info  # torch: imported only when overflow is asked for
+
+    try:
+        return model_info(build_model(ref, device="meta", input_shape=input_shape,
+                                      num_classes=num_classes))["total_bytes"] / 2**20
+    except ValueError:
+        return None
+
+
+def overflow_problems(cfg: NodeConfig, host: HostResources,
+                      model_mb: Any = _zoo_model_mb) -> list[tuple[str, str]]:
+    """Why the CPU overflow pools of ``cfg`` cannot fit ``host`` (empty when they fit).
+
+    Cores: every app's ``overflow_cores`` together, plus ``node.overflow_reserved_cores``, must not
+    exceed the host's cores. Memory: each overflow app holds one CPU copy of its model(s) plus
+    ``max_batch`` requests in and out; together at most ``OVERFLOW_MEM_FRACTION`` of the free memory.
+    ``model_mb(ref, input_shape, num_classes)`` sizes a model (None: unknown, not counted).
+    """
+    apps = [(i, a) for i, a in enumerate(cfg.apps) if a.overflow == "cpu"]
+    if not apps:
+        return []
+    problems: list[tuple[str, str]] = []
+    reserved = cfg.node.overflow_reserved_cores
+    total = sum(a.cpu_overflow_cores for _, a in apps)
+    if total + reserved > host.cores:
+        parts = ", ".join(f"{a.name} {a.cpu_overflow_cores}" for _, a in apps)
+        problems.append(("apps", f"CPU overflow pools need {total} cores ({parts}) plus "
+                                 f"node.overflow_reserved_cores={reserved}, but this host has {host.cores}; "
+                                 f"lower overflow_cores or turn overflow off for an app"))
+    for i, a in apps:
+        if a.cpu_overflow_cores + reserved > host.cores:
+            problems.append((f"apps[{i}].overflow_cores",
+                             f"{a.cpu_overflow_cores} cores plus node.overflow_reserved_cores={reserved} exceed "
+                             f"the host's {host.cores}"))
+    need = 0.0
+    sized: list[str] = []
+    for _, a in apps:
+        refs = [a.model] if a.stages is None else [s.model for s in a.stages]
+        mb = [model_mb(r, a.input_shape, a.num_classes) for r in refs if r is not None]
+        known = [m for m in mb if m is not None]
+        if known:
+            io_mb = 2 * a.max_batch * a.input_nbytes / 2**20
+            need += sum(known) + io_mb
+            sized.append(f"{a.name} {sum(known) + io_mb:.0f} MB")
+    budget = OVERFLOW_MEM_FRACTION * host.mem_available_mb
+    if need > budget:
+        problems.append(("apps", f"CPU overflow pools need {need:.0f} MB of host memory ({', '.join(sized)}), more "
+                                 f"than {OVERFLOW_MEM_FRACTION:.0%} of the {host.mem_available_mb:.0f} MB available"))
+    return problems
+
+
 def parse_config(data: Any, *, source: str = "<config>",
-                 known_models: Collection[str] | None = None) -> NodeConfig:
+                 known_models: Collection[str] | None = None, host: HostResources | None = None) -> NodeConfig:
     """Validate an already-parsed mapping; ``source`` names it in errors.
 
     With ``known_models`` (the zoo's names), a model that is neither one of them nor ``module:factory``
-    is refused here instead of when the instance starts.
+    is refused here instead of when the instance starts. Apps with ``overflow: cpu`` are checked
+    against ``host`` (default: this machine, ``HostResources.probe()``): their CPU pools must fit
+    its cores and memory (``overflow_problems``).
     """
     if data is None:
         raise ConfigError(source, [("", "the file is empty; it needs at least an 'apps:' list")])
@@ -673,6 +777,10 @@ def parse_config(data: Any, *, source: str = "<config>",
                     problems.append((f"apps[{i}].{key}", f"unknown zoo model {ref!r}"
                                      + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                      + f"; zoo: {', '.join(sorted(known_models))}"))
+        if problems:
+            raise ConfigError(source, problems)
+    if any(a.overflow == "cpu" for a in cfg.apps):
+        problems = overflow_problems(cfg, host or HostResources.probe())
         if problems:
             raise ConfigError(source, problems)
     return cfg
@@ -697,7 +805,8 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] | None = None) -> NodeConfig:
+def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] | None = None,
+                host: HostResources | None = None) -> NodeConfig:
     """Read and validate one apps.yaml; raise ConfigError naming the file, key path and problem."""
     p = Path(path)
     source = str(p)
@@ -720,4 +829,4 @@ def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] |
         raise ConfigError(source, [("", f"YAML syntax error at {where}: {what}")]) from None
     except yaml.YAMLError as e:
         raise ConfigError(source, [("", f"YAML error: {e}")]) from None
-    return parse_config(data, source=source, known_models=known_models)
+    return parse_config(data, source=source, known_models=known_models, host=host)

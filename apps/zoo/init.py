@@ -14,6 +14,11 @@ overflow, at 224x224 as at 32x32:
 - Conv2d / Linear weights: normal, std sqrt(gain / fan_in), with every output unit's weights summing to
   zero (`_zero_sum_rows_normal_`); gain 1 where the input is not rectified (the image, a linear
   bottleneck: marked by the architecture), else `RECTIFIED_GAIN`. Biases normal with std 0.01.
+- LSTM / LSTMCell: weights uniform in [-b, b] with b = sqrt(48 / (input + hidden)), i.e. gate
+  pre-activations of about 4x unit variance (with torch's default, 1/sqrt(hidden), the state of a
+  12-layer stack no longer depends on the input); biases uniform in [-1/sqrt(hidden), 1/sqrt(hidden)].
+  Parameter by parameter in registration order.
+- LayerNorm: weight uniform in [0.9, 1.1], bias normal with std 0.02.
 - BatchNorm2d: weight uniform in [0.8, 1.2] (in [0.1, 0.3] for the last norm of a residual branch, so
   the residual stream of a deep network grows slowly), bias normal with std 0.05, running mean normal
   with std 0.05, running variance uniform in [0.8, 1.25], num_batches_tracked 0.
@@ -95,6 +100,21 @@ def init_weights(model: nn.Module, key: str) -> None:
             if module.bias is not None:
                 module.bias.normal_(0.0, 0.01, generator=generator)
                 done.add(id(module.bias))
+        elif isinstance(module, (nn.LSTM, nn.LSTMCell)):
+            bias_bound = 1.0 / math.sqrt(module.hidden_size)
+            for pname, tensor in module.named_parameters(recurse=False):
+                if pname.startswith("weight"):
+                    bound = math.sqrt(48.0 / (tensor.shape[1] + module.hidden_size))
+                else:
+                    bound = bias_bound
+                tensor.uniform_(-bound, bound, generator=generator)
+                done.add(id(tensor))
+        elif isinstance(module, nn.LayerNorm):
+            if module.weight is None or module.bias is None:
+                raise ValueError(f"LayerNorm {name!r} needs elementwise_affine=True and bias=True")
+            module.weight.uniform_(0.9, 1.1, generator=generator)
+            module.bias.normal_(0.0, 0.02, generator=generator)
+            done.update((id(module.weight), id(module.bias)))
         elif isinstance(module, nn.BatchNorm2d):
             low, high = (0.1, 0.3) if getattr(module, RESIDUAL_BN_ATTR, False) else (0.8, 1.2)
             tensors: list[torch.Tensor | None] = [

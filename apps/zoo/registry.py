@@ -31,6 +31,7 @@ from torch import nn
 
 from apps.zoo.init import init_weights
 from apps.zoo.nets import VGG, VGG_CONFIGS, AlexNet, BasicBlock, Bottleneck, MobileNetV2, ResNet
+from apps.zoo.seqnets import MT_DNN_TAGS, MTDNN, Siamese, StackedLSTM, WideDeep, wide_deep_shape
 
 InputShape = tuple[int, int, int]
 DEFAULT_INPUT_SHAPE: InputShape = (3, 224, 224)
@@ -59,6 +60,8 @@ class ModelSpec:
     num_classes: int
     description: str
     labels: tuple[str, ...] | None = None
+    #: The request shape (C, H, W) used when ``build_model`` is given none.
+    input_shape: InputShape = DEFAULT_INPUT_SHAPE
 
 
 def _resnet(block: type[BasicBlock] | type[Bottleneck], layers: tuple[int, ...], **kw: int) -> Builder:
@@ -107,6 +110,37 @@ _SPECS = (
         len(RESNET_CAR_LABELS),
         "DNN-Recog vehicle branch: ResNet-Car (Jung et al. 2017), ResNet-50 with the 11 MIO-TCD classes",
         RESNET_CAR_LABELS,
+    ),
+    ModelSpec(
+        "wide_deep",
+        WideDeep,
+        2,
+        "Wide&Deep (Cheng et al. 2016) as in DUET: wide linear, deep FFN, 2-layer LSTM and ResNet-18 "
+        "encoders over one packed feature row (apps.zoo.seqnets), then a merge layer",
+        input_shape=wide_deep_shape(64),
+    ),
+    ModelSpec(
+        "siamese",
+        Siamese,
+        2,
+        "Siamese network as in DUET: two independent 2-layer LSTMs (hidden 128) over two sequences of "
+        "64 x 64, cosine-merged",
+        input_shape=(2, 64, 64),
+    ),
+    ModelSpec(
+        "mt_dnn",
+        MTDNN,
+        sum(MT_DNN_TAGS),
+        "MT-DNN shape as in DUET: a shared 2-block Transformer encoder over 32 x 128 embeddings and ten "
+        "independent LSTM tagging heads (116 scores)",
+        input_shape=(1, 32, 128),
+    ),
+    ModelSpec(
+        "lstm",
+        StackedLSTM,
+        10,
+        "Chrion's stacked LSTM: 12 layers of LSTM cells over 96 steps of 64 features, unrolled per cell",
+        input_shape=(1, 96, 64),
     ),
 )
 
@@ -157,14 +191,15 @@ def build_model(
     *,
     seed: int = 0,
     num_classes: int | None = None,
-    input_shape: InputShape = DEFAULT_INPUT_SHAPE,
+    input_shape: InputShape | None = None,
     width: float = 1.0,
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """Build zoo model `name` with deterministic weights, in inference mode.
 
     The model takes float32 input of shape (N, *input_shape) and returns logits (N, num_classes);
-    `num_classes` defaults to the model's own (`MODELS[name].num_classes`). `width` scales channel and
+    `num_classes` defaults to the model's own (`MODELS[name].num_classes`) and `input_shape` to its own
+    (`MODELS[name].input_shape`: (3, 224, 224) for the image models). `width` scales channel and
     hidden sizes for small test variants. The returned module is in `.eval()` mode with
     `requires_grad` off on every parameter. Same arguments give bit-identical weights in any process
     (see the module docstring); a different `seed` gives different weights.
@@ -180,7 +215,7 @@ def build_model(
     spec = MODELS[canonical]
     _check_int("seed", seed, -(1 << 63))
     classes = spec.num_classes if num_classes is None else _check_int("num_classes", num_classes, 1)
-    shape = check_input_shape(input_shape)
+    shape = check_input_shape(spec.input_shape if input_shape is None else input_shape)
     if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
         raise ValueError(f"width must be a finite number > 0, got {width!r}")
     target = torch.device(device)

@@ -14,12 +14,15 @@ from gpuprims.profile.format import (
     Profile,
     ProfileError,
     ProfilePoint,
+    StageEntry,
     load_profile,
     load_profiles,
+    merge_stage_latencies,
     paper_profile,
     paper_profiles,
     profile_from_dict,
     save_profile,
+    with_stages,
 )
 from gpuprims.profile.knee import knee
 
@@ -30,11 +33,14 @@ __all__ = [
     "Profile",
     "ProfileError",
     "ProfilePoint",
+    "StageEntry",
     "knee",
     "load_profile",
     "load_profiles",
+    "merge_stage_latencies",
     "paper_profile",
     "paper_profiles",
     "profile_from_dict",
     "save_profile",
+    "with_stages",
 ]

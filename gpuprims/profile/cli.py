@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,18 +44,34 @@ def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False)
               show_default=True, help="Seconds allowed per point.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
               help="Also draw latency vs GPU% per batch size, knee marked (PNG).")
+@click.option("--device", "device_kind", type=click.Choice(["accelerator", "cpu"]), default=None,
+              help="Which device of a co-executing node this profile describes (format v2): 'cpu' measures the "
+                   "CPU overflow pool (CPU backend, --gpu-pct as a share of --cores).")
+@click.option("--cores", type=click.IntRange(min=1), default=None,
+              help="--device cpu: size of the CPU pool in cores (default: every core this process may use).")
+@click.option("--stages", is_flag=True, help="Also time each DUET subgraph (torch.fx branches) alone on the device.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: str, input_shape: list[int],
-         repeats: int, warmup: int, width: float, timeout_s: float, plot: str | None, no_progress: bool) -> None:
+         repeats: int, warmup: int, width: float, timeout_s: float, plot: str | None, device_kind: str | None,
+         cores: int | None, stages: bool, no_progress: bool) -> None:
     """Measure MODEL (a zoo name or module:factory) at every --batch x --gpu-pct point.
 
     Each point runs in a fresh process with its share applied before torch initialises (MPS thread
     percentage on CUDA, a share of cores on CPU).
     """
+    if cores is not None and device_kind != "cpu":
+        raise click.UsageError("--cores applies to --device cpu only")
     try:
+        pool = None
+        if cores is not None:
+            avail = sorted(os.sched_getaffinity(0))
+            if cores > len(avail):
+                raise ValueError(f"--cores {cores}: only {len(avail)} cores are available to this process")
+            pool = avail[:cores]
         prof = measure_profile(model, batch_sizes=batch, gpu_pcts=gpu_pct, backend=backend,
                                input_shape=input_shape, repeats=repeats, warmup=warmup, width=width,
-                               timeout_s=timeout_s, progress=not no_progress)
+                               timeout_s=timeout_s, progress=not no_progress, device_kind=device_kind,
+                               cores=pool, stages=stages)
     except (ValueError, RuntimeError) as e:
         click.echo(f"gpuprims-profile: {e}", err=True)
         sys.exit(2)
@@ -62,7 +79,8 @@ def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: st
         _save_interrupted(e, out)
         sys.exit(130)
     path = save_profile(prof, out)
-    click.echo(f"backend {prof.backend} ({prof.device}); wrote {len(prof.points)} points to {path}")
+    extra = f" and {len(prof.stages)} stages" if prof.stages else ""
+    click.echo(f"backend {prof.backend} ({prof.device}, {prof.kind}); wrote {len(prof.points)} points{extra} to {path}")
     if plot:
         click.echo(f"plot: {plot_profile(prof, plot)}")
 

@@ -6,14 +6,26 @@ size or GPU% outside the measured grid raises ``ValueError`` naming the model, t
 measured range, because extrapolating a latency curve past its knee is exactly the guess a
 deadline-aware scheduler must not make.
 
-File layout (``format_version`` 1)::
+File layout (``format_version`` 2; version 1 files, which lack the optional keys marked (v2), load
+unchanged)::
 
-    {"format_version": 1, "model": "resnet50", "source": "measured" | "paper" | "synthetic",
+    {"format_version": 2, "model": "resnet50", "source": "measured" | "paper" | "synthetic",
      "source_note": "...", "backend": "cpu" | "cuda", "device": "...",
      "versions": {"torch": "...", "gpuprims": "..."},
      "conditions": {"input_shape": [3, 224, 224], "dtype": "float32", "date": "...", "repeats": 20},
      "points": [{"batch_size": 1, "gpu_pct": 25, "latency_p50_ms": .., "latency_p99_ms": ..,
-                 "peak_mem_mb": .., "throughput_rps": ..}, ...]}
+                 "peak_mem_mb": .., "throughput_rps": ..}, ...],
+     "device_kind": "accelerator" | "cpu",                                              (v2, optional)
+     "cpu_cores": 2,                                                                    (v2, optional)
+     "stages": [{"name": "rnn", "deps": ["flatten"], "latency_ms": {"cpu": 0.4, "gpu": 6.4},
+                 "out_mb": 0.0001, "mem_mb": 0.5, "source": "measured"}, ...]}                 (v2, optional)
+
+Per-device latency model (CPU co-execution, ``gpuprims.coexec``): ``device_kind`` says which device
+of a node the grid describes: the accelerator (its axis is GPU%) or the CPU overflow pool (its axis
+is the share of ``cpu_cores`` cores). Absent (version 1), it follows ``backend``: ``cuda`` is the
+accelerator, ``cpu`` the CPU. ``stages`` optionally break the model into operators or subgraphs with
+a latency per device kind (``"gpu"`` for the accelerator, ``"cpu"``), the size of their output and
+their accelerator memory, which is what the co-execution planners take (``Profile.task_graph``).
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-FORMAT_VERSION = 1
+from gpuprims.coexec.graph import Task, TaskGraph
+
+FORMAT_VERSION = 2
 
 Stat = Literal["p50", "p99"]
 
@@ -55,6 +69,26 @@ class ProfilePoint(BaseModel):
         return self
 
 
+class StageEntry(BaseModel):
+    """One operator or subgraph of the model with its latency on each device kind (v2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    deps: tuple[str, ...] = ()
+    latency_ms: dict[Literal["gpu", "cpu"], float] = Field(min_length=1)
+    out_mb: float = Field(default=0.0, ge=0)
+    mem_mb: float = Field(default=0.0, ge=0)
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _positive(self) -> StageEntry:
+        bad = {d: v for d, v in self.latency_ms.items() if not v >= 0 or v != v or v == float("inf")}
+        if bad:
+            raise ValueError(f"stage {self.name!r}: latencies must be finite and >= 0, got {bad}")
+        return self
+
+
 class Conditions(BaseModel):
     """What the points were measured on: input shape (one sample), dtype, date, repeats per point."""
 
@@ -71,7 +105,7 @@ class Profile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     model: str = Field(min_length=1)
     source: Literal["measured", "paper", "synthetic"]
     source_note: str = ""
@@ -80,6 +114,9 @@ class Profile(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     conditions: Conditions
     points: tuple[ProfilePoint, ...] = Field(min_length=1)
+    device_kind: Literal["accelerator", "cpu"] | None = None
+    cpu_cores: int | None = Field(default=None, ge=1)
+    stages: tuple[StageEntry, ...] = ()
     _tables: dict[str, dict[tuple[int, int], float]] = PrivateAttr(default_factory=dict)
     _axes: dict[str, list[int]] = PrivateAttr(default_factory=dict)
 
@@ -96,6 +133,16 @@ class Profile(BaseModel):
         missing = [(b, g) for b in batches for g in pcts if (b, g) not in seen]
         if missing:
             raise ValueError(f"points do not form a full grid; missing (batch_size, gpu_pct) {missing[:5]}")
+        names = [st.name for st in self.stages]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate stage names {dup}")
+        for st in self.stages:
+            unknown = [d for d in st.deps if d not in names]
+            if unknown:
+                raise ValueError(f"stage {st.name!r} depends on unknown stages {unknown}")
+        if self.format_version == 1 and (self.device_kind or self.cpu_cores or self.stages):
+            raise ValueError("device_kind, cpu_cores and stages need format_version 2")
         # One canonical order (batch size, then GPU%), so equal profiles compare equal.
         object.__setattr__(self, "points", tuple(sorted(self.points, key=lambda p: (p.batch_size, p.gpu_pct))))
         return self
@@ -108,6 +155,31 @@ class Profile(BaseModel):
 
     def __hash__(self) -> int:
         return hash((self.model, self.points))
+
+    # --- devices (v2) -----------------------------------------------------------------------------
+    @property
+    def kind(self) -> Literal["accelerator", "cpu"]:
+        """The device this profile's grid describes (``device_kind``, else from ``backend``)."""
+        if self.device_kind is not None:
+            return self.device_kind
+        return "accelerator" if self.backend == "cuda" else "cpu"
+
+    def stage_latency_ms(self, stage: str, device: Literal["gpu", "cpu"]) -> float:
+        """A stage's latency on a device kind; ValueError naming what is known otherwise."""
+        for st in self.stages:
+            if st.name == stage:
+                if device not in st.latency_ms:
+                    raise ValueError(f"model {self.model!r} stage {stage!r} has no {device} latency "
+                                     f"(has {sorted(st.latency_ms)})")
+                return st.latency_ms[device]
+        raise ValueError(f"model {self.model!r} has no stage {stage!r} (stages: {[s.name for s in self.stages]})")
+
+    def task_graph(self) -> TaskGraph:
+        """The stages as a co-execution ``TaskGraph``; ValueError if the profile has none."""
+        if not self.stages:
+            raise ValueError(f"model {self.model!r}: the profile has no stages (measure with --stages)")
+        return TaskGraph(tuple(Task(st.name, dict(st.latency_ms), st.deps, st.out_mb, st.mem_mb)
+                               for st in self.stages))
 
     # --- grid accessors -------------------------------------------------------------------------
     @property
@@ -182,6 +254,32 @@ def _bracket(grid: list[int], x: float) -> tuple[int, int, float]:
         return grid[i], grid[i], 0.0
     lo, hi = grid[i - 1], grid[i]
     return lo, hi, (x - lo) / (hi - lo)
+
+
+def with_stages(profile: Profile, stages: Iterable[StageEntry | Mapping[str, object]], *,
+                device_kind: Literal["accelerator", "cpu"] | None = None, cpu_cores: int | None = None) -> Profile:
+    """A version 2 copy of ``profile`` carrying ``stages`` (and the device fields when given)."""
+    data = profile.model_dump()
+    data.update(format_version=2, stages=[dict(s) if isinstance(s, Mapping) else s.model_dump() for s in stages])
+    if device_kind is not None:
+        data["device_kind"] = device_kind
+    if cpu_cores is not None:
+        data["cpu_cores"] = cpu_cores
+    return profile_from_dict(data, origin=f"profile of {profile.model!r}")
+
+
+def merge_stage_latencies(base: Profile, other: Profile) -> Profile:
+    """``base`` with each stage's latencies on ``other``'s devices added (same stage names required).
+
+    This is how a node joins its accelerator profile and its CPU profile into one per-device model.
+    """
+    theirs = {s.name: s for s in other.stages}
+    missing = [s.name for s in base.stages if s.name not in theirs]
+    if missing or len(theirs) != len(base.stages):
+        raise ValueError(f"stages differ: {base.model!r} has {[s.name for s in base.stages]}, "
+                         f"{other.model!r} has {sorted(theirs)}")
+    merged = [s.model_copy(update={"latency_ms": {**s.latency_ms, **theirs[s.name].latency_ms}}) for s in base.stages]
+    return with_stages(base, merged)
 
 
 def profile_from_dict(data: Mapping[str, object], *, origin: str = "<dict>") -> Profile:

@@ -29,7 +29,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from gpuprims.profile.format import Profile, ProfilePoint
+from gpuprims.profile.format import Profile, ProfilePoint, StageEntry, with_stages
 
 MPS_PIPE_DIR = "/tmp/nvidia-mps"
 
@@ -127,6 +127,41 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
             "throughput_rps": spec.batch_size * 1000.0 / p50, "device": dev, "torch": torch.__version__}
 
 
+def measure_stages(spec: PointSpec) -> list[dict[str, Any]]:
+    """Per-subgraph latencies of ``spec.model`` at ``spec.batch_size`` in THIS (fresh) process.
+
+    The model is cut by ``gpuprims.coexec.fx_exec.partition`` (DUET's phases and branches) and each
+    subgraph timed alone on this device with its real inputs. Returns StageEntry-shaped dicts whose
+    latency is keyed ``"cpu"`` on the CPU backend and ``"gpu"`` on cuda.
+    """
+    if spec.backend == "cuda":
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(spec.gpu_pct)
+        share = None
+    else:
+        from gpuprims.cpushare import plan_cpu_shares
+
+        share = plan_cpu_shares([("profile", spec.gpu_pct)], list(spec.cores) if spec.cores else None)["profile"]
+        os.environ.update(share.env())
+    import torch
+
+    if share is not None:
+        from gpuprims.cpushare import apply_cpu_share
+
+        apply_cpu_share(share)
+    from apps.zoo import load_model
+    from gpuprims.coexec.fx_exec import partition, profile_subgraphs
+
+    device = torch.device("cuda" if spec.backend == "cuda" else "cpu")
+    model = load_model(spec.model, seed=spec.seed, input_shape=tuple(spec.input_shape), width=spec.width)
+    part = partition(model)
+    x = torch.rand((spec.batch_size, *spec.input_shape), generator=torch.Generator().manual_seed(spec.seed))
+    prof = profile_subgraphs(part, [x], device=device, repeats=spec.repeats, warmup=spec.warmup)
+    key = "gpu" if device.type == "cuda" else "cpu"
+    return [{"name": s.name, "deps": list(part.deps[s.name]), "latency_ms": {key: prof[s.name]["latency_ms"]},
+             "out_mb": prof[s.name]["out_mb"], "source": f"measured: {s.kind} subgraph of {len(s.nodes)} fx nodes"}
+            for s in part.subgraphs]
+
+
 def parse_int_list(text: str, *, label: str, lo: int = 1, hi: int | None = None,
                    ordered: bool = False) -> list[int]:
     """"4,1,2" -> [1, 2, 4] (sorted, unique; as written with ``ordered``); ValueError naming the bad item."""
@@ -148,11 +183,16 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
                     input_shape: Sequence[int] = (3, 224, 224), repeats: int = 20, warmup: int = 3,
                     width: float = 1.0, seed: int = 0, cores: Sequence[int] | None = None,
                     timeout_s: float = 600.0, progress: bool = True,
-                    on_point: Callable[[dict[str, Any]], None] | None = None) -> Profile:
+                    on_point: Callable[[dict[str, Any]], None] | None = None, device_kind: str | None = None,
+                    stages: bool = False) -> Profile:
     """Measure ``model`` (a zoo name or ``module:factory``) at every (batch, GPU%) and return the profile.
 
-    Each point runs in its own spawn process (module docstring). Raises ValueError for bad
-    arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
+    Each point runs in its own spawn process (module docstring). ``device_kind="cpu"`` measures the
+    CPU overflow pool of a co-executing node: the CPU backend over ``cores`` (default: every core this
+    process may use), recorded with ``device_kind`` and ``cpu_cores`` (format version 2);
+    ``"accelerator"`` the accelerator (the auto/cuda backend). ``stages`` also times each DUET
+    subgraph alone at the smallest batch and full share, in one more process. Raises ValueError for
+    bad arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
     """
     from gpuprims.backend import resolve_backend
 
@@ -173,7 +213,17 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
         raise ValueError(f"input_shape must be positive integers, got {list(input_shape)}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if device_kind not in (None, "accelerator", "cpu"):
+        raise ValueError(f"device_kind must be 'accelerator' or 'cpu', got {device_kind!r}")
+    if device_kind == "cpu":
+        if backend not in ("auto", "cpu"):
+            raise ValueError(f"device_kind 'cpu' measures the CPU backend, not {backend!r}")
+        backend = "cpu"
+        if cores is None:
+            cores = sorted(os.sched_getaffinity(0))
     be = resolve_backend(backend)
+    if device_kind == "accelerator" and be != "cuda":
+        raise ValueError("device_kind 'accelerator' needs a GPU (the cuda backend); none is usable here")
     specs = [PointSpec(model, b, g, be, shape, repeats, warmup, float(width), seed,
                        tuple(cores) if cores is not None else None) for b in bs for g in gs]
     from tqdm import tqdm
@@ -209,7 +259,28 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
         partial = _profile(model, be, specs, rows, gs, shape, repeats,
                            [p for p in points if p["batch_size"] in rows]) if rows else None
         raise ProfileInterrupted(points, len(specs), partial) from None
-    return _profile(model, be, specs, bs, gs, shape, repeats, points)
+    prof = _profile(model, be, specs, bs, gs, shape, repeats, points)
+    stage_rows: list[dict[str, Any]] = []
+    if stages:
+        spec = PointSpec(model, bs[0], gs[-1], be, shape, repeats, warmup, float(width), seed,
+                         tuple(cores) if cores is not None else None)
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=signal.signal,
+                                 initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+            fut = pool.submit(measure_stages, spec)
+            try:
+                stage_rows = fut.result(timeout=timeout_s)
+            except FutureTimeout:
+                _kill_workers(pool)
+                raise RuntimeError(f"profiling the stages of {model} took longer than timeout_s={timeout_s}") from None
+            except KeyboardInterrupt:
+                _kill_workers(pool)
+                raise ProfileInterrupted(points, len(specs), prof) from None
+            except Exception as e:
+                raise RuntimeError(f"profiling the stages of {model} failed: {type(e).__name__}: {e}") from e
+    if device_kind is None and not stage_rows:
+        return prof
+    return with_stages(prof, [StageEntry(**r) for r in stage_rows], device_kind=device_kind,  # type: ignore[arg-type]
+                       cpu_cores=len(cores) if device_kind == "cpu" and cores is not None else None)
 
 
 class ProfileInterrupted(KeyboardInterrupt):

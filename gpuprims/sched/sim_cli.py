@@ -20,6 +20,10 @@ A workload comes from ``--scenario`` (``paper-table3``, ``many``) or ``--config 
         arrival: {kind: constant, rate_rps: 66.7, burst: 2}
 
 The output is JSON with ``"simulated": true`` at every level.
+
+``--scenario paper-sir|paper-duet|paper-chrion`` runs the CPU co-execution comparisons instead
+(``gpuprims.coexec.scenarios``: accelerator profiles from the papers' tables, CPU profiles measured
+on this machine); of the other options only ``--seed`` (paper-sir) and ``--out`` apply.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuprims import __version__
+from gpuprims.coexec.scenarios import SCENARIOS as COEXEC_SCENARIOS
+from gpuprims.coexec.scenarios import paper_sir
 from gpuprims.profile.format import Profile, ProfileError, load_profiles, paper_profiles
 from gpuprims.sched.dag import App, Stage
 from gpuprims.sched.scenarios import many_apps, paper_table3
@@ -138,8 +144,9 @@ def run(workloads: list[Workload], profiles: dict[str, Profile], *, schedulers: 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="gpuprims-sim")
-@click.option("--scenario", type=click.Choice(["paper-table3", "many"]), default=None,
-              help="A built-in workload (default paper-table3 unless --config).")
+@click.option("--scenario", type=click.Choice(["paper-table3", "many", *COEXEC_SCENARIOS]), default=None,
+              help="A built-in workload (default paper-table3 unless --config); paper-sir, paper-duet and "
+                   "paper-chrion are the CPU co-execution comparisons.")
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A simulation YAML (see the module docstring).")
 @click.option("--scheduler", type=click.Choice([*sorted(SCHEDULERS), "both"]), default="both", show_default=True)
@@ -169,20 +176,23 @@ def main(scenario: str | None, config: str | None, scheduler: str, duration_s: f
         raise click.BadParameter(f"--warmup-s {warmup_s} must be less than --duration-s {duration_s}")
     round_ms = 30.0
     try:
-        if config:
-            workloads, profiles, num_gpus, round_ms = load_config(config)
-            if gpus is not None:
-                num_gpus = gpus
-        elif scenario == "many":
-            num_gpus = gpus or 8
-            workloads, profiles = many_apps(num_gpus=num_gpus, num_apps=num_apps, rate_rps=rate), paper_profiles()
+        if scenario in COEXEC_SCENARIOS:
+            res = paper_sir(seed=seed) if scenario == "paper-sir" else COEXEC_SCENARIOS[scenario]()
         else:
-            num_gpus = gpus or 1
-            workloads, profiles = paper_table3(load=load, kind=arrival), paper_profiles()
-        names = sorted(SCHEDULERS) if scheduler == "both" else [scheduler]
-        res = run(workloads, profiles, schedulers=names, num_gpus=num_gpus, round_ms=round_ms,
-                  duration_ms=duration_s * 1000, warmup_ms=warmup_s * 1000, seed=seed, jitter=jitter,
-                  processes=processes)
+            if config:
+                workloads, profiles, num_gpus, round_ms = load_config(config)
+                if gpus is not None:
+                    num_gpus = gpus
+            elif scenario == "many":
+                num_gpus = gpus or 8
+                workloads, profiles = many_apps(num_gpus=num_gpus, num_apps=num_apps, rate_rps=rate), paper_profiles()
+            else:
+                num_gpus = gpus or 1
+                workloads, profiles = paper_table3(load=load, kind=arrival), paper_profiles()
+            names = sorted(SCHEDULERS) if scheduler == "both" else [scheduler]
+            res = run(workloads, profiles, schedulers=names, num_gpus=num_gpus, round_ms=round_ms,
+                      duration_ms=duration_s * 1000, warmup_ms=warmup_s * 1000, seed=seed, jitter=jitter,
+                      processes=processes)
     except ValueError as e:
         click.echo(f"gpuprims-sim: {e}", err=True)
         sys.exit(2)
@@ -195,6 +205,9 @@ def main(scenario: str | None, config: str | None, scheduler: str, duration_s: f
 
 def summary(res: dict[str, Any]) -> str:
     """A few rounded lines for a person (stderr), beside the JSON (stdout) that programs read."""
+    if "runs" not in res:  # a CPU co-execution scenario: its own figures, ours beside the paper's
+        flat = [f"{k} {v:.3g}" for k, v in (res.get("summary") or {}).items() if isinstance(v, int | float)]
+        return "\n".join([f"SIMULATED (not measured): {res.get('scenario')}", *flat[:12]])
     lines = []
     for name, r in res["runs"].items():
         t = r["total"]

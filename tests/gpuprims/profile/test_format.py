@@ -66,7 +66,7 @@ def _doc() -> dict:
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [
-    (lambda d: d.update(format_version=2), "format_version"),
+    (lambda d: d.update(format_version=3), "format_version"),
     (lambda d: d.pop("model"), "model"),
     (lambda d: d.update(source="guess"), "source"),
     (lambda d: d["points"][0].update(gpu_pct=0), "points.0.gpu_pct"),
@@ -125,3 +125,57 @@ def test_paper_profiles_are_labelled_and_cite_the_paper() -> None:
     assert ps["vgg19"].latency_ms(8, 100) == pytest.approx(30.49, abs=0.01)
     with pytest.raises(ValueError, match="no paper profile"):
         paper_profile("bert")
+
+
+# --- per-device entries (format version 2) ----------------------------------------------------------
+
+
+def test_version1_files_still_load_and_take_their_device_from_the_backend(tmp_path: Path) -> None:
+    doc = _prof().model_dump(mode="json")
+    doc["format_version"] = 1
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(doc))
+    old = load_profile(f)
+    assert old.format_version == 1 and old.stages == () and old.device_kind is None
+    assert old.kind == ("accelerator" if old.backend == "cuda" else "cpu")
+    assert paper_profile("resnet50").kind == "accelerator"  # the bundled v1 paper profiles
+    bad = dict(doc, device_kind="cpu")
+    with pytest.raises(ProfileError, match="format_version 2"):
+        profile_from_dict(bad)
+
+
+def test_stages_carry_a_latency_per_device_and_round_trip(tmp_path: Path) -> None:
+    from gpuprims.coexec.graph import CPU, GPU
+    from gpuprims.profile import merge_stage_latencies, with_stages
+
+    stages = [{"name": "a", "latency_ms": {"cpu": 2.0}, "out_mb": 1.0},
+              {"name": "b", "deps": ["a"], "latency_ms": {"cpu": 5.0}, "mem_mb": 3.0}]
+    cpu = with_stages(_prof(), stages, device_kind="cpu", cpu_cores=2)
+    assert cpu.format_version == 2 and cpu.kind == "cpu" and cpu.cpu_cores == 2
+    back = load_profile(save_profile(cpu, tmp_path / "cpu.json"))
+    assert back == cpu
+    gpu = with_stages(_prof(), [{"name": "a", "latency_ms": {"gpu": 0.5}}, {"name": "b", "latency_ms": {"gpu": 1.0}}],
+                      device_kind="accelerator")
+    both = merge_stage_latencies(cpu, gpu)
+    assert both.stage_latency_ms("b", "gpu") == 1.0 and both.stage_latency_ms("b", "cpu") == 5.0
+    g = both.task_graph()
+    assert g.task("b").deps == ("a",) and g.task("b").latency_ms == {CPU: 5.0, GPU: 1.0} and g.task("a").out_mb == 1.0
+    with pytest.raises(ValueError, match="no stage 'zz'"):
+        both.stage_latency_ms("zz", "cpu")
+    with pytest.raises(ValueError, match="no stages"):
+        _prof().task_graph()
+    with pytest.raises(ValueError, match="stages differ"):
+        merge_stage_latencies(cpu, with_stages(_prof(), [{"name": "a", "latency_ms": {"gpu": 1.0}}]))
+
+
+@pytest.mark.parametrize(("stages", "needle"), [
+    ([{"name": "a", "latency_ms": {"cpu": 1.0}}, {"name": "a", "latency_ms": {"cpu": 1.0}}], "duplicate stage"),
+    ([{"name": "a", "deps": ["x"], "latency_ms": {"cpu": 1.0}}], "unknown stages"),
+    ([{"name": "a", "latency_ms": {"tpu": 1.0}}], "stages.0.latency_ms"),
+    ([{"name": "a", "latency_ms": {}}], "stages.0.latency_ms"),
+    ([{"name": "a", "latency_ms": {"cpu": -1.0}}], "finite and >= 0"),
+])
+def test_bad_stages_are_refused_with_the_key(stages: list, needle: str) -> None:
+    doc = _prof().model_dump(mode="json") | {"format_version": 2, "stages": stages}
+    with pytest.raises(ProfileError, match=needle):
+        profile_from_dict(doc)

@@ -117,3 +117,37 @@ def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
     assert raw["measured"] == 1 and raw["points"][0]["batch_size"] == 1
     p = load_profile(out)
     assert p.batch_sizes == [1] and p.gpu_pcts == [100]
+
+
+def test_cli_device_cpu_records_the_pool_and_the_stages(tmp_path: Path) -> None:
+    out = tmp_path / "siamese-cpu.json"
+    res = CliRunner().invoke(main, ["siamese", "--device", "cpu", "--cores", "1", "--stages", "--batch", "1",
+                                    "--gpu-pct", "100", "--input-shape", "2,8,16", "--width", "0.25",
+                                    "--repeats", "3", "--warmup", "1", "--no-progress", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    p = load_profile(out)
+    assert p.format_version == 2 and p.kind == "cpu" and p.cpu_cores == 1 and p.backend == "cpu"
+    assert [s.name for s in p.stages] == ["left", "right", "merge"]
+    assert p.task_graph().task("merge").deps == ("left", "right")
+    assert all(s.latency_ms["cpu"] > 0 for s in p.stages)
+    assert "3 stages" in res.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["m", "--out", "x.json", "--cores", "2"], "--cores applies to --device cpu"),
+    (["m", "--out", "x.json", "--device", "cpu", "--cores", "999"], "only"),
+    (["m", "--out", "x.json", "--device", "gpu"], "device"),
+])
+def test_cli_bad_device_input(args: list[str], needle: str) -> None:
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and needle in res.output
+
+
+def test_measure_refuses_an_accelerator_profile_without_a_gpu() -> None:
+    from gpuprims.backend import cuda_available
+
+    if not cuda_available():  # with a GPU the accelerator profile is measurable (test_cli_... on a GPU host)
+        with pytest.raises(ValueError, match="needs a GPU"):
+            measure_profile("mobilenet", batch_sizes=[1], gpu_pcts=[100], device_kind="accelerator")
+    with pytest.raises(ValueError, match="CPU backend"):
+        measure_profile("mobilenet", batch_sizes=[1], gpu_pcts=[100], device_kind="cpu", backend="cuda")

@@ -1,0 +1,167 @@
+"""bench/coexec: CPU co-execution (issue #18): SIR+, DUET and Chrion scenarios, ours beside the papers'.
+
+Accelerator profiles come from the papers' tables (``gpuprims/coexec/profiles/paper``); CPU profiles
+were measured on this machine (``gpuprims/coexec/profiles/cpu``; ``--measure-cpu`` measures them
+again: ``gpuprims-profile --device cpu --stages`` for the DUET models and ResNet-50, and the LSTM cell
+time with 1..N busy cores). The three scenarios (``gpuprims.coexec.scenarios``) are simulated from
+these profiles: no accelerator ran here. Writes ``bench/results/<machine>/coexec.json`` (+ ``.png``).
+
+Run: ``python3 -m bench.coexec [--measure-cpu] [--quick]``. Reports, never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, results_dir, write_result
+from gpuprims.coexec.scenarios import paper_chrion, paper_duet, paper_sir
+
+CPU_DIR = ROOT / "gpuprims" / "coexec" / "profiles" / "cpu"
+
+#: (model, extra gpuprims-profile arguments): the shapes the papers ran, where a 2-core CPU can.
+CPU_PROFILES: tuple[tuple[str, list[str]], ...] = (
+    ("siamese", ["--stages", "--input-shape", "2,64,64", "--repeats", "30", "--warmup", "5"]),
+    ("wide_deep", ["--stages", "--input-shape", "1,1,152184", "--repeats", "20", "--warmup", "3"]),
+    ("mt_dnn", ["--stages", "--input-shape", "1,32,768", "--width", "4", "--repeats", "20", "--warmup", "3"]),
+    ("resnet50", ["--repeats", "20", "--warmup", "3"]),
+)
+
+
+def _loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def _cell_child(batch: int, features: int, workers: int) -> dict[int, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    from gpuprims.coexec.fx_exec import measure_lstm_cell_ms
+
+    return measure_lstm_cell_ms(batch=batch, features=features, max_workers=workers, repeats=300)
+
+
+def measure_cpu() -> None:
+    """Measure the committed CPU profiles again on this machine."""
+    exe = Path(sys.executable).with_name("gpuprims-profile")
+    for model, extra in CPU_PROFILES:
+        cmd = [str(exe), model, "--device", "cpu", "--batch", "1", "--gpu-pct", "50,100", "--no-progress",
+               "--out", str(CPU_DIR / f"{model}.json"), *extra]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, timeout=1800)
+    cores = len(os.sched_getaffinity(0))
+    before = _loadavg()
+    with get_context("spawn").Pool(1) as pool:
+        per_k = pool.apply(_cell_child, (8, 64, cores))
+    doc = {"model": "lstm_cell", "source": (
+        f"measured here by bench/coexec.py --measure-cpu: one nn.LSTMCell(64, 64) step at batch 8, torch 1 thread "
+        f"per worker, median of 300 steps while k workers step at once (k = 1..{cores}); load average "
+        f"{before} before"), "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "cell_ms_by_busy_cores": {str(k): v for k, v in per_k.items()}}
+    (CPU_DIR / "lstm_cell.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"lstm cell: {per_k}")
+
+
+def _plot(sir: dict[str, Any], duet_: dict[str, Any], chrion: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for name, m in sir["models"].items():
+        loads = [r["load"] for r in m["by_load"]]
+        ax.plot(loads, [r["gpu_only"]["latency_mean_ms"] for r in m["by_load"]], "o--", label=f"{name} GPU only")
+        ax.plot(loads, [r["overflow"]["latency_mean_ms"] for r in m["by_load"]], "o-", label=f"{name} + CPU overflow")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (fraction of accelerator capacity)")
+    ax.set_ylabel("mean latency (ms, simulated)")
+    ax.set_title("SIR+: overflow at high load")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    names = list(duet_["models"])
+    xs = range(len(names))
+    for off, key, label in ((-0.25, "gpu_only_ms", "GPU only"), (0.0, "cpu_only_ms", "CPU only"),
+                            (0.25, "latency_ms", "DUET")):
+        ax.bar([x + off for x in xs], [duet_["models"][n]["ours"][key] for n in names], 0.25, label=label)
+    ax.set_xticks(list(xs), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("latency at batch 1 (ms, planned)")
+    ax.set_title("DUET: paper GPU + this CPU")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    modes = [("GPU", "gpu_latency_ms", "gpu_mem_mb"), ("latency-opt", "latency_optimal_latency_ms",
+                                                       "latency_optimal_mem_mb"),
+             ("memory-opt", "memory_optimal_latency_ms", "memory_optimal_mem_mb")]
+    ax.bar([m[0] for m in modes], [chrion[m[1]] for m in modes], color="C0", label="latency (ours)")
+    ax.plot([m[0] for m in modes], [chrion["paper"][m[1]] for m in modes], "k*", markersize=12, label="latency (paper)")
+    ax.set_ylabel("latency (ms, planned)")
+    ax2 = ax.twinx()
+    ax2.plot([m[0] for m in modes], [chrion[m[2]] for m in modes], "s-", color="C3", label="GPU MB (ours)")
+    ax2.plot([m[0] for m in modes], [chrion["paper"][m[2]] for m in modes], "x--", color="C3", label="GPU MB (paper)")
+    ax2.set_ylabel("GPU memory (MB)")
+    ax.set_title("Chrion: 12x96 LSTM")
+    ax.legend(fontsize=7, loc="lower left")
+    ax2.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measure-cpu", action="store_true", help="measure the CPU profiles again first")
+    ap.add_argument("--requests", type=int, default=20000, help="simulated requests per SIR run")
+    ap.add_argument("--quick", action="store_true", help="fewer simulated requests (4000 per SIR run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests = min(args.requests, 4000)
+    load_before = _loadavg()
+    if args.measure_cpu:
+        measure_cpu()
+    sir = paper_sir(requests=args.requests)
+    duet_ = paper_duet()
+    chrion = paper_chrion()
+    summary: dict[str, Any] = {"mode": "simulated", "sir": {}, "duet": {}, "chrion": {}}
+    for name, m in sir["models"].items():
+        summary["sir"][name] = {k: v for k, v in m.items() if k != "by_load"}
+    summary["sir"]["paper_model"] = sir["paper"]["model"]
+    summary["sir"].update({f"paper_{k}": v for k, v in sir["paper"].items() if k != "model"})
+    for name, m in duet_["models"].items():
+        o, p = m["ours"], m["paper_pair"]
+        summary["duet"][name] = {
+            "latency_ms": o["latency_ms"], "gpu_only_ms": o["gpu_only_ms"], "cpu_only_ms": o["cpu_only_ms"],
+            "speedup_vs_gpu": o["speedup_vs_gpu"], "speedup_vs_cpu": o["speedup_vs_cpu"], "gpu": o["gpu"],
+            "cpu": o["cpu"], "paper_pair_latency_ms": p["latency_ms"], "paper_pair_speedup_vs_gpu": p["speedup_vs_gpu"],
+            "paper_pair_speedup_vs_cpu": p["speedup_vs_cpu"], "paper_pair_gpu": p["gpu"], "paper_pair_cpu": p["cpu"],
+            "paper_gpu": m["paper_placement"]["gpu"], "paper_cpu": m["paper_placement"]["cpu"],
+        }
+    summary["duet"].update({f"paper_{k}": v for k, v in duet_["paper"].items()})
+    summary["chrion"] = {k: v for k, v in chrion.items() if k not in ("paper", "simulated", "scenario")}
+    summary["chrion"].update({f"paper_{k}": v for k, v in chrion["paper"].items()})
+    out = results_dir("cpu")
+    _plot(sir, duet_, chrion, out / "coexec.png")
+    notes = ("Simulated/planned from profiles: accelerator times from the papers' tables (profiles/paper, source "
+             "'paper'), CPU times measured on this machine (profiles/cpu) for our scaled zoo models; paper_* are the "
+             "papers' own reported figures; duet paper_pair_* run our planner on the paper's own GPU+CPU times. "
+             "The machine was shared with other jobs: see load averages.")
+    path = write_result("coexec", "cpu", summary, {"sir": sir, "duet": duet_, "chrion": chrion}, notes=notes)
+    doc = json.loads(path.read_text())
+    doc["machine"]["load_avg_before"] = load_before
+    doc["machine"]["load_avg_after"] = _loadavg()
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if not isinstance(vv, (dict, list))} if isinstance(v, dict)
+                      else v for k, v in summary.items()}, indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()
