@@ -485,9 +485,9 @@ class ControlServer(ABC):
     def _close(self) -> None: ...
 
 
-def _close_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, paths: list[Path]) -> None:
+def _close_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, paths: list[Path], linger_ms: int = 0) -> None:
     for s in sockets:
-        s.close(linger=0)
+        s.close(linger=linger_ms)
     ctx.term()
     for p in paths:
         with contextlib.suppress(OSError):
@@ -747,7 +747,8 @@ class _ZmqInstanceClient(InstanceClient):
         except BaseException:
             self._ctx.term()
             raise
-        self._finalizer = weakref.finalize(self, _close_zmq, [self._sock], self._ctx, [])
+        # Linger on close: what an instance says last (Ended, Error) still reaches the orchestrator.
+        self._finalizer = weakref.finalize(self, _close_zmq, [self._sock], self._ctx, [], linger_ms)
 
     def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None:
         if not self._sock.poll(timeout_ms, zmq.POLLOUT):

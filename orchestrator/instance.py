@@ -69,6 +69,9 @@ ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
 #: After this long without running a batch, a request is served even if the latency model predicts
 #: it will miss (see Instance._expire).
 PROBE_AFTER_S = 1.0
+#: How long closing the control socket may wait for queued messages to leave (bounded if the
+#: orchestrator is gone).
+LAST_WORDS_MS = 2000
 log = logging.getLogger("gpuprims.instance")
 
 
@@ -723,7 +726,8 @@ def main() -> int:
     # A terminal's Ctrl-C reaches the whole process group: stopping is the orchestrator's to decide
     # (it drains this instance), so the instance does not die of it with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    control = connect_instance_from_env()
+    # Its last words (Error, Ended) get up to LAST_WORDS_MS to leave before the process exits.
+    control = connect_instance_from_env(linger_ms=LAST_WORDS_MS)
     inst = None
     try:
         inst = Instance(spec, control)
