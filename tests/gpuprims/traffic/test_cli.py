@@ -15,6 +15,8 @@ from click.testing import CliRunner
 from gpuprims.traffic import EchoServer, read_pcap
 from gpuprims.traffic.cli import main, parse_app
 
+from .conftest import ANSWER_TIMEOUT_S
+
 
 @contextlib.contextmanager
 def _cli(*args: str, launcher: str | None = None) -> Iterator[subprocess.Popen]:
@@ -82,17 +84,22 @@ def test_replay_reports_json_with_plots(tmp_path) -> None:
     with EchoServer(delay_s=0.0002) as echo:
         r = CliRunner().invoke(main, ["replay", "--app", f"1:32x32x3:uint8,rate=500,to=127.0.0.1:{echo.port}",
                                       "--app", f"2:1000:uint8,rate=1000,to=127.0.0.1:{echo.port}", "--count", "100",
-                                      "--warmup", "0.02", "--ports", "0", "--timeout", "0.3", "--no-progress",
+                                      "--warmup", "0.02", "--ports", "0", "--timeout", str(ANSWER_TIMEOUT_S),
+                                      "--no-progress",
                                       "--json", str(tmp_path / "r.json"), "--cdf", str(tmp_path / "cdf.png"),
                                       "--timeline", str(tmp_path / "tl.png"), "--samples", str(tmp_path / "s.npz"),
                                       "--slo-ms", "100"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["sent"] == 200 and doc["answered"] == 200 and doc["lost"] == 0 and doc["slo_attainment"] == 1.0
+    assert doc["sent"] == 200 and doc["answered"] == 200 and doc["lost"] == 0
     assert doc["apps"]["1"]["packets_sent"] == 300 and doc["warmup"]["sent"] == 10 + 20
     assert json.loads((tmp_path / "r.json").read_text())["sent"] == 200
     assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "tl.png").exists()
-    assert len(np.load(tmp_path / "s.npz")["latency_ns"]) == 230
+    smp = np.load(tmp_path / "s.npz")
+    assert len(smp["latency_ns"]) == 230
+    # SLO attainment: the measured requests answered within 100 ms (how many is the machine's business).
+    lat = smp["latency_ns"][~smp["warmup"]]
+    assert doc["slo_attainment"] == pytest.approx(np.mean((lat >= 0) & (lat <= 100e6)))
 
 
 def test_replay_of_a_pcap_looped(tmp_path) -> None:
@@ -101,7 +108,7 @@ def test_replay_of_a_pcap_looped(tmp_path) -> None:
                                       f"127.0.0.1:{echo.port}", "-o", str(tmp_path / "s.pcap")])
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(main, ["replay", "--pcap", str(tmp_path / "s.pcap"), "--loop", "3", "--speed", "2",
-                                      "--timeout", "0.3", "--no-progress"])
+                                      "--timeout", str(ANSWER_TIMEOUT_S), "--no-progress"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert (doc["sent"], doc["answered"], doc["packets_sent"]) == (30, 30, 60)
