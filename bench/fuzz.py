@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=10_000_000, help="Inputs in all (split over the jobs).")
     ap.add_argument("--jobs", type=int, default=2, help="Fuzzer processes at once.")
     ap.add_argument("--quick", action="store_true", help="200,000 inputs.")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="Stop by this time even if fewer inputs ran (the JSON says how many did).")
     ap.add_argument("--update-corpus", action="store_true",
                     help="Merge what the run found into tests/fuzz/corpus (a minimal covering set).")
     args = ap.parse_args()
@@ -127,8 +129,10 @@ def main() -> int:
         for j in range(args.jobs):
             cmd = [sys.executable, "-c", "import json, sys; from pathlib import Path; from bench.fuzz import run_fuzzer; "
                    "print(json.dumps(run_fuzzer(Path(sys.argv[1]), Path(sys.argv[2]), runs=int(sys.argv[3]), "
-                   "crash_dir=Path(sys.argv[4]), extra=[f'-seed={sys.argv[5]}'], log=Path(sys.argv[6]))))",
-                   str(exe), str(work), str(per_job), str(crash_dir), str(1000 + j), str(Path(tmp) / f"job{j}.log")]
+                   "seconds=float(sys.argv[7]) or None, crash_dir=Path(sys.argv[4]), extra=[f'-seed={sys.argv[5]}'], "
+                   "log=Path(sys.argv[6]))))",
+                   str(exe), str(work), str(per_job), str(crash_dir), str(1000 + j), str(Path(tmp) / f"job{j}.log"),
+                   str(args.max_seconds or 0)]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True))
         jobs = [json.loads(p.communicate()[0]) for p in procs]
         wall_s = time.monotonic() - t0
@@ -146,7 +150,7 @@ def main() -> int:
                 shutil.copy(f, CORPUS / f.name)
     inputs = sum(j["inputs"] for j in jobs)
     crashes = sum(1 for j in jobs if j["crashed"])
-    summary = {"inputs": inputs, "crashes": crashes, "sanitizers": SANITIZERS, "coverage_edges": end["edges"],
+    summary = {"inputs": inputs, "inputs_target": runs, "crashes": crashes, "sanitizers": SANITIZERS, "coverage_edges": end["edges"],
                "coverage_features": end["features"], "coverage_edges_seed_corpus": start["edges"],
                "corpus_files_start": seeds, "corpus_files_end": found, "jobs": args.jobs, "wall_s": round(wall_s, 1),
                "inputs_per_s": round(inputs / wall_s), "target": "native/fuzz/fuzz_ingest.cpp (Ingest::feed, "
