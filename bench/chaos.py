@@ -50,6 +50,7 @@ from bench.common import ROOT, results_dir, write_result
 from gpuprims import wire
 
 FAULT_KINDS = ("kill", "set_gpu", "bad_control", "flood")
+FAULT_WEIGHTS = (0.35, 0.25, 0.2, 0.2)
 
 
 # ---- the checker
@@ -344,6 +345,95 @@ class AppLoad:
     datagrams: list[list[bytes]] = field(default_factory=list)  # per variant, request id 0
 
 
+class LoadClient:
+    """Poisson requests for every app from one UDP socket, each answer fed to a Ledger.
+
+    ``rates`` are requests/s per app id (changeable while running with `set_rate`); request ids are
+    unique across apps. `start()` runs a sender and a receiver thread; the sender stops after
+    ``duration_s``, the receiver at `close()`.
+    """
+
+    def __init__(self, loads: list[AppLoad], dest: tuple[str, int], ledger: Ledger, rates: dict[int, float], *,
+                 seed: int = 1) -> None:
+        self.loads, self.dest, self.ledger = loads, dest, ledger
+        self.rates = dict(rates)
+        self.rng = random.Random(seed)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.t0 = 0.0
+        self.rid = 0
+
+    def set_rate(self, app_id: int, rps: float) -> None:
+        self.rates[app_id] = rps
+
+    def start(self, t0: float, duration_s: float) -> None:
+        self.t0 = t0
+        for fn, args in ((self._receive, ()), (self._send, (duration_s,))):
+            t = threading.Thread(target=fn, args=args, name=f"load-{fn.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def join_sender(self, timeout: float | None = None) -> None:
+        self._threads[1].join(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self.sock.close()
+
+    def _receive(self) -> None:
+        asm = wire.ResponseAssembler()
+        while not self._stop.is_set():
+            try:
+                d = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                r = asm.feed(d)
+            except wire.WireError:
+                self.ledger.datagram_invalid()
+                continue
+            if r is not None:
+                self.ledger.answer(r.app_id, r.request_id, r.status, r.body)
+
+    def _gap(self, app_id: int) -> float:
+        rate = self.rates.get(app_id, 0.0)
+        return self.rng.expovariate(rate) if rate > 0 else 0.5
+
+    def _send(self, duration_s: float) -> None:
+        nxt = [self.t0 + self._gap(a.app_id) for a in self.loads]
+        end = self.t0 + duration_s
+        while not self._stop.is_set():
+            i = min(range(len(self.loads)), key=lambda k: nxt[k])
+            due = nxt[i]
+            if due >= end:
+                return
+            delay = due - time.monotonic()
+            if delay > 0:
+                self._stop.wait(min(delay, 0.5))
+                continue
+            a = self.loads[i]
+            nxt[i] = due + self._gap(a.app_id)
+            if self.rates.get(a.app_id, 0.0) <= 0:
+                continue
+            self.rid += 1
+            v = self.rid % len(a.variants)
+            self.ledger.sent(a.app_id, self.rid, time.monotonic() - self.t0, v)
+            for d in a.datagrams[v]:
+                b = bytearray(d)
+                b[24:32] = self.rid.to_bytes(8, "little")
+                b[40:48] = time.monotonic_ns().to_bytes(8, "little")
+                with contextlib.suppress(OSError):
+                    self.sock.sendto(b, self.dest)
+
+
 def expected_outputs(cfg: Any, app_name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """The oracle: the app's model run directly in torch on each input (as the instance preprocesses)."""
     import torch
@@ -359,49 +449,78 @@ def expected_outputs(cfg: Any, app_name: str, inputs: list[np.ndarray]) -> list[
                 for x in inputs]
 
 
-def _busy_loops(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def private_config(config: Path, tmp: Path) -> tuple[Path, Any]:
+    """A copy of `config` in `tmp` with a private run dir, a free UDP port and no metrics port."""
     from orchestrator.config import load_config
-    from orchestrator.messages import SetGpuRequest, StopRequest
 
-    rng = random.Random(args.seed)  # faults
-    send_rng = random.Random(args.seed + 1)  # arrivals
-    tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
-    doc = yaml.safe_load(Path(args.config).read_text())
+    doc = yaml.safe_load(config.read_text())
     doc["node"]["listen"]["port"] = 0
     doc["node"]["run_dir"] = str(tmp / "run")
     doc["node"]["metrics_port"] = 0
     cfg_path = tmp / "apps.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
-    cfg = load_config(cfg_path)
-    apps = [a.name for a in cfg.apps]
+    return cfg_path, load_config(cfg_path)
 
-    # Inputs and the oracle, before the node takes the cores.
+
+def make_loads(cfg: Any, variants: int, seed: int) -> tuple[list[AppLoad], dict[int, list[np.ndarray]]]:
+    """`variants` random inputs per app, their request datagrams, and the oracle's logits for each."""
     loads: list[AppLoad] = []
     expected: dict[int, list[np.ndarray]] = {}
-    nrng = np.random.default_rng(args.seed)
+    nrng = np.random.default_rng(seed)
     for a in cfg.apps:
         shape = tuple(a.input_shape)
         if a.dtype == "uint8":
-            xs = [nrng.integers(0, 256, shape, dtype=np.uint8) for _ in range(args.variants)]
+            xs = [nrng.integers(0, 256, shape, dtype=np.uint8) for _ in range(variants)]
         else:
-            xs = [nrng.random(shape, dtype=np.float32) for _ in range(args.variants)]
+            xs = [nrng.random(shape, dtype=np.float32) for _ in range(variants)]
         loads.append(AppLoad(a.name, a.app_id, xs, [wire.encode_request(a.app_id, 0, x) for x in xs]))
         expected[a.app_id] = expected_outputs(cfg, a.name, xs)
+    return loads, expected
+
+
+def start_node(cfg_path: Path, log_path: Path, ready_timeout_s: float) -> subprocess.Popen:
+    """`gpuprims-orchestrator start cfg_path` in its own session, output to log_path."""
+    with open(log_path, "w") as log_f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "start", str(cfg_path), "--ready-timeout",
+                                 str(ready_timeout_s)], cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_node(proc: subprocess.Popen, ctl: NodeControl | None, timeout_s: float = 120.0) -> int:
+    """Ask the node to stop (draining); kill its session if it has not exited within timeout_s."""
+    from orchestrator.messages import StopRequest
+
+    if ctl is not None and proc.poll() is None:
+        with contextlib.suppress(Exception):
+            ctl.request(StopRequest(drain=True), 10)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _busy_loops(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from orchestrator.messages import SetGpuRequest
+
+    rng = random.Random(args.seed)  # faults
+    tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
+    cfg_path, cfg = private_config(Path(args.config), tmp)
+    apps = [a.name for a in cfg.apps]
+    # Inputs and the oracle, before the node takes the cores.
+    loads, expected = make_loads(cfg, args.variants, args.seed)
     ledger = Ledger(expected)
 
     busy = _busy_loops(2) if args.contended else []
     load0 = os.getloadavg()
-    log_f = open(tmp / "node.log", "w")  # noqa: SIM115 (the node writes it until the finally below)
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "start", str(cfg_path), "--ready-timeout",
-                             str(args.ready_timeout)], cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = start_node(cfg_path, tmp / "node.log", args.ready_timeout)
     stop_evt = threading.Event()
-    threads: list[threading.Thread] = []
-    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client: LoadClient | None = None
     flood_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         run_dir = tmp / "run"
@@ -410,9 +529,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctl = NodeControl(run_dir)
         res_start = resources(st0)
         t0 = time.monotonic()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        client.bind(("127.0.0.1", 0))
-        client.settimeout(0.2)
         flood_sock.bind(("127.0.0.1", 0))
         flood_sock.setblocking(False)
         dest = ("127.0.0.1", port)
@@ -422,76 +538,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         status_failures: list[str] = []
         set_gpu_results: list[dict[str, Any]] = []
 
-        def receive() -> None:
-            asm = wire.ResponseAssembler()
-            while not stop_evt.is_set():
-                try:
-                    d = client.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                try:
-                    r = asm.feed(d)
-                except wire.WireError:
-                    ledger.datagram_invalid()
-                    continue
-                if r is not None:
-                    ledger.answer(r.app_id, r.request_id, r.status, r.body)
-
-        def send() -> None:
-            # Poisson arrivals per app, merged; request ids unique across apps.
-            rid = 0
-            nxt = [t0 + send_rng.expovariate(args.rate) for _ in loads]
-            end = t0 + args.duration
-            while not stop_evt.is_set():
-                i = min(range(len(loads)), key=lambda k: nxt[k])
-                due = nxt[i]
-                if due >= end:
-                    return
-                delay = due - time.monotonic()
-                if delay > 0:
-                    stop_evt.wait(delay)
-                    continue
-                rid += 1
-                a = loads[i]
-                v = rid % len(a.variants)
-                ledger.sent(a.app_id, rid, time.monotonic() - t0, v)
-                for d in a.datagrams[v]:
-                    b = bytearray(d)
-                    b[24:32] = rid.to_bytes(8, "little")
-                    b[40:48] = time.monotonic_ns().to_bytes(8, "little")
-                    with contextlib.suppress(OSError):
-                        client.sendto(b, dest)
-                nxt[i] = due + send_rng.expovariate(args.rate)
-
         def faults() -> None:
-            pct = {a.name: a.gpu_pct for a in cfg.apps}
-            low = {a.name: max(1, a.gpu_pct - 20) for a in cfg.apps}
             while not stop_evt.wait(rng.expovariate(1 / args.fault_interval)):
                 if time.monotonic() - t0 > args.duration - 2:
                     return
-                kind = rng.choice(FAULT_KINDS)
+                kind = rng.choices(FAULT_KINDS, weights=FAULT_WEIGHTS)[0]
                 now = time.monotonic() - t0
                 try:
                     if kind == "kill":
+                        # Mostly active instances: they hold the requests.
                         st = ctl.status()
-                        cands = [(n, p) for n, p in node_pids(st).items() if n != "orchestrator"]
-                        if not cands:
+                        insts = [i for a in st["apps"].values() for i in a["instances"] if i.get("pid")]
+                        active = [i for i in insts if i.get("role") == "active"]
+                        pool = active if active and rng.random() < 0.75 else insts
+                        if not pool:
                             continue
-                        name, pid = rng.choice(cands)
-                        os.kill(pid, signal.SIGKILL)
-                        ledger.fault(now, "kill", name)
+                        victim = rng.choice(pool)
+                        os.kill(int(victim["pid"]), signal.SIGKILL)
+                        ledger.fault(now, "kill", f"{victim['name']} ({victim.get('role')})")
                     elif kind == "set_gpu":
+                        # Down or up from where the app is now (the node's monitor moves shares too),
+                        # up only into the room the other apps leave.
+                        st = ctl.status()
                         app = rng.choice(apps)
-                        new = low[app] if pct[app] != low[app] else next(a.gpu_pct for a in cfg.apps if a.name == app)
-                        ledger.fault(now, "set_gpu", f"{app} {pct[app]}->{new}")
+                        cur = int(st["apps"][app]["gpu_pct"])
+                        room = 100 - sum(int(a["gpu_pct"]) for n, a in st["apps"].items() if n != app)
+                        up = min(room, cur + rng.choice((10, 20)))
+                        down = max(1, cur - rng.choice((10, 20)))
+                        new = up if (up > cur and (rng.random() < 0.5 or down == cur)) else down
+                        if new == cur:
+                            continue
+                        ledger.fault(now, "set_gpu", f"{app} {cur}->{new}")
                         t1 = time.monotonic()
                         reply = ctl.request(SetGpuRequest(app=app, gpu_pct=new), args.set_gpu_timeout)
-                        set_gpu_results.append({"app": app, "to": new, "ok": reply.ok, "message": reply.message,
-                                                "s": round(time.monotonic() - t1, 2)})
-                        if reply.ok:
-                            pct[app] = new
+                        set_gpu_results.append({"app": app, "from": cur, "to": new, "ok": reply.ok,
+                                                "message": reply.message, "s": round(time.monotonic() - t1, 2)})
                     elif kind == "bad_control":
                         sub, frames = bad_control_frames(ctl.token.encode(), rng)
                         ledger.fault(now, "bad_control", sub)
@@ -515,13 +596,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as e:  # a fault that could not be injected is reported, not fatal
                     ledger.fault(now, f"{kind}_failed", repr(e)[:200])
 
-        for fn in (receive, send, faults):
-            t = threading.Thread(target=fn, name=f"chaos-{fn.__name__}", daemon=True)
-            t.start()
-            threads.append(t)
-        threads[1].join()  # the sender ends after --duration
+        client = LoadClient(loads, dest, ledger, {a.app_id: args.rate for a in loads}, seed=args.seed + 1)
+        client.start(t0, args.duration)
+        fault_thread = threading.Thread(target=faults, name="chaos-faults", daemon=True)
+        fault_thread.start()
+        client.join_sender()  # the sender ends after --duration
         sent_end = time.monotonic()
-        threads[2].join(timeout=args.set_gpu_timeout)
+        fault_thread.join(timeout=args.set_gpu_timeout)
         # Grace: answers may still come (a restarted instance loading, a switch-over finishing).
         grace_end = sent_end + args.grace
         while time.monotonic() < grace_end and ledger.outstanding():
@@ -529,15 +610,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         st1 = ctl.status()
         res_end = resources(st1)
         stop_evt.set()
-        threads[0].join()
+        client.close()
+        client = None
         node_pid = st1["node"]["pid"]
-        with contextlib.suppress(Exception):
-            ctl.request(StopRequest(drain=True), 10)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_node(proc, ctl)
         leftover_shm = sorted(p.name for p in Path("/dev/shm").glob(f"gpuprims-{node_pid}-*"))
         result = ledger.result()
         result.update({
@@ -555,16 +631,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
     finally:
         stop_evt.set()
-        for s in (client, flood_sock):
-            s.close()
+        if client is not None:
+            client.close()
+        flood_sock.close()
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_node(proc, None, 0)
         for b in busy:
             b.kill()
             b.wait()
-        log_f.close()
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -575,7 +649,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="A ~60 s run.")
     ap.add_argument("--contended", action="store_true", help="Two busy loops beside the node.")
     ap.add_argument("--rate", type=float, default=8.0, help="Requests/s per app (Poisson).")
-    ap.add_argument("--fault-interval", type=float, default=5.0, help="Mean seconds between faults.")
+    ap.add_argument("--fault-interval", type=float, default=4.0, help="Mean seconds between faults.")
     ap.add_argument("--flood", type=int, default=2000, help="Malformed datagrams per flood.")
     ap.add_argument("--variants", type=int, default=4, help="Distinct inputs per app (each checked against torch).")
     ap.add_argument("--grace", type=float, default=30.0, help="Seconds to wait for outstanding answers at the end.")
