@@ -118,6 +118,15 @@ class Ledger:
         with self._lock:
             self.faults.append((t_s, kind, detail))
 
+    def ok_by_app(self) -> dict[int, int]:
+        """Requests whose first answer was OK, per app id."""
+        with self._lock:
+            out: dict[int, int] = {}
+            for (app, _rid), s in self._sent.items():
+                if s.statuses and s.statuses[0] == wire.Status.OK:
+                    out[app] = out.get(app, 0) + 1
+            return out
+
     def outstanding(self) -> int:
         with self._lock:
             return sum(1 for s in self._sent.values() if s.answers == 0)
