@@ -342,7 +342,7 @@ def _child_consume(pool_name: str, n: int, q: mp.Queue) -> None:  # type: ignore
     pool = PacketPool.attach(pool_name)
     cons = pool.consumer(1)
     got: list[int] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + REACT_S
     while len(got) < n and time.monotonic() < deadline:
         got += cons.poll(16, 100).tolist()
     recs = np.array(got, np.uint32)
@@ -364,13 +364,13 @@ def test_consumer_in_another_process() -> None:
         p.start()
         for rid in range(5):
             n.send(wire.encode_request(APP, rid, _body(rid)))
-        res = q.get(timeout=30)
+        res = q.get(timeout=REACT_S + 60)  # the child's own wait, plus its start-up (spawn, imports)
         assert sorted(rid for rid, _ in res) == list(range(5))
         for rid, head in res:
             assert head == _body(rid)[:16].tobytes()
         n.wait(lambda c: c["requests_released"] == 5)
     finally:
-        p.join(timeout=10)
+        p.join(timeout=REACT_S)
         if p.is_alive():
             p.kill()
             p.join()
