@@ -614,14 +614,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fault_thread.join(timeout=args.set_gpu_timeout)
         # Grace: answers may still come (a restarted instance loading, a switch-over finishing).
         grace_end = sent_end + args.grace
-        while time.monotonic() < grace_end and ledger.outstanding():
+        while time.monotonic() < grace_end and ledger.outstanding() and proc.poll() is None:
             time.sleep(0.2)
-        st1 = ctl.status()
-        res_end = resources(st1)
+        node_pid = st0["node"]["pid"]
+        try:
+            st1: dict[str, Any] = ctl.status()
+            res_end = resources(st1)
+        except Exception as e:  # the node died: what it held is lost, and the log says why
+            st1, res_end = {"node_error": repr(e)}, {"rss_mb": None, "fds": None, "per_process": {}}
         stop_evt.set()
         client.close()
         client = None
-        node_pid = st1["node"]["pid"]
         stop_node(proc, ctl)
         leftover_shm = sorted(p.name for p in Path("/dev/shm").glob(f"gpuprims-{node_pid}-*"))
         result = ledger.result()
@@ -633,6 +636,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bad_control_by_kind": dict(control_counts), "bad_control_replied": dict(control_replied),
             "status_failures_after_bad_control": status_failures, "set_gpu": set_gpu_results,
             "node_drops_end": st1.get("drops", {}), "node_exit_code": proc.returncode,
+            "node_alive_at_end": "node_error" not in st1, "node_error": st1.get("node_error"),
             "leftover_shm_segments": leftover_shm, "contended": args.contended,
             "load_avg_before": [round(x, 2) for x in load0], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
             "node_log_tail": (tmp / "node.log").read_text()[-4000:],
