@@ -1,14 +1,16 @@
 """bench/soak: a node under steady load for an hour; does anything grow?
 
 It starts a node on a private copy of ``examples/apps.yaml`` (as bench/chaos does), measures each
-app's capacity (OK answers/s while offered more than it serves, ``--calibrate-s``), then offers 70 %
+app's capacity (the most OK answers/s it gives, offered a doubling rate until it falls behind), then offers 70 %
 of it (``--load``) as Poisson traffic for ``--duration`` seconds, changing an app's GPU% every
 ``--set-gpu-every`` seconds (down, then back up). Every ``--sample-s`` it samples, for the
 orchestrator and each instance (by app and role, since set-gpu replaces processes): RSS, open fds,
 threads and shared-memory segments mapped, plus the node's /dev/shm segments.
 
 A series is *flat* when no sample after the first ``--baseline-s`` (five minutes) is above the range
-of the samples within it. Writes ``bench/results/<machine>/soak.json`` and ``soak.png``. Every request
+of the samples within it. A series follows a role, not a pid: after a set-gpu the active is the former
+shadow and a fresh shadow loads, so a step right after a change is a replacement; a leak shows as
+growth that carries on across replacements. Writes ``bench/results/<machine>/soak.json`` and ``soak.png``. Every request
 is also matched to its answer by bench/chaos's Ledger (lost and duplicated are reported).
 
 Run: ``python -m bench.soak [--duration 3600] [--sample-s 60]``; a smoke test: ``--duration 60 --sample-s 5``.
@@ -119,8 +121,10 @@ def main() -> int:
     ap.add_argument("--sample-s", type=float, default=60.0, help="Seconds between samples.")
     ap.add_argument("--baseline-s", type=float, default=300.0, help="The window whose range later samples must stay in.")
     ap.add_argument("--load", type=float, default=0.7, help="Fraction of the measured capacity offered.")
-    ap.add_argument("--calibrate-s", type=float, default=20.0, help="Seconds of overload to measure capacity.")
-    ap.add_argument("--calibrate-rps", type=float, default=60.0, help="Requests/s per app offered to calibrate.")
+    ap.add_argument("--calibrate-s", type=float, default=20.0, help="Seconds of each calibration step.")
+    ap.add_argument("--calibrate-rps", type=float, default=40.0, help="First requests/s per app offered to calibrate.")
+    ap.add_argument("--warmup-s", type=float, default=15.0, help="Seconds of light load before calibrating.")
+    ap.add_argument("--calibrate-max-rps", type=float, default=640.0, help="Most requests/s per app offered.")
     ap.add_argument("--set-gpu-every", type=float, default=300.0, help="Seconds between set-gpu changes.")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--config", default=str(ROOT / "examples" / "apps.yaml"))
@@ -140,16 +144,29 @@ def main() -> int:
         dest = ("127.0.0.1", st["node"]["ports"][0])
         node_pid = int(st["node"]["pid"])
 
-        # Capacity: OK answers/s per app while each is offered more than it serves.
-        cal = Ledger(expected)
-        client = LoadClient(loads, dest, cal, {a.app_id: args.calibrate_rps for a in loads}, seed=args.seed + 1)
-        t0 = time.monotonic()
-        client.start(t0, args.calibrate_s)
-        client.join_sender()
-        time.sleep(2.0)  # answers still in flight after the last request (a bench, not a test)
-        client.close()
-        ok_by_app = cal.ok_by_app()
-        capacity = {a.app_id: ok_by_app.get(a.app_id, 0) / args.calibrate_s for a in loads}
+        # Capacity: the most OK answers/s each app gave, offered more and more (doubling) until it
+        # answers less than 90 % of what it is offered OK (or --calibrate-max-rps).
+        capacity = {a.app_id: 0.0 for a in loads}
+        # Warm-up at a light rate first: the first batches of a fresh instance are slow.
+        warm = LoadClient(loads, dest, Ledger(expected), {a.app_id: 5.0 for a in loads}, seed=args.seed + 3)
+        warm.start(time.monotonic(), args.warmup_s)
+        warm.join_sender()
+        warm.close()
+        offer = args.calibrate_rps
+        while True:
+            cal = Ledger(expected)
+            client = LoadClient(loads, dest, cal, {a.app_id: offer for a in loads}, seed=args.seed + 1)
+            client.start(time.monotonic(), args.calibrate_s)
+            client.join_sender()
+            time.sleep(2.0)  # answers still in flight after the last request (a bench, not a test)
+            client.close()
+            ok = cal.ok_by_app()
+            got = {k: ok.get(k, 0) / args.calibrate_s for k in capacity}
+            capacity = {k: max(capacity[k], got[k]) for k in capacity}
+            print(f"soak: offered {offer:.0f} rps per app, OK {got}", flush=True)
+            if min(got.values()) < 0.9 * offer or offer * 2 > args.calibrate_max_rps:
+                break
+            offer *= 2
         rates = {k: max(0.5, args.load * v) for k, v in capacity.items()}
         print(f"soak: capacity {capacity} rps; offering {rates}", flush=True)
 
