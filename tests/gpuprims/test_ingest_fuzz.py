@@ -13,6 +13,8 @@ import pytest
 
 from bench.fuzz import CORPUS, FuzzerUnavailable, build, corpus_coverage, run_fuzzer
 
+pytestmark = pytest.mark.tools
+
 
 @pytest.fixture(scope="module")
 def fuzzer(tmp_path_factory: pytest.TempPathFactory):
