@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test test-contended lint demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,12 @@ test: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The same run with two busy loops beside it: the tests must not assume a fast or idle machine.
+test-contended: setup
+	scripts/install-tools.sh
+	$(PY) -m ruff check .
+	scripts/contended.sh $(PY) -m pytest -q
 
 demo: setup
 	$(PY) -m orchestrator.demo

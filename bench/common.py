@@ -108,17 +108,27 @@ def results_dir(backend: str) -> Path:
 
 
 def write_result(experiment: str, backend: str, summary: dict[str, Any], samples: dict[str, Any],
-                 *, notes: str = "", large_samples: bool = False) -> Path:
-    """Write bench/results/<machine>/<experiment>.json (and .samples.json when large) and return it."""
+                 *, notes: str = "", large_samples: bool = False, load_avg_before: Any = None,
+                 name: str | None = None) -> Path:
+    """Write bench/results/<machine>/<experiment>.json (and .samples.json when large) and return it.
+
+    `load_avg_before`: os.getloadavg() taken when the run began; the load now is recorded beside it.
+    `name`: the file's stem when it differs from the experiment (e.g. a run kept apart).
+    """
     out_dir = results_dir(backend)
+    machine = machine_info(backend)
+    if load_avg_before is not None:
+        machine["load_avg_before"] = [round(x, 2) for x in load_avg_before]
+        machine["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     doc: dict[str, Any] = {
         "experiment": experiment,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "git": git_commit(),
-        "machine": machine_info(backend),
+        "machine": machine,
         "summary": summary,
     }
+    experiment = name or experiment
     if notes:
         doc["notes"] = notes
     path = out_dir / f"{experiment}.json"

@@ -180,6 +180,9 @@ void Ingest::set_route(uint16_t app_id, const std::vector<uint32_t>& consumers) 
   for (uint32_t c : consumers) pool_->check_consumer(c);
   std::lock_guard<std::mutex> g(mu_);
   routes_pending_[app_id] = consumers;
+  routes_dirty_.push_back(app_id);
+  if (!consumers.empty() && std::find(routed_.begin(), routed_.end(), app_id) == routed_.end())
+    routed_.push_back(app_id);
   routes_version_.fetch_add(1, std::memory_order_release);
 }
 
@@ -198,7 +201,9 @@ void Ingest::apply_routes() {
   const uint64_t ver = routes_version_.load(std::memory_order_acquire);
   if (ver == routes_seen_) return;
   std::lock_guard<std::mutex> g(mu_);
-  routes_ = routes_pending_;
+  // Only the apps whose routes changed are copied (the ingest thread does this between batches).
+  for (uint16_t app : routes_dirty_) routes_[app] = routes_pending_[app];
+  routes_dirty_.clear();
   routes_seen_ = routes_version_.load(std::memory_order_acquire);
 }
 
@@ -218,7 +223,13 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
   {
     // Stop routing to it first, so nothing new lands in its ring.
     std::lock_guard<std::mutex> g(mu_);
-    for (auto& r : routes_pending_) r.erase(std::remove(r.begin(), r.end(), consumer), r.end());
+    for (uint16_t app : routed_) {
+      auto& r = routes_pending_[app];
+      auto end = std::remove(r.begin(), r.end(), consumer);
+      if (end == r.end()) continue;
+      r.erase(end, r.end());
+      routes_dirty_.push_back(app);
+    }
     routes_version_.fetch_add(1, std::memory_order_release);
   }
   auto done = std::make_shared<std::promise<std::pair<uint64_t, uint64_t>>>();
@@ -402,6 +413,57 @@ void Ingest::deliver(uint32_t r) {
   free_record(r, false);
 }
 
+void Ingest::signal_consumers() {
+  for (uint32_t c = 0; c < wake_.size(); ++c) {
+    if (wake_[c]) {
+      ring_signal(v_.consumer(c)->deliver);
+      wake_[c] = 0;
+    }
+  }
+}
+
+void Ingest::handle_buffer(int sock, uint8_t* data, size_t len, int msg_flags, size_t seg, const sockaddr_in6& addr,
+                           socklen_t addrlen, bool real_slot, uint32_t slot) {
+  const size_t slot_size = v_.hdr->slot_size;
+  if (seg == 0 || seg >= len) {
+    // Received into scratch: larger than a slot means it cannot be kept.
+    if (!real_slot && len > slot_size) msg_flags |= MSG_TRUNC;
+    handle_packet(sock, data, len, msg_flags, addr, addrlen, real_slot, slot);
+    return;
+  }
+  // A coalesced buffer: datagrams of `seg` bytes back to back, the last one possibly shorter. Each is
+  // copied into a slot of its own, so a slot it was received into goes back to the free stack.
+  if (real_slot) free_slots_.push_back(slot);
+  bump(kGroBuffers);
+  for (size_t off = 0; off < len; off += seg) {
+    const size_t n = std::min(seg, len - off);
+    handle_packet(sock, data + off, n, n > slot_size ? MSG_TRUNC : 0, addr, addrlen, false, 0);
+  }
+}
+
+void Ingest::feed(int sock, const uint8_t* data, size_t len, size_t gro_seg, const sockaddr_in6& from,
+                  socklen_t fromlen) {
+  if (running_.load()) throw std::logic_error("Ingest::feed while the receive thread runs");
+  if (sock < 0 || size_t(sock) >= socks_.size()) throw std::out_of_range("Ingest::feed: no such socket");
+  // As the receive loop: the buffer is scratch (the largest a receive buffer holds), not a pool slot.
+  const size_t cap = opt_.gro ? kGroBuffer : v_.hdr->slot_size;
+  feed_buf_.assign(data, data + std::min(len, cap));
+  handle_buffer(sock, feed_buf_.data(), feed_buf_.size(), len > cap ? MSG_TRUNC : 0, opt_.gro ? gro_seg : 0, from,
+                fromlen, false, 0);
+  signal_consumers();
+  publish_gauges();
+}
+
+void Ingest::housekeeping() {
+  if (running_.load()) throw std::logic_error("Ingest::housekeeping while the receive thread runs");
+  apply_routes();
+  run_commands();
+  drain_releases();
+  signal_consumers();
+  expire(clock_());
+  publish_gauges();
+}
+
 void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, const sockaddr_in6& addr,
                            socklen_t addrlen, bool real_slot, uint32_t slot) {
   // Returns the slot to the free stack when the packet is not kept.
@@ -442,7 +504,7 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
   uint32_t r;
   auto it = active_.find(key);
   if (it == active_.end()) {
-    const uint64_t now = now_ns();
+    const uint64_t now = clock_();
     auto g = gone_.find(key);
     if (g != gone_.end()) {
       if (g->second.expires_ns > now) return drop(g->second.reason);
@@ -513,7 +575,7 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
   --reserved_;
   bump(kPacketsAccepted);
   if (++rec->chunks_received == rec->chunk_count) {
-    rec->complete_ns = now_ns();
+    rec->complete_ns = clock_();
     active_.erase(rec_key_[r]);
     remember(rec_key_[r], kDropDuplicate, rec->complete_ns);
     const int32_t pos = filling_pos_[r];
@@ -618,30 +680,14 @@ void Ingest::run() {
             seg = g > 0 ? size_t(g) : 0;
           }
         }
-        uint8_t* data = static_cast<uint8_t*>(iov[i].iov_base);
-        const size_t len = msgs[i].msg_len;
-        if (seg == 0 || seg >= len) {
-          if (i >= m && len > slot_size && !(mh.msg_flags & MSG_TRUNC)) mh.msg_flags |= MSG_TRUNC;
-          handle_packet(int(s), data, len, mh.msg_flags, addrs[i], mh.msg_namelen, i < m, i < m ? lent[i] : 0);
-        } else {
-          // A coalesced buffer: datagrams of `seg` bytes back to back, the last one possibly shorter.
-          bump(kGroBuffers);
-          for (size_t off = 0; off < len; off += seg) {
-            const size_t n = std::min(seg, len - off);
-            handle_packet(int(s), data + off, n, n > slot_size ? MSG_TRUNC : 0, addrs[i], mh.msg_namelen, false, 0);
-          }
-        }
+        handle_buffer(int(s), static_cast<uint8_t*>(iov[i].iov_base), msgs[i].msg_len, mh.msg_flags, seg, addrs[i],
+                      mh.msg_namelen, i < m, i < m ? lent[i] : 0);
       }
       for (uint32_t i = got; i < m; ++i) free_slots_.push_back(lent[i]);
       got_total += got;
     }
-    for (uint32_t c = 0; c < wake_.size(); ++c) {
-      if (wake_[c]) {
-        ring_signal(v_.consumer(c)->deliver);
-        wake_[c] = 0;
-      }
-    }
-    const uint64_t now = now_ns();
+    signal_consumers();
+    const uint64_t now = clock_();
     if (now >= next_expire_ns_) {
       expire(now);
       next_expire_ns_ = now + 1000000;  // every millisecond

@@ -98,6 +98,17 @@ class Ingest {
   // with INSTANCE_FAILED and freed. Runs on the ingest thread; blocks until done.
   std::pair<uint64_t, uint64_t> reclaim(uint32_t consumer, bool requeue, int timeout_ms);
 
+  // Seams for driving the per-datagram step without the thread or a socket receive (the fuzz harness
+  // in native/fuzz/ uses them; only while the thread is not running). feed() handles one received
+  // buffer as the receive loop does: `gro_seg` > 0 splits a coalesced buffer of `gro_seg`-byte
+  // datagrams. housekeeping() does the loop's per-batch chores (routes, commands, releases, expiry).
+  // check_invariants() returns "" or what is inconsistent in the slot, record and request accounting.
+  using Clock = uint64_t (*)();
+  void set_clock(Clock clock) { clock_ = clock; }
+  void feed(int sock, const uint8_t* data, size_t len, size_t gro_seg, const sockaddr_in6& from, socklen_t fromlen);
+  void housekeeping();
+  std::string check_invariants() const;
+
  private:
   struct Key {
     uint64_t request_id;
@@ -125,8 +136,11 @@ class Ingest {
   };
 
   void run();
+  void handle_buffer(int sock, uint8_t* data, size_t len, int msg_flags, size_t gro_seg, const sockaddr_in6& addr,
+                     socklen_t addrlen, bool real_slot, uint32_t slot);
   void handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, const sockaddr_in6& addr,
                      socklen_t addrlen, bool real_slot, uint32_t slot);
+  void signal_consumers();
   void deliver(uint32_t rec);
   void free_record(uint32_t rec, bool slots_received_only);
   void drain_releases();
@@ -143,6 +157,8 @@ class Ingest {
 
   Pool* pool_;
   pool::View v_;
+  Clock clock_ = now_ns;
+  std::vector<uint8_t> feed_buf_;  // feed()'s copy of a buffer, as the receive loop's scratch
   IngestOptions opt_;
   std::vector<int> socks_;
   std::vector<int> sock_app_;
@@ -177,6 +193,8 @@ class Ingest {
   // Shared with Python threads.
   std::mutex mu_;
   std::vector<std::vector<uint32_t>> routes_pending_;
+  std::vector<uint16_t> routes_dirty_;  // apps whose pending routes changed since the last apply
+  std::vector<uint16_t> routed_;        // apps ever given a consumer (the only ones reclaim looks at)
   std::atomic<uint64_t> routes_version_{0};
   uint64_t routes_seen_ = 0;
   std::vector<Command> commands_;

@@ -17,11 +17,18 @@ from gpuprims.wire import Status
 APP = 7
 
 
+#: How long the ingest may take to react (take in datagrams, answer, expire) on a busy machine. Waits
+#: end as soon as their condition holds, so this costs nothing when it reacts at once; it is also the
+#: default reassembly timeout, so a test's chunks never expire while the test is descheduled between
+#: two sends (tests of the timeout set a short one).
+REACT_S = 30.0
+
+
 class Node:
     """A pool + ingest on loopback with a client socket, for tests."""
 
     def __init__(self, *, slot_count: int = 2048, record_count: int = 64, consumers: int = 2,
-                 timeout_ms: float = 300.0, max_chunks: int = 256, listen_app: int | None = None,
+                 timeout_ms: float = REACT_S * 1000, max_chunks: int = 256, listen_app: int | None = None,
                  gro: bool = True) -> None:
         self.pool = PacketPool.create(slot_count=slot_count, record_count=record_count, max_chunks=max_chunks,
                                       consumer_count=consumers)
@@ -31,13 +38,13 @@ class Node:
         self.addr = ("127.0.0.1", self.ingest.ports[0])
         self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.client.bind(("127.0.0.1", 0))
-        self.client.settimeout(2.0)
+        self.client.settimeout(REACT_S)
 
     def send(self, datagrams: list[bytes]) -> None:
         for d in datagrams:
             self.client.sendto(d, self.addr)
 
-    def wait(self, cond: Callable[[dict[str, int]], bool], timeout_s: float = 5.0) -> dict[str, int]:
+    def wait(self, cond: Callable[[dict[str, int]], bool], timeout_s: float = REACT_S) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             c = self.ingest.counters()
@@ -46,7 +53,7 @@ class Node:
             time.sleep(0.005)
         raise AssertionError(f"condition not met; counters: {self.ingest.counters()}")
 
-    def take(self, n: int, consumer: int = 0, timeout_s: float = 5.0) -> np.ndarray:
+    def take(self, n: int, consumer: int = 0, timeout_s: float = REACT_S) -> np.ndarray:
         c = self.pool.consumer(consumer)
         got: list[int] = []
         deadline = time.monotonic() + timeout_s
@@ -344,7 +351,7 @@ def _child_consume(pool_name: str, n: int, q: mp.Queue) -> None:  # type: ignore
     pool = PacketPool.attach(pool_name)
     cons = pool.consumer(1)
     got: list[int] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + REACT_S
     while len(got) < n and time.monotonic() < deadline:
         got += cons.poll(16, 100).tolist()
     recs = np.array(got, np.uint32)
@@ -366,13 +373,13 @@ def test_consumer_in_another_process() -> None:
         p.start()
         for rid in range(5):
             n.send(wire.encode_request(APP, rid, _body(rid)))
-        res = q.get(timeout=30)
+        res = q.get(timeout=REACT_S + 60)  # the child's own wait, plus its start-up (spawn, imports)
         assert sorted(rid for rid, _ in res) == list(range(5))
         for rid, head in res:
             assert head == _body(rid)[:16].tobytes()
         n.wait(lambda c: c["requests_released"] == 5)
     finally:
-        p.join(timeout=10)
+        p.join(timeout=REACT_S)
         if p.is_alive():
             p.kill()
             p.join()

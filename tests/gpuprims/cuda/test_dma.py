@@ -363,7 +363,7 @@ def test_real_pool_via_ingest_matches_pool_gather_and_oracle() -> None:
                 s.sendto(d, ("127.0.0.1", ingest.ports[0]))
         cons = pool.consumer(0)
         got: list[int] = []
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # the ingest reacts at once; a busy machine may delay it
         while len(got) < 4 and time.monotonic() < deadline:
             got += cons.poll(8, 100).tolist()
         assert len(got) == 4

@@ -8,6 +8,12 @@ import pytest
 
 from gpuprims.traffic import EchoServer
 
+#: How long a run may wait for an answer before counting it late. The echo answers at once, but on a
+#: busy machine (two busy loops on two cores) its thread or the receiver may not run for a while; a
+#: test that counts answers gives them this long. A run ends as soon as every request is answered,
+#: so a long timeout costs nothing when the answers come.
+ANSWER_TIMEOUT_S = 30.0
+
 
 @pytest.fixture
 def echo() -> Iterator[EchoServer]:

@@ -1,0 +1,349 @@
+// libFuzzer harness of the native ingest's per-datagram step (header checks, reassembly,
+// admission, delivery, releases, timeouts, reclaim of a dead consumer), driven without a receive
+// thread through Ingest::feed/housekeeping on a fake clock. After every step it checks
+// Ingest::check_invariants (every slot free or held by exactly one request, reservations equal the
+// chunks still awaited, every datagram accepted or dropped for one reason) and that each request a
+// consumer pops is complete and assembled only from its own chunks. At the end of an input every
+// consumer hands back what it holds and the clock jumps past the reassembly timeout and the dedup
+// window, after which the pool must be entirely free again: each input starts from a clean state.
+//
+// An input is a list of operations (see `run_op`). Build and run: bench/fuzz.py, or
+// scripts/build-fuzz.sh then `build/fuzz/fuzz_ingest tests/fuzz/corpus`.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../src/ingest.h"
+
+namespace {
+
+using gpuprims::Ingest;
+using gpuprims::Pool;
+namespace w = gpuprims::wire;
+
+// Small on purpose: a few requests fill the pool, the request table and the consumer rings.
+constexpr uint32_t kSlots = 40, kPayload = 64, kRecords = 6, kMaxChunks = 12, kConsumers = 3;
+constexpr uint64_t kTimeoutNs = 5000000, kDedupNs = 20000000;
+constexpr int kSources = 4;
+
+uint64_t g_now = 1000000000ull;
+uint64_t fake_clock() { return g_now; }
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "fuzz_ingest: invariant broken: %s\n", what.c_str());
+  std::abort();
+}
+
+struct Side {  // one pool + ingest (with and without UDP GRO)
+  Pool* pool = nullptr;
+  Ingest* ingest = nullptr;
+  std::vector<uint32_t> held[kConsumers];  // records each consumer popped and has not released
+};
+
+struct World {
+  Side side[2];
+  int sink = -1;  // where status answers to IPv4 sources go (never read; the kernel drops the excess)
+  sockaddr_in6 src[kSources]{};
+  socklen_t src_len[kSources]{};
+};
+
+World* make_world() {
+  auto* wd = new World;
+  wd->sink = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (wd->sink < 0 || bind(wd->sink, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) die("cannot bind the sink");
+  socklen_t al = sizeof a;
+  getsockname(wd->sink, reinterpret_cast<sockaddr*>(&a), &al);
+  // Three IPv4 clients (distinct ports of loopback: distinct request keys) and one IPv6 one (an
+  // answer to it fails to send from the IPv4 socket, and is counted as a send error).
+  for (int i = 0; i < 3; ++i) {
+    sockaddr_in s = a;
+    s.sin_port = htons(uint16_t(ntohs(a.sin_port) + i));
+    std::memcpy(&wd->src[i], &s, sizeof s);
+    wd->src_len[i] = sizeof s;
+  }
+  sockaddr_in6 s6{};
+  s6.sin6_family = AF_INET6;
+  s6.sin6_addr = in6addr_loopback;
+  s6.sin6_port = a.sin_port;
+  wd->src[3] = s6;
+  wd->src_len[3] = sizeof s6;
+
+  for (int g = 0; g < 2; ++g) {
+    gpuprims::PoolParams pp;
+    pp.slot_count = kSlots;
+    pp.max_payload = kPayload;
+    pp.record_count = kRecords;
+    pp.max_chunks = kMaxChunks;
+    pp.consumer_count = kConsumers;
+    const std::string name = "/gpuprims-fuzz-" + std::to_string(getpid()) + "-" + std::to_string(g);
+    wd->side[g].pool = Pool::create(name, pp);
+    gpuprims::IngestOptions o;
+    o.timeout_ns = kTimeoutNs;
+    o.dedup_window_ns = kDedupNs;
+    o.rcvbuf_bytes = 1 << 16;
+    o.gro = g == 1;
+    // Socket 0 serves every app, socket 1 only app 2.
+    std::vector<gpuprims::ListenSpec> listen{{"127.0.0.1", 0, -1}, {"127.0.0.1", 0, 2}};
+    wd->side[g].ingest = new Ingest(wd->side[g].pool, listen, o);
+    wd->side[g].ingest->set_clock(fake_clock);
+  }
+  return wd;
+}
+
+World* g_world = nullptr;
+
+void close_world() {
+  // The creator's close unlinks the shared memory, so a run leaves nothing in /dev/shm.
+  for (Side& s : g_world->side) {
+    delete s.ingest;
+    s.pool->close();
+  }
+  ::close(g_world->sink);
+}
+
+World& world() {
+  if (!g_world) {
+    g_world = make_world();
+    std::atexit(close_world);
+  }
+  return *g_world;
+}
+
+struct Reader {
+  const uint8_t* p;
+  size_t n;
+  bool empty() const { return n == 0; }
+  uint8_t u8() {
+    if (!n) return 0;
+    --n;
+    return *p++;
+  }
+  uint16_t u16() { return uint16_t(u8() | (u8() << 8)); }
+  uint32_t u32() { return uint32_t(u16() | (uint32_t(u16()) << 16)); }
+};
+
+void check(Side& s) {
+  const std::string err = s.ingest->check_invariants();
+  if (!err.empty()) die(err);
+}
+
+// A consumer popped record r: it must be a complete request owned by c, every chunk in its own slot
+// holding that request's header for that chunk.
+void check_delivered(Side& s, uint32_t c, uint32_t r) {
+  const gpuprims::pool::View& v = s.pool->view();
+  if (r >= v.hdr->record_count) die("delivered record index out of range");
+  const gpuprims::pool::Record* rec = v.record(r);
+  if (rec->state.load() != gpuprims::pool::kRecDelivered || rec->owner != c)
+    die("popped record " + std::to_string(r) + " is not delivered to consumer " + std::to_string(c));
+  if (rec->chunks_received != rec->chunk_count) die("popped an incomplete request");
+  const uint32_t* map = v.chunkmap(r);
+  for (uint32_t i = 0; i < rec->chunk_count; ++i) {
+    w::Header h;
+    std::memcpy(&h, v.slot(map[i]), sizeof h);
+    const uint32_t want_len = i + 1 < rec->chunk_count ? rec->stride : rec->total_len - rec->stride * (rec->chunk_count - 1);
+    if (h.request_id != rec->request_id || h.app_id != rec->app_id || h.chunk_index != i ||
+        h.chunk_count != rec->chunk_count || h.total_len != rec->total_len || h.payload_len != want_len ||
+        h.dtype != rec->dtype)
+      die("request " + std::to_string(rec->request_id) + " chunk " + std::to_string(i) + " holds another datagram");
+  }
+}
+
+void reset_routes(Side& s) {
+  s.ingest->set_route(1, {0, 1});
+  s.ingest->set_route(2, {2});
+  s.ingest->set_route(3, {});
+  s.ingest->set_route(4, {1});
+  s.ingest->housekeeping();
+}
+
+// A syntactically plausible request chunk built from a few fuzz bytes, so the fuzzer reaches
+// reassembly without having to find the magic and a consistent length first.
+std::vector<uint8_t> make_chunk(Reader& in, uint32_t index_override = UINT32_MAX, uint32_t* count_out = nullptr) {
+  const uint8_t b0 = in.u8(), b1 = in.u8(), b2 = in.u8(), b3 = in.u8(), b4 = in.u8(), b5 = in.u8();
+  const uint16_t app = uint16_t(1 + b0 % 5);
+  const uint64_t rid = b1 % 4;
+  const uint32_t count = 1 + b2 % (kMaxChunks + 2);
+  const uint32_t stride = 1 + b3 % (kPayload + 8);
+  const uint32_t last = 1 + b4 % stride;
+  uint32_t index = index_override != UINT32_MAX ? index_override : b5 % (count + 1);
+  w::Header h{};
+  h.magic = w::kMagic;
+  h.version = w::kVersion;
+  h.kind = w::kKindRequest;
+  h.app_id = app;
+  h.dtype = uint8_t((b0 >> 4) % 6);
+  h.chunk_index = index;
+  h.chunk_count = count;
+  h.request_id = rid;
+  h.total_len = stride * (count - 1) + last;
+  if (b2 & 0x80) h.total_len += uint32_t((b4 >> 6) % 3) - 1;  // now and then an inconsistent total
+  h.payload_len = index + 1 < count ? stride : last;
+  h.deadline_us = b5;
+  h.client_ts_ns = g_now;
+  std::vector<uint8_t> d(w::kHeaderSize + h.payload_len);
+  std::memcpy(d.data(), &h, sizeof h);
+  for (size_t k = w::kHeaderSize; k < d.size(); ++k) d[k] = uint8_t(rid * 31 + index * 7 + k);
+  if (count_out) *count_out = count;
+  return d;
+}
+
+std::vector<uint8_t> g_last;
+int g_last_src = 0, g_last_sock = 0;
+
+void feed(Side& s, int src, int sock, const std::vector<uint8_t>& d, size_t seg) {
+  World& wd = world();
+  s.ingest->feed(sock, d.data(), d.size(), seg, wd.src[src], wd.src_len[src]);
+  g_last = d;
+  g_last_src = src;
+  g_last_sock = sock;
+}
+
+void pop(Side& s, uint32_t c, size_t n) {
+  uint32_t out[kRecords + 1];
+  const size_t got = s.pool->poll(c, out, n, 0, 0);
+  for (size_t i = 0; i < got; ++i) {
+    check_delivered(s, c, out[i]);
+    s.held[c].push_back(out[i]);
+  }
+}
+
+void release(Side& s, uint32_t c, size_t n) {
+  auto& h = s.held[c];
+  n = std::min(n, h.size());
+  const size_t done = s.pool->release(c, h.data(), n);
+  h.erase(h.begin(), h.begin() + long(done));
+}
+
+void run_op(Side& s, Reader& in) {
+  const uint8_t op = in.u8();
+  const uint8_t a = in.u8();
+  switch (op % 12) {
+    case 0: {  // a raw datagram (the header checks), maybe a coalesced GRO buffer
+      const size_t len = in.u16() % 1400;
+      std::vector<uint8_t> d(len);
+      for (auto& x : d) x = in.u8();
+      const uint8_t segb = in.u8();
+      feed(s, a % kSources, (a >> 2) % 2, d, segb < 200 ? 0 : size_t(segb - 199) * 16);
+      break;
+    }
+    case 1: case 2: {  // one plausible chunk
+      const auto d = make_chunk(in);
+      feed(s, a % kSources, (a >> 2) % 2, d, 0);
+      break;
+    }
+    case 3: {  // every chunk of a request, some left out, in rotated or reversed order
+      Reader peek = in;
+      uint32_t count = 0;
+      (void)make_chunk(peek, 0, &count);
+      const uint16_t leave_out = in.u16();
+      const uint32_t rot = a % count;
+      Reader base = in;
+      for (uint32_t k = 0; k < count; ++k) {
+        const uint32_t i = (a & 0x80) ? count - 1 - k : (k + rot) % count;
+        if (i < 16 && (leave_out >> i & 1) && (leave_out & 0x8000)) continue;
+        Reader r = base;
+        const auto d = make_chunk(r, i);
+        feed(s, (a >> 3) % kSources, (a >> 5) % 2, d, 0);
+      }
+      (void)make_chunk(in);  // consume the request's bytes
+      break;
+    }
+    case 4: {  // several equal-size chunks of one request in one coalesced (GRO) buffer
+      Reader base = in;
+      uint32_t count = 0;
+      const auto first = make_chunk(base, 0, &count);
+      std::vector<uint8_t> buf;
+      const uint32_t n = 1 + a % std::max<uint32_t>(1, count);
+      for (uint32_t i = 0; i < n; ++i) {
+        Reader r = in;
+        const auto d = make_chunk(r, i);
+        buf.insert(buf.end(), d.begin(), d.end());
+      }
+      (void)make_chunk(in);
+      feed(s, (a >> 4) % kSources, 0, buf, first.size());
+      break;
+    }
+    case 5:  // time passes; the loop's chores run
+      g_now += uint64_t(a) * 250000;
+      s.ingest->housekeeping();
+      break;
+    case 6:  // a consumer takes delivered requests
+      pop(s, a % kConsumers, 1 + (a >> 2) % 4);
+      break;
+    case 7:  // a consumer hands requests back
+      release(s, a % kConsumers, 1 + (a >> 2) % 4);
+      s.ingest->housekeeping();
+      break;
+    case 8: {  // a buggy consumer releases one of its records twice, or one it does not own
+      const uint32_t c = a % kConsumers;
+      if ((a & 4) && !s.held[c].empty()) {
+        const uint32_t r = s.held[c].back();
+        s.held[c].pop_back();
+        const uint32_t twice[2] = {r, r};
+        s.pool->release(c, twice, 2);
+      } else {
+        const uint32_t r = (a >> 3) % kRecords;
+        const gpuprims::pool::Record* rec = s.pool->view().record(r);
+        if (!(rec->state.load() == gpuprims::pool::kRecDelivered && rec->owner == c)) s.pool->release(c, &r, 1);
+      }
+      s.ingest->housekeeping();
+      break;
+    }
+    case 9: {  // a consumer dies: what it holds is requeued or answered INSTANCE_FAILED
+      const uint32_t c = a % kConsumers;
+      s.ingest->reclaim(c, (a >> 2) & 1, 1000);
+      s.held[c].clear();
+      break;
+    }
+    case 10: {  // routes change
+      std::vector<uint32_t> cons;
+      for (uint32_t c = 0; c < kConsumers; ++c)
+        if ((a >> (2 + c)) & 1) cons.push_back(c);
+      s.ingest->set_route(uint16_t(1 + a % 4), cons);
+      s.ingest->housekeeping();
+      break;
+    }
+    case 11:  // the last datagram again (a duplicate), maybe from another client
+      if (!g_last.empty()) feed(s, (a & 1) ? g_last_src : a % kSources, g_last_sock, g_last, 0);
+      break;
+  }
+  check(s);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  World& wd = world();
+  Reader in{data, size};
+  Side& s = wd.side[in.u8() & 1];
+  g_last.clear();
+  reset_routes(s);
+  for (int steps = 0; !in.empty() && steps < 256; ++steps) run_op(s, in);
+  // Clean up as live consumers and time would: everything must come back.
+  for (uint32_t c = 0; c < kConsumers; ++c) {
+    pop(s, c, kRecords);
+    release(s, c, s.held[c].size());
+    if (!s.held[c].empty()) die("a release ring refused records it must hold");
+  }
+  s.ingest->housekeeping();
+  g_now += kTimeoutNs + kDedupNs + 1;
+  s.ingest->housekeeping();
+  check(s);
+  const auto free_slots = s.ingest->free_slots();
+  const auto free_recs = s.ingest->free_records();
+  if (free_slots != kSlots || free_recs != kRecords || s.ingest->filling() != 0)
+    die("after the input: " + std::to_string(free_slots) + " free slots of " + std::to_string(kSlots) + ", " +
+        std::to_string(free_recs) + " free records of " + std::to_string(kRecords));
+  return 0;
+}
