@@ -459,13 +459,15 @@ def expected_outputs(cfg: Any, app_name: str, inputs: list[np.ndarray]) -> list[
 
 
 def private_config(config: Path, tmp: Path) -> tuple[Path, Any]:
-    """A copy of `config` in `tmp` with a private run dir, a free UDP port and no metrics port."""
+    """A copy of `config` in `tmp` with a private run dir, a free UDP port, no metrics port and no
+    HTTP/gRPC front door (fixed ports in the example; this bench drives the UDP path)."""
     from orchestrator.config import load_config
 
     doc = yaml.safe_load(config.read_text())
     doc["node"]["listen"]["port"] = 0
     doc["node"]["run_dir"] = str(tmp / "run")
     doc["node"]["metrics_port"] = 0
+    doc["node"]["http_port"] = doc["node"]["grpc_port"] = 0
     cfg_path = tmp / "apps.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
     return cfg_path, load_config(cfg_path)
