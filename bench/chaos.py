@@ -446,9 +446,9 @@ class LoadClient:
 def expected_outputs(cfg: Any, app_name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """The oracle: the app's model run directly in torch on each input (as the instance preprocesses)."""
     import torch
-    from apps.instance import preprocess
 
     from apps.zoo import load_model
+    from gpuprims.gather import preprocess
 
     app = next(a for a in cfg.apps if a.name == app_name)
     model = load_model(app.model, seed=app.seed, num_classes=app.num_classes,
