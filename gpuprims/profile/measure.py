@@ -60,26 +60,26 @@ def _rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _apply_share(spec: PointSpec) -> None:
+    """Give THIS (fresh) process the point's share before torch initialises: the MPS percentage on
+    cuda, a core set and thread count on the CPU backend."""
+    if spec.backend == "cuda":
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(spec.gpu_pct)
+        return
+    share = plan_cpu_shares([("profile", spec.gpu_pct)], list(spec.cores) if spec.cores else None)["profile"]
+    os.environ.update(share.env())
+    apply_cpu_share(share)
+
+
 def measure_point(spec: PointSpec) -> dict[str, Any]:
     """Measure one point in THIS process; call it only in a fresh process (it sets the share first).
 
     Returns a ProfilePoint-shaped dict plus ``"device"`` and ``"torch"``.
     """
-    if spec.backend == "cuda":
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(spec.gpu_pct)
-        share = None
-    else:
-        from gpuprims.cpushare import plan_cpu_shares
-
-        share = plan_cpu_shares([("profile", spec.gpu_pct)], list(spec.cores) if spec.cores else None)["profile"]
-        os.environ.update(share.env())
+    _apply_share(spec)
     import numpy as np
     import torch
 
-    if share is not None:
-        from gpuprims.cpushare import apply_cpu_share
-
-        apply_cpu_share(share)
     base_rss_mb = _rss_mb()  # after torch's own import, so only the model and its activations count
     from apps.zoo import load_model
 
@@ -134,20 +134,9 @@ def measure_stages(spec: PointSpec) -> list[dict[str, Any]]:
     subgraph timed alone on this device with its real inputs. Returns StageEntry-shaped dicts whose
     latency is keyed ``"cpu"`` on the CPU backend and ``"gpu"`` on cuda.
     """
-    if spec.backend == "cuda":
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(spec.gpu_pct)
-        share = None
-    else:
-        from gpuprims.cpushare import plan_cpu_shares
-
-        share = plan_cpu_shares([("profile", spec.gpu_pct)], list(spec.cores) if spec.cores else None)["profile"]
-        os.environ.update(share.env())
+    _apply_share(spec)
     import torch
 
-    if share is not None:
-        from gpuprims.cpushare import apply_cpu_share
-
-        apply_cpu_share(share)
     from apps.zoo import load_model
     from gpuprims.coexec.fx_exec import partition, profile_subgraphs
 
