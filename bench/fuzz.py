@@ -65,8 +65,10 @@ def parse_log(text: str) -> dict[str, Any]:
     done = [int(m) for m in re.findall(r"Done (\d+) runs", text)]
     cov = [int(m) for m in re.findall(r"\bcov: (\d+)", text)]
     ft = [int(m) for m in re.findall(r"\bft: (\d+)", text)]
-    crashed = bool(re.search(r"==\d+==ERROR|runtime error:|deadly signal|invariant broken|"
-                             r"LeakSanitizer|Test unit written to", text))
+    # Sanitizer reports start "==PID==ERROR: AddressSanitizer/LeakSanitizer/libFuzzer: ..." (libFuzzer's
+    # own INFO lines mention LeakSanitizer without reporting anything).
+    crashed = bool(re.search(r"==\d+==ERROR|runtime error:|deadly signal|invariant broken|Test unit written to",
+                             text))
     return {"inputs": (runs or done or [0])[-1], "cov": max(cov, default=0), "ft": max(ft, default=0),
             "crashed": crashed}
 
