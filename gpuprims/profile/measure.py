@@ -29,6 +29,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from gpuprims.cpushare import apply_cpu_share, plan_cpu_shares
 from gpuprims.profile.format import Profile, ProfilePoint, StageEntry, with_stages
 
 MPS_PIPE_DIR = "/tmp/nvidia-mps"
