@@ -30,6 +30,8 @@ Errors are raised as :class:`gpuprims.cuda.errors.CudaError`, as the native ``ch
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import itertools
 import os
@@ -161,6 +163,7 @@ class FakeRuntime:
     the native ``cuda_*``/``dma_*`` functions of ``gpuprims._native``."""
 
     def __init__(self, spec: str = "") -> None:
+        _sweep_dead_processes()
         opts = dict(kv.split("=", 1) if "=" in kv else (kv, "1") for kv in spec.split(",") if kv and kv != "1")
         self.driver = int(opts.get("driver", 13000))
         self.runtime_ver = int(opts.get("runtime", 13000))
@@ -201,9 +204,13 @@ class FakeRuntime:
             return [r for (k, _), r in self.resources.items() if kind is None or k == kind]
 
     def shutdown(self) -> None:
-        """Stop the stream workers once their queued work is done (the runtime is being replaced)."""
+        """Stop the stream workers once their queued work is done (the runtime is being replaced), and
+        remove the names of the device memory still allocated (its mappings stay valid until exit)."""
         for s in list(self._streams.values()):
             s.stop()
+        for r in self.live("device"):
+            if isinstance(r.keep, _ShmMap):
+                r.keep.unlink()
 
     def quiesce(self, timeout_s: float = 10.0) -> None:
         """Wait until every stream is idle (for tests and shutdown)."""
@@ -684,8 +691,9 @@ class _ShmMap:
 
     @classmethod
     def create(cls, nbytes: int) -> _ShmMap:
-        name = f"gpuprims-fakecuda-{os.getpid()}-{next(_shm_ids)}"
+        name = f"{_SHM_PREFIX}{os.getpid()}-{next(_shm_ids)}"
         fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _own_names.add(name)
         try:
             os.ftruncate(fd, max(nbytes, 1))
             return cls(name, nbytes, cls._map(fd, nbytes))
@@ -710,13 +718,46 @@ class _ShmMap:
     def close(self, *, unlink: bool) -> None:
         _libc.munmap(self.addr, max(self.nbytes, 1))
         if unlink:
-            try:
-                os.unlink(f"/dev/shm/{self.name}")
-            except FileNotFoundError:
-                pass
+            self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the name (another process can no longer open it; the mapping stays valid)."""
+        _own_names.discard(self.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{self.name}")
 
 
+_SHM_PREFIX = "gpuprims-fakecuda-"
 _shm_ids = itertools.count()
+#: Names of this process's fake device memory still on /dev/shm: removed at exit, so a process that
+#: never frees its fake allocations (or whose runtime is replaced) leaves nothing behind.
+_own_names: set[str] = set()
+
+
+@atexit.register
+def _unlink_own() -> None:
+    for name in list(_own_names):
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{name}")
+    _own_names.clear()
+
+
+def _sweep_dead_processes() -> None:
+    """Remove fake device memory left by processes that died without exiting cleanly (SIGKILL)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/dev/shm"):
+            if not name.startswith(_SHM_PREFIX):
+                continue
+            pid = name[len(_SHM_PREFIX):].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{name}")
+            except PermissionError:
+                pass  # alive, another user's
 
 
 _runtime: FakeRuntime | None = None

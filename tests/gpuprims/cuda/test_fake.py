@@ -281,3 +281,33 @@ def test_isolated_probe_runs_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None
     assert backend.resolve_backend("auto", isolated=True) == "cpu"
     monkeypatch.setenv(fake.FAKE_ENV, "1")
     assert backend.cuda_probe(isolated=True).ok
+
+
+_LEAKER = """
+import os, signal, sys
+os.environ["GPUPRIMS_FAKE_CUDA"] = "1"
+from gpuprims.cuda import fake
+fake.runtime().cuda_malloc(0, 4096)  # never freed
+print(os.getpid(), flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _fake_files(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"gpuprims-fakecuda-{pid}-")]
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_fake_device_memory_leaves_nothing_behind(how: str) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _LEAKER, how], capture_output=True, text=True, timeout=120)
+    pid = int(r.stdout.split()[0])
+    if how == "exit":  # a process that never freed its fake allocations removes them at exit
+        assert r.returncode == 0 and _fake_files(pid) == [], r.stderr
+        return
+    assert r.returncode == -9 and _fake_files(pid)  # SIGKILL: nothing ran at exit ...
+    fake.FakeRuntime("1")  # ... the next fake runtime made on this machine removes them
+    assert _fake_files(pid) == []
