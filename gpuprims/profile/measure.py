@@ -22,7 +22,7 @@ import platform
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -227,7 +227,7 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
             # The worker ignores Ctrl-C (the terminal sends it to the whole group): this loop stops it.
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=signal.signal,
                                      initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-                fut = pool.submit(measure_point, spec)
+                fut = _submit_shielded(pool, measure_point, spec)
                 try:
                     res = fut.result(timeout=timeout_s)
                 except FutureTimeout:
@@ -256,7 +256,7 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
                          tuple(cores) if cores is not None else None)
         with ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=signal.signal,
                                  initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-            fut = pool.submit(measure_stages, spec)
+            fut = _submit_shielded(pool, measure_stages, spec)
             try:
                 stage_rows = fut.result(timeout=timeout_s)
             except FutureTimeout:
@@ -280,6 +280,17 @@ class ProfileInterrupted(KeyboardInterrupt):
     def __init__(self, points: list[dict[str, Any]], total: int, partial: Profile | None) -> None:
         super().__init__(f"interrupted after {len(points)} of {total} points")
         self.points, self.total, self.partial = points, total, partial
+
+
+def _submit_shielded(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Submit with SIGINT blocked while the worker process is spawned: the worker inherits the blocked
+    mask (its initializer then ignores SIGINT), so a Ctrl-C that lands while it is still importing
+    never gives it a traceback; this process gets the Ctrl-C as soon as the mask is restored."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:
