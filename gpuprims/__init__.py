@@ -24,7 +24,7 @@ _LAZY: dict[str, str] = {
     # V-D Multi-Model, V-F Batch-Latency, IV-C knee
     "multi_model": "gpuprims.sched", "batch_latency": "gpuprims.sched", "knee": "gpuprims.profile",
     # the data path
-    "PacketPool": "gpuprims.pool", "Ingest": "gpuprims.ingest", "Responder": "gpuprims.respond",
+    "PacketPool": "gpuprims.pool", "Ingest": "gpuprims.ingest",
 }
 
 __all__ = sorted(["__version__", "cuda_available", "cuda_kernels_built", "native_available", *_LAZY])

@@ -34,7 +34,7 @@ def record_layout() -> dict: ...
 
 class Pool:
     @staticmethod
-    def create(name: str, slot_count: int, max_payload: int, record_count: int, max_chunks: int, consumer_count: int) -> Pool: ...
+    def create(name: str, slot_count: int, max_payload: int, record_count: int, max_chunks: int, consumer_count: int, answer_ring_bytes: int = 1048576) -> Pool: ...
 
     @staticmethod
     def attach(name: str) -> Pool: ...
@@ -66,6 +66,11 @@ class Pool:
     def poll(self, consumer: int, out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')], timeout_us: int, spin_us: int = 50) -> int: ...
 
     def release(self, consumer: int, recs: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> int: ...
+
+    def answer(self, consumer: int, recs: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], gens: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], statuses: Annotated[NDArray[numpy.uint16], dict(shape=(None,), order='C', device='cpu', writable=False)], body: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)] | None, dtype: int, timeout_us: int) -> int:
+        """
+        Publish one answer per record to the consumer's answer ring (the ingest sends it). Returns how many.
+        """
 
     def queue_depth(self, consumer: int) -> int: ...
 
@@ -101,11 +106,6 @@ class Ingest:
     def reclaim(self, consumer: int, requeue: bool, timeout_ms: int = 5000) -> tuple[int, int]: ...
 
     def counters(self) -> dict: ...
-
-def send_responses(fd: int, info: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], statuses: Annotated[NDArray[numpy.uint16], dict(shape=(None,), order='C', device='cpu', writable=False)], body: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)] | None, dtype: int, chunk_payload: int = 1024) -> int:
-    """
-    Send each request's response (status, body row) to its client with sendmmsg. Returns datagrams sent.
-    """
 
 DMA_MAX_BATCH: int = 512
 

@@ -4,8 +4,10 @@ The pool is one POSIX shared-memory object (layout in ``native/include/gpuprims/
 ingest creates and every app instance maps by name. The native ingest receives datagrams straight
 into its fixed-size slots, reassembles requests and pushes the index of each complete request's
 record to the ring of a consumer (an app instance). The consumer copies the payloads into a batch
-(``gather``; on CUDA, GPU-DMA reads the slots directly) and releases the records so their slots are
-recycled. An active and a shadow instance can both reach every packet, which is what makes
+(``gather``; on CUDA, GPU-DMA reads the slots directly) and answers each request by publishing its
+status and result to its answer ring (``Consumer.answer``): the ingest sends the response and recycles
+the slots. The ingest is the only sender, so a request gets one answer even if its consumer dies
+mid-batch (an answer published before is sent; the rest are requeued or answered INSTANCE_FAILED). An active and a shadow instance can both reach every packet, which is what makes
 Overlapped-Execution switch without copying or losing requests.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from gpuprims import _native
+from gpuprims.wire import DType, Status
 
 #: numpy dtype of one request record (a copy of the native Record, 128 bytes).
 RECORD_DTYPE = np.dtype(
@@ -61,19 +64,23 @@ class PacketPool:
 
     @classmethod
     def create(cls, *, slot_count: int = 65536, max_payload: int = 1024, record_count: int = 1024,
-               max_chunks: int = 1024, consumer_count: int = 8, name: str | None = None) -> PacketPool:
+               max_chunks: int = 1024, consumer_count: int = 8, answer_ring_bytes: int = 1 << 20,
+               name: str | None = None) -> PacketPool:
         """Create a new pool. ``max_payload`` is the largest datagram payload a slot holds (bytes).
 
         A request of N chunks needs N free slots; ``max_chunks`` bounds N (a 224x224x3 float32 image in
         1 KiB chunks is 588). ``consumer_count`` is how many consumer endpoints (instances) it serves.
+        ``answer_ring_bytes`` (a power of two) is each consumer's answer ring; one result may take at
+        most half of it.
         """
         for key, val, lo in (("slot_count", slot_count, 1), ("max_payload", max_payload, 1),
                              ("record_count", record_count, 1), ("max_chunks", max_chunks, 1),
-                             ("consumer_count", consumer_count, 1)):
+                             ("consumer_count", consumer_count, 1), ("answer_ring_bytes", answer_ring_bytes, 1)):
             if not isinstance(val, int) or val < lo:
                 raise ValueError(f"{key} must be a positive integer, got {val!r}")
         name = name or _fresh_name()
-        return cls(_native.Pool.create(name, slot_count, max_payload, record_count, max_chunks, consumer_count))
+        return cls(_native.Pool.create(name, slot_count, max_payload, record_count, max_chunks, consumer_count,
+                                       answer_ring_bytes))
 
     @classmethod
     def attach(cls, name: str) -> PacketPool:
@@ -199,8 +206,52 @@ class Consumer:
         n = self.pool.native.poll(self.index, out, timeout_us, spin_us)
         return out[:n].copy()
 
+    def answer(self, recs: np.ndarray, info: np.ndarray, statuses: np.ndarray | int,
+               body: np.ndarray | None = None, *, timeout_s: float = 5.0) -> None:
+        """Answer requests: the ingest sends each one's response and recycles its record.
+
+        ``info`` is what :meth:`PacketPool.requests` returned for ``recs`` when they were polled (its
+        generations tell a request from a later one in the same record), ``statuses`` one Status per
+        request (or one for all), ``body`` one result row per request (sent only with OK). Each answer
+        is published with one store, so a request is answered once even if this process dies halfway:
+        the ingest sends what was published and takes back the rest.
+
+        Raises ValueError if a result row can never fit the answer ring, RuntimeError if the ingest
+        took nothing for ``timeout_s`` (it is gone or stuck).
+        """
+        recs = np.ascontiguousarray(recs, dtype=np.uint32)
+        n = recs.size
+        if info.dtype != RECORD_DTYPE or info.shape != (n,):
+            raise ValueError("info must be the records PacketPool.requests() returned for recs")
+        if n == 0:
+            return
+        st = (np.full(n, int(statuses), np.uint16) if np.isscalar(statuses)
+              else np.ascontiguousarray(statuses, np.uint16))
+        if st.shape != (n,):
+            raise ValueError(f"need {n} statuses, got shape {st.shape}")
+        rows = None
+        dtype = DType.BYTES
+        if body is not None:
+            body = np.ascontiguousarray(body)
+            if body.shape[0] != n:
+                raise ValueError(f"need {n} body rows, got {body.shape[0]}")
+            try:
+                dtype = DType.from_numpy(body.dtype)
+            except ValueError:
+                dtype = DType.BYTES
+            rows = body.reshape(n, -1).view(np.uint8)
+        gens = np.ascontiguousarray(info["generation"], dtype=np.uint32)
+        done = self.pool.native.answer(self.index, recs, gens, st, rows, int(dtype), int(timeout_s * 1e6))
+        if done != n:
+            raise RuntimeError(f"the ingest took no answers of consumer {self.index} for {timeout_s:g} s "
+                               f"({done} of {n} published): it is gone or stuck")
+
+    def answer_status(self, recs: np.ndarray, info: np.ndarray, status: Status) -> None:
+        """Answer every request in ``recs`` with ``status`` and no body."""
+        self.answer(recs, info, int(status))
+
     def release(self, recs: np.ndarray) -> None:
-        """Give records back to the ingest, which recycles their slots."""
+        """Give records back to the ingest unanswered; it recycles their slots (no response is sent)."""
         recs = np.ascontiguousarray(recs, dtype=np.uint32)
         done = self.pool.native.release(self.index, recs)
         if done != recs.size:

@@ -226,9 +226,14 @@ class PoolConfig(BaseModel):
     record_count: int = Field(1024, ge=1, le=1 << 20)
     max_payload: int = Field(DEFAULT_MAX_PAYLOAD, ge=1, le=_MAX_DATAGRAM_PAYLOAD)
     max_chunks: int = Field(1024, ge=1, le=1 << 20)
+    #: Each instance's answer ring (KiB, a power of two): results wait there for the ingest to send
+    #: them; one result may take at most half of it.
+    answer_ring_kb: int = Field(1024, ge=4, le=262144)
 
     @model_validator(mode="after")
     def _fits(self) -> PoolConfig:
+        if self.answer_ring_kb & (self.answer_ring_kb - 1):
+            raise _problem("answer_ring_kb", f"must be a power of two (KiB), got {self.answer_ring_kb}")
         if self.max_chunks > self.slot_count:
             raise _problem("max_chunks", f"{self.max_chunks} chunks per request do not fit a pool of "
                                          f"slot_count={self.slot_count} slots")

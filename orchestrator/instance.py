@@ -46,7 +46,6 @@ from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
 from gpuprims.pool import RECORD_DTYPE, PacketPool
-from gpuprims.respond import Responder
 from gpuprims.stats import RequestHistograms
 from gpuprims.wire import DType, Status
 from orchestrator.control import connect_instance_from_env
@@ -225,7 +224,6 @@ class Instance:
         self.control = control
         self.pool = PacketPool.attach(spec.pool)
         self.consumer = self.pool.consumer(spec.consumer)
-        self.responder = Responder(chunk_payload=spec.chunk_payload)
         self.policy = BatchPolicy(spec.max_batch, spec.max_wait_ms, spec.slo_ms, margin_ms=0.3)
         self.stats = LatencyStats(spec.slo_ms)
         self.queue: collections.deque[tuple[int, np.ndarray]] = collections.deque()
@@ -398,8 +396,9 @@ class Instance:
         ``items``, the batch model-ready on the instance's device; requests whose body is not the app's
         input size are answered BAD_REQUEST here. None when nothing is left to run.
 
-        Records are released only once answered: if this process dies before that, the ingest still
-        holds them and answers (or requeues) them, so no request is ever silently lost.
+        A record stays held until its answer is published to the answer ring, and the ingest is the only
+        sender: if this process dies first, the ingest requeues the request or answers it
+        INSTANCE_FAILED, so every request is answered exactly once.
         """
         recs = np.array([r for r, _ in items], np.uint32)
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
@@ -429,11 +428,10 @@ class Instance:
         return self.runner.run(fn, x)
 
     def fail(self, recs: np.ndarray, info: np.ndarray, status: Status) -> None:
-        """Answer requests with an error status and release them."""
+        """Answer requests with an error status (published to the answer ring; the ingest sends it)."""
         if not recs.size:
             return
-        self.responder.send_status(info, status)
-        self.consumer.release(recs)
+        self.consumer.answer_status(recs, info, status)
         key = "deadline_missed" if status == Status.DEADLINE_MISSED else "error"
         self.stats.counts[key] += int(recs.size)
 
@@ -595,9 +593,14 @@ class Instance:
         return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
 
     def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray, compute_s: float = 0.0) -> None:
-        """The seam every serving mode answers through: OK with the results, then release."""
-        self.responder.send(info, Status.OK, logits)
-        self.consumer.release(recs)
+        """The seam every serving mode answers through: OK with the results, published in one store each
+        to the answer ring (the ingest sends them)."""
+        try:
+            self.consumer.answer(recs, info, Status.OK, logits)
+        except ValueError as e:  # a result row larger than the answer ring takes: a config problem
+            log.error("%s: cannot answer %d requests: %s", self.spec.name, recs.size, e)
+            self.fail(recs, info, Status.INTERNAL)
+            return
         done_ns = time.monotonic_ns()
         self.stats.hist.observe_answered(info["first_ns"], compute_s=compute_s, done_ns=done_ns)
         lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
@@ -697,7 +700,6 @@ class Instance:
             self.runner.close()
         if self.gatherer is not None:
             self.gatherer.close()  # before the pool it registered goes
-        self.responder.close()
         self.pool.close()
 
 

@@ -595,7 +595,10 @@ _INGEST_TOTALS = {
     "packets_received": ("gpuprims_ingest_packets_received", "Datagrams the ingest received"),
     "bytes_received": ("gpuprims_ingest_received_bytes", "Bytes of datagrams the ingest received"),
     "packets_accepted": ("gpuprims_ingest_packets_accepted", "Datagrams the ingest accepted into the pool"),
-    "responses_sent": ("gpuprims_ingest_responses_sent", "Answers the ingest sent for instances"),
+    "responses_sent": ("gpuprims_ingest_responses_sent", "Response datagrams the ingest sent (it sends every answer)"),
+    "requests_answered": ("gpuprims_ingest_requests_answered", "Requests answered by an instance, sent by the ingest"),
+    "bad_answers": ("gpuprims_ingest_refused_answers",
+                    "Answers refused: the request had been taken back from the instance, or the entry was corrupt"),
     "response_send_errors": ("gpuprims_ingest_response_send_errors", "Answers that could not be sent"),
     "kernel_drops": ("gpuprims_ingest_kernel_dropped_packets", "Datagrams the kernel dropped before the ingest"),
 }

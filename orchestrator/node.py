@@ -186,7 +186,8 @@ class Node:
         consumers = min(1024, 2 * total + 2 * len(self.apps) + 4)
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
-                                      max_chunks=p.max_chunks, consumer_count=consumers)
+                                      max_chunks=p.max_chunks, consumer_count=consumers,
+                                      answer_ring_bytes=p.answer_ring_kb * 1024)
         update_record(self.run_dir, shm=[self.pool.name.lstrip("/")])
         listen: list[tuple[str, int] | tuple[str, int, int]] = [(node.listen.host, port) for port in node.listen.ports]
         listen += [(node.listen.host, a.port, a.app_id) for a in self.cfg.apps if a.port]

@@ -2,8 +2,8 @@
 
 The real `PacketPool` and native `Ingest` receive and reassemble the UDP requests; a server thread
 polls the consumer like an instance does, answers a request whose size does not fit its app with
-BAD_REQUEST, gathers the others into one batch per app, runs the app's function and answers with the
-real `Responder` (float32 rows, status OK). Apps not registered are unknown to the ingest.
+BAD_REQUEST, gathers the others into one batch per app, runs the app's function and answers through
+the consumer's answer ring (float32 rows, status OK), which the ingest sends. Apps not registered are unknown to the ingest.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuprims.ingest import Ingest
-from gpuprims.pool import PacketPool
-from gpuprims.respond import Responder
+from gpuprims.pool import Consumer, PacketPool
 from gpuprims.wire import Status
 
 
@@ -58,24 +57,22 @@ class LoopNode:
     def _serve(self) -> None:
         cons = self.pool.consumer(0)
         try:
-            with Responder() as resp:
-                while not self._stop.is_set():
-                    recs = cons.poll(self.max_batch, 20)
-                    if not recs.size:
-                        continue
-                    info = self.pool.requests(recs)
-                    for app_id in np.unique(info["app_id"]).tolist():
-                        sel = info["app_id"] == app_id
-                        self._answer(resp, self.apps[app_id], recs[sel], info[sel])
-                    cons.release(recs)
-                    self.served += int(recs.size)
+            while not self._stop.is_set():
+                recs = cons.poll(self.max_batch, 20)
+                if not recs.size:
+                    continue
+                info = self.pool.requests(recs)
+                for app_id in np.unique(info["app_id"]).tolist():
+                    sel = info["app_id"] == app_id
+                    self._answer(cons, self.apps[app_id], recs[sel], info[sel])
+                self.served += int(recs.size)
         except BaseException as e:  # surfaced by close()
             self.error = e
 
-    def _answer(self, resp: Responder, app: LoopApp, recs: np.ndarray, info: np.ndarray) -> None:
+    def _answer(self, cons: Consumer, app: LoopApp, recs: np.ndarray, info: np.ndarray) -> None:
         bad = info["total_len"] != app.row_bytes
         if bad.any():
-            resp.send_status(info[bad], Status.BAD_REQUEST)
+            cons.answer_status(recs[bad], info[bad], Status.BAD_REQUEST)
         recs, info = recs[~bad], info[~bad]
         if not recs.size:
             return
@@ -83,7 +80,7 @@ class LoopNode:
         self.pool.gather(recs, x)
         out = np.ascontiguousarray(app.fn(x), dtype=np.float32).reshape(recs.size, -1)
         self.batches.append(int(recs.size))
-        resp.send(info, Status.OK, out)
+        cons.answer(recs, info, Status.OK, out)
 
     def wait(self, cond: Callable[[dict[str, int]], bool], timeout_s: float = 10.0) -> dict[str, int]:
         """Wait until ``cond(ingest counters)`` holds; AssertionError with the counters if it never does."""

@@ -3,7 +3,9 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/epoll.h>
+#include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/un.h>
 #include <netinet/udp.h>
 #include <sys/socket.h>
 
@@ -20,6 +22,7 @@ namespace gpuprims {
 
 namespace {
 constexpr size_t kGroBuffer = 65536;
+constexpr size_t kAnswerBatch = 64;  // answer datagrams per sendmmsg
 
 const char* kCounterNames[kCounterCount] = {
     "packets_received",
@@ -57,6 +60,8 @@ const char* kCounterNames[kCounterCount] = {
     "kernel_drops",
     "recv_calls",
     "gro_buffers",
+    "requests_answered",
+    "bad_answers",
 };
 
 int open_socket(const ListenSpec& spec, int rcvbuf, bool gro, int* bound_port) {
@@ -120,16 +125,41 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
     epfd_ = epoll_create1(EPOLL_CLOEXEC);
     wakefd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (epfd_ < 0 || wakefd_ < 0) throw std::runtime_error(std::string("epoll/eventfd: ") + std::strerror(errno));
-    for (size_t i = 0; i <= socks_.size(); ++i) {
+    // The consumers' wake-up socket: autobound to a unique abstract name, published in the pool.
+    answer_wake_fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (answer_wake_fd_ < 0) throw std::runtime_error(std::string("answer wake socket: ") + std::strerror(errno));
+    {
+      sockaddr_un a{};
+      a.sun_family = AF_UNIX;
+      socklen_t alen = sizeof(sa_family_t);
+      if (bind(answer_wake_fd_, reinterpret_cast<sockaddr*>(&a), alen) != 0)
+        throw std::runtime_error(std::string("answer wake socket bind: ") + std::strerror(errno));
+      alen = sizeof a;
+      if (getsockname(answer_wake_fd_, reinterpret_cast<sockaddr*>(&a), &alen) != 0)
+        throw std::runtime_error(std::string("answer wake socket name: ") + std::strerror(errno));
+      const size_t len = size_t(alen) - offsetof(sockaddr_un, sun_path);
+      pool::PoolHeader* h = v_.hdr;
+      if (len == 0 || len > sizeof h->wake_name) throw std::runtime_error("answer wake socket: unexpected name");
+      std::memcpy(h->wake_name, a.sun_path, len);
+      h->wake_len = uint32_t(len);
+      h->ingest_idle.store(0);
+    }
+    for (size_t i = 0; i <= socks_.size() + 1; ++i) {
       epoll_event ev{};
       ev.events = EPOLLIN;
       ev.data.u32 = uint32_t(i);
-      epoll_ctl(epfd_, EPOLL_CTL_ADD, i < socks_.size() ? socks_[i] : wakefd_, &ev);
+      const int fd = i < socks_.size() ? socks_[i] : i == socks_.size() ? wakefd_ : answer_wake_fd_;
+      epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev);
     }
+    out_hdrs_.resize(kAnswerBatch);
+    out_iov_.resize(2 * kAnswerBatch);
+    out_msgs_.resize(kAnswerBatch);
+    out_addrs_.resize(kAnswerBatch);
   } catch (...) {
     for (int fd : socks_) ::close(fd);
     if (epfd_ >= 0) ::close(epfd_);
     if (wakefd_ >= 0) ::close(wakefd_);
+    if (answer_wake_fd_ >= 0) ::close(answer_wake_fd_);
     throw;
   }
 
@@ -157,6 +187,8 @@ Ingest::~Ingest() {
   for (int fd : socks_) ::close(fd);
   if (epfd_ >= 0) ::close(epfd_);
   if (wakefd_ >= 0) ::close(wakefd_);
+  if (answer_wake_fd_ >= 0) ::close(answer_wake_fd_);
+  if (!pool_->closed()) v_.hdr->wake_len = 0;
 }
 
 void Ingest::start() {
@@ -237,11 +269,15 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
   auto work = [this, consumer, requeue, done] {
     apply_routes();
     drain_releases();
+    // Every answer the consumer published before it went is sent now, and its record freed; what
+    // it had not published is unanswered, so the scan below requeues or fails those records.
+    drain_answers();
     uint64_t failed = 0, requeued = 0;
     pool::ConsumerBlock* cb = v_.consumer(consumer);
     // Reset the dead consumer's rings; the records it held are found by owner below.
     cb->deliver.head.store(cb->deliver.tail.load());
     cb->release.head.store(cb->release.tail.load());
+    cb->answer.head.store(cb->answer.tail.load());
     for (uint32_t r = 0; r < v_.hdr->record_count; ++r) {
       pool::Record* rec = v_.record(r);
       if (rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != consumer) continue;
@@ -380,6 +416,115 @@ void Ingest::drain_releases() {
   }
 }
 
+bool Ingest::answers_pending() const {
+  for (uint32_t c = 0; c < v_.hdr->consumer_count; ++c) {
+    const pool::AnswerCtl& a = v_.consumer(c)->answer;
+    if (a.tail.load() != a.head.load(std::memory_order_relaxed)) return true;
+  }
+  return false;
+}
+
+void Ingest::drain_answers() {
+  const uint64_t cap = v_.hdr->answer_ring_bytes;
+  for (uint32_t c = 0; c < v_.hdr->consumer_count; ++c) {
+    pool::AnswerCtl& a = v_.consumer(c)->answer;
+    uint64_t head = a.head.load(std::memory_order_relaxed);
+    const uint64_t tail = a.tail.load(std::memory_order_acquire);
+    if (head == tail) continue;
+    const uint8_t* data = v_.answer_data(c);
+    if (tail - head > cap) {  // a consumer wrote nonsense into its control words
+      bump(kBadAnswers);
+      a.head.store(tail, std::memory_order_release);
+      continue;
+    }
+    while (head < tail) {
+      const uint64_t pos = head & (cap - 1);
+      pool::AnswerEntry e;
+      std::memcpy(&e, data + pos, sizeof e);
+      if (e.entry_len < sizeof e || e.entry_len % pool::kAnswerAlign || e.entry_len > cap - pos ||
+          e.entry_len > tail - head || (e.record != pool::kAnswerFiller && e.body_len > e.entry_len - sizeof e)) {
+        // Nothing after a corrupt entry can be trusted; its records stay held until reclaimed.
+        bump(kBadAnswers);
+        head = tail;
+        break;
+      }
+      if (e.record != pool::kAnswerFiller) queue_answer(c, e, data + pos + sizeof e);
+      head += e.entry_len;
+    }
+    // The queued datagrams point into the ring: send them before giving the room back.
+    flush_answers();
+    a.head.store(head, std::memory_order_release);
+  }
+}
+
+void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t* body) {
+  pool::Record* rec = e.record < v_.hdr->record_count ? v_.record(e.record) : nullptr;
+  if (!rec || rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != c ||
+      rec->generation != e.generation) {
+    bump(kBadAnswers);  // taken back (requeued or failed) before the answer came: it has its answer
+    return;
+  }
+  const int sock = rec_sock_[e.record];
+  const uint32_t payload = std::min<uint32_t>(v_.hdr->max_payload, 65507 - uint32_t(wire::kHeaderSize));
+  const uint32_t total = e.status == wire::kStatusOk ? e.body_len : 0;
+  const uint32_t chunks = total ? (total + payload - 1) / payload : 1;
+  for (uint32_t k = 0; k < chunks; ++k) {
+    if (out_n_ == kAnswerBatch || (out_n_ && out_sock_ != sock)) flush_answers();
+    out_sock_ = sock;
+    const uint32_t len = total ? std::min<uint32_t>(payload, total - k * payload) : 0;
+    wire::Header& h = out_hdrs_[out_n_];
+    h = wire::Header{};
+    h.magic = wire::kMagic;
+    h.version = wire::kVersion;
+    h.kind = wire::kKindResponse;
+    h.status = e.status;
+    h.app_id = rec->app_id;
+    h.dtype = total ? e.dtype : uint8_t(wire::kDTypeBytes);
+    h.chunk_index = k;
+    h.chunk_count = chunks;
+    h.payload_len = len;
+    h.request_id = rec->request_id;
+    h.total_len = total;
+    h.client_ts_ns = rec->client_ts_ns;
+    std::memcpy(&out_addrs_[out_n_], rec->addr, std::min<size_t>(rec->addr_len, sizeof(sockaddr_in6)));
+    out_iov_[2 * out_n_] = iovec{&h, sizeof h};
+    out_iov_[2 * out_n_ + 1] = iovec{const_cast<uint8_t*>(body + size_t(k) * payload), len};
+    msghdr& mh = out_msgs_[out_n_].msg_hdr;
+    mh = msghdr{};
+    mh.msg_name = &out_addrs_[out_n_];
+    mh.msg_namelen = rec->addr_len;
+    mh.msg_iov = &out_iov_[2 * out_n_];
+    mh.msg_iovlen = len ? 2 : 1;
+    ++out_n_;
+  }
+  free_record(e.record, false);
+  bump(kRequestsAnswered);
+}
+
+void Ingest::flush_answers() {
+  size_t off = 0;
+  int waits = 0;
+  while (off < out_n_) {
+    const int rc = sendmmsg(socks_[size_t(out_sock_)], out_msgs_.data() + off, unsigned(out_n_ - off), MSG_DONTWAIT);
+    if (rc > 0) {
+      off += size_t(rc);
+      bump(kResponsesSent, uint64_t(rc));
+      continue;
+    }
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && waits++ < 3) {
+      // A full send buffer drains in microseconds on a live link; never hold the ingest longer.
+      pollfd p{socks_[size_t(out_sock_)], POLLOUT, 0};
+      ::poll(&p, 1, 1);
+      continue;
+    }
+    // Unreachable client, dead link or a buffer that stays full: this datagram is lost, counted.
+    bump(kResponseSendErrors);
+    ++off;
+  }
+  out_n_ = 0;
+}
+
 void Ingest::deliver(uint32_t r) {
   pool::Record* rec = v_.record(r);
   const auto& cands = routes_[rec->app_id];
@@ -459,6 +604,7 @@ void Ingest::housekeeping() {
   apply_routes();
   run_commands();
   drain_releases();
+  drain_answers();
   signal_consumers();
   expire(clock_());
   publish_gauges();
@@ -639,6 +785,7 @@ void Ingest::run() {
     apply_routes();
     run_commands();
     drain_releases();
+    drain_answers();
     size_t got_total = 0;
     for (size_t s = 0; s < socks_.size(); ++s) {
       // Without GRO, lend free slots to the kernel so datagrams land in the pool with no copy.
@@ -694,19 +841,30 @@ void Ingest::run() {
     }
     publish_gauges();
     if (got_total == 0) {
-      // Nothing pending: sleep until a datagram, a command, or the next housekeeping tick.
-      const int nev = epoll_wait(epfd_, events, 16, 1);
-      for (int i = 0; i < nev; ++i) {
-        if (events[i].data.u32 == socks_.size()) {
-          uint64_t v;
-          (void)!read(wakefd_, &v, sizeof v);
+      // Nothing pending: sleep until a datagram, a command, an answer, or the next housekeeping
+      // tick. Sequentially consistent: the idle flag is set before the answer rings are looked at
+      // again, and a consumer publishes before it reads the flag (see Pool::answer).
+      v_.hdr->ingest_idle.store(1);
+      if (!answers_pending()) {
+        const int nev = epoll_wait(epfd_, events, 16, 1);
+        for (int i = 0; i < nev; ++i) {
+          if (events[i].data.u32 == socks_.size()) {
+            uint64_t v;
+            (void)!read(wakefd_, &v, sizeof v);
+          } else if (events[i].data.u32 == socks_.size() + 1) {
+            char b[64];
+            while (recv(answer_wake_fd_, b, sizeof b, MSG_DONTWAIT) > 0) {
+            }
+          }
         }
       }
+      v_.hdr->ingest_idle.store(0);
     }
   }
   apply_routes();
   run_commands();
   drain_releases();
+  drain_answers();
   publish_gauges();
 }
 

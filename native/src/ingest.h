@@ -55,6 +55,8 @@ enum Counter : int {
   kKernelDrops,              // datagrams the kernel dropped on our sockets (SO_RXQ_OVFL)
   kRecvCalls,
   kGroBuffers,               // receive buffers that held more than one datagram (UDP GRO)
+  kRequestsAnswered,         // answered by a consumer through its answer ring; the ingest sent it
+  kBadAnswers,               // answers refused: record not held by that consumer (taken back), or a corrupt entry
   kCounterCount
 };
 
@@ -144,6 +146,11 @@ class Ingest {
   void deliver(uint32_t rec);
   void free_record(uint32_t rec, bool slots_received_only);
   void drain_releases();
+  // Send what consumers published in their answer rings and free the answered records.
+  void drain_answers();
+  void queue_answer(uint32_t consumer, const pool::AnswerEntry& e, const uint8_t* body);
+  void flush_answers();
+  bool answers_pending() const;
   void expire(uint64_t now);
   void send_status(int sock, const pool::Record& rec, uint16_t status);
   void remember(const Key& k, int reason, uint64_t now);
@@ -165,6 +172,7 @@ class Ingest {
   std::vector<int> ports_;
   int epfd_ = -1;
   int wakefd_ = -1;
+  int answer_wake_fd_ = -1;  // abstract UNIX datagram socket consumers poke after publishing answers
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::atomic<bool> stop_{false};
@@ -187,6 +195,13 @@ class Ingest {
   std::vector<std::vector<uint32_t>> routes_;  // app_id -> consumers (ingest copy)
   std::vector<uint32_t> rr_;                   // round-robin cursor per app
   std::vector<uint8_t> wake_;                  // consumers to signal after a batch
+  // Answer datagrams being built (bodies point into answer rings until flushed).
+  std::vector<wire::Header> out_hdrs_;
+  std::vector<iovec> out_iov_;
+  std::vector<mmsghdr> out_msgs_;
+  std::vector<sockaddr_in6> out_addrs_;
+  size_t out_n_ = 0;
+  int out_sock_ = -1;
   uint64_t next_expire_ns_ = 0;
   uint64_t next_gone_purge_ns_ = 0;
 

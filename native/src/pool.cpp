@@ -1,7 +1,9 @@
 // Packet pool: POSIX shared memory mapping, consumer rings, CPU gather.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 
 #include <cerrno>
 #include <cstring>
@@ -47,12 +49,17 @@ Pool* Pool::create(const std::string& name, const PoolParams& p) {
     throw std::invalid_argument("max_chunks must be in 1..1048576, got " + std::to_string(p.max_chunks));
   if (p.consumer_count == 0 || p.consumer_count > 1024)
     throw std::invalid_argument("consumer_count must be in 1..1024, got " + std::to_string(p.consumer_count));
+  if (p.answer_ring_bytes < pool::kPage || p.answer_ring_bytes > (1u << 28) ||
+      (p.answer_ring_bytes & (p.answer_ring_bytes - 1)))
+    throw std::invalid_argument("answer_ring_bytes must be a power of two in 4096..268435456, got " +
+                                std::to_string(p.answer_ring_bytes));
 
   const uint32_t slot_size = uint32_t(pool::align_up(wire::kHeaderSize + p.max_payload, pool::kCacheLine));
   // The release ring must hold every record a consumer can own, so it never blocks a consumer.
   const uint32_t ring_capacity = next_pow2(p.record_count);
   const pool::Layout l =
-      pool::compute_layout(p.slot_count, slot_size, p.record_count, p.max_chunks, p.consumer_count, ring_capacity);
+      pool::compute_layout(p.slot_count, slot_size, p.record_count, p.max_chunks, p.consumer_count, ring_capacity,
+                           p.answer_ring_bytes);
 
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw std::runtime_error(errno_msg("cannot create shared memory", name));
@@ -88,6 +95,10 @@ Pool* Pool::create(const std::string& name, const PoolParams& p) {
   hdr->total_size = l.total_size;
   hdr->ingest_pid.store(0);
   hdr->shutting_down.store(0);
+  hdr->answers_offset = l.answers_offset;
+  hdr->answer_ring_bytes = p.answer_ring_bytes;
+  hdr->ingest_idle.store(0);
+  hdr->wake_len = 0;
 
   Pool* pool = new Pool();
   pool->name_ = name;
@@ -103,6 +114,8 @@ Pool* Pool::create(const std::string& name, const PoolParams& p) {
     auto* cb = new (pool->view_.consumer(c)) pool::ConsumerBlock();
     init_ring(cb->deliver, ring_capacity);
     init_ring(cb->release, ring_capacity);
+    cb->answer.head.store(0);
+    cb->answer.tail.store(0);
     cb->attached_pid.store(0);
     cb->epoch.store(0);
   }
@@ -139,6 +152,10 @@ Pool* Pool::attach(const std::string& name) {
 Pool::~Pool() { close(); }
 
 void Pool::close() {
+  if (wake_fd_ >= 0) {
+    ::close(wake_fd_);
+    wake_fd_ = -1;
+  }
   if (!view_.base) return;
   munmap(view_.base, size_);
   view_.base = nullptr;
@@ -208,6 +225,95 @@ size_t Pool::release(uint32_t consumer, const uint32_t* recs, size_t n) {
   for (; done < n; ++done) {
     if (!ring_push(cb->release, entries, recs[done])) break;
   }
+  return done;
+}
+
+size_t Pool::max_answer_bytes() const {
+  check_open();
+  // An answer may take at most half the ring, so a filler plus one answer always fit.
+  return view_.hdr->answer_ring_bytes / 2 - sizeof(pool::AnswerEntry);
+}
+
+void Pool::wake_ingest() {
+  const pool::PoolHeader* h = view_.hdr;
+  const uint32_t len = h->wake_len;
+  if (len == 0 || len > sizeof h->wake_name) return;
+  if (wake_fd_ < 0) wake_fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (wake_fd_ < 0) return;  // the ingest still finds the answers on its next millisecond tick
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path, h->wake_name, len);
+  const char b = 1;
+  // A full socket buffer means the ingest has wake-ups pending already: nothing to do.
+  (void)!::sendto(wake_fd_, &b, 1, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&a),
+                  socklen_t(offsetof(sockaddr_un, sun_path) + len));
+}
+
+size_t Pool::answer(uint32_t consumer, const uint32_t* recs, const uint32_t* gens, size_t n,
+                    const uint16_t* statuses, const uint8_t* body, size_t row_bytes, uint8_t dtype,
+                    int64_t timeout_us) {
+  check_consumer(consumer);
+  const pool::PoolHeader* h = view_.hdr;
+  for (size_t i = 0; i < n; ++i) {
+    if (recs[i] >= h->record_count)
+      throw std::out_of_range("record index " + std::to_string(recs[i]) + " out of range");
+  }
+  if (body && row_bytes > max_answer_bytes())
+    throw std::length_error("a result of " + std::to_string(row_bytes) + " bytes does not fit the answer ring (" +
+                            std::to_string(h->answer_ring_bytes) + " bytes per instance; at most " +
+                            std::to_string(max_answer_bytes()) + " per answer): raise node.pool.answer_ring_kb");
+  pool::AnswerCtl& a = view_.consumer(consumer)->answer;
+  uint8_t* data = view_.answer_data(consumer);
+  const uint64_t cap = h->answer_ring_bytes;
+  uint64_t tail = a.tail.load(std::memory_order_relaxed);
+  const uint64_t start = now_ns();
+  const uint64_t deadline = timeout_us < 0 ? UINT64_MAX : start + uint64_t(timeout_us) * 1000;
+  size_t done = 0, published = 0;
+  auto publish = [&]() {
+    if (published == done) return;
+    // Sequentially consistent: pairs with the ingest's store of ingest_idle and its re-check of
+    // every ring before it sleeps (a store-load handshake), so a sleeping ingest is always woken.
+    a.tail.store(tail);
+    published = done;
+    if (h->ingest_idle.load()) wake_ingest();
+  };
+  while (done < n) {
+    const bool ok = statuses[done] == wire::kStatusOk && body != nullptr;
+    const size_t blen = ok ? row_bytes : 0;
+    const uint64_t need = pool::align_up(sizeof(pool::AnswerEntry) + blen, pool::kAnswerAlign);
+    const uint64_t pos = tail & (cap - 1);
+    const uint64_t filler = cap - pos < need ? cap - pos : 0;
+    const uint64_t head = a.head.load(std::memory_order_acquire);
+    if (cap - (tail - head) < filler + need) {
+      // No room: publish what is written, let the ingest send it, and wait for it to free room.
+      publish();
+      if (h->ingest_idle.load()) wake_ingest();
+      if (h->shutting_down.load(std::memory_order_acquire) || now_ns() >= deadline) break;
+      timespec ts{0, 50000};
+      nanosleep(&ts, nullptr);
+      continue;
+    }
+    if (filler) {
+      pool::AnswerEntry f{};
+      f.record = pool::kAnswerFiller;
+      f.entry_len = uint32_t(filler);
+      std::memcpy(data + pos, &f, sizeof f);
+      tail += filler;
+    }
+    pool::AnswerEntry e{};
+    e.record = recs[done];
+    e.generation = gens[done];
+    e.entry_len = uint32_t(need);
+    e.body_len = uint32_t(blen);
+    e.status = statuses[done];
+    e.dtype = ok ? dtype : uint8_t(wire::kDTypeBytes);
+    uint8_t* dst = data + (tail & (cap - 1));
+    std::memcpy(dst, &e, sizeof e);
+    if (blen) std::memcpy(dst + sizeof e, body + done * row_bytes, blen);
+    tail += need;
+    ++done;
+  }
+  publish();
   return done;
 }
 

@@ -1,4 +1,4 @@
-// Bindings of the packet pool, ingest, gather and responder.
+// Bindings of the packet pool, ingest and gather.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -21,76 +21,6 @@ using U32Out = nb::ndarray<uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>
 using U16Array = nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using ByteArray2 = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using AnyOut = nb::ndarray<nb::c_contig, nb::device::cpu>;
-
-namespace {
-
-// Sends status + body of each request back to its client, chunked as wire v1 responses, many
-// datagrams per sendmmsg. `info` rows are copies of pool Records. Returns datagrams sent.
-size_t send_responses(int fd, const pool::Record* info, size_t n, const uint16_t* statuses, const uint8_t* body,
-                      size_t row_bytes, uint8_t dtype, uint32_t chunk_payload) {
-  constexpr size_t kBatch = 64;
-  std::vector<wire::Header> hdrs(kBatch);
-  std::vector<iovec> iov(2 * kBatch);
-  std::vector<mmsghdr> msgs(kBatch);
-  size_t sent = 0, q = 0;
-  auto flush = [&]() {
-    size_t off = 0;
-    int spins = 0;
-    while (off < q) {
-      int rc = sendmmsg(fd, msgs.data() + off, unsigned(q - off), 0);
-      if (rc > 0) {
-        off += size_t(rc);
-        sent += size_t(rc);
-        continue;
-      }
-      if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && spins++ < 1000) {
-        pollfd p{fd, POLLOUT, 0};
-        ::poll(&p, 1, 10);
-        continue;
-      }
-      if (rc < 0 && errno == EINTR) continue;
-      // Unreachable client or a dead socket: skip this datagram, keep the others going.
-      ++off;
-    }
-    q = 0;
-  };
-  for (size_t i = 0; i < n; ++i) {
-    const pool::Record& r = info[i];
-    const bool ok = statuses[i] == wire::kStatusOk && body != nullptr && row_bytes > 0;
-    const size_t total = ok ? row_bytes : 0;
-    const uint32_t chunks = total ? uint32_t((total + chunk_payload - 1) / chunk_payload) : 1;
-    for (uint32_t c = 0; c < chunks; ++c) {
-      const size_t len = total ? std::min<size_t>(chunk_payload, total - size_t(c) * chunk_payload) : 0;
-      wire::Header& h = hdrs[q];
-      h = wire::Header{};
-      h.magic = wire::kMagic;
-      h.version = wire::kVersion;
-      h.kind = wire::kKindResponse;
-      h.status = statuses[i];
-      h.app_id = r.app_id;
-      h.dtype = ok ? dtype : uint8_t(wire::kDTypeBytes);
-      h.chunk_index = c;
-      h.chunk_count = chunks;
-      h.payload_len = uint32_t(len);
-      h.request_id = r.request_id;
-      h.total_len = uint32_t(total);
-      h.client_ts_ns = r.client_ts_ns;
-      iov[2 * q] = iovec{&h, sizeof h};
-      iov[2 * q + 1] = iovec{const_cast<uint8_t*>(ok ? body + i * row_bytes + size_t(c) * chunk_payload : nullptr), len};
-      msghdr& mh = msgs[q].msg_hdr;
-      mh = msghdr{};
-      mh.msg_name = const_cast<uint8_t*>(r.addr);
-      mh.msg_namelen = r.addr_len;
-      mh.msg_iov = &iov[2 * q];
-      mh.msg_iovlen = len ? 2 : 1;
-      if (++q == kBatch) flush();
-    }
-  }
-  if (q) flush();
-  return sent;
-}
-
-}  // namespace
 
 void bind_pool(nb::module_& m) {
   m.attr("RECORD_SIZE") = sizeof(pool::Record);
@@ -121,12 +51,13 @@ void bind_pool(nb::module_& m) {
       .def_static(
           "create",
           [](const std::string& name, uint32_t slot_count, uint32_t max_payload, uint32_t record_count,
-             uint32_t max_chunks, uint32_t consumer_count) {
-            PoolParams p{slot_count, max_payload, record_count, max_chunks, consumer_count};
+             uint32_t max_chunks, uint32_t consumer_count, uint32_t answer_ring_bytes) {
+            PoolParams p{slot_count, max_payload, record_count, max_chunks, consumer_count, answer_ring_bytes};
             return Pool::create(name, p);
           },
           nb::arg("name"), nb::arg("slot_count"), nb::arg("max_payload"), nb::arg("record_count"),
-          nb::arg("max_chunks"), nb::arg("consumer_count"), nb::rv_policy::take_ownership)
+          nb::arg("max_chunks"), nb::arg("consumer_count"), nb::arg("answer_ring_bytes") = 1u << 20,
+          nb::rv_policy::take_ownership)
       .def_static("attach", &Pool::attach, nb::arg("name"), nb::rv_policy::take_ownership)
       .def("close", &Pool::close)
       .def_prop_ro("closed", &Pool::closed)
@@ -149,6 +80,9 @@ void bind_pool(nb::module_& m) {
              d["records_offset"] = h->records_offset;
              d["chunkmap_offset"] = h->chunkmap_offset;
              d["rings_offset"] = h->rings_offset;
+             d["answers_offset"] = h->answers_offset;
+             d["answer_ring_bytes"] = h->answer_ring_bytes;
+             d["max_answer_bytes"] = p.max_answer_bytes();
              d["total_size"] = h->total_size;
              return d;
            })
@@ -188,6 +122,29 @@ void bind_pool(nb::module_& m) {
           "release",
           [](Pool& p, uint32_t consumer, U32Array recs) { return p.release(consumer, recs.data(), recs.shape(0)); },
           nb::arg("consumer"), nb::arg("recs"))
+      .def(
+          "answer",
+          [](Pool& p, uint32_t consumer, U32Array recs, U32Array gens, U16Array statuses,
+             std::optional<ByteArray2> body, uint8_t dtype, int64_t timeout_us) {
+            const size_t n = recs.shape(0);
+            if (gens.shape(0) != n) throw std::invalid_argument("need one generation per record");
+            if (statuses.shape(0) != n) throw std::invalid_argument("need one status per record");
+            const uint8_t* b = nullptr;
+            size_t row = 0;
+            if (body) {
+              if (body->shape(0) != n) throw std::invalid_argument("need one body row per record");
+              b = body->data();
+              row = body->shape(1);
+            }
+            const uint32_t* r = recs.data();
+            const uint32_t* g = gens.data();
+            const uint16_t* st = statuses.data();
+            nb::gil_scoped_release nogil;
+            return p.answer(consumer, r, g, n, st, b, row, dtype, timeout_us);
+          },
+          nb::arg("consumer"), nb::arg("recs"), nb::arg("gens"), nb::arg("statuses"), nb::arg("body").none(),
+          nb::arg("dtype"), nb::arg("timeout_us"),
+          "Publish one answer per record to the consumer's answer ring (the ingest sends it). Returns how many.")
       .def("queue_depth", &Pool::queue_depth, nb::arg("consumer"))
       .def(
           "peek",
@@ -266,32 +223,6 @@ void bind_pool(nb::module_& m) {
              d["filling"] = ing.filling();
              return d;
            });
-
-  m.def(
-      "send_responses",
-      [](int fd, ByteArray2 info, U16Array statuses, std::optional<ByteArray2> body, uint8_t dtype,
-         uint32_t chunk_payload) {
-        const size_t n = info.shape(0);
-        if (info.shape(1) != sizeof(pool::Record))
-          throw std::invalid_argument("info rows must be " + std::to_string(sizeof(pool::Record)) + "-byte records");
-        if (statuses.shape(0) != n) throw std::invalid_argument("need one status per request");
-        if (chunk_payload == 0 || chunk_payload > 65507 - wire::kHeaderSize)
-          throw std::invalid_argument("chunk_payload must be in 1..65459");
-        const uint8_t* b = nullptr;
-        size_t row = 0;
-        if (body) {
-          if (body->shape(0) != n) throw std::invalid_argument("need one body row per request");
-          b = body->data();
-          row = body->shape(1);
-        }
-        const auto* recs = reinterpret_cast<const pool::Record*>(info.data());
-        const uint16_t* st = statuses.data();
-        nb::gil_scoped_release nogil;
-        return send_responses(fd, recs, n, st, b, row, dtype, chunk_payload);
-      },
-      nb::arg("fd"), nb::arg("info"), nb::arg("statuses"), nb::arg("body").none(), nb::arg("dtype"),
-      nb::arg("chunk_payload") = 1024,
-      "Send each request's response (status, body row) to its client with sendmmsg. Returns datagrams sent.");
 }
 
 }  // namespace gpuprims

@@ -35,6 +35,7 @@ struct PoolParams {
   uint32_t record_count = 1024;
   uint32_t max_chunks = 1024;
   uint32_t consumer_count = 8;
+  uint32_t answer_ring_bytes = 1u << 20;  // per consumer, a power of two
 };
 
 // One process's mapping of a pool. The creator initialises it and unlinks the name on close.
@@ -55,6 +56,16 @@ class Pool {
   size_t poll(uint32_t consumer, uint32_t* out, size_t max_n, int64_t timeout_us, int64_t spin_us);
   // Consumer side: hand records back so their slots are recycled. Returns how many were queued.
   size_t release(uint32_t consumer, const uint32_t* recs, size_t n);
+  // Consumer side: answer requests. For each record, publish its status (and for OK its result row
+  // of row_bytes, of wire dtype `dtype`) to the consumer's answer ring; the ingest sends the
+  // response and frees the record. gens are the records' generations when they were polled (from
+  // a copy of the record), so an answer to a record that was taken back is refused by the ingest.
+  // Waits up to timeout_us for room; returns how many were published (< n only on timeout or
+  // shutdown). Throws std::length_error if one answer can never fit the ring.
+  size_t answer(uint32_t consumer, const uint32_t* recs, const uint32_t* gens, size_t n, const uint16_t* statuses,
+                const uint8_t* body, size_t row_bytes, uint8_t dtype, int64_t timeout_us);
+  // Largest result row one answer may carry.
+  size_t max_answer_bytes() const;
   size_t queue_depth(uint32_t consumer) const;
   // Observer side (any process, read-only): copy the deliver ring's entries from position
   // max(from, head) up to tail, at most max_n, without consuming them. Positions are absolute (they
@@ -74,6 +85,8 @@ class Pool {
   bool owner_ = false;
   size_t size_ = 0;
   pool::View view_;
+  int wake_fd_ = -1;  // this process's socket for waking a sleeping ingest (answers)
+  void wake_ingest();
 };
 
 // Ring helpers shared by the ingest (producer of deliver, consumer of release) and consumers.

@@ -117,8 +117,13 @@ class Core:
     def server_ready(self) -> bool:
         return all(self.model_ready(n) for n in self.models)
 
-    def row_timeout_s(self, info: ModelInfo) -> float:
-        return self.timeout_s if self.timeout_s is not None else max(DEFAULT_TIMEOUT_S, 3 * info.slo_ms / 1e3)
+    def row_timeout_s(self, info: ModelInfo, deadline_us: int = 0) -> float:
+        """How long to wait for one row's answer: the node answers by about its deadline (the request's
+        own, else the app's SLO) plus a batch, so three deadlines, and never less than the default."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        deadline_s = deadline_us / 1e6 if deadline_us > 0 else info.slo_ms / 1e3
+        return max(DEFAULT_TIMEOUT_S, 3 * deadline_s)
 
     def check_input(self, info: ModelInfo, name: str, datatype: str, shape: list[int]) -> None:
         """Refuse (OipError invalid) an input that is not this model's, before reading its data."""
@@ -138,8 +143,9 @@ class Core:
         st = self.stats[info.name]
         try:
             results = await asyncio.gather(
-                *(self.client.infer(info.app_id, row, deadline_us=deadline_us, timeout_s=self.row_timeout_s(info))
-                  for row in x), return_exceptions=True)
+                *(self.client.infer(info.app_id, row, deadline_us=deadline_us,
+                                    timeout_s=self.row_timeout_s(info, deadline_us)) for row in x),
+                return_exceptions=True)
             out = self._collect(info, results, st)
         except OipError:
             st.fail.add(time.monotonic_ns() - t0)

@@ -17,7 +17,6 @@ from gpuprims import wire
 from gpuprims.gather import ModelRunner, make_gatherer, preprocess, torch_device
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from gpuprims.respond import Responder
 from gpuprims.wire import Status
 
 APP = 3
@@ -149,7 +148,6 @@ def test_serving_path_end_to_end_on_fake_runtime(loop: Loopback, fake_cuda: obje
     model = TinyNet().eval().to(torch_device("cuda", 0))
     g = make_gatherer("cuda", loop.pool, SHAPE, dtype, 4, 0)
     runner = ModelRunner("cuda", 0, stream=g.stream, interval_us=50)
-    responder = Responder(chunk_payload=1000)
     loop.send(bodies)
     recs = loop.take(len(bodies))
     rids = [int(r["request_id"]) for r in loop.pool.requests(recs)]
@@ -158,8 +156,7 @@ def test_serving_path_end_to_end_on_fake_runtime(loop: Loopback, fake_cuda: obje
             info = loop.pool.requests(batch)
             x = g.gather(batch)
             out = runner.run(model, x)
-            responder.send(info, Status.OK, out.float().numpy().reshape(batch.size, -1))
-            loop.pool.consumer(0).release(batch)
+            loop.pool.consumer(0).answer(batch, info, Status.OK, out.float().numpy().reshape(batch.size, -1))
     finally:
         runner.close()
         g.close()

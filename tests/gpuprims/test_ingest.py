@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import socket
 import struct
 import time
@@ -29,9 +31,9 @@ class Node:
 
     def __init__(self, *, slot_count: int = 2048, record_count: int = 64, consumers: int = 2,
                  timeout_ms: float = REACT_S * 1000, max_chunks: int = 256, listen_app: int | None = None,
-                 gro: bool = True) -> None:
+                 gro: bool = True, answer_ring_bytes: int = 1 << 20) -> None:
         self.pool = PacketPool.create(slot_count=slot_count, record_count=record_count, max_chunks=max_chunks,
-                                      consumer_count=consumers)
+                                      consumer_count=consumers, answer_ring_bytes=answer_ring_bytes)
         listen = [("127.0.0.1", 0)] if listen_app is None else [("127.0.0.1", 0, listen_app)]
         self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms, gro=gro).start()
         self.ingest.set_route(APP, [0])
@@ -428,3 +430,179 @@ def test_peek_sees_the_queue_without_taking_it(node: Node) -> None:
     with pytest.raises(IndexError):
         node.pool.peek(7)
     node.pool.consumer(0).release(np.concatenate([taken, node.take(3)]))
+
+
+# -- answers: the consumer publishes, the ingest is the only sender --------------------------------
+
+
+def _by_id(responses: list[wire.Response]) -> dict[int, wire.Response]:
+    out: dict[int, wire.Response] = {}
+    for r in responses:
+        assert r.request_id not in out, f"request {r.request_id} answered twice"
+        out[r.request_id] = r
+    return out
+
+
+def _no_more_datagrams(node: Node) -> None:
+    """Nothing else arrives: every answer was counted once already."""
+    node.client.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        node.client.recv(65536)
+    node.client.settimeout(REACT_S)
+
+
+def test_answers_are_sent_by_the_ingest_with_their_results(node: Node) -> None:
+    for rid in range(6):
+        node.send(wire.encode_request(APP, rid, _body(rid)))
+    recs = node.take(6)
+    info = node.pool.requests(recs)
+    cons = node.pool.consumer(0)
+    rows = np.stack([np.arange(3000, dtype=np.float32) + int(r) for r in info["request_id"]])  # 3 chunks each
+    cons.answer(recs[:4], info[:4], Status.OK, rows[:4])
+    cons.answer_status(recs[4:], info[4:], Status.DEADLINE_MISSED)
+    got = _by_id(node.responses(6))
+    for rid in range(4):
+        assert got[rid].status == Status.OK
+        np.testing.assert_array_equal(got[rid].array(), np.arange(3000, dtype=np.float32) + rid)
+    assert got[4].status == got[5].status == Status.DEADLINE_MISSED
+    c = node.wait(lambda c: c["requests_answered"] == 6 and c["free_slots"] == 2048)
+    assert c["bad_answers"] == 0
+    _no_more_datagrams(node)
+
+
+def test_answer_ring_wraps_and_waits_for_room() -> None:
+    """A 4 KiB ring and 300 answers of mixed sizes: fillers at the end of the ring, a consumer that
+    waits for the ingest to send, and every answer intact and sent once."""
+    n = Node(answer_ring_bytes=4096, record_count=512, slot_count=4096)
+    try:
+        cons = n.pool.consumer(0)
+        assert n.pool.layout["max_answer_bytes"] == 2048 - 24
+        sent = 0
+        got: dict[int, wire.Response] = {}
+        for _wave in range(3):
+            for rid in range(sent, sent + 100):
+                n.send(wire.encode_request(APP, rid, _body(rid, 64)))
+            recs = n.take(100)
+            info = n.pool.requests(recs)
+            for i in range(100):  # one answer per call, sizes 0..1980 bytes: the ring wraps many times
+                k = (int(info["request_id"][i]) * 37) % 496
+                row = np.full((1, k), float(info["request_id"][i]), np.float32)
+                cons.answer(recs[i:i + 1], info[i:i + 1], Status.OK, row)
+                if i % 10 == 9:  # read as we go: the client's socket buffer holds only so many datagrams
+                    for r in n.responses(10):
+                        assert r.request_id not in got, f"request {r.request_id} answered twice"
+                        got[r.request_id] = r
+            sent += 100
+        for rid, r in got.items():
+            k = (rid * 37) % 496
+            np.testing.assert_array_equal(r.array() if k else np.zeros(0, np.float32),
+                                          np.full(k, float(rid), np.float32))
+        assert sorted(got) == list(range(300))
+        c = n.wait(lambda c: c["requests_answered"] == 300 and c["free_slots"] == 4096)
+        assert c["bad_answers"] == 0
+    finally:
+        n.close()
+
+
+def test_a_result_too_large_for_the_ring_is_refused_with_the_reason(node: Node) -> None:
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    recs = node.take(1)
+    info = node.pool.requests(recs)
+    cons = node.pool.consumer(0)
+    big = np.zeros((1, node.pool.layout["max_answer_bytes"] + 1), np.uint8)
+    with pytest.raises(ValueError, match="answer_ring_kb"):
+        cons.answer(recs, info, Status.OK, big)
+    cons.answer_status(recs, info, Status.INTERNAL)  # the record is still held and can be answered
+    assert node.responses(1)[0].status == Status.INTERNAL
+    with pytest.raises(ValueError, match="info"):
+        cons.answer(recs, info[:0], Status.OK)
+
+
+def test_published_answers_survive_their_consumer_and_the_rest_fail_once(node: Node) -> None:
+    """The exactly-once window: a consumer that published some answers and died holding the others.
+    The reclaim sends what was published and answers the rest INSTANCE_FAILED: one answer each."""
+    for rid in range(8):
+        node.send(wire.encode_request(APP, rid, _body(rid)))
+    recs = node.take(8)
+    info = node.pool.requests(recs)
+    node.pool.consumer(0).answer(recs[:5], info[:5], Status.OK, np.ones((5, 4), np.float32))
+    failed, requeued = node.ingest.reclaim(0, requeue=False)
+    assert (failed, requeued) == (3, 0)
+    got = _by_id(node.responses(8))
+    ids = info["request_id"].tolist()
+    assert {rid: got[rid].status for rid in ids} == {rid: Status.OK if i < 5 else Status.INSTANCE_FAILED
+                                                    for i, rid in enumerate(ids)}
+    _no_more_datagrams(node)
+
+
+def test_an_answer_after_the_record_was_taken_back_is_refused(node: Node) -> None:
+    node.ingest.set_route(APP, [0, 1])
+    node.ingest.set_route(APP, [0])
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    recs = node.take(1)
+    info = node.pool.requests(recs)
+    node.ingest.set_route(APP, [0, 1])
+    assert node.ingest.reclaim(0, requeue=True) == (0, 1)  # a hung consumer, its request moved on
+    node.pool.consumer(0).answer(recs, info, Status.OK, np.ones((1, 4), np.float32))  # it wakes up
+    node.wait(lambda c: c["bad_answers"] == 1)
+    recs1 = node.take(1, consumer=1)
+    info1 = node.pool.requests(recs1)
+    assert int(info1["generation"][0]) == int(info["generation"][0])  # the same request, moved
+    node.pool.consumer(1).answer(recs1, info1, Status.OK, np.full((1, 4), 2.0, np.float32))
+    (r,) = node.responses(1)
+    assert r.status == Status.OK and r.array().tolist() == [2.0] * 4
+    _no_more_datagrams(node)
+
+
+def test_a_corrupt_answer_ring_is_counted_and_the_ingest_goes_on(node: Node) -> None:
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    recs = node.take(1)
+    lay = node.pool.layout
+    base = lay["answers_offset"]  # consumer 0's ring; its control words are in the consumer block
+    data = np.frombuffer((ctypes.c_uint8 * lay["total_size"]).from_address(node.pool.address), np.uint8)
+    data[base:base + 24].view(np.uint32)[:] = [int(recs[0]), 0, 7, 0, 0, 0]  # entry_len 7: not an entry
+    ctl = lay["rings_offset"] + 2 * 192  # ConsumerBlock: deliver ring, release ring, then the answer words
+    data[ctl + 64:ctl + 72].view(np.uint64)[0] = 32  # publish it
+    node.wait(lambda c: c["bad_answers"] == 1)
+    # The record is still held (nothing trustworthy answered it) and is answered normally.
+    info = node.pool.requests(recs)
+    node.pool.consumer(0).answer_status(recs, info, Status.INTERNAL)
+    assert node.responses(1)[0].status == Status.INTERNAL
+    node.wait(lambda c: c["requests_answered"] == 1 and c["free_slots"] == 2048)
+
+
+def _child_answer_then_die(pool_name: str, n_answer: int) -> None:
+    """An instance that answers part of what it holds and is then killed (os._exit, no clean-up)."""
+    pool = PacketPool.attach(pool_name)
+    cons = pool.consumer(1)
+    got: list[int] = []
+    deadline = time.monotonic() + REACT_S
+    while len(got) < 6 and time.monotonic() < deadline:
+        got += cons.poll(16, 100).tolist()
+    recs = np.array(got, np.uint32)
+    info = pool.requests(recs)
+    cons.answer(recs[:n_answer], info[:n_answer], Status.OK, np.ones((n_answer, 300), np.float32))
+    os._exit(0)
+
+
+def test_a_consumer_process_that_dies_after_answering_gets_each_request_one_answer() -> None:
+    n = Node()
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_child_answer_then_die, args=(n.pool.name, 4))
+    try:
+        n.ingest.set_route(APP, [1])
+        p.start()
+        for rid in range(6):
+            n.send(wire.encode_request(APP, rid, _body(rid)))
+        p.join(timeout=REACT_S + 60)
+        assert p.exitcode == 0
+        n.ingest.reclaim(1, requeue=False)
+        got = _by_id(n.responses(6))
+        assert sorted(got) == list(range(6))
+        assert sorted(r.status for r in got.values()) == [Status.OK] * 4 + [Status.INSTANCE_FAILED] * 2
+        _no_more_datagrams(n)
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join()
+        n.close()

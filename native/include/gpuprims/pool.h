@@ -1,7 +1,7 @@
 // Shared-memory packet pool: the layout every process that maps the pool agrees on.
 //
 // One POSIX shared-memory object, laid out as page-aligned regions:
-//   [PoolHeader][slots][records][chunk map][consumer rings]
+//   [PoolHeader][slots][records][chunk map][consumer rings][answer rings]
 // * slots: slot_count fixed-size slots; a slot holds one received datagram (wire header + payload),
 //   written there directly by recvmmsg. The region is page-aligned so it can be registered with
 //   cudaHostRegister and read by the GPU-DMA kernel through UVA.
@@ -10,6 +10,12 @@
 // * rings: per consumer, a deliver ring (ingest -> consumer, record indices of complete requests)
 //   and a release ring (consumer -> ingest, records whose slots may be recycled). Both are
 //   single-producer single-consumer; the ingest thread is the only one that allocates or frees.
+// * answer rings: per consumer, a byte ring of answers (consumer -> ingest). A consumer answers a
+//   request by writing an AnswerEntry (status, dtype, result bytes) and publishing it with one
+//   store of the ring's tail; the ingest sends the response datagrams and frees the record. The
+//   ingest is the only sender, so a record is answered exactly once: an answer published before its
+//   consumer died is still sent (the reclaim drains the ring first), one not yet published is not,
+//   and the record is requeued or answered INSTANCE_FAILED instead.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -20,7 +26,7 @@
 namespace gpuprims::pool {
 
 constexpr uint64_t kPoolMagic = 0x31304C4F4F505047ull;  // "GPPOOL01"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kPage = 4096;
 constexpr size_t kCacheLine = 64;
 
@@ -63,9 +69,34 @@ struct alignas(64) Ring {
 };
 static_assert(sizeof(Ring) == 192, "Ring layout");
 
+// Control words of a consumer's answer ring: byte positions that only grow. tail is written by the
+// consumer (publishing every entry before it), head by the ingest (bytes it has sent and freed).
+struct alignas(64) AnswerCtl {
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+};
+static_assert(sizeof(AnswerCtl) == 128, "AnswerCtl layout");
+
+// One answer in an answer ring, followed by body_len result bytes and padding to entry_len. An
+// entry never wraps: a filler entry (record == kAnswerFiller) takes the rest of the ring instead.
+constexpr uint32_t kAnswerFiller = 0xFFFFFFFFu;
+constexpr uint32_t kAnswerAlign = 32;  // so the space left before the end always fits a filler header
+struct AnswerEntry {
+  uint32_t record;
+  uint32_t generation;  // the record's generation when it was delivered: stale answers are refused
+  uint32_t entry_len;   // bytes of the whole entry, a multiple of kAnswerAlign
+  uint32_t body_len;
+  uint16_t status;
+  uint8_t dtype;
+  uint8_t pad0;
+  uint32_t pad1;
+};
+static_assert(sizeof(AnswerEntry) == 24, "AnswerEntry layout");
+
 struct alignas(64) ConsumerBlock {
   Ring deliver;
   Ring release;
+  AnswerCtl answer;
   std::atomic<uint32_t> attached_pid;  // 0 when no process consumes from it
   std::atomic<uint32_t> epoch;         // bumped when the ingest resets the rings (reclaim)
   uint8_t pad[56];
@@ -90,16 +121,24 @@ struct alignas(4096) PoolHeader {
   uint64_t total_size;
   std::atomic<uint32_t> ingest_pid;
   std::atomic<uint32_t> shutting_down;
+  uint64_t answers_offset;   // consumer c's answer ring is answer_ring_bytes at answers_offset + c * that
+  uint32_t answer_ring_bytes;  // power of two
+  // Set by the ingest while it sleeps; a consumer that publishes an answer then wakes it with a
+  // datagram to the abstract UNIX socket named wake_name (wake_len bytes, starting with a NUL).
+  std::atomic<uint32_t> ingest_idle;
+  uint32_t wake_len;
+  char wake_name[108];
 };
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 struct Layout {
-  size_t slots_offset, records_offset, chunkmap_offset, rings_offset, total_size;
+  size_t slots_offset, records_offset, chunkmap_offset, rings_offset, answers_offset, total_size;
 };
 
 inline Layout compute_layout(uint32_t slot_count, uint32_t slot_size, uint32_t record_count,
-                             uint32_t max_chunks, uint32_t consumer_count, uint32_t ring_capacity) {
+                             uint32_t max_chunks, uint32_t consumer_count, uint32_t ring_capacity,
+                             uint32_t answer_ring_bytes) {
   Layout l{};
   l.slots_offset = align_up(sizeof(PoolHeader), kPage);
   l.records_offset = align_up(l.slots_offset + size_t(slot_count) * slot_size, kPage);
@@ -107,7 +146,8 @@ inline Layout compute_layout(uint32_t slot_count, uint32_t slot_size, uint32_t r
   l.rings_offset =
       align_up(l.chunkmap_offset + size_t(record_count) * max_chunks * sizeof(uint32_t), kPage);
   const size_t ring_bytes = sizeof(ConsumerBlock) + 2 * size_t(ring_capacity) * sizeof(uint32_t);
-  l.total_size = align_up(l.rings_offset + size_t(consumer_count) * align_up(ring_bytes, kCacheLine), kPage);
+  l.answers_offset = align_up(l.rings_offset + size_t(consumer_count) * align_up(ring_bytes, kCacheLine), kPage);
+  l.total_size = align_up(l.answers_offset + size_t(consumer_count) * answer_ring_bytes, kPage);
   return l;
 }
 
@@ -133,6 +173,9 @@ struct View {
     return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(consumer(c)) + sizeof(ConsumerBlock));
   }
   uint32_t* release_entries(uint32_t c) const { return deliver_entries(c) + hdr->ring_capacity; }
+  uint8_t* answer_data(uint32_t c) const {
+    return base + hdr->answers_offset + size_t(c) * hdr->answer_ring_bytes;
+  }
 };
 
 }  // namespace gpuprims::pool

@@ -13,7 +13,6 @@ import pytest
 from gpuprims import wire
 from gpuprims.ingest import Ingest, packet_balance
 from gpuprims.pool import PacketPool
-from gpuprims.respond import Responder
 from gpuprims.traffic import AppStream, Stream, read_pcap, replay_plan, run, write_datagrams, write_pcap
 
 from .conftest import ANSWER_TIMEOUT_S, need_tool
@@ -35,14 +34,12 @@ class Node:
 
     def _serve(self) -> None:
         cons = self.pool.consumer(0)
-        with Responder() as resp:
-            while not self._stop.is_set():
-                recs = cons.poll(64, 20)
-                if len(recs):
-                    info = self.pool.requests(recs)
-                    cons.release(recs)
-                    resp.send(info, wire.Status.OK)
-                    self.served += len(recs)
+        while not self._stop.is_set():
+            recs = cons.poll(64, 20)
+            if len(recs):
+                info = self.pool.requests(recs)
+                cons.answer_status(recs, info, wire.Status.OK)
+                self.served += len(recs)
 
     def counters(self) -> dict[str, int]:
         return self.ingest.counters()

@@ -20,6 +20,9 @@ from orchestrator.node import Node
 
 pytestmark = pytest.mark.slow
 
+#: The deadline the end-to-end requests carry (the OIP "timeout" parameter, microseconds).
+BUSY_DEADLINE_US = 10_000_000
+
 CONFIG = """
 node:
   listen: {host: 127.0.0.1, port: 0}
@@ -115,11 +118,13 @@ def test_the_node_started_from_the_example_serves_tritonclient(tmp_path_factory:
                 assert h.is_model_ready(app.name)
                 t = httpclient.InferInput("input", list(x.shape), dt)
                 t.set_data_from_numpy(x, binary_data=True)
-                out_http = h.infer(app.name, [t]).as_numpy("logits")
+                # A deadline far past the SLO: the models are not warmed up (warmup=False), and on a busy
+                # machine a first run can take longer than the app's SLO; this test is about the answers.
+                out_http = h.infer(app.name, [t], timeout=BUSY_DEADLINE_US).as_numpy("logits")
             with grpcclient.InferenceServerClient(node.frontdoor.grpc_target) as g:
                 t2 = grpcclient.InferInput("input", list(x.shape), dt)
                 t2.set_data_from_numpy(x)
-                out_grpc = g.infer(app.name, [t2]).as_numpy("logits")
+                out_grpc = g.infer(app.name, [t2], timeout=BUSY_DEADLINE_US).as_numpy("logits")
             np.testing.assert_allclose(out_http, want, rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(out_grpc, want, rtol=1e-4, atol=1e-4)
     finally:
