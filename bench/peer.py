@@ -472,8 +472,22 @@ def run_block(driver: tuple[Any, Any, Any], rate: float, duration_s: float, warm
 
 
 # -- the run ------------------------------------------------------------------------------------------------
+def renice_tree(meter: CpuMeter, nice: int) -> list[dict[str, Any]]:
+    """Set every process of the tree that runs above niceness 0 (Ray's workers) to `nice`; what changed."""
+    changed = []
+    for p in meter._tree():
+        try:
+            old = p.nice()
+            if old > 0 and old != nice:
+                p.nice(nice)
+                changed.append({"pid": p.pid, "name": p.name(), "nice_before": old, "nice_after": nice})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return changed
+
+
 def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s: float,
-            fixed_rates: list[float] | None) -> dict[str, Any]:
+            fixed_rates: list[float] | None, ray_nice: int | None = None) -> dict[str, Any]:
     import torch
 
     from apps.zoo import load_model
@@ -502,6 +516,9 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
             check[name] = {"max_abs_diff_vs_torch": float(np.max(np.abs(got - ref))) if got.shape == ref.shape
                            else None, "ready_s": round(time.monotonic() - t0, 1)}
             print(f"  {name} ready after {check[name]['ready_s']} s, logits vs torch: {check[name]}", flush=True)
+        reniced = renice_tree(procs["ray"].meter, ray_nice) if ray_nice is not None else []
+        if reniced:
+            print(f"  reniced Ray's processes: {reniced}", flush=True)
         raw: dict[str, dict[str, list[dict[str, Any]]]] = {lv: {s: [] for s in SYSTEMS} for lv in LEVELS}
         idle: dict[str, list[float]] = {s: [] for s in SYSTEMS}
         meters = [procs[s].meter for s in SYSTEMS]
@@ -532,7 +549,7 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
         return {"results": results, "raw": raw, "check": check, "capacity_rps": round(capacity, 1),
                 "model_b8_ms": b8.tolist(), "cores": cores, "threads": threads, "rates": level_rates,
                 "idle_cpu_s_per_s": {s: round(float(np.mean(v)), 4) if v else None for s, v in idle.items()},
-                "processes": {s: procs[s].meter.processes() for s in SYSTEMS}}
+                "processes": {s: procs[s].meter.processes() for s in SYSTEMS}, "reniced": reniced}
     finally:
         for p in procs.values():
             p.stop()
@@ -607,12 +624,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds at the start of each block")
     ap.add_argument("--rates", type=float, nargs=3, default=None, help="light, medium, overload req/s "
                     "(default: 0.25, 0.6, 1.5 x the measured batch-8 capacity)")
+    ap.add_argument("--ray-nice", type=int, default=None, help="renice Ray's worker processes (Ray starts them "
+                    "at 15) to this niceness once Serve is up; default: leave Ray's own setting")
     args = ap.parse_args()
     apps = args.apps[:1] if args.quick else args.apps
     duration = 3.0 if args.quick else args.duration
     blocks = 1 if args.quick else args.blocks
     load_before = os.getloadavg()
-    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates) for app in apps}
+    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice)
+           for app in apps}
     summary = assemble({app: r["results"] for app, r in res.items()})
     summary.update(systems=list(SYSTEMS), ray_version=_version("ray"), input_shape="x".join(map(str, SHAPE)),
                    gpu_pct=GPU_PCT, max_batch=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, client_timeout_s=CLIENT_TIMEOUT_S,
@@ -622,11 +642,14 @@ def main() -> None:
         summary[f"{app}.capacity_rps"] = r["capacity_rps"]
         for s, c in r["check"].items():
             summary[f"{app}.{s}.logits_max_abs_diff_vs_torch"] = c["max_abs_diff_vs_torch"]
+        workers = [p["nice"] for p in r["processes"]["ray"] if str(p["name"]).startswith("ray::")]
+        summary[f"{app}.ray.worker_nice_during_run"] = sorted(set(workers))
         for s, v in r["idle_cpu_s_per_s"].items():
             summary[f"{app}.{s}.idle_cpu_s_per_s"] = v
     samples = {app: {k: v for k, v in r.items() if k != "results"} | {"results": r["results"]} for app, r in res.items()}
     path = write_result("peer", "cpu", summary, samples, notes=CAVEATS, large_samples=True,
-                        load_avg_before=load_before, name="peer-quick" if args.quick else None)
+                        load_avg_before=load_before, name=("peer-quick" if args.quick else "peer")
+                        + ("" if args.ray_nice is None else f"-ray-nice{args.ray_nice}"))
     plot(res, path.with_suffix(".png"))
     print(path)
     for k, v in summary.items():

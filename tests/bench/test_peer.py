@@ -186,3 +186,23 @@ def test_result_document_shape(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -
     assert doc["experiment"] == "peer" and doc["summary"]["m.light.ray.throughput_ratio"] == 1.0
     assert "load_avg_after" in doc["machine"] and "UDP" in doc["notes"] and "niceness" in doc["notes"]
     assert json.loads((tmp_path / doc["samples"]).read_text()) == {"m": {"raw": [1, 2]}}
+
+
+def test_renice_tree_lowers_only_the_processes_above_zero() -> None:
+    class _Niced(_FakeProc):
+        def __init__(self, pid: int, nice: int) -> None:
+            super().__init__(pid, [0.0])
+            self._nice = nice
+
+        def nice(self, value: int | None = None) -> int:  # type: ignore[override]
+            if value is not None:
+                self._nice = value
+            return self._nice
+
+    worker, gcs = _Niced(2, 15), _Niced(3, 0)
+    root = _Niced(1, 0)
+    root.kids = [worker, gcs]
+    m = peer.CpuMeter(1, proc=SimpleNamespace(Process=lambda pid: root))
+    assert peer.renice_tree(m, 0) == [{"pid": 2, "name": "p2", "nice_before": 15, "nice_after": 0}]
+    assert (root.nice(), worker.nice(), gcs.nice()) == (0, 0, 0)
+    assert peer.renice_tree(m, 0) == []
