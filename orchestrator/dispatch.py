@@ -19,7 +19,8 @@ through its ``instances`` mapping) and this class connects the two:
 
 Profiles: a model's profile from ``node.profiles`` when one matches the app's input shape and
 covers the stage's GPU%; otherwise what the instance measured in its warm-up at that GPU% (batch
-sizes 1, 2, 4, ... max_batch). Either way the learned correction takes over from measurements.
+sizes 1, 2, 4, ... max_batch). Either way the learned correction takes over from measurements, and an
+app the profile condemns is probed once a second (``PROBE_MS``) so a too-slow profile cannot starve it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ log = logging.getLogger("gpuprims.dispatch")
 
 #: How often the node looks at the rings for new requests while it waits for messages.
 TICK_MS = 1.0
+#: An app whose profile says its requests cannot make their deadline, and that has not run for this
+#: long, runs its queue head anyway (a probe) so that the scheduler measures it; as spatial instances do.
+PROBE_MS = 1000.0
 
 
 def stage_names(app: AppConfig) -> list[str]:
@@ -131,7 +135,7 @@ class LiveScheduler:
         instances = {a.key(s.name): a.name for a in sapps for s in a.stages} if any(
             len(a.stages) > 1 for a in sapps) else None
         self.scheduler: Scheduler = make_scheduler(name, sapps, profiles, round_ms=round_ms, instances=instances,
-                                                   max_batch=max(a.max_batch for a in apps))
+                                                   max_batch=max(a.max_batch for a in apps), probe_ms=PROBE_MS)
         self.sapps = {a.name: a for a in sapps}
         self.entry_key = {a.name: a.key(a.entry.name) for a in sapps}
         self.queues: dict[str, collections.deque[float]] = {a.key(s.name): collections.deque()
@@ -263,6 +267,7 @@ class LiveScheduler:
             "name": self.scheduler.name, "round_ms": self.scheduler.round_ms, "plans": s.plans, "runs": s.runs,
             "rejects": s.rejects, "run_requests": s.run_requests, "rejected_requests": s.rejected_requests,
             "aborted": s.aborted, "short_batches": s.short_batches, "inflight": len(self.inflight),
+            "probes": self.scheduler.probes,
             "mean_batch": (s.run_requests / s.runs) if s.runs else None,
             "queued": {k: len(q) for k, q in self.queues.items() if q},
             # measured / predicted latency per stage, as the scheduler has learned it

@@ -123,8 +123,12 @@ def test_requests_that_cannot_make_their_deadline_are_rejected(tmp_path: Path) -
     finally:
         node.stop()
     assert sorted(got) == sorted(xs)
-    assert {r.status for r in got.values()} == {Status.DEADLINE_MISSED}
-    assert sch["rejected_requests"] == 10 and sch["runs"] == 0
+    # The profile condemns every request; once a second the scheduler still runs the queue head (a
+    # probe, so a too-slow profile cannot starve the app): one run, the other nine rejected at once.
+    assert sch["probes"] == 1 and sch["runs"] == 1 and sch["rejected_requests"] == 9
+    statuses = [r.status for r in got.values()]
+    assert statuses.count(Status.DEADLINE_MISSED) >= 9
+    assert set(statuses) <= {Status.DEADLINE_MISSED, Status.OK}
 
 
 def test_instance_crash_aborts_its_runs_and_the_replacement_is_scheduled(tmp_path: Path) -> None:
