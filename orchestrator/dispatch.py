@@ -108,6 +108,33 @@ class _Entry:
     slo_ms: float = 0.0
 
 
+#: How many completed runs ``LiveScheduler.run_log`` keeps (the most recent).
+RUN_LOG_LEN = 20000
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One completed run as the node saw it, for finding where deadline misses come from.
+
+    ``predicted_ms``: the scheduler's prediction; ``measured_ms``: the model time the instance reported;
+    ``overhead_ms``: from sending the RunBatch to receiving its BatchDone, minus ``measured_ms`` (message
+    passing both ways, the instance's gather and answer, waits for the control loop); ``slack_ms``: the
+    oldest request's deadline minus the dispatch time minus the prediction (what the plan left spare).
+    The head request is late when ``measured_ms + overhead_ms > predicted_ms + slack_ms``.
+    """
+
+    key: str
+    batch: int
+    predicted_ms: float
+    measured_ms: float
+    overhead_ms: float
+    slack_ms: float
+
+    @property
+    def late(self) -> bool:
+        return self.measured_ms + self.overhead_ms > self.predicted_ms + self.slack_ms
+
+
 @dataclass
 class LiveStats:
     plans: int = 0
@@ -142,6 +169,8 @@ class LiveScheduler:
                                                             for a in sapps for s in a.stages}
         self.entries = {a.name: _Entry(slo_ms=self.apps[a.name].slo_ms) for a in sapps}
         self.inflight: dict[int, tuple[Dispatch, str]] = {}
+        self._sent: dict[int, tuple[float, float]] = {}  # run id -> (sent at, head deadline)
+        self.run_log: collections.deque[RunRecord] = collections.deque(maxlen=RUN_LOG_LEN)
         self.stats = LiveStats()
         self._dirty = False
         self._wake: float | None = None
@@ -161,6 +190,7 @@ class LiveScheduler:
         for did, (d, inst) in list(self.inflight.items()):
             if inst == instance:
                 del self.inflight[did]
+                self._sent.pop(did, None)
                 self.scheduler.aborted(d)
                 self.stats.aborted += 1
         for app, e in self.entries.items():
@@ -219,6 +249,7 @@ class LiveScheduler:
         q = self.queues[d.key]
         e = self.entries[d.app]
         n = min(d.batch_size, len(q))
+        head = q[0] if q else float("nan")
         for _ in range(n):
             q.popleft()
         if d.key == self.entry_key[d.app]:
@@ -231,6 +262,7 @@ class LiveScheduler:
                                        gpu_pct=d.gpu_pct, action=d.action))
         if d.action == "run":
             self.inflight[d.id] = (d, e.instance)
+            self._sent[d.id] = (self.clock_ms(), head)
             self.stats.runs += 1
             self.stats.run_requests += d.batch_size
             self.stats.batch_sizes[d.batch_size] += 1
@@ -245,6 +277,12 @@ class LiveScheduler:
         if entry is None:
             return  # a reject's acknowledgement, or a run of an instance already given up
         d, _ = entry
+        sent = self._sent.pop(msg.id, None)
+        if sent is not None and not msg.error:
+            t_sent, head = sent
+            self.run_log.append(RunRecord(d.key, d.batch_size, d.predicted_ms, max(0.0, msg.measured_ms),
+                                          self.clock_ms() - t_sent - max(0.0, msg.measured_ms),
+                                          head - t_sent - d.predicted_ms))
         if msg.taken < d.batch_size:
             self.stats.short_batches += 1
             log.warning("scheduler: %s took %d of the %d requests dispatched", d.key, msg.taken, d.batch_size)

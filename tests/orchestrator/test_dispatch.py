@@ -83,6 +83,7 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
         xs = {rid: (5 if rid % 2 else 6, rng.random(SHAPE, dtype=np.float32)) for rid in range(60)}
         got = ask(node, xs)
         st = _settle(node)
+        log = list(node.dispatcher.run_log)
         ok, text = change_gpu_pct(node, "cls", 30)
     finally:
         node.stop()
@@ -90,6 +91,10 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
     assert not ok and "scheduler" in text
     sch = st["scheduler"]
     assert sch["runs"] > 0 and sch["run_requests"] >= 60 and sch["aborted"] == 0 and sch["short_batches"] == 0
+    # every completed run is in the run log, with the time the model took and what the round trip added
+    assert len(log) == sch["runs"] and sum(r.batch for r in log if r.key in ("cls/main", "recog/router")) >= 60
+    assert all(r.measured_ms > 0 and r.predicted_ms > 0 and r.overhead_ms >= 0 for r in log)
+    assert all(r.late == (r.measured_ms + r.overhead_ms > r.predicted_ms + r.slack_ms) for r in log)
     assert sch["inflight"] == 0 and not sch["queued"]
     text = format_status(st)
     assert f"scheduler: {scheduler}" in text and "measured/predicted: " in text and "recog/face=" in text
