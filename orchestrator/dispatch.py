@@ -29,7 +29,7 @@ import collections
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,33 @@ def sched_app(app: AppConfig, pcts: Mapping[str, int], gpu: int | None = None) -
     stages = tuple(Stage(s.name, f"{app.name}.{s.name}", pcts[s.name], {str(i): r for i, r in enumerate(s.routes)})
                    for s in order)
     return App(app.name, stages, app.slo_ms, gpu)
+
+
+def core_groups(cores: Mapping[str, Sequence[int] | None]) -> list[list[str]]:
+    """Apps whose instances' CPU core sets overlap, directly or through others (connected components).
+
+    On the CPU backend a GPU% is a set of cores, and two instances given the same core do not run side
+    by side at their profiled speed: they take turns on it. The live scheduler treats each group as one
+    instance (its stages never run at the same time), which is what the core really does. Apps without
+    a core set (GPU backend) are left alone. Groups of one are included; order follows ``cores``.
+    """
+    names = [a for a, c in cores.items() if c]
+    parent = {a: a for a in names}
+
+    def find(a: str) -> str:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if set(cores[a] or ()) & set(cores[b] or ()):
+                parent[find(b)] = find(a)
+    groups: dict[str, list[str]] = {}
+    for a in names:
+        groups.setdefault(find(a), []).append(a)
+    return list(groups.values())
 
 
 def measured_profile(model: str, measured: Mapping[str, float], gpu_pct: int, *, backend: str,
@@ -152,17 +179,21 @@ class LiveScheduler:
 
     def __init__(self, name: str, apps: list[AppConfig], pcts: Mapping[str, Mapping[str, int]],
                  profiles: Mapping[str, Profile], pool: Any, send: Callable[[str, Message], None], *,
-                 round_ms: float = 30.0, clock_ms: Callable[[], float] | None = None) -> None:
+                 round_ms: float = 30.0, clock_ms: Callable[[], float] | None = None,
+                 exclusive: Sequence[Sequence[str]] = ()) -> None:
+        """``exclusive``: groups of apps that must never run at the same time (see ``core_groups``)."""
         self.apps = {a.name: a for a in apps}
         self.pcts = {k: dict(v) for k, v in pcts.items()}
         self.pool = pool
         self.send = send
         self.clock_ms = clock_ms or (lambda: time.monotonic_ns() / 1e6)
         sapps = [sched_app(a, pcts[a.name]) for a in apps]
+        self.exclusive = [sorted(g) for g in exclusive if len(g) > 1]
         instances = {a.key(s.name): a.name for a in sapps for s in a.stages} if any(
             len(a.stages) > 1 for a in sapps) else None
         self.scheduler: Scheduler = make_scheduler(name, sapps, profiles, round_ms=round_ms, instances=instances,
-                                                   max_batch=max(a.max_batch for a in apps), probe_ms=PROBE_MS)
+                                                   max_batch=max(a.max_batch for a in apps), probe_ms=PROBE_MS,
+                                                   exclusive=self.exclusive)
         self.sapps = {a.name: a for a in sapps}
         self.entry_key = {a.name: a.key(a.entry.name) for a in sapps}
         self.queues: dict[str, collections.deque[float]] = {a.key(s.name): collections.deque()
@@ -305,7 +336,7 @@ class LiveScheduler:
             "name": self.scheduler.name, "round_ms": self.scheduler.round_ms, "plans": s.plans, "runs": s.runs,
             "rejects": s.rejects, "run_requests": s.run_requests, "rejected_requests": s.rejected_requests,
             "aborted": s.aborted, "short_batches": s.short_batches, "inflight": len(self.inflight),
-            "probes": self.scheduler.probes,
+            "probes": self.scheduler.probes, "exclusive": self.exclusive,
             "mean_batch": (s.run_requests / s.runs) if s.runs else None,
             "queued": {k: len(q) for k, q in self.queues.items() if q},
             # measured / predicted latency per stage, as the scheduler has learned it

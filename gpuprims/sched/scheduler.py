@@ -50,6 +50,10 @@ and GPU% are free and no slot is reserved for it); the measured time corrects th
 run. At most one probe per stage per ``probe_ms``; the other doomed requests are rejected as before.
 The spatial scheduler's instances probe the same way after 1 s; the live node sets ``probe_ms=1000``.
 
+``exclusive`` (optional): groups of app names whose stages never run at the same time, as if one
+instance ran them all (on the CPU backend, apps whose instances were given the same core take turns
+on it rather than running side by side at their profiled speed).
+
 ``instances`` (optional) maps stage keys to instance names: stages that share an instance (a DAG app
 whose stages run in one process, as on a live node) never run at the same time; by default every stage
 has its own instance.
@@ -171,7 +175,7 @@ class Scheduler(ABC):
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
                  max_batch: int | None = None, instances: Mapping[str, str] | None = None,
-                 probe_ms: float | None = None) -> None:
+                 probe_ms: float | None = None, exclusive: Sequence[Sequence[str]] = ()) -> None:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if not round_ms > 0:
@@ -209,6 +213,7 @@ class Scheduler(ABC):
         self._ids = itertools.count(1)
         self._stage_of: dict[str, tuple[App, str]] = {a.key(s.name): (a, s.name) for a in apps for s in a.stages}
         self._ikey = self._instance_keys(instances or {})
+        self._exclusive(exclusive)
         self._apps_on: list[list[App]] = [[a for a in self.apps.values() if self.placement[a.name] == g]
                                           for g in range(num_gpus)]
         # (app index on its GPU, app, stage name, queue key, is entry) per GPU, in app then stage order
@@ -280,6 +285,21 @@ class Scheduler(ABC):
                 raise ValueError(f"instance {inst!r} runs stages of two apps ({owner[inst]!r} and {app!r}); "
                                  "an instance serves one app")
         return {k: f"instance:{instances[k]}" if k in instances else k for k in self._stage_of}
+
+    def _exclusive(self, groups: Sequence[Sequence[str]]) -> None:
+        """Give every stage of each group's apps one instance key (they then never run at the same time)."""
+        seen: set[str] = set()
+        for grp in groups:
+            unknown = sorted(set(grp) - set(self.apps))
+            twice = sorted(set(grp) & seen)
+            if unknown or twice:
+                raise ValueError(f"exclusive group {list(grp)}: " + (f"unknown apps {unknown}" if unknown else
+                                                                    f"apps {twice} are in two groups"))
+            seen.update(grp)
+            name = "exclusive:" + "+".join(sorted(grp))
+            for k, (a, _) in self._stage_of.items():
+                if a.name in grp:
+                    self._ikey[k] = name
 
     def instance_key(self, key: str) -> str:
         """The key of the instance that runs stage ``key`` (stages with one instance run one at a time)."""
@@ -564,9 +584,11 @@ class SpatioTemporalScheduler(Scheduler):
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
                  max_batch: int | None = None, route_margin_sigma: float = 1.0,
-                 instances: Mapping[str, str] | None = None, probe_ms: float | None = None) -> None:
+                 instances: Mapping[str, str] | None = None, probe_ms: float | None = None,
+                 exclusive: Sequence[Sequence[str]] = ()) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms,
+                         exclusive=exclusive)
         if not route_margin_sigma >= 0:
             raise ValueError(f"route_margin_sigma must be >= 0, got {route_margin_sigma}")
         self.route_margin_sigma = route_margin_sigma
@@ -958,9 +980,10 @@ class TemporalScheduler(Scheduler):
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
                  max_batch: int | None = None, instances: Mapping[str, str] | None = None,
-                 probe_ms: float | None = None) -> None:
+                 probe_ms: float | None = None, exclusive: Sequence[Sequence[str]] = ()) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms,
+                         exclusive=exclusive)
         for a in apps:
             for s in a.stages:
                 if self.profiles[s.model].gpu_pcts[-1] < 100:

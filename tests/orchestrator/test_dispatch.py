@@ -158,3 +158,38 @@ def test_instance_crash_aborts_its_runs_and_the_replacement_is_scheduled(tmp_pat
         node.stop()
     assert sorted(got) == sorted(xs) and all(r.status == Status.OK for r in got.values())
     assert st["apps"]["cls"]["restarts"] == 1
+
+
+def test_core_groups_joins_apps_whose_cores_overlap() -> None:
+    from orchestrator.dispatch import core_groups
+
+    assert core_groups({"yolo": [0], "recog": [1], "resnext": [1]}) == [["yolo"], ["recog", "resnext"]]
+    # overlap is transitive; apps without a core set (GPU backend) are left out
+    assert core_groups({"a": [0, 1], "b": [1], "c": [2], "d": [2, 3], "e": None}) == [["a", "b"], ["c", "d"]]
+    assert core_groups({}) == []
+
+
+def test_exclusive_apps_are_one_instance_to_the_scheduler() -> None:
+    """Apps on the same core never run at the same time; an app on its own core still runs beside them."""
+    from gpuprims.sched.scheduler import Dispatch
+    from orchestrator.config import parse_config
+    from orchestrator.dispatch import LiveScheduler, measured_profile
+
+    apps = [{"name": n, "model": "mobilenet_v2", "app_id": i + 1, "input_shape": [3, 32, 32], "slo_ms": 1000,
+             "gpu_pct": 30, "max_batch": 4} for i, n in enumerate(("a", "b", "c"))]
+    cfg = parse_config({"node": {"backend": "cpu", "scheduler": "spatiotemporal", "allow_oversubscribe": True},
+                        "apps": apps}, source="test")
+    profiles = {f"{n}.main": measured_profile(f"{n}.main", {1: 5.0, 2: 8.0, 4: 12.0}, 30, backend="cpu",
+                                              input_shape=(3, 32, 32), dtype="float32", note="test")
+                for n in ("a", "b", "c")}
+    sent: list[tuple[str, object]] = []
+    live = LiveScheduler("spatiotemporal", list(cfg.apps), {n: {"main": 30} for n in "abc"}, profiles, pool=None,
+                         send=lambda inst, msg: sent.append((inst, msg)), exclusive=[["a", "b"], ["c"]])
+    assert live.status()["exclusive"] == [["a", "b"]]
+    sch = live.scheduler
+    assert sch.instance_key("a/main") == sch.instance_key("b/main") != sch.instance_key("c/main")
+    ds: list[Dispatch] = sch.plan(0.0, {"a/main": [500.0], "b/main": [500.0], "c/main": [500.0]})
+    assert sorted(d.app for d in ds if d.action == "run") == ["a", "c"]  # b waits for a: same core
+    with pytest.raises(ValueError, match="unknown apps"):
+        LiveScheduler("spatiotemporal", list(cfg.apps), {n: {"main": 30} for n in "abc"}, profiles, pool=None,
+                      send=lambda inst, msg: None, exclusive=[["a", "zz"]])

@@ -341,3 +341,24 @@ def test_no_probe_while_the_instance_or_its_share_is_busy() -> None:
     q["a/m1"].append(30.0)
     ds = s.plan(10.0, q)
     assert [(d.app, d.action) for d in ds] == [("a", "run")] and s.probes == 1
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_exclusive_apps_take_turns(name: str) -> None:
+    apps = [single("a", "m1", 25, 50), single("b", "m2", 25, 50), single("c", "m3", 25, 50)]
+    s = make_scheduler(name, apps, PROFILES, exclusive=[["a", "b"]])
+    q = {"a/m1": deque([50.0]), "b/m2": deque([50.0]), "c/m3": deque([50.0])}
+    ds = s.plan(0.0, q)
+    running = {d.app for d in ds if d.action == "run"}
+    assert not {"a", "b"} <= running  # never both at once
+    if name == "spatiotemporal":
+        assert running == {"a", "c"}
+        (first,) = [d for d in ds if d.app == "a"]
+        q["a/m1"].popleft()
+        q["c/m3"].popleft()
+        s.completed(first, first.predicted_ms)
+        assert [d.app for d in s.plan(first.predicted_ms, q)] == ["b"]
+    with pytest.raises(ValueError, match="unknown apps"):
+        make_scheduler(name, apps, PROFILES, exclusive=[["a", "zz"]])
+    with pytest.raises(ValueError, match="in two groups"):
+        make_scheduler(name, apps, PROFILES, exclusive=[["a", "b"], ["b", "c"]])
