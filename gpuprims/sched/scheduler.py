@@ -44,10 +44,12 @@ deadline.
 
 ``probe_ms`` (optional, both schedulers; off by default): a profile far slower than reality makes
 a scheduler reject an app's requests without ever running one, so it never learns otherwise. With
-``probe_ms`` set, an entry stage whose queue head is about to be rejected, and that has not started a
+``probe_ms`` set, a stage whose queue head is about to be rejected, and that has not started a
 run for ``probe_ms``, runs that head request at the smallest batch instead (a *probe*, when its instance
 and GPU% are free and no slot is reserved for it); the measured time corrects the prediction like any
-run. At most one probe per stage per ``probe_ms``; the other doomed requests are rejected as before.
+run. A later stage of a DAG app probes the same way (else one stale, too pessimistic correction of,
+say, the face stage starves the whole chain while the router keeps being probed). At most one probe
+per stage per ``probe_ms``; the other doomed requests are rejected as before.
 The spatial scheduler's instances probe the same way after 1 s; the live node sets ``probe_ms=1000``.
 
 ``exclusive`` (optional): groups of app names whose stages never run at the same time, as if one
@@ -526,7 +528,7 @@ class Scheduler(ABC):
                sequential: bool) -> Dispatch | None:
         """A probe run of ``info``'s queue head, if it is about to be rejected and a probe is due (``probe_ms``)."""
         key = info.key
-        if not info.is_entry or info.ikey in info.gs.busy or not self.can_start(key):
+        if info.ikey in info.gs.busy or not self.can_start(key):
             return None
         if any(r.key == key for r in info.gs.reservations):
             return None

@@ -362,3 +362,14 @@ def test_exclusive_apps_take_turns(name: str) -> None:
         make_scheduler(name, apps, PROFILES, exclusive=[["a", "zz"]])
     with pytest.raises(ValueError, match="in two groups"):
         make_scheduler(name, apps, PROFILES, exclusive=[["a", "b"], ["b", "c"]])
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_a_later_stage_is_probed_too(name: str) -> None:
+    """A stale, too pessimistic correction of a DAG's later stage must not starve the chain."""
+    app = App("d", (Stage("r", "m1", 50, {"x": "f"}), Stage("f", "s", 50)), DL)
+    profiles = {"m1": PROFILES["m1"], "s": SLOW["m1"].model_copy(update={"model": "s"})}
+    for probe_ms, want in ((None, ["reject"]), (1000.0, ["run"])):
+        s = make_scheduler(name, [app], profiles, probe_ms=probe_ms)
+        ds = s.plan(0.0, {"d/r": deque(), "d/f": deque([DL])})
+        assert [(d.stage, d.action) for d in ds] == [("f", a) for a in want]
