@@ -307,6 +307,11 @@ def plot(by_load: list[dict[str, Any]], path: Any) -> None:
     a1.plot(loads, [r["offered_rps"] for r in by_load], "k:", label="offered")
     a1.plot(loads, [r["spatiotemporal_goodput_rps"] for r in by_load], "o-", label="spatio-temporal")
     a1.plot(loads, [r["temporal_goodput_rps"] for r in by_load], "s--", label="temporal (Triton-like)")
+    if "sim_spatiotemporal_goodput_rps" in by_load[0]:
+        a1.plot(loads, [r["sim_spatiotemporal_goodput_rps"] for r in by_load], "C0:", marker="o", mfc="none",
+                label="spatio-temporal, simulated (this node's times)")
+        a1.plot(loads, [r["sim_temporal_goodput_rps"] for r in by_load], "C1:", marker="s", mfc="none",
+                label="temporal, simulated (this node's times)")
     a1.set_xlabel("load (x Table III proportions)")
     a1.set_ylabel(f"requests/s OK within {DEADLINE_MS:.0f} ms")
     a1.set_title("Table III mix, live")
@@ -314,6 +319,11 @@ def plot(by_load: list[dict[str, Any]], path: Any) -> None:
     a1.grid(True, alpha=0.3)
     a2.plot(loads, [r["spatiotemporal_miss_rate"] for r in by_load], "o-", label="spatio-temporal")
     a2.plot(loads, [r["temporal_miss_rate"] for r in by_load], "s--", label="temporal")
+    if "sim_spatiotemporal_miss_rate" in by_load[0]:
+        a2.plot(loads, [r["sim_spatiotemporal_miss_rate"] for r in by_load], "C0:", marker="o", mfc="none",
+                label="spatio-temporal, simulated")
+        a2.plot(loads, [r["sim_temporal_miss_rate"] for r in by_load], "C1:", marker="s", mfc="none",
+                label="temporal, simulated")
     a2.set_xlabel("load")
     a2.set_ylabel("deadline-miss rate")
     a2.legend(fontsize=8)
