@@ -19,7 +19,8 @@ through its ``instances`` mapping) and this class connects the two:
 
 Profiles: a model's profile from ``node.profiles`` when one matches the app's input shape and
 covers the stage's GPU%; otherwise what the instance measured in its warm-up at that GPU% (batch
-sizes 1, 2, 4, ... max_batch). Either way the learned correction takes over from measurements.
+sizes 1, 2, 4, ... max_batch). Either way the learned correction takes over from measurements, and an
+app the profile condemns is probed once a second (``PROBE_MS``) so a too-slow profile cannot starve it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import collections
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,9 @@ log = logging.getLogger("gpuprims.dispatch")
 
 #: How often the node looks at the rings for new requests while it waits for messages.
 TICK_MS = 1.0
+#: An app whose profile says its requests cannot make their deadline, and that has not run for this
+#: long, runs its queue head anyway (a probe) so that the scheduler measures it; as spatial instances do.
+PROBE_MS = 1000.0
 
 
 def stage_names(app: AppConfig) -> list[str]:
@@ -70,6 +74,33 @@ def sched_app(app: AppConfig, pcts: Mapping[str, int], gpu: int | None = None) -
     stages = tuple(Stage(s.name, f"{app.name}.{s.name}", pcts[s.name], {str(i): r for i, r in enumerate(s.routes)})
                    for s in order)
     return App(app.name, stages, app.slo_ms, gpu)
+
+
+def core_groups(cores: Mapping[str, Sequence[int] | None]) -> list[list[str]]:
+    """Apps whose instances' CPU core sets overlap, directly or through others (connected components).
+
+    On the CPU backend a GPU% is a set of cores, and two instances given the same core do not run side
+    by side at their profiled speed: they take turns on it. The live scheduler treats each group as one
+    instance (its stages never run at the same time), which is what the core really does. Apps without
+    a core set (GPU backend) are left alone. Groups of one are included; order follows ``cores``.
+    """
+    names = [a for a, c in cores.items() if c]
+    parent = {a: a for a in names}
+
+    def find(a: str) -> str:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if set(cores[a] or ()) & set(cores[b] or ()):
+                parent[find(b)] = find(a)
+    groups: dict[str, list[str]] = {}
+    for a in names:
+        groups.setdefault(find(a), []).append(a)
+    return list(groups.values())
 
 
 def measured_profile(model: str, measured: Mapping[str, float], gpu_pct: int, *, backend: str,
@@ -104,6 +135,33 @@ class _Entry:
     slo_ms: float = 0.0
 
 
+#: How many completed runs ``LiveScheduler.run_log`` keeps (the most recent).
+RUN_LOG_LEN = 20000
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One completed run as the node saw it, for finding where deadline misses come from.
+
+    ``predicted_ms``: the scheduler's prediction; ``measured_ms``: the model time the instance reported;
+    ``overhead_ms``: from sending the RunBatch to receiving its BatchDone, minus ``measured_ms`` (message
+    passing both ways, the instance's gather and answer, waits for the control loop); ``slack_ms``: the
+    oldest request's deadline minus the dispatch time minus the prediction (what the plan left spare).
+    The head request is late when ``measured_ms + overhead_ms > predicted_ms + slack_ms``.
+    """
+
+    key: str
+    batch: int
+    predicted_ms: float
+    measured_ms: float
+    overhead_ms: float
+    slack_ms: float
+
+    @property
+    def late(self) -> bool:
+        return self.measured_ms + self.overhead_ms > self.predicted_ms + self.slack_ms
+
+
 @dataclass
 class LiveStats:
     plans: int = 0
@@ -121,23 +179,29 @@ class LiveScheduler:
 
     def __init__(self, name: str, apps: list[AppConfig], pcts: Mapping[str, Mapping[str, int]],
                  profiles: Mapping[str, Profile], pool: Any, send: Callable[[str, Message], None], *,
-                 round_ms: float = 30.0, clock_ms: Callable[[], float] | None = None) -> None:
+                 round_ms: float = 30.0, clock_ms: Callable[[], float] | None = None,
+                 exclusive: Sequence[Sequence[str]] = ()) -> None:
+        """``exclusive``: groups of apps that must never run at the same time (see ``core_groups``)."""
         self.apps = {a.name: a for a in apps}
         self.pcts = {k: dict(v) for k, v in pcts.items()}
         self.pool = pool
         self.send = send
         self.clock_ms = clock_ms or (lambda: time.monotonic_ns() / 1e6)
         sapps = [sched_app(a, pcts[a.name]) for a in apps]
+        self.exclusive = [sorted(g) for g in exclusive if len(g) > 1]
         instances = {a.key(s.name): a.name for a in sapps for s in a.stages} if any(
             len(a.stages) > 1 for a in sapps) else None
         self.scheduler: Scheduler = make_scheduler(name, sapps, profiles, round_ms=round_ms, instances=instances,
-                                                   max_batch=max(a.max_batch for a in apps))
+                                                   max_batch=max(a.max_batch for a in apps), probe_ms=PROBE_MS,
+                                                   exclusive=self.exclusive)
         self.sapps = {a.name: a for a in sapps}
         self.entry_key = {a.name: a.key(a.entry.name) for a in sapps}
         self.queues: dict[str, collections.deque[float]] = {a.key(s.name): collections.deque()
                                                             for a in sapps for s in a.stages}
         self.entries = {a.name: _Entry(slo_ms=self.apps[a.name].slo_ms) for a in sapps}
         self.inflight: dict[int, tuple[Dispatch, str]] = {}
+        self._sent: dict[int, tuple[float, float]] = {}  # run id -> (sent at, head deadline)
+        self.run_log: collections.deque[RunRecord] = collections.deque(maxlen=RUN_LOG_LEN)
         self.stats = LiveStats()
         self._dirty = False
         self._wake: float | None = None
@@ -157,6 +221,7 @@ class LiveScheduler:
         for did, (d, inst) in list(self.inflight.items()):
             if inst == instance:
                 del self.inflight[did]
+                self._sent.pop(did, None)
                 self.scheduler.aborted(d)
                 self.stats.aborted += 1
         for app, e in self.entries.items():
@@ -215,6 +280,7 @@ class LiveScheduler:
         q = self.queues[d.key]
         e = self.entries[d.app]
         n = min(d.batch_size, len(q))
+        head = q[0] if q else float("nan")
         for _ in range(n):
             q.popleft()
         if d.key == self.entry_key[d.app]:
@@ -227,6 +293,7 @@ class LiveScheduler:
                                        gpu_pct=d.gpu_pct, action=d.action))
         if d.action == "run":
             self.inflight[d.id] = (d, e.instance)
+            self._sent[d.id] = (self.clock_ms(), head)
             self.stats.runs += 1
             self.stats.run_requests += d.batch_size
             self.stats.batch_sizes[d.batch_size] += 1
@@ -241,6 +308,12 @@ class LiveScheduler:
         if entry is None:
             return  # a reject's acknowledgement, or a run of an instance already given up
         d, _ = entry
+        sent = self._sent.pop(msg.id, None)
+        if sent is not None and not msg.error:
+            t_sent, head = sent
+            self.run_log.append(RunRecord(d.key, d.batch_size, d.predicted_ms, max(0.0, msg.measured_ms),
+                                          self.clock_ms() - t_sent - max(0.0, msg.measured_ms),
+                                          head - t_sent - d.predicted_ms))
         if msg.taken < d.batch_size:
             self.stats.short_batches += 1
             log.warning("scheduler: %s took %d of the %d requests dispatched", d.key, msg.taken, d.batch_size)
@@ -263,6 +336,7 @@ class LiveScheduler:
             "name": self.scheduler.name, "round_ms": self.scheduler.round_ms, "plans": s.plans, "runs": s.runs,
             "rejects": s.rejects, "run_requests": s.run_requests, "rejected_requests": s.rejected_requests,
             "aborted": s.aborted, "short_batches": s.short_batches, "inflight": len(self.inflight),
+            "probes": self.scheduler.probes, "exclusive": self.exclusive,
             "mean_batch": (s.run_requests / s.runs) if s.runs else None,
             "queued": {k: len(q) for k, q in self.queues.items() if q},
             # measured / predicted latency per stage, as the scheduler has learned it

@@ -46,7 +46,7 @@ from orchestrator.control import (
     open_server,
     write_token,
 )
-from orchestrator.dispatch import LiveScheduler, measured_profile, rename_profile, stage_names
+from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.messages import (
@@ -279,9 +279,11 @@ class Node:
                 profiles[key] = measured_profile(key, measured, pct, backend=self.backend,
                                                  input_shape=tuple(a.cfg.input_shape), dtype=a.cfg.dtype,
                                                  note=f"warm-up of {st.name} at {pct}%")
+        # CPU backend: instances that share a core take turns on it, so the scheduler runs them one at a time.
+        exclusive = core_groups({name: st.spec.cores for name, st in bound}) if self.backend == "cpu" else []
         try:
             self.dispatcher = LiveScheduler(self.cfg.node.scheduler, list(self.cfg.apps), pcts, profiles, self.pool,
-                                            self.server.send, round_ms=self.cfg.node.round_ms)
+                                            self.server.send, round_ms=self.cfg.node.round_ms, exclusive=exclusive)
         except ValueError as e:
             raise StartError(f"node.scheduler {self.cfg.node.scheduler!r}: {e}") from e
         for name, st in bound:

@@ -42,6 +42,20 @@ exclusive access (100% GPU); apps take turns round-robin, a DAG app's later stag
 next app's turn, and each turn runs the largest batch whose predicted sequential chain meets the
 deadline.
 
+``probe_ms`` (optional, both schedulers; off by default): a profile far slower than reality makes
+a scheduler reject an app's requests without ever running one, so it never learns otherwise. With
+``probe_ms`` set, a stage whose queue head is about to be rejected, and that has not started a
+run for ``probe_ms``, runs that head request at the smallest batch instead (a *probe*, when its instance
+and GPU% are free and no slot is reserved for it); the measured time corrects the prediction like any
+run. A later stage of a DAG app probes the same way (else one stale, too pessimistic correction of,
+say, the face stage starves the whole chain while the router keeps being probed). At most one probe
+per stage per ``probe_ms``; the other doomed requests are rejected as before.
+The spatial scheduler's instances probe the same way after 1 s; the live node sets ``probe_ms=1000``.
+
+``exclusive`` (optional): groups of app names whose stages never run at the same time, as if one
+instance ran them all (on the CPU backend, apps whose instances were given the same core take turns
+on it rather than running side by side at their profiled speed).
+
 ``instances`` (optional) maps stage keys to instance names: stages that share an instance (a DAG app
 whose stages run in one process, as on a live node) never run at the same time; by default every stage
 has its own instance.
@@ -162,7 +176,8 @@ class Scheduler(ABC):
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
-                 max_batch: int | None = None, instances: Mapping[str, str] | None = None) -> None:
+                 max_batch: int | None = None, instances: Mapping[str, str] | None = None,
+                 probe_ms: float | None = None, exclusive: Sequence[Sequence[str]] = ()) -> None:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if not round_ms > 0:
@@ -173,6 +188,8 @@ class Scheduler(ABC):
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if stat not in ("p50", "p99"):
             raise ValueError(f"stat must be 'p50' or 'p99', got {stat!r}")
+        if probe_ms is not None and not probe_ms > 0:
+            raise ValueError(f"probe_ms must be > 0 or None, got {probe_ms}")
         if not apps:
             raise ValueError("need at least one app")
         validate_apps(apps, profiles)
@@ -186,6 +203,9 @@ class Scheduler(ABC):
         self.stat: Stat = stat
         self.learn_rate = learn_rate
         self.max_batch = max_batch
+        self.probe_ms = None if probe_ms is None else float(probe_ms)
+        self._last_start: dict[str, float] = {}  # entry key -> start of its last run seen (probe_ms only)
+        self.probes = 0
         self.placement: dict[str, int] = self._place(apps)
         self.gpus = [_GpuState() for _ in range(num_gpus)]
         self._gpu_ids = frozenset(range(num_gpus))
@@ -195,6 +215,7 @@ class Scheduler(ABC):
         self._ids = itertools.count(1)
         self._stage_of: dict[str, tuple[App, str]] = {a.key(s.name): (a, s.name) for a in apps for s in a.stages}
         self._ikey = self._instance_keys(instances or {})
+        self._exclusive(exclusive)
         self._apps_on: list[list[App]] = [[a for a in self.apps.values() if self.placement[a.name] == g]
                                           for g in range(num_gpus)]
         # (app index on its GPU, app, stage name, queue key, is entry) per GPU, in app then stage order
@@ -266,6 +287,21 @@ class Scheduler(ABC):
                 raise ValueError(f"instance {inst!r} runs stages of two apps ({owner[inst]!r} and {app!r}); "
                                  "an instance serves one app")
         return {k: f"instance:{instances[k]}" if k in instances else k for k in self._stage_of}
+
+    def _exclusive(self, groups: Sequence[Sequence[str]]) -> None:
+        """Give every stage of each group's apps one instance key (they then never run at the same time)."""
+        seen: set[str] = set()
+        for grp in groups:
+            unknown = sorted(set(grp) - set(self.apps))
+            twice = sorted(set(grp) & seen)
+            if unknown or twice:
+                raise ValueError(f"exclusive group {list(grp)}: " + (f"unknown apps {unknown}" if unknown else
+                                                                    f"apps {twice} are in two groups"))
+            seen.update(grp)
+            name = "exclusive:" + "+".join(sorted(grp))
+            for k, (a, _) in self._stage_of.items():
+                if a.name in grp:
+                    self._ikey[k] = name
 
     def instance_key(self, key: str) -> str:
         """The key of the instance that runs stage ``key`` (stages with one instance run one at a time)."""
@@ -383,6 +419,10 @@ class Scheduler(ABC):
             raise ValueError(f"dispatch {did} ({dispatch.key}) is not running on this scheduler")
         gs.pct -= dispatch.gpu_pct
         gs.busy.discard(self._ikey[dispatch.key])
+        if self.probe_ms is not None:
+            last = self._last_start.get(dispatch.key)
+            if last is None or dispatch.start_ms > last:
+                self._last_start[dispatch.key] = dispatch.start_ms
         lr = self.learn_rate
         if lr > 0:
             model, pct = dispatch.model, dispatch.gpu_pct
@@ -475,10 +515,40 @@ class Scheduler(ABC):
                 chain = chains.get(key)
                 if chain is not None and q[0] >= now + chain - _EPS:
                     continue  # _reject_head's own first test: nothing to reject
+                if self.probe_ms is not None:
+                    p = self._probe(now, q, info, consumed, sequential)
+                    if p is not None:
+                        out.append(p)
                 d = self._reject_head(now, q, info.app, info.stage, key, consumed, sequential)
                 if d is not None:
                     out.append(d)
         return out
+
+    def _probe(self, now: float, q: Sequence[float], info: _KeyInfo, consumed: dict[str, int],
+               sequential: bool) -> Dispatch | None:
+        """A probe run of ``info``'s queue head, if it is about to be rejected and a probe is due (``probe_ms``)."""
+        key = info.key
+        if info.ikey in info.gs.busy or not self.can_start(key):
+            return None
+        if any(r.key == key for r in info.gs.reservations):
+            return None
+        last = self._last_start.get(key)
+        if last is not None and now - last < self.probe_ms:  # type: ignore[operator]
+            return None
+        c = consumed.get(key, 0)
+        chain = self._chain_cache.get(key)
+        if chain is None:
+            chain = self._chain_cache[key] = self._min_chain_ms(info.app, info.stage, sequential=sequential)
+        if len(q) <= c or q[c] >= now + chain - _EPS:
+            return None  # not doomed: the ordinary launch decides
+        pct = self._stage_pct(info.app, info.stage)
+        if info.gs.pct + pct > 100:
+            return None
+        consumed[key] = c + info.lo if len(q) >= c + info.lo else len(q)
+        batch = consumed[key] - c
+        self._last_start[key] = now
+        self.probes += 1
+        return self._dispatch(info, info.gpu, pct, batch, now, self.predict_ms(info.model, batch, pct))
 
     def _reject_head(self, now: float, q: Sequence[float], app: App, stage: str, key: str,
                      consumed: dict[str, int], sequential: bool) -> Dispatch | None:
@@ -486,9 +556,10 @@ class Scheduler(ABC):
         if chain is None:
             chain = self._chain_cache[key] = self._min_chain_ms(app, stage, sequential=sequential)
         too_soon = (now + chain) - _EPS  # deadlines before this cannot be met any more
-        if q[0] >= too_soon:
+        c0 = consumed.get(key, 0)  # taken by a probe just before
+        if len(q) <= c0 or q[c0] >= too_soon:
             return None
-        n = 0
+        n = c0
         while n < len(q) and q[n] < too_soon:
             n += 1
         consumed[key] = n
@@ -497,7 +568,7 @@ class Scheduler(ABC):
         fields = info.run.copy()
         fields["id"] = next(self._ids)
         fields["gpu_pct"] = self._stage_pct(app, stage)
-        fields["batch_size"] = n
+        fields["batch_size"] = n - c0
         fields["start_ms"] = now
         fields["predicted_ms"] = 0.0
         fields["action"] = "reject"
@@ -515,9 +586,11 @@ class SpatioTemporalScheduler(Scheduler):
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
                  max_batch: int | None = None, route_margin_sigma: float = 1.0,
-                 instances: Mapping[str, str] | None = None) -> None:
+                 instances: Mapping[str, str] | None = None, probe_ms: float | None = None,
+                 exclusive: Sequence[Sequence[str]] = ()) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch, instances=instances)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms,
+                         exclusive=exclusive)
         if not route_margin_sigma >= 0:
             raise ValueError(f"route_margin_sigma must be >= 0, got {route_margin_sigma}")
         self.route_margin_sigma = route_margin_sigma
@@ -595,6 +668,11 @@ class SpatioTemporalScheduler(Scheduler):
                 if chain is not None and q[0] >= now_ms + chain - _EPS:
                     waiting.append((q[0], info.index, info, q))  # nothing to reject (_reject_head's own test)
                     continue
+                if self.probe_ms is not None:
+                    p = self._probe(now_ms, q, info, consumed, False)
+                    if p is not None:
+                        out.append(p)
+                        launched.add(info.app_name)
                 rej = self._reject_head(now_ms, q, info.app, info.stage, key, consumed, False)
                 if rej is not None:
                     out.append(rej)
@@ -903,9 +981,11 @@ class TemporalScheduler(Scheduler):
 
     def __init__(self, apps: Sequence[App], profiles: Mapping[str, Profile], *, num_gpus: int = 1,
                  round_ms: float = 30.0, stat: Stat = "p50", learn_rate: float = 0.2,
-                 max_batch: int | None = None, instances: Mapping[str, str] | None = None) -> None:
+                 max_batch: int | None = None, instances: Mapping[str, str] | None = None,
+                 probe_ms: float | None = None, exclusive: Sequence[Sequence[str]] = ()) -> None:
         super().__init__(apps, profiles, num_gpus=num_gpus, round_ms=round_ms, stat=stat,
-                         learn_rate=learn_rate, max_batch=max_batch, instances=instances)
+                         learn_rate=learn_rate, max_batch=max_batch, instances=instances, probe_ms=probe_ms,
+                         exclusive=exclusive)
         for a in apps:
             for s in a.stages:
                 if self.profiles[s.model].gpu_pcts[-1] < 100:

@@ -36,7 +36,7 @@ def test_selected_by_name_and_bad_names() -> None:
 
 @pytest.mark.parametrize(("kw", "needle"), [
     ({"num_gpus": 0}, "num_gpus"), ({"round_ms": 0}, "round_ms"), ({"learn_rate": 1.5}, "learn_rate"),
-    ({"max_batch": 0}, "max_batch"), ({"stat": "p90"}, "stat"),
+    ({"max_batch": 0}, "max_batch"), ({"stat": "p90"}, "stat"), ({"probe_ms": 0}, "probe_ms"),
 ])
 def test_bad_construction(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
@@ -168,10 +168,10 @@ def _scenario(draw: st.DrawFn) -> tuple:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_scenario(), st.sampled_from(["spatiotemporal", "temporal"]))
-def test_never_above_100_pct_and_stage_order(scn: tuple, name: str) -> None:
+@given(_scenario(), st.sampled_from(["spatiotemporal", "temporal"]), st.sampled_from([None, 2.0]))
+def test_never_above_100_pct_and_stage_order(scn: tuple, name: str, probe_ms: float | None) -> None:
     profiles, apps, gpus, steps = scn
-    s = make_scheduler(name, apps, profiles, num_gpus=gpus)
+    s = make_scheduler(name, apps, profiles, num_gpus=gpus, probe_ms=probe_ms)
     queues: dict[str, deque[float]] = {a.key(st_.name): deque() for a in apps for st_ in a.stages}
     running: dict[int, tuple[Dispatch, float, list[float]]] = {}
     now = 0.0
@@ -270,3 +270,106 @@ def test_instances_mapping_is_validated() -> None:
         SpatioTemporalScheduler([_dag()], PROFILES, instances={"d/zz": "x"})
     with pytest.raises(ValueError, match="runs stages of two apps"):
         SpatioTemporalScheduler([_dag("d"), _dag("e")], PROFILES, instances={"d/r": "x", "e/r": "x"})
+
+
+# --- probes: a profile far slower than reality must not starve an app forever ---------------------
+
+# The profile says batch 1 takes 30 ms at 50% (15 ms at 100%); the "real" model takes 3 ms (or 1.5 ms).
+SLOW = {"m1": _lin("m1", 10.0, 5.0)}
+DL = 12.0
+
+
+def _serve(s: object, queues: dict[str, deque[float]], now: float, real_ms: float) -> list[Dispatch]:
+    """Plan at `now`, apply the dispatches, complete every run after `real_ms`; the dispatches."""
+    ds = s.plan(now, queues)  # type: ignore[attr-defined]
+    for d in ds:
+        for _ in range(d.batch_size):
+            queues[d.key].popleft()
+    for d in ds:
+        if d.action == "run":
+            s.completed(d, real_ms)  # type: ignore[attr-defined]
+    return ds
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_without_a_probe_a_too_slow_profile_rejects_forever(name: str) -> None:
+    s = make_scheduler(name, [single("a", "m1", 50, DL)], SLOW)
+    q = {"a/m1": deque()}
+    for t in range(0, 3000, 100):
+        q["a/m1"].extend([t + DL] * 2)
+        assert all(d.action == "reject" for d in _serve(s, q, float(t), 3.0))
+    assert s.correction("m1", 50 if name == "spatiotemporal" else 100) == 1.0 and s.probes == 0
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_probe_runs_a_doomed_head_learns_and_the_app_is_served(name: str) -> None:
+    pct = 50 if name == "spatiotemporal" else 100
+    real = 3.0 * pct / 100
+    s = make_scheduler(name, [single("a", "m1", 50, DL)], SLOW, probe_ms=1000.0, learn_rate=0.5)
+    q = {"a/m1": deque([DL, DL, DL])}
+    ds = _serve(s, q, 0.0, real)
+    # the head runs alone as a probe; the other doomed requests are rejected as before
+    assert [(d.action, d.batch_size) for d in ds] == [("run", 1), ("reject", 2)] and s.probes == 1
+    assert s.correction("m1", pct) < 1.0
+    # no second probe within probe_ms: an ordinary run if the prediction now fits, else a reject
+    q["a/m1"].extend([100.0 + DL])
+    fits = s.predict_ms("m1", 1, pct) <= DL
+    assert name == "temporal" or not fits  # at 50% one probe is not enough to learn the 10x
+    assert [d.action for d in _serve(s, q, 100.0, real)] == ["run" if fits else "reject"] and s.probes == 1
+    # a probe every probe_ms until the prediction fits; then ordinary runs, no more probes
+    for t in range(1000, 12000, 50):
+        q["a/m1"].append(t + DL)
+        _serve(s, q, float(t), real)
+    assert s.predict_ms("m1", 1, pct) <= DL
+    probes = s.probes
+    assert 1 <= probes <= 12  # at most one a second (one is enough at 100%)
+    q["a/m1"].append(12000.0 + DL)
+    assert [d.action for d in _serve(s, q, 12000.0, real)] == ["run"] and s.probes == probes
+
+
+def test_no_probe_while_the_instance_or_its_share_is_busy() -> None:
+    s = SpatioTemporalScheduler([single("a", "m1", 50, 20), single("b", "m2", 60, 500)],
+                                {"m1": SLOW["m1"], "m2": PROFILES["m2"]}, probe_ms=1000.0)
+    q = {"a/m1": deque(), "b/m2": deque([500.0])}
+    (run_b,) = s.plan(0.0, q)
+    q["b/m2"].popleft()
+    q["a/m1"].append(20.0)
+    ds = s.plan(1.0, q)  # b holds 60%: a's 50% does not fit, so a is rejected, not probed
+    assert [(d.app, d.action) for d in ds] == [("a", "reject")] and s.probes == 0
+    q["a/m1"].popleft()
+    s.completed(run_b, 5.0)
+    q["a/m1"].append(30.0)
+    ds = s.plan(10.0, q)
+    assert [(d.app, d.action) for d in ds] == [("a", "run")] and s.probes == 1
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_exclusive_apps_take_turns(name: str) -> None:
+    apps = [single("a", "m1", 25, 50), single("b", "m2", 25, 50), single("c", "m3", 25, 50)]
+    s = make_scheduler(name, apps, PROFILES, exclusive=[["a", "b"]])
+    q = {"a/m1": deque([50.0]), "b/m2": deque([50.0]), "c/m3": deque([50.0])}
+    ds = s.plan(0.0, q)
+    running = {d.app for d in ds if d.action == "run"}
+    assert not {"a", "b"} <= running  # never both at once
+    if name == "spatiotemporal":
+        assert running == {"a", "c"}
+        (first,) = [d for d in ds if d.app == "a"]
+        q["a/m1"].popleft()
+        q["c/m3"].popleft()
+        s.completed(first, first.predicted_ms)
+        assert [d.app for d in s.plan(first.predicted_ms, q)] == ["b"]
+    with pytest.raises(ValueError, match="unknown apps"):
+        make_scheduler(name, apps, PROFILES, exclusive=[["a", "zz"]])
+    with pytest.raises(ValueError, match="in two groups"):
+        make_scheduler(name, apps, PROFILES, exclusive=[["a", "b"], ["b", "c"]])
+
+
+@pytest.mark.parametrize("name", ["spatiotemporal", "temporal"])
+def test_a_later_stage_is_probed_too(name: str) -> None:
+    """A stale, too pessimistic correction of a DAG's later stage must not starve the chain."""
+    app = App("d", (Stage("r", "m1", 50, {"x": "f"}), Stage("f", "s", 50)), DL)
+    profiles = {"m1": PROFILES["m1"], "s": SLOW["m1"].model_copy(update={"model": "s"})}
+    for probe_ms, want in ((None, ["reject"]), (1000.0, ["run"])):
+        s = make_scheduler(name, [app], profiles, probe_ms=probe_ms)
+        ds = s.plan(0.0, {"d/r": deque(), "d/f": deque([DL])})
+        assert [(d.stage, d.action) for d in ds] == [("f", a) for a in want]

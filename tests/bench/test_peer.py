@@ -1,0 +1,208 @@
+"""bench/peer's own logic, without any peer installed: rate schedule, stats, process-tree CPU, result assembly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from bench import peer
+
+
+def test_schedule_interleaves_and_alternates_who_goes_first() -> None:
+    s = peer.schedule(["light", "overload"], ["gpuprims", "ray"], 3)
+    assert s == [("light", "gpuprims", 0), ("light", "ray", 0), ("light", "ray", 1), ("light", "gpuprims", 1),
+                 ("light", "gpuprims", 2), ("light", "ray", 2),
+                 ("overload", "gpuprims", 0), ("overload", "ray", 0), ("overload", "ray", 1),
+                 ("overload", "gpuprims", 1), ("overload", "gpuprims", 2), ("overload", "ray", 2)]
+    # every system runs every block of every level exactly once
+    assert sorted(s) == sorted({(lv, sy, k) for lv in ("light", "overload") for sy in ("gpuprims", "ray")
+                                for k in range(3)})
+    with pytest.raises(ValueError, match="blocks"):
+        peer.schedule(["light"], ["gpuprims"], 0)
+
+
+def test_rates_and_send_offsets() -> None:
+    assert peer.rates(100.0, {"light": 0.25, "medium": 0.6, "overload": 1.5}) == \
+        {"light": 25.0, "medium": 60.0, "overload": 150.0}
+    assert peer.rates(1.0, {"tiny": 0.01}) == {"tiny": 0.5}  # never below 0.5 req/s
+    with pytest.raises(ValueError):
+        peer.rates(0.0, {"light": 0.25})
+    off, n_warm = peer.send_offsets(20.0, 0.5, 2.0)
+    assert n_warm == 10 and len(off) == 50
+    assert np.allclose(np.diff(off), 0.05) and off[0] == 0.0
+    with pytest.raises(ValueError):
+        peer.send_offsets(0.0, 0.5, 1.0)
+
+
+def _block(lat: list[float], status: list[str], span: float = 2.0, cpu: float = 1.0, total: int | None = None) -> dict:
+    return {"latency_ms": lat, "status": status, "span_s": span, "cpu_s": cpu,
+            "sent_total": total if total is not None else len(status), "lag_ms": [0.1] * len(status),
+            "driver_cpu_s": 0.5}
+
+
+def test_summarise_counts_slo_lost_errors_and_cpu_over_blocks() -> None:
+    b1 = _block([10.0, 20.0, 150.0, 2000.0], ["ok", "ok", "ok", "lost"], total=5)
+    b2 = _block([30.0, 1.0], ["ok", "DEADLINE_MISSED"], cpu=0.5, total=2)
+    st = peer.summarise([b1, b2], slo_ms=100.0)
+    assert st["sent"] == 6 and st["ok"] == 4 and st["lost"] == 1
+    assert st["errors"] == {"DEADLINE_MISSED": 1}
+    assert st["slo_attainment"] == round(3 / 6, 4)  # 10, 20, 30 within 100 ms; 150 is late
+    assert st["throughput_rps"] == 1.0 and st["goodput_rps"] == 0.75  # 4 and 3 over 4 s
+    assert st["p50_ms"] == 25.0  # OK answers only: 10, 20, 30, 150
+    assert st["cpu_s"] == 1.5 and st["cpu_ms_per_request"] == round(1.5e3 / 7, 3)
+    none = peer.summarise([_block([5.0], ["lost"])], slo_ms=100.0)
+    assert none["p50_ms"] is None and none["slo_attainment"] == 0.0 and none["lost"] == 1
+
+
+def test_assemble_orients_ratios_so_above_one_means_gpuprims_ahead() -> None:
+    ours = {"throughput_rps": 100.0, "goodput_rps": 90.0, "p50_ms": 10.0, "p99_ms": 20.0, "slo_attainment": 0.9,
+            "lost": 0, "cpu_s": 1.0, "cpu_ms_per_request": 2.0}
+    theirs = {"throughput_rps": 50.0, "goodput_rps": 30.0, "p50_ms": 25.0, "p99_ms": 80.0, "slo_attainment": 0.3,
+              "lost": 7, "cpu_s": 5.0, "cpu_ms_per_request": 5.0}
+    out = peer.assemble({"m": {"light": {"gpuprims": ours, "ray": theirs}}})
+    assert out["m.light.ray.throughput_ratio"] == 2.0
+    assert out["m.light.ray.goodput_ratio"] == 3.0
+    assert out["m.light.ray.slo_attainment_ratio"] == 3.0
+    assert out["m.light.ray.p50_ratio"] == 2.5 and out["m.light.ray.p99_ratio"] == 4.0
+    assert out["m.light.ray.cpu_ratio"] == 2.5
+    assert out["m.light.ray.lost"] == 7 and out["m.light.gpuprims.p99_ms"] == 20.0
+    # a peer with nothing answered: its ratio is undefined, not a crash
+    dead = {**theirs, "throughput_rps": 0.0, "p50_ms": None}
+    out = peer.assemble({"m": {"overload": {"gpuprims": ours, "ray": dead}}})
+    assert out["m.overload.ray.throughput_ratio"] is None and out["m.overload.ray.p50_ratio"] is None
+    with pytest.raises(ValueError, match="no result for gpuprims"):
+        peer.assemble({"m": {"light": {"ray": theirs}}})
+    json.dumps(out)  # flat and serialisable
+
+
+class _FakeProc:
+    """A psutil.Process stand-in with scripted CPU times; raises NoSuchProcess once 'gone'."""
+
+    def __init__(self, pid: int, cpu: list[float], kids: list[_FakeProc] | None = None) -> None:
+        self.pid, self._cpu, self.kids, self.gone = pid, cpu, kids or [], False
+
+    def oneshot(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _check(self) -> None:
+        if self.gone:
+            raise psutil.NoSuchProcess(self.pid)
+
+    def create_time(self) -> float:
+        self._check()
+        return 1000.0 + self.pid
+
+    def cpu_times(self) -> Any:
+        self._check()
+        # children_* would double count what each child reports itself: the meter must ignore them
+        return SimpleNamespace(user=self._cpu[0] / 2, system=self._cpu[0] / 2, children_user=99.0, children_system=99.0)
+
+    def name(self) -> str:
+        return f"p{self.pid}"
+
+    def nice(self) -> int:
+        return self.pid % 20
+
+    def children(self, recursive: bool = False) -> list[_FakeProc]:
+        out = []
+        for k in self.kids:
+            out.append(k)
+            if recursive:
+                out += k.children(True)
+        return [k for k in out if not k.gone]
+
+
+def test_cpu_meter_sums_the_tree_and_keeps_what_exited_processes_used() -> None:
+    worker = _FakeProc(3, [2.0])
+    raylet = _FakeProc(2, [1.0], [worker])
+    root = _FakeProc(1, [0.5], [raylet])
+    fake = SimpleNamespace(Process=lambda pid: {1: root, 2: raylet, 3: worker}[pid])
+    m = peer.CpuMeter(1, proc=fake)
+    assert m.sample() == pytest.approx(3.5)
+    worker._cpu[0] = 4.0
+    root._cpu[0] = 1.0
+    assert m.sample() == pytest.approx(6.0)
+    worker.gone = True  # exited: keeps its last sample
+    newcomer = _FakeProc(4, [0.25])
+    raylet.kids.append(newcomer)
+    assert m.sample() == pytest.approx(6.25)
+    assert {p["pid"] for p in m.processes()} == {1, 2, 3, 4}
+    assert next(p for p in m.processes() if p["pid"] == 3) == {"pid": 3, "name": "p3", "nice": 3, "cpu_s": 4.0}
+    root.gone = True  # the whole tree gone: total stays
+    assert m.sample() == pytest.approx(6.25)
+
+
+def test_cpu_meter_on_a_real_process_tree(tmp_path: Any) -> None:
+    """A parent that spins a child: the child's CPU shows in the tree, and is not counted twice once reaped."""
+    child = tmp_path / "child.py"
+    child.write_text("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+                     "open(sys.argv[1], 'w').close()\ntime.sleep(60)\n")
+    code = ("import subprocess, sys\n"
+            f"c = subprocess.Popen([sys.executable, {str(child)!r}, {str(tmp_path / 'spun')!r}])\n"
+            "sys.stdin.readline()\nc.kill()\nc.wait()\nsys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
+    try:
+        m = peer.CpuMeter(p.pid)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "spun").exists() and time.monotonic() < deadline:
+            m.sample()
+            time.sleep(0.02)
+        assert (tmp_path / "spun").exists()
+        with_child = m.sample()
+        assert len(m.processes()) == 2
+        assert with_child >= 0.3  # the child's spin, seen from its own /proc entry
+        p.stdin.write("\n")  # parent reaps the child: its children_* times grow, the meter must not add them
+        p.stdin.flush()
+        end = time.monotonic() + 30
+        while psutil.Process(p.pid).children() and time.monotonic() < end:
+            time.sleep(0.02)
+        assert m.sample() < with_child + 0.25
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_result_document_shape(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_result gets the flat summary, the caveats as notes and the raw samples in a sibling file."""
+    import bench.common as common
+
+    monkeypatch.setattr(common, "results_dir", lambda backend: tmp_path)
+    st = peer.summarise([_block([10.0], ["ok"])], 100.0)
+    summary = peer.assemble({"m": {"light": {"gpuprims": st, "ray": st}}})
+    path = common.write_result("peer", "cpu", summary, {"m": {"raw": [1, 2]}}, notes=peer.CAVEATS,
+                               large_samples=True, load_avg_before=os.getloadavg())
+    doc = json.loads(path.read_text())
+    assert doc["experiment"] == "peer" and doc["summary"]["m.light.ray.throughput_ratio"] == 1.0
+    assert "load_avg_after" in doc["machine"] and "UDP" in doc["notes"] and "niceness" in doc["notes"]
+    assert json.loads((tmp_path / doc["samples"]).read_text()) == {"m": {"raw": [1, 2]}}
+
+
+def test_renice_tree_lowers_only_the_processes_above_zero() -> None:
+    class _Niced(_FakeProc):
+        def __init__(self, pid: int, nice: int) -> None:
+            super().__init__(pid, [0.0])
+            self._nice = nice
+
+        def nice(self, value: int | None = None) -> int:  # type: ignore[override]
+            if value is not None:
+                self._nice = value
+            return self._nice
+
+    worker, gcs = _Niced(2, 15), _Niced(3, 0)
+    root = _Niced(1, 0)
+    root.kids = [worker, gcs]
+    m = peer.CpuMeter(1, proc=SimpleNamespace(Process=lambda pid: root))
+    assert peer.renice_tree(m, 0) == [{"pid": 2, "name": "p2", "nice_before": 15, "nice_after": 0}]
+    assert (root.nice(), worker.nice(), gcs.nice()) == (0, 0, 0)
+    assert peer.renice_tree(m, 0) == []
