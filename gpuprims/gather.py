@@ -39,6 +39,7 @@ import numpy as np
 from gpuprims.cuda import runtime
 from gpuprims.cuda.dma import UNIT, DeviceRows, PinnedPool, cuda_copy_gather, gpu_dma_async
 from gpuprims.cuda.event import Event, Stream
+from gpuprims.stats import StageClock
 
 Method = Literal["host", "gpu_dma", "cuda_copy"]
 METHODS: tuple[str, ...] = ("host", "gpu_dma", "cuda_copy")
@@ -54,6 +55,8 @@ class Gatherer(Protocol):
     method: str
     statuses: np.ndarray
     stream: Any
+    #: Where a gather laps its ``gather`` and ``preprocess`` stages, if set (the instance's clock).
+    clock: StageClock | None
 
     def gather(self, recs: np.ndarray) -> Any: ...
 
@@ -113,6 +116,7 @@ class HostGatherer:
     """``host``: native gather into a preallocated host tensor, then the apps' transform."""
 
     method = "host"
+    clock: StageClock | None = None
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int) -> None:
         import torch
@@ -131,7 +135,12 @@ class HostGatherer:
         host = self._host[:arr.size]
         self.pool.gather(arr, host)
         self.statuses = np.zeros(arr.size, dtype=np.int32)
-        return preprocess(host, self.dtype)
+        if self.clock is not None:
+            self.clock.lap("gather")
+        out = preprocess(host, self.dtype)
+        if self.clock is not None:
+            self.clock.lap("preprocess")
+        return out
 
     def close(self) -> None:
         """Nothing to release (the host tensor goes with the object)."""
@@ -162,6 +171,7 @@ class _CudaGatherer:
     """Shared by gpu_dma and cuda_copy: the pinned pool, the device batch, the stream."""
 
     method = ""
+    clock: StageClock | None = None
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
                  stream: Any, interval_us: float, timeout_s: float) -> None:
@@ -247,8 +257,12 @@ class CudaCopyGatherer(_CudaGatherer):
                                   stream=self.stream, expect_dtype=-1, statuses=st)
         self._finish(placed, st)
         rows = self.batch.tensor[:arr.size]
+        if self.clock is not None:
+            self.clock.lap("gather")
         if self.dtype == "uint8":
-            return rows.to(torch.float32).div_(255.0)
+            rows = rows.to(torch.float32).div_(255.0)
+            if self.clock is not None:
+                self.clock.lap("preprocess")
         return rows
 
 

@@ -19,12 +19,14 @@ and puts ``"hist": self.stats.hist.to_wire()`` into its heartbeat.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "DurationHistogram", "RequestHistograms", "add_wire"]
+__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "STAGES", "DurationHistogram", "RequestHistograms", "StageClock",
+           "add_wire"]
 
 #: Upper bounds (seconds) of the duration buckets; a last, implicit bucket is +Inf.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -143,3 +145,89 @@ def add_wire(into: Mapping[str, Any] | None, other: Mapping[str, Any] | None) ->
     h = RequestHistograms.from_wire(into or {})
     h.merge(RequestHistograms.from_wire(other or {}))
     return h.to_wire()
+
+
+#: The stages of an instance's per-batch path, in order, as `StageClock` reports them.
+#: ``reassembly``: first datagram at the ingest to the request complete (oldest request of the batch);
+#: ``delivery``: complete to the instance taking it off its ring (ring hand-off and wake-up);
+#: ``wait``: taken to the start of the gather (expiry, the batching decision, any batching wait);
+#: ``gather``, ``preprocess``, ``model``: the seams of the data path; ``respond``: the logits to
+#: numpy plus the answer seam (responses sent and records released).
+STAGES: tuple[str, ...] = ("reassembly", "delivery", "wait", "gather", "preprocess", "model", "respond")
+
+
+class StageClock:
+    """Per-batch stage durations on CLOCK_MONOTONIC, cheap enough to leave on in the serving loop.
+
+    A batch is ``start()``-ed when its first request is taken (``start_ns`` defaults to now), each
+    stage is closed with ``lap(stage)`` (the time since the previous mark, added to that stage: a
+    stage may be lapped several times in one batch), ``observe(stage, ns)`` adds a duration measured
+    elsewhere, and ``end()`` commits the batch: one sample per stage (0 for a stage the batch did not
+    go through) into a bounded reservoir of the last `window` batches. Costs two clock reads and a
+    list update per lap; percentiles are computed only by `snapshot`. Not thread-safe.
+    """
+
+    __slots__ = ("_cur", "_index", "_last_ns", "_samples", "batches", "running", "stages", "start_ns", "window")
+
+    def __init__(self, stages: Sequence[str] = STAGES, window: int = 1024) -> None:
+        if not stages or len(set(stages)) != len(stages):
+            raise ValueError(f"stages must be distinct names, got {stages!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.stages = tuple(stages)
+        self.window = window
+        self._index = {s: i for i, s in enumerate(self.stages)}
+        self._samples = np.zeros((window, len(self.stages)), np.int64)
+        self._cur = [0] * len(self.stages)
+        self.batches = 0  # committed since creation (the reservoir holds the last `window`)
+        self.running = False
+        self.start_ns = 0
+        self._last_ns = 0
+
+    def start(self, start_ns: int | None = None) -> None:
+        """Begin a batch (a batch already running is dropped uncommitted)."""
+        now = time.monotonic_ns() if start_ns is None else int(start_ns)
+        self._cur = [0] * len(self.stages)
+        self.start_ns = self._last_ns = now
+        self.running = True
+
+    def lap(self, stage: str) -> None:
+        """Add the time since the previous mark to `stage` (KeyError for an unknown stage)."""
+        now = time.monotonic_ns()
+        self._cur[self._index[stage]] += now - self._last_ns
+        self._last_ns = now
+
+    def observe(self, stage: str, ns: int) -> None:
+        """Add a duration measured elsewhere to `stage` (negative durations count as 0)."""
+        self._cur[self._index[stage]] += max(0, int(ns))
+
+    def cancel(self) -> None:
+        """Drop the running batch uncommitted (it was not served: all its requests failed)."""
+        self.running = False
+
+    def end(self) -> None:
+        """Commit the running batch (nothing happens if none runs)."""
+        if not self.running:
+            return
+        self._samples[self.batches % self.window] = self._cur
+        self.batches += 1
+        self.running = False
+
+    def samples_ms(self) -> dict[str, np.ndarray]:
+        """The reservoir, per stage, in ms (oldest first)."""
+        n = min(self.batches, self.window)
+        rows = np.roll(self._samples, -(self.batches % self.window), axis=0)[-n:] if n else self._samples[:0]
+        return {s: rows[:, i] / 1e6 for i, s in enumerate(self.stages)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"batches": n, "<stage>": {"p50_ms", "p99_ms", "mean_ms"}, ...}`` over the reservoir
+        (plain JSON; the stage figures are None before the first batch)."""
+        out: dict[str, Any] = {"batches": self.batches}
+        for s, v in self.samples_ms().items():
+            if v.size:
+                p50, p99 = np.percentile(v, (50, 99))
+                out[s] = {"p50_ms": round(float(p50), 4), "p99_ms": round(float(p99), 4),
+                          "mean_ms": round(float(v.mean()), 4)}
+            else:
+                out[s] = {"p50_ms": None, "p99_ms": None, "mean_ms": None}
+        return out

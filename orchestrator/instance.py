@@ -47,7 +47,7 @@ from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
 from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.respond import Responder
-from gpuprims.stats import RequestHistograms
+from gpuprims.stats import RequestHistograms, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.control import connect_instance_from_env
 from orchestrator.logs import setup_logging
@@ -187,6 +187,7 @@ class LatencyStats:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.busy_ms = 0.0  # time spent running the model
         self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
+        self.stages = StageClock()  # per-batch stage breakdown (gpuprims.stats.STAGES)
         self.started = time.monotonic()
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
@@ -213,6 +214,7 @@ class LatencyStats:
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "hist": self.hist.to_wire(),
+            "stages": self.stages.snapshot(),
             "uptime_s": elapsed,
         }
 
@@ -277,6 +279,7 @@ class Instance:
         # (the spec's gather_method may pick the CUDA-Copy baseline); the native host gather on cpu.
         self.gatherer = make_gatherer(self.spec.backend, self.pool, tuple(self.spec.input_shape), self.spec.dtype,
                                       self.spec.max_batch, self.spec.gpu, self.spec.gather_method)
+        self.gatherer.clock = self.stats.stages
         self.runner = ModelRunner(self.spec.backend, self.spec.gpu, stream=self.gatherer.stream)
         if self.spec.dispatched:
             self._measure_stages()  # the scheduler's starting profile, needed even without warm-up
@@ -361,6 +364,8 @@ class Instance:
     def _pull(self, timeout_ms: float) -> None:
         recs = self.consumer.poll(64, timeout_ms)
         if recs.size:
+            if not self.stats.stages.running:
+                self.stats.stages.start()  # the next batch's clock starts when its first request is taken
             info = self.pool.requests(recs)
             self.stats.counts["received"] += int(recs.size)
             for r, row in zip(recs.tolist(), info):
@@ -460,18 +465,40 @@ class Instance:
         return out if isinstance(out, list) else [(np.arange(n), out)]
 
     def _serve_batch(self, take: int) -> None:
+        clock = self.stats.stages
+        if not clock.running:
+            clock.start()
+        clock.lap("wait")
         gathered = self.gather([self.queue.popleft() for _ in range(take)])
         if gathered is None:
+            clock.cancel()
             return
         recs, info, x = gathered
+        clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
         done = self._timed_run(self.model, x, "model", recs, info)
         if done is None:
+            clock.cancel()
             return
+        clock.lap("model")
         out, model_ms = done
         self.policy.observe(recs.size, model_ms)
         for rows, group in self._groups(out, recs.size):
             self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
                          compute_s=model_ms / 1e3)
+        clock.lap("respond")
+        self._clock_ingest(info)
+        clock.end()
+        if self.queue:
+            clock.start()  # requests left in the local queue: the next batch's wait starts now
+
+    def _clock_ingest(self, info: np.ndarray) -> None:
+        """The ingest-side stages of the batch's oldest request: reassembly (first datagram to complete)
+        and delivery (complete to taken off the ring by this instance)."""
+        oldest = info[int(np.argmin(info["first_ns"]))]
+        first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
+        if complete >= first > 0:
+            self.stats.stages.observe("reassembly", complete - first)
+            self.stats.stages.observe("delivery", self.stats.stages.start_ns - complete)
 
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
