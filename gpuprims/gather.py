@@ -126,15 +126,21 @@ class HostGatherer:
         self.max_batch = max_batch
         self.stream = None
         self._host = torch.empty((max_batch, *input_shape), dtype=torch.uint8 if dtype == "uint8" else torch.float32)
-        self.statuses = np.zeros(0, dtype=np.int32)
+        # Made once, not per batch: the batch's rows as bytes for the pool, the tensor of the first n
+        # rows for each n, and all-OK verdicts (a host gather has no per-row verdicts).
+        self._bytes = self._host.numpy().reshape(max_batch, -1).view(np.uint8)
+        self._rows = [self._host[:n] for n in range(max_batch + 1)]
+        self._ok = np.zeros(max_batch, dtype=np.int32)
+        self._ok.flags.writeable = False
+        self.statuses = self._ok[:0]
 
     def gather(self, recs: np.ndarray) -> Any:
         """float32 rows for `recs`; raises ValueError (from the pool) if a request has the wrong size.
         The result is valid until the next gather."""
         arr = _records(recs, self.max_batch)
-        host = self._host[:arr.size]
-        self.pool.gather(arr, host)
-        self.statuses = np.zeros(arr.size, dtype=np.int32)
+        self.pool.gather(arr, self._bytes)
+        host = self._rows[arr.size]
+        self.statuses = self._ok[:arr.size]
         if self.clock is not None:
             self.clock.lap("gather")
         out = preprocess(host, self.dtype)

@@ -18,9 +18,10 @@ and puts ``"hist": self.stats.hist.to_wire()`` into its heartbeat.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,10 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 )
 #: The histograms of one instance, by wire key.
 HISTOGRAMS = ("request", "queue", "compute")
+#: Up to this many durations at once are counted one by one in Python: an instance's batch is small,
+#: and a handful of scalar updates costs far less than a dozen numpy calls on a core whose caches the
+#: model has just filled (bench/stage_cost).
+_SMALL = 16
 
 
 class DurationHistogram:
@@ -59,6 +64,16 @@ class DurationHistogram:
         idx = np.searchsorted(np.asarray(DURATION_BUCKETS_S), v, side="left")
         self.counts += np.bincount(idx, minlength=self.counts.size)
         self.sum_s += float(v[np.isfinite(v)].sum())
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        """Add `count` observations of one duration (the scalar form of `observe`, same rules)."""
+        v = float(seconds)
+        if v != v:
+            raise ValueError("durations must not be NaN")
+        v = max(v, 0.0)
+        self.counts[bisect.bisect_left(DURATION_BUCKETS_S, v)] += count
+        if v != math.inf:
+            self.sum_s += v * count
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations <= bound) for every bucket, ending with (inf, count)."""
@@ -109,6 +124,12 @@ class RequestHistograms:
             return
         if not start_ns <= end_ns <= done_ns:
             raise ValueError(f"need start_ns <= end_ns <= done_ns, got {start_ns}, {end_ns}, {done_ns}")
+        if first.size <= _SMALL:
+            for f in first.tolist():
+                self.request.add((done_ns - f) / 1e9)
+                self.queue.add((start_ns - f) / 1e9)
+            self.compute.add((end_ns - start_ns) / 1e9, first.size)
+            return
         self.request.observe((done_ns - first) / 1e9)
         self.queue.observe((start_ns - first) / 1e9)
         self.compute.observe(np.full(first.size, (end_ns - start_ns) / 1e9))
@@ -165,17 +186,24 @@ class StageClock:
     elsewhere, and ``end()`` commits the batch: one sample per stage (0 for a stage the batch did not
     go through) into a bounded reservoir of the last `window` batches. Costs two clock reads and a
     list update per lap; percentiles are computed only by `snapshot`. Not thread-safe.
+
+    `clock` is the time source in ns (CLOCK_MONOTONIC, the pool's clock; a benchmark may pass
+    ``time.thread_time_ns`` to see the CPU time of each stage, where durations observed from the
+    pool's timestamps mean nothing).
     """
 
-    __slots__ = ("_cur", "_index", "_last_ns", "_samples", "batches", "running", "stages", "start_ns", "window")
+    __slots__ = ("_clock", "_cur", "_index", "_last_ns", "_samples", "batches", "running", "stages", "start_ns",
+                 "window")
 
-    def __init__(self, stages: Sequence[str] = STAGES, window: int = 1024) -> None:
+    def __init__(self, stages: Sequence[str] = STAGES, window: int = 1024,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         if not stages or len(set(stages)) != len(stages):
             raise ValueError(f"stages must be distinct names, got {stages!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         self.stages = tuple(stages)
         self.window = window
+        self._clock = clock
         self._index = {s: i for i, s in enumerate(self.stages)}
         self._samples = np.zeros((window, len(self.stages)), np.int64)
         self._cur = [0] * len(self.stages)
@@ -186,14 +214,14 @@ class StageClock:
 
     def start(self, start_ns: int | None = None) -> None:
         """Begin a batch (a batch already running is dropped uncommitted)."""
-        now = time.monotonic_ns() if start_ns is None else int(start_ns)
+        now = self._clock() if start_ns is None else int(start_ns)
         self._cur = [0] * len(self.stages)
         self.start_ns = self._last_ns = now
         self.running = True
 
     def lap(self, stage: str) -> None:
         """Add the time since the previous mark to `stage` (KeyError for an unknown stage)."""
-        now = time.monotonic_ns()
+        now = self._clock()
         self._cur[self._index[stage]] += now - self._last_ns
         self._last_ns = now
 

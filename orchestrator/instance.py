@@ -72,6 +72,8 @@ PROBE_AFTER_S = 1.0
 #: How long closing the control socket may wait for queued messages to leave (bounded if the
 #: orchestrator is gone).
 LAST_WORDS_MS = 2000
+#: The most requests one poll of the ring takes into the local queue.
+PULL_MAX = 64
 log = logging.getLogger("gpuprims.instance")
 
 
@@ -235,6 +237,9 @@ class Instance:
         self.device: Any = None
         self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
         self.wire_dtype = int(DType.UINT8 if spec.dtype == "uint8" else DType.FLOAT32)
+        # Wire dtypes a body may name (by code): the app's, or untyped BYTES.
+        self._dtype_ok = np.zeros(256, dtype=bool)
+        self._dtype_ok[[self.wire_dtype, int(DType.BYTES)]] = True
         self.finishing = False
         self.stopping = False
         self.initialized = False
@@ -361,8 +366,9 @@ class Instance:
             self.policy.observe(b, ms)
 
     # -- serving -----------------------------------------------------------------------------------
-    def _pull(self, timeout_ms: float) -> None:
-        recs = self.consumer.poll(64, timeout_ms)
+    def _pull(self, timeout_ms: float) -> int:
+        """Take up to PULL_MAX complete requests into the local queue; returns how many."""
+        recs = self.consumer.poll(PULL_MAX, timeout_ms)
         if recs.size:
             if not self.stats.stages.running:
                 self.stats.stages.start()  # the next batch's clock starts when its first request is taken
@@ -370,6 +376,7 @@ class Instance:
             self.stats.counts["received"] += int(recs.size)
             for r, row in zip(recs.tolist(), info):
                 self.queue.append((r, row))
+        return int(recs.size)
 
     def _deadline_ms(self, row: np.ndarray) -> float:
         d = int(row["deadline_us"])
@@ -410,8 +417,7 @@ class Instance:
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
         # The body must be the app's input: its size, and its wire dtype when it names one (a uint8 body of
         # a float32 app's byte size is not a float32 image; untyped BYTES bodies are taken as the app's).
-        bad = (info["total_len"] != self.row_bytes) | ((info["dtype"] != self.wire_dtype)
-                                                       & (info["dtype"] != int(DType.BYTES)))
+        bad = (info["total_len"] != self.row_bytes) | ~self._dtype_ok[info["dtype"]]
         if bad.any():
             self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
             recs, info = recs[~bad], info[~bad]
@@ -419,8 +425,8 @@ class Instance:
             return None
         assert self.gatherer is not None
         x = self.gatherer.gather(recs)  # valid until the next gather
-        ok = self.gatherer.statuses == 0
-        if ok.size and not ok.all():  # the GPU-DMA kernel's verdicts on the records it read
+        if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
+            ok = self.gatherer.statuses == 0
             self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
             recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]
             if not recs.size:
@@ -482,9 +488,12 @@ class Instance:
         clock.lap("model")
         out, model_ms = done
         self.policy.observe(recs.size, model_ms)
-        for rows, group in self._groups(out, recs.size):
-            self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
-                         compute_s=model_ms / 1e3)
+        if isinstance(out, list):  # a DAG app's groups of rows
+            for rows, group in out:
+                self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                             compute_s=model_ms / 1e3)
+        else:  # one model: the whole batch, without copying its records into groups
+            self._answer(recs, info, out.float().cpu().numpy().reshape(recs.size, -1), compute_s=model_ms / 1e3)
         clock.lap("respond")
         self._clock_ingest(info)
         clock.end()
@@ -503,16 +512,18 @@ class Instance:
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
         now = time.monotonic_ns()
+        pulled = 0
         if self.queue:
             oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
             decision = self.policy.decide(len(self.queue), oldest_age)
             if decision.take == 0:
-                self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
+                pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
         else:
-            self._pull(max_wait_ms)
+            pulled = self._pull(max_wait_ms)
         if not self.queue:
             return
-        self._pull(0)
+        if pulled in (0, PULL_MAX):  # a pull that just returned took all there was (unless it was full)
+            self._pull(0)
         self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
         if not self.queue:
             return

@@ -116,3 +116,31 @@ def test_stage_clock_before_any_batch_and_bad_arguments() -> None:
     clock.start()
     with pytest.raises(KeyError):
         clock.lap("nope")
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 40])
+def test_small_batches_count_exactly_as_the_vectorised_path(n: int) -> None:
+    rng = np.random.default_rng(n)
+    done = 10_000_000_000
+    first = done - rng.integers(0, 3_000_000_000, n)  # up to 3 s old, across many buckets
+    first[0] = done + 5  # a clock step: a negative duration counts as 0
+    fast, ref = RequestHistograms(), RequestHistograms()
+    fast.observe_batch(first, start_ns=done - 7_000_000, end_ns=done - 1_000, done_ns=done)
+    ref.request.observe((done - first) / 1e9)
+    ref.queue.observe((done - 7_000_000 - first) / 1e9)
+    ref.compute.observe(np.full(n, (7_000_000 - 1_000) / 1e9))
+    for k in ("request", "queue", "compute"):
+        a, b = getattr(fast, k), getattr(ref, k)
+        assert a.counts.tolist() == b.counts.tolist(), k
+        assert a.sum_s == pytest.approx(b.sum_s, rel=1e-12), k
+
+
+def test_scalar_add_follows_observe_rules() -> None:
+    h = DurationHistogram()
+    h.add(DURATION_BUCKETS_S[2], count=3)  # on a bound: that bucket
+    h.add(math.inf)  # the +Inf bucket, not in the sum
+    h.add(-1.0)  # negative: 0
+    assert h.counts[2] == 3 and h.counts[-1] == 1 and h.counts[0] == 1
+    assert h.sum_s == pytest.approx(3 * DURATION_BUCKETS_S[2])
+    with pytest.raises(ValueError, match="NaN"):
+        h.add(float("nan"))

@@ -130,3 +130,23 @@ def test_stage_breakdown_of_a_served_batch_is_in_the_stats(setup: tuple[Instance
     # and the model stage encloses the model call the instance times.
     assert sum(ms.values()) >= snap["p50_ms"] - 1e-3  # stage figures are rounded to 0.1 us
     assert ms["model"] >= inst.stats.model_ms[-1] - 1e-3
+
+
+def test_a_step_that_just_took_requests_does_not_poll_the_ring_again(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    polls: list[float] = []
+    poll = inst.consumer.poll
+
+    def counting(max_n: int = 32, timeout_ms: float = 100.0, **kw: int) -> np.ndarray:
+        polls.append(timeout_ms)
+        return poll(max_n, timeout_ms, **kw)
+
+    inst.consumer.poll = counting  # type: ignore[method-assign]
+    _send(ing, sock, 21)
+    deadline = time.monotonic() + 10
+    while inst.stats.counts["ok"] == 0 and time.monotonic() < deadline:
+        polls.clear()
+        inst.step(max_wait_ms=10)
+    assert inst.stats.counts["ok"] == 1
+    assert polls == [10]  # the step that served it polled once (waiting), not once more with timeout 0
