@@ -23,12 +23,14 @@ Run: ``python3 -m bench.e2e [--quick]``. Reports, never asserts.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import select
 import socket
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,6 +194,16 @@ def best_rate(steps: list[dict[str, Any]]) -> float:
 
 def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     cores, threads = share()
+    # This process (the node's control loop, its ingest thread and the traffic client, which all
+    # inherit this thread's affinity) stays off the instance's cores, as the setup above says; the
+    # model-alone measurements pin themselves to the instance's cores for their duration.
+    free = sorted(set(os.sched_getaffinity(0)) - set(cores))
+    with sv.pinned(free or cores, threads):
+        return _run_model(model_name, slo_ms, quick, cores, threads)
+
+
+def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], threads: int
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
     segments = 2 if quick else SEGMENTS
     seg_s = (4.0 if quick else 16.0) / segments
     step_s = 1.5 if quick else 3.0
@@ -324,10 +336,24 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _headline(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The figures of an earlier e2e result worth setting beside a new one."""
+    keep = ("added_p50_ms", "added_p99_ms", "model_p50_ms", "model_p99_ms", "model_backtoback_p50_ms",
+            "instance_model_p50_ms", "instance_model_ratio", "added_vs_instance_model_p50_ms", "e2e_p50_ms",
+            "e2e_p99_ms", "throughput_rps", "baseline_throughput_rps")
+    summary = doc.get("summary", {})
+    figures = {k: v for k, v in summary.items() if k.split(".", 1)[-1] in keep or k.split(".", 1)[-1].startswith("stage_")}
+    return {"source": source, "date": doc.get("date"), "git": doc.get("git"),
+            "load_avg_before": doc.get("machine", {}).get("load_avg_before"),
+            "load_avg_after": doc.get("machine", {}).get("load_avg_after"), "summary": figures}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer rate steps")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--before", action="append", default=[], metavar="FILE",
+                    help="an earlier e2e.json whose headline figures are kept under 'before' (repeatable)")
     args = ap.parse_args()
     models = args.models.split(",")
     if "mobilenet_v2" not in models or any(m not in MODELS for m in models):
@@ -342,12 +368,18 @@ def main() -> None:
              "from half the estimated batch-8 capacity) with >= 99% of requests answered OK within the SLO; "
              "baseline = a single Python process (socket, wire reassembly, batch <= 8, model, answer) pinned to the "
              "same core, so its receive path competes with the model while the node's ingest runs outside the share. "
-             "The low-load figures are taken in segments alternating traffic through the node with the model alone "
+             "This process (node loop, ingest thread, traffic client) is pinned to the core the instance does not "
+             "use. The low-load figures are taken in segments alternating traffic through the node with the model alone "
              "(same pace), so the machine's load falls on both alike; instance_model_ratio = the model time the "
              "instance measured (p50) / the model alone, paced (p50). stage_<s>_p50/p99_ms: the instance's per-batch "
              "breakdown (gpuprims.stats.STAGES) over the low-load batches, warm-up requests included. "
              "Shared 2-core machine: other developers' load adds noise; see the load averages.")
+    before = [_headline(json.loads(Path(f).read_text()), f) for f in args.before]
     path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes, load_avg_before=load_before)
+    if before:
+        doc = json.loads(path.read_text())
+        doc["before"] = before
+        path.write_text(json.dumps(doc, indent=1))
     plot(res, str(path.with_suffix(".png")))
     print(path)
     for k, v in res["summary"].items():

@@ -17,7 +17,10 @@ settings switched on:
   instead of three calls at batch 1;
 - ``denormal``: ``torch.set_flush_denormal(True)``;
 - ``runner``: the instance's ModelRunner (inference_mode entered per call) and its timer (model
-  call only, not the logits' copy to numpy).
+  call only, not the logits' copy to numpy);
+- ``tick``: during the call, another process on the same core wakes every millisecond, as the node's
+  ingest thread does for its timeouts when nothing keeps it off the instance's core (the node process
+  is not pinned); it is stopped (SIGSTOP) outside this variant's calls.
 
 ``instance`` has all of them but ``denormal`` (the instance as it was); ``instance-fixed`` is what the
 instance now does. Run: ``python -m bench.model_inside [--quick]``. Reports, never asserts.
@@ -28,6 +31,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -42,7 +48,7 @@ MAX_BATCH = 8
 RATE = 10.0
 #: Each call gets a slot this long (a MobileNetV2 call takes ~10 ms), so the core idles between calls.
 SLOT_S = 0.02
-FACTORS = ("env", "shm", "image", "buffer", "warm", "denormal", "runner")
+FACTORS = ("env", "shm", "image", "buffer", "warm", "denormal", "runner", "tick")
 INSTANCE = ("env", "shm", "image", "buffer", "warm", "runner")
 
 
@@ -114,12 +120,30 @@ def _child(model_name: str, factors: tuple[str, ...], cores: list[int], threads:
             model(inp).float().cpu().numpy()
             return (time.perf_counter_ns() - t) / 1e6
 
+    ticker = None
+    if "tick" in factors:
+        code = (f"import os, time\nos.sched_setaffinity(0, {cores!r})\n"
+                "while True:\n    time.sleep(0.001)\n")
+        ticker = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(0.5)
+        ticker.send_signal(signal.SIGSTOP)
     conn.send("ready")
-    while True:
-        n = conn.recv()
-        if n is None:
-            break
-        conn.send([once() for _ in range(n)])
+    try:
+        while True:
+            n = conn.recv()
+            if n is None:
+                break
+            if ticker is not None:
+                ticker.send_signal(signal.SIGCONT)
+                time.sleep(0.002)
+            got = [once() for _ in range(n)]
+            if ticker is not None:
+                ticker.send_signal(signal.SIGSTOP)
+            conn.send(got)
+    finally:
+        if ticker is not None:
+            ticker.kill()
+            ticker.wait()
     del keep
 
 

@@ -526,6 +526,7 @@ class Instance:
             self._pull(0)
         self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
         if not self.queue:
+            self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
             return
         oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
         decision = self.policy.decide(len(self.queue), oldest_age)

@@ -150,3 +150,15 @@ def test_a_step_that_just_took_requests_does_not_poll_the_ring_again(
         inst.step(max_wait_ms=10)
     assert inst.stats.counts["ok"] == 1
     assert polls == [10]  # the step that served it polled once (waiting), not once more with timeout 0
+
+
+def test_a_batch_that_all_expired_leaves_no_stage_clock_running(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    _send(ing, sock, 31)
+    assert _answer(inst, sock).status == Status.OK  # a batch ran just now: predictions are trusted
+    for _ in range(40):
+        inst.policy.observe(1, 10_000.0)  # every request now "cannot make it"
+    _send(ing, sock, 32)
+    assert _answer(inst, sock).status == Status.DEADLINE_MISSED
+    assert not inst.stats.stages.running  # its wait is not carried into the next served batch
+    assert inst.stats.stages.batches == 1
