@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from bench import serving as sv
-from bench.common import percentiles, write_result
+from bench.common import load_note, percentiles, write_result
 from gpuprims import wire
 from gpuprims.cpushare import plan_cpu_shares
 
@@ -375,7 +375,7 @@ def main() -> None:
              "breakdown (gpuprims.stats.STAGES) over the low-load batches, warm-up requests included. "
              "Shared 2-core machine: other developers' load adds noise; see the load averages.")
     before = [_headline(json.loads(Path(f).read_text()), f) for f in args.before]
-    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes, load_avg_before=load_before)
+    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes + load_note(load_before), load_avg_before=load_before)
     if before:
         doc = json.loads(path.read_text())
         doc["before"] = before

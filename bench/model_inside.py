@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import percentiles, write_result
+from bench.common import load_note, percentiles, write_result
 from gpuprims.cpushare import CpuShare, plan_cpu_shares
 
 SHAPE = (3, 64, 64)
@@ -214,7 +214,7 @@ def main() -> None:
              f"each call in a {SLOT_S * 1e3:.0f} ms slot, so the core idles between calls. ratio_to_plain = "
              "p50 / plain's p50. Shared 2-core machine: see the load average.")
     path = write_result("model_inside", "cpu", summary, {"cores": res["cores"], "threads": res["threads"],
-                                                         "ms": res["samples"]}, notes=notes, load_avg_before=load_before)
+                                                         "ms": res["samples"]}, notes=notes + load_note(load_before), load_avg_before=load_before)
     print(path)
     for k, v in summary.items():
         print(f"{k:>40}: {v}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import load_note, write_result
 from gpuprims import wire
 from gpuprims.cpushare import plan_cpu_shares
 from gpuprims.ingest import Ingest
@@ -116,7 +116,7 @@ def main() -> None:
              "alternate batch by batch. *_framework_* = every stage but the model, summed per batch "
              "(wall: from the first datagram at the ingest to the answer sent and released).")
     path = write_result("stage_cost", "cpu", summary, {"ms": {k: res[k] for k in ("cpu", "wall")},
-                                                       "cores": res["cores"]}, notes=notes,
+                                                       "cores": res["cores"]}, notes=notes + load_note(load_before),
                         load_avg_before=load_before, name=args.name)
     print(path)
     for k, v in summary.items():
