@@ -107,6 +107,17 @@ def results_dir(backend: str) -> Path:
     return d
 
 
+def load_note(load_avg_before: Any, busy: float = 1.5) -> str:
+    """A sentence for a result's notes when the 1-minute load average, before or now, is above `busy`."""
+    now = os.getloadavg()[0]
+    was = float(load_avg_before[0])
+    if max(was, now) <= busy:
+        return ""
+    return (f" BUSY MACHINE: the 1-minute load average was {was:.1f} before the run and {now:.1f} after it "
+            f"(above {busy:g} on {os.cpu_count()} cores, other work shared them), so absolute times are inflated "
+            "and noisy; compare only figures taken interleaved in the same run.")
+
+
 def write_result(experiment: str, backend: str, summary: dict[str, Any], samples: dict[str, Any],
                  *, notes: str = "", large_samples: bool = False, load_avg_before: Any = None,
                  name: str | None = None) -> Path:

@@ -23,18 +23,20 @@ Run: ``python3 -m bench.e2e [--quick]``. Reports, never asserts.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import select
 import socket
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import serving as sv
-from bench.common import percentiles, write_result
+from bench.common import load_note, percentiles, write_result
 from gpuprims import wire
 from gpuprims.cpushare import plan_cpu_shares
 
@@ -44,6 +46,8 @@ MAX_BATCH = 8
 LOW_RATE = 10.0
 MODELS = {"mobilenet_v2": {"slo_ms": 100.0}, "resnet50": {"slo_ms": 250.0}}
 STEP = 1.2
+#: Low-load segments, alternating traffic through the node with the model alone (the same pace).
+SEGMENTS = 6
 
 
 def share() -> tuple[list[int], int]:
@@ -190,15 +194,26 @@ def best_rate(steps: list[dict[str, Any]]) -> float:
 
 def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     cores, threads = share()
-    low_s = 4.0 if quick else 15.0
+    # This process (the node's control loop, its ingest thread and the traffic client, which all
+    # inherit this thread's affinity) stays off the instance's cores, as the setup above says; the
+    # model-alone measurements pin themselves to the instance's cores for their duration.
+    free = sorted(set(os.sched_getaffinity(0)) - set(cores))
+    with sv.pinned(free or cores, threads):
+        return _run_model(model_name, slo_ms, quick, cores, threads)
+
+
+def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], threads: int
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    segments = 2 if quick else SEGMENTS
+    seg_s = (4.0 if quick else 16.0) / segments
     step_s = 1.5 if quick else 3.0
     steps = 3 if quick else 6
-    n_low = int(LOW_RATE * low_s)
+    n_seg = int(LOW_RATE * seg_s)
     timeout_s = max(1.0, 2 * slo_ms / 1e3)
 
-    # The model alone, on the instance's core share: paced like the traffic, and back to back.
-    model_paced = paced_model_ms(model_name, cores, threads, n_low, LOW_RATE)
-    model_b2b = sv.torch_latency_ms(model_name, SHAPE, 1, cores=cores, threads=threads, reps=n_low)
+    # The model alone, on the instance's core share, back to back (the paced figure is taken below,
+    # interleaved with the traffic through the node).
+    model_b2b = sv.torch_latency_ms(model_name, SHAPE, 1, cores=cores, threads=threads, reps=n_seg * segments)
     model_b8 = sv.torch_latency_ms(model_name, SHAPE, MAX_BATCH, cores=cores, threads=threads,
                                    reps=5 if quick else 10)
     cap_rps = MAX_BATCH * 1e3 / float(np.median(model_b8))
@@ -208,9 +223,17 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
                                  max_batch=MAX_BATCH, max_wait_ms=0.0)])
     with sv.running_node(cfg) as node:
         port = sv.port_of(node)
-        rep = sv.drive(node, [sv.stream(1, SHAPE, LOW_RATE, low_s, port)], timeout_s=timeout_s, slo_ms=slo_ms)
-        low = sv.app_stats(rep, 1, slo_ms)
-        e2e_lat = sv.latencies_ms(rep, 1)
+        # Low load, interleaved: a segment of traffic through the node, then a segment of the model alone
+        # paced the same way, so that the machine's load (shared) falls on both alike.
+        lows, e2e_parts, paced_parts = [], [], []
+        for _ in range(segments):
+            rep = sv.drive(node, [sv.stream(1, SHAPE, LOW_RATE, seg_s, port)], timeout_s=timeout_s, slo_ms=slo_ms)
+            lows.append(sv.app_stats(rep, 1, slo_ms))
+            e2e_parts.append(sv.latencies_ms(rep, 1))
+            paced_parts.append(paced_model_ms(model_name, cores, threads, n_seg, LOW_RATE))
+        e2e_lat = np.concatenate(e2e_parts)
+        model_paced = np.concatenate(paced_parts)
+        low = {"sent": sum(x["sent"] for x in lows), "lost": sum(x["lost"] for x in lows), "segments": lows}
         inst = sv.instance_stats(node, "e2e")
 
         def via_node(rate: float, dur: float) -> dict[str, Any]:
@@ -233,6 +256,8 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
     e2e_p = percentiles(e2e_lat)
     mp_ = percentiles(model_paced)
     inst_model = inst["instances"][0]["model_p50_ms"] if inst["instances"] else None
+    stages = (inst["instances"][0].get("stages") or {}) if inst["instances"] else {}
+    per_stage = {f"stage_{k}_{q}": v[q] for k, v in stages.items() if isinstance(v, dict) for q in ("p50_ms", "p99_ms")}
     summary = {
         "added_p50_ms": round(e2e_p["p50"] - mp_["p50"], 3),
         "added_p99_ms": round(e2e_p["p99"] - mp_["p99"], 3),
@@ -240,6 +265,7 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
         "model_p99_ms": round(mp_["p99"], 3),
         "model_backtoback_p50_ms": round(float(np.median(model_b2b)), 3),
         "instance_model_p50_ms": round(inst_model, 3) if inst_model is not None else None,
+        "instance_model_ratio": round(inst_model / mp_["p50"], 3) if inst_model is not None else None,
         "added_vs_instance_model_p50_ms": round(e2e_p["p50"] - inst_model, 3) if inst_model is not None else None,
         "e2e_p50_ms": round(e2e_p["p50"], 3),
         "e2e_p99_ms": round(e2e_p["p99"], 3),
@@ -249,6 +275,7 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
         "throughput_ratio": round(best_rate(node_steps) / best_rate(plain_steps), 3) if best_rate(plain_steps) else None,
         "model_b8_p50_ms": round(float(np.median(model_b8)), 3),
         "slo_ms": slo_ms,
+        **per_stage,
     }
     samples = {"e2e_ms": e2e_lat, "model_paced_ms": model_paced, "model_backtoback_ms": model_b2b,
                "model_b8_ms": model_b8, "low_load": low, "node_instance": inst,
@@ -256,10 +283,11 @@ def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, An
     return summary, samples
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, models: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     samples: dict[str, Any] = {}
-    for name, m in MODELS.items():
+    for name in models:
+        m = MODELS[name]
         print(f"{name}:", flush=True)
         s, smp = run_model(name, m["slo_ms"], quick)
         for k, v in s.items():
@@ -308,11 +336,30 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _headline(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The figures of an earlier e2e result worth setting beside a new one."""
+    keep = ("added_p50_ms", "added_p99_ms", "model_p50_ms", "model_p99_ms", "model_backtoback_p50_ms",
+            "instance_model_p50_ms", "instance_model_ratio", "added_vs_instance_model_p50_ms", "e2e_p50_ms",
+            "e2e_p99_ms", "throughput_rps", "baseline_throughput_rps")
+    summary = doc.get("summary", {})
+    figures = {k: v for k, v in summary.items() if k.split(".", 1)[-1] in keep or k.split(".", 1)[-1].startswith("stage_")}
+    return {"source": source, "date": doc.get("date"), "git": doc.get("git"),
+            "load_avg_before": doc.get("machine", {}).get("load_avg_before"),
+            "load_avg_after": doc.get("machine", {}).get("load_avg_after"), "summary": figures}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer rate steps")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--before", action="append", default=[], metavar="FILE",
+                    help="an earlier e2e.json whose headline figures are kept under 'before' (repeatable)")
     args = ap.parse_args()
-    res = run(args.quick)
+    models = args.models.split(",")
+    if "mobilenet_v2" not in models or any(m not in MODELS for m in models):
+        ap.error(f"--models must include mobilenet_v2 and name only {list(MODELS)}")
+    load_before = os.getloadavg()
+    res = run(args.quick, models)
     notes = ("CPU backend (no GPU): the app's gpu_pct 50 is one core of two; the node's native ingest, the traffic "
              "client and this process share the other core. Inputs 3x64x64 float32 (48 datagrams). added_* = "
              "client end-to-end minus the model alone at batch 1 measured in torch in the bench process on the same "
@@ -321,8 +368,18 @@ def main() -> None:
              "from half the estimated batch-8 capacity) with >= 99% of requests answered OK within the SLO; "
              "baseline = a single Python process (socket, wire reassembly, batch <= 8, model, answer) pinned to the "
              "same core, so its receive path competes with the model while the node's ingest runs outside the share. "
-             "Shared 2-core machine: other developers' load adds noise.")
-    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes)
+             "This process (node loop, ingest thread, traffic client) is pinned to the core the instance does not "
+             "use. The low-load figures are taken in segments alternating traffic through the node with the model alone "
+             "(same pace), so the machine's load falls on both alike; instance_model_ratio = the model time the "
+             "instance measured (p50) / the model alone, paced (p50). stage_<s>_p50/p99_ms: the instance's per-batch "
+             "breakdown (gpuprims.stats.STAGES) over the low-load batches, warm-up requests included. "
+             "Shared 2-core machine: other developers' load adds noise; see the load averages.")
+    before = [_headline(json.loads(Path(f).read_text()), f) for f in args.before]
+    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes + load_note(load_before), load_avg_before=load_before)
+    if before:
+        doc = json.loads(path.read_text())
+        doc["before"] = before
+        path.write_text(json.dumps(doc, indent=1))
     plot(res, str(path.with_suffix(".png")))
     print(path)
     for k, v in res["summary"].items():

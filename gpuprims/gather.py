@@ -39,6 +39,7 @@ import numpy as np
 from gpuprims.cuda import runtime
 from gpuprims.cuda.dma import UNIT, DeviceRows, PinnedPool, cuda_copy_gather, gpu_dma_async
 from gpuprims.cuda.event import Event, Stream
+from gpuprims.stats import StageClock
 
 Method = Literal["host", "gpu_dma", "cuda_copy"]
 METHODS: tuple[str, ...] = ("host", "gpu_dma", "cuda_copy")
@@ -54,6 +55,8 @@ class Gatherer(Protocol):
     method: str
     statuses: np.ndarray
     stream: Any
+    #: Where a gather laps its ``gather`` and ``preprocess`` stages, if set (the instance's clock).
+    clock: StageClock | None
 
     def gather(self, recs: np.ndarray) -> Any: ...
 
@@ -113,6 +116,7 @@ class HostGatherer:
     """``host``: native gather into a preallocated host tensor, then the apps' transform."""
 
     method = "host"
+    clock: StageClock | None = None
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int) -> None:
         import torch
@@ -122,16 +126,27 @@ class HostGatherer:
         self.max_batch = max_batch
         self.stream = None
         self._host = torch.empty((max_batch, *input_shape), dtype=torch.uint8 if dtype == "uint8" else torch.float32)
-        self.statuses = np.zeros(0, dtype=np.int32)
+        # Made once, not per batch: the batch's rows as bytes for the pool, the tensor of the first n
+        # rows for each n, and all-OK verdicts (a host gather has no per-row verdicts).
+        self._bytes = self._host.numpy().reshape(max_batch, -1).view(np.uint8)
+        self._rows = [self._host[:n] for n in range(max_batch + 1)]
+        self._ok = np.zeros(max_batch, dtype=np.int32)
+        self._ok.flags.writeable = False
+        self.statuses = self._ok[:0]
 
     def gather(self, recs: np.ndarray) -> Any:
         """float32 rows for `recs`; raises ValueError (from the pool) if a request has the wrong size.
         The result is valid until the next gather."""
         arr = _records(recs, self.max_batch)
-        host = self._host[:arr.size]
-        self.pool.gather(arr, host)
-        self.statuses = np.zeros(arr.size, dtype=np.int32)
-        return preprocess(host, self.dtype)
+        self.pool.gather(arr, self._bytes)
+        host = self._rows[arr.size]
+        self.statuses = self._ok[:arr.size]
+        if self.clock is not None:
+            self.clock.lap("gather")
+        out = preprocess(host, self.dtype)
+        if self.clock is not None:
+            self.clock.lap("preprocess")
+        return out
 
     def close(self) -> None:
         """Nothing to release (the host tensor goes with the object)."""
@@ -162,6 +177,7 @@ class _CudaGatherer:
     """Shared by gpu_dma and cuda_copy: the pinned pool, the device batch, the stream."""
 
     method = ""
+    clock: StageClock | None = None
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
                  stream: Any, interval_us: float, timeout_s: float) -> None:
@@ -247,8 +263,12 @@ class CudaCopyGatherer(_CudaGatherer):
                                   stream=self.stream, expect_dtype=-1, statuses=st)
         self._finish(placed, st)
         rows = self.batch.tensor[:arr.size]
+        if self.clock is not None:
+            self.clock.lap("gather")
         if self.dtype == "uint8":
-            return rows.to(torch.float32).div_(255.0)
+            rows = rows.to(torch.float32).div_(255.0)
+            if self.clock is not None:
+                self.clock.lap("preprocess")
         return rows
 
 

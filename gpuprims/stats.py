@@ -18,13 +18,16 @@ and puts ``"hist": self.stats.hist.to_wire()`` into its heartbeat.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "DurationHistogram", "RequestHistograms", "add_wire"]
+__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "STAGES", "DurationHistogram", "RequestHistograms", "StageClock",
+           "add_wire"]
 
 #: Upper bounds (seconds) of the duration buckets; a last, implicit bucket is +Inf.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -32,6 +35,10 @@ DURATION_BUCKETS_S: tuple[float, ...] = (
 )
 #: The histograms of one instance, by wire key.
 HISTOGRAMS = ("request", "queue", "compute")
+#: Up to this many durations at once are counted one by one in Python: an instance's batch is small,
+#: and a handful of scalar updates costs far less than a dozen numpy calls on a core whose caches the
+#: model has just filled (bench/stage_cost).
+_SMALL = 16
 
 
 class DurationHistogram:
@@ -57,6 +64,16 @@ class DurationHistogram:
         idx = np.searchsorted(np.asarray(DURATION_BUCKETS_S), v, side="left")
         self.counts += np.bincount(idx, minlength=self.counts.size)
         self.sum_s += float(v[np.isfinite(v)].sum())
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        """Add `count` observations of one duration (the scalar form of `observe`, same rules)."""
+        v = float(seconds)
+        if v != v:
+            raise ValueError("durations must not be NaN")
+        v = max(v, 0.0)
+        self.counts[bisect.bisect_left(DURATION_BUCKETS_S, v)] += count
+        if v != math.inf:
+            self.sum_s += v * count
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations <= bound) for every bucket, ending with (inf, count)."""
@@ -107,6 +124,12 @@ class RequestHistograms:
             return
         if not start_ns <= end_ns <= done_ns:
             raise ValueError(f"need start_ns <= end_ns <= done_ns, got {start_ns}, {end_ns}, {done_ns}")
+        if first.size <= _SMALL:
+            for f in first.tolist():
+                self.request.add((done_ns - f) / 1e9)
+                self.queue.add((start_ns - f) / 1e9)
+            self.compute.add((end_ns - start_ns) / 1e9, first.size)
+            return
         self.request.observe((done_ns - first) / 1e9)
         self.queue.observe((start_ns - first) / 1e9)
         self.compute.observe(np.full(first.size, (end_ns - start_ns) / 1e9))
@@ -143,3 +166,96 @@ def add_wire(into: Mapping[str, Any] | None, other: Mapping[str, Any] | None) ->
     h = RequestHistograms.from_wire(into or {})
     h.merge(RequestHistograms.from_wire(other or {}))
     return h.to_wire()
+
+
+#: The stages of an instance's per-batch path, in order, as `StageClock` reports them.
+#: ``reassembly``: first datagram at the ingest to the request complete (oldest request of the batch);
+#: ``delivery``: complete to the instance taking it off its ring (ring hand-off and wake-up);
+#: ``wait``: taken to the start of the gather (expiry, the batching decision, any batching wait);
+#: ``gather``, ``preprocess``, ``model``: the seams of the data path; ``respond``: the logits to
+#: numpy plus the answer seam (responses sent and records released).
+STAGES: tuple[str, ...] = ("reassembly", "delivery", "wait", "gather", "preprocess", "model", "respond")
+
+
+class StageClock:
+    """Per-batch stage durations on CLOCK_MONOTONIC, cheap enough to leave on in the serving loop.
+
+    A batch is ``start()``-ed when its first request is taken (``start_ns`` defaults to now), each
+    stage is closed with ``lap(stage)`` (the time since the previous mark, added to that stage: a
+    stage may be lapped several times in one batch), ``observe(stage, ns)`` adds a duration measured
+    elsewhere, and ``end()`` commits the batch: one sample per stage (0 for a stage the batch did not
+    go through) into a bounded reservoir of the last `window` batches. Costs two clock reads and a
+    list update per lap; percentiles are computed only by `snapshot`. Not thread-safe.
+
+    `clock` is the time source in ns (CLOCK_MONOTONIC, the pool's clock; a benchmark may pass
+    ``time.thread_time_ns`` to see the CPU time of each stage, where durations observed from the
+    pool's timestamps mean nothing).
+    """
+
+    __slots__ = ("_clock", "_cur", "_index", "_last_ns", "_samples", "batches", "running", "stages", "start_ns",
+                 "window")
+
+    def __init__(self, stages: Sequence[str] = STAGES, window: int = 1024,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        if not stages or len(set(stages)) != len(stages):
+            raise ValueError(f"stages must be distinct names, got {stages!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.stages = tuple(stages)
+        self.window = window
+        self._clock = clock
+        self._index = {s: i for i, s in enumerate(self.stages)}
+        self._samples = np.zeros((window, len(self.stages)), np.int64)
+        self._cur = [0] * len(self.stages)
+        self.batches = 0  # committed since creation (the reservoir holds the last `window`)
+        self.running = False
+        self.start_ns = 0
+        self._last_ns = 0
+
+    def start(self, start_ns: int | None = None) -> None:
+        """Begin a batch (a batch already running is dropped uncommitted)."""
+        now = self._clock() if start_ns is None else int(start_ns)
+        self._cur = [0] * len(self.stages)
+        self.start_ns = self._last_ns = now
+        self.running = True
+
+    def lap(self, stage: str) -> None:
+        """Add the time since the previous mark to `stage` (KeyError for an unknown stage)."""
+        now = self._clock()
+        self._cur[self._index[stage]] += now - self._last_ns
+        self._last_ns = now
+
+    def observe(self, stage: str, ns: int) -> None:
+        """Add a duration measured elsewhere to `stage` (negative durations count as 0)."""
+        self._cur[self._index[stage]] += max(0, int(ns))
+
+    def cancel(self) -> None:
+        """Drop the running batch uncommitted (it was not served: all its requests failed)."""
+        self.running = False
+
+    def end(self) -> None:
+        """Commit the running batch (nothing happens if none runs)."""
+        if not self.running:
+            return
+        self._samples[self.batches % self.window] = self._cur
+        self.batches += 1
+        self.running = False
+
+    def samples_ms(self) -> dict[str, np.ndarray]:
+        """The reservoir, per stage, in ms (oldest first)."""
+        n = min(self.batches, self.window)
+        rows = np.roll(self._samples, -(self.batches % self.window), axis=0)[-n:] if n else self._samples[:0]
+        return {s: rows[:, i] / 1e6 for i, s in enumerate(self.stages)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"batches": n, "<stage>": {"p50_ms", "p99_ms", "mean_ms"}, ...}`` over the reservoir
+        (plain JSON; the stage figures are None before the first batch)."""
+        out: dict[str, Any] = {"batches": self.batches}
+        n = min(self.batches, self.window)
+        if not n:
+            return {**out, **{s: {"p50_ms": None, "p99_ms": None, "mean_ms": None} for s in self.stages}}
+        rows = self._samples[:n] / 1e6  # order does not matter here: one pass over every stage at once
+        (p50, p99), mean = np.percentile(rows, (50, 99), axis=0).tolist(), rows.mean(axis=0).tolist()
+        for i, s in enumerate(self.stages):
+            out[s] = {"p50_ms": round(p50[i], 4), "p99_ms": round(p99[i], 4), "mean_ms": round(mean[i], 4)}
+        return out

@@ -46,7 +46,7 @@ from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
 from gpuprims.pool import RECORD_DTYPE, PacketPool
-from gpuprims.stats import RequestHistograms
+from gpuprims.stats import RequestHistograms, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.control import connect_instance_from_env
 from orchestrator.logs import setup_logging
@@ -71,6 +71,8 @@ PROBE_AFTER_S = 1.0
 #: How long closing the control socket may wait for queued messages to leave (bounded if the
 #: orchestrator is gone).
 LAST_WORDS_MS = 2000
+#: The most requests one poll of the ring takes into the local queue.
+PULL_MAX = 64
 log = logging.getLogger("gpuprims.instance")
 
 
@@ -186,6 +188,7 @@ class LatencyStats:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.busy_ms = 0.0  # time spent running the model
         self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
+        self.stages = StageClock()  # per-batch stage breakdown (gpuprims.stats.STAGES)
         self.started = time.monotonic()
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
@@ -212,6 +215,7 @@ class LatencyStats:
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "hist": self.hist.to_wire(),
+            "stages": self.stages.snapshot(),
             "uptime_s": elapsed,
         }
 
@@ -231,6 +235,9 @@ class Instance:
         self.device: Any = None
         self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
         self.wire_dtype = int(DType.UINT8 if spec.dtype == "uint8" else DType.FLOAT32)
+        # Wire dtypes a body may name (by code): the app's, or untyped BYTES.
+        self._dtype_ok = np.zeros(256, dtype=bool)
+        self._dtype_ok[[self.wire_dtype, int(DType.BYTES)]] = True
         self.finishing = False
         self.stopping = False
         self.initialized = False
@@ -275,6 +282,7 @@ class Instance:
         # (the spec's gather_method may pick the CUDA-Copy baseline); the native host gather on cpu.
         self.gatherer = make_gatherer(self.spec.backend, self.pool, tuple(self.spec.input_shape), self.spec.dtype,
                                       self.spec.max_batch, self.spec.gpu, self.spec.gather_method)
+        self.gatherer.clock = self.stats.stages
         self.runner = ModelRunner(self.spec.backend, self.spec.gpu, stream=self.gatherer.stream)
         if self.spec.dispatched:
             self._measure_stages()  # the scheduler's starting profile, needed even without warm-up
@@ -356,13 +364,17 @@ class Instance:
             self.policy.observe(b, ms)
 
     # -- serving -----------------------------------------------------------------------------------
-    def _pull(self, timeout_ms: float) -> None:
-        recs = self.consumer.poll(64, timeout_ms)
+    def _pull(self, timeout_ms: float) -> int:
+        """Take up to PULL_MAX complete requests into the local queue; returns how many."""
+        recs = self.consumer.poll(PULL_MAX, timeout_ms)
         if recs.size:
+            if not self.stats.stages.running:
+                self.stats.stages.start()  # the next batch's clock starts when its first request is taken
             info = self.pool.requests(recs)
             self.stats.counts["received"] += int(recs.size)
             for r, row in zip(recs.tolist(), info):
                 self.queue.append((r, row))
+        return int(recs.size)
 
     def _deadline_ms(self, row: np.ndarray) -> float:
         d = int(row["deadline_us"])
@@ -404,8 +416,7 @@ class Instance:
         info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
         # The body must be the app's input: its size, and its wire dtype when it names one (a uint8 body of
         # a float32 app's byte size is not a float32 image; untyped BYTES bodies are taken as the app's).
-        bad = (info["total_len"] != self.row_bytes) | ((info["dtype"] != self.wire_dtype)
-                                                       & (info["dtype"] != int(DType.BYTES)))
+        bad = (info["total_len"] != self.row_bytes) | ~self._dtype_ok[info["dtype"]]
         if bad.any():
             self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
             recs, info = recs[~bad], info[~bad]
@@ -413,8 +424,8 @@ class Instance:
             return None
         assert self.gatherer is not None
         x = self.gatherer.gather(recs)  # valid until the next gather
-        ok = self.gatherer.statuses == 0
-        if ok.size and not ok.all():  # the GPU-DMA kernel's verdicts on the records it read
+        if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
+            ok = self.gatherer.statuses == 0
             self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
             recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]
             if not recs.size:
@@ -458,34 +469,62 @@ class Instance:
         return out if isinstance(out, list) else [(np.arange(n), out)]
 
     def _serve_batch(self, take: int) -> None:
+        clock = self.stats.stages
+        if not clock.running:
+            clock.start()
+        clock.lap("wait")
         gathered = self.gather([self.queue.popleft() for _ in range(take)])
         if gathered is None:
+            clock.cancel()
             return
         recs, info, x = gathered
+        clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
         done = self._timed_run(self.model, x, "model", recs, info)
         if done is None:
+            clock.cancel()
             return
+        clock.lap("model")
         out, model_ms = done
         self.policy.observe(recs.size, model_ms)
-        for rows, group in self._groups(out, recs.size):
-            self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
-                         compute_s=model_ms / 1e3)
+        if isinstance(out, list):  # a DAG app's groups of rows
+            for rows, group in out:
+                self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                             compute_s=model_ms / 1e3)
+        else:  # one model: the whole batch, without copying its records into groups
+            self._answer(recs, info, out.float().cpu().numpy().reshape(recs.size, -1), compute_s=model_ms / 1e3)
+        clock.lap("respond")
+        self._clock_ingest(info)
+        clock.end()
+        if self.queue:
+            clock.start()  # requests left in the local queue: the next batch's wait starts now
+
+    def _clock_ingest(self, info: np.ndarray) -> None:
+        """The ingest-side stages of the batch's oldest request: reassembly (first datagram to complete)
+        and delivery (complete to taken off the ring by this instance)."""
+        oldest = info[int(np.argmin(info["first_ns"]))]
+        first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
+        if complete >= first > 0:
+            self.stats.stages.observe("reassembly", complete - first)
+            self.stats.stages.observe("delivery", self.stats.stages.start_ns - complete)
 
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
         now = time.monotonic_ns()
+        pulled = 0
         if self.queue:
             oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
             decision = self.policy.decide(len(self.queue), oldest_age)
             if decision.take == 0:
-                self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
+                pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
         else:
-            self._pull(max_wait_ms)
+            pulled = self._pull(max_wait_ms)
         if not self.queue:
             return
-        self._pull(0)
+        if pulled in (0, PULL_MAX):  # a pull that just returned took all there was (unless it was full)
+            self._pull(0)
         self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
         if not self.queue:
+            self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
             return
         oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
         decision = self.policy.decide(len(self.queue), oldest_age)

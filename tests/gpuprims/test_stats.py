@@ -2,11 +2,19 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
 
-from gpuprims.stats import DURATION_BUCKETS_S, DurationHistogram, RequestHistograms, add_wire
+from gpuprims.stats import (
+    DURATION_BUCKETS_S,
+    STAGES,
+    DurationHistogram,
+    RequestHistograms,
+    StageClock,
+    add_wire,
+)
 
 
 def test_buckets_hold_values_up_to_their_bound() -> None:
@@ -60,3 +68,79 @@ def test_add_wire_sums_live_and_retired() -> None:
 def test_malformed_wire_is_refused(bad: object, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         RequestHistograms.from_wire(bad)
+
+
+def test_stage_clock_adds_laps_per_stage_and_commits_one_sample_per_batch() -> None:
+    clock = StageClock(("a", "b", "c"), window=4)
+    clock.start(time.monotonic_ns() - 5_000_000)  # the batch's first request was taken 5 ms ago
+    clock.lap("a")
+    clock.lap("b")
+    clock.lap("a")  # a stage may be lapped twice in one batch: both laps count
+    clock.observe("c", 2_000_000)
+    clock.observe("c", -7)  # a negative duration counts as 0
+    assert clock.running
+    clock.end()
+    assert not clock.running and clock.batches == 1
+    got = clock.samples_ms()
+    assert got["a"][0] >= 5.0 and got["b"][0] >= 0.0 and got["c"][0] == 2.0
+    clock.end()  # nothing running: nothing committed
+    assert clock.batches == 1
+
+
+def test_stage_clock_reservoir_keeps_the_last_window_batches_in_order() -> None:
+    clock = StageClock(("a",), window=3)
+    for ms in (1, 2, 3, 4, 5):
+        clock.start()
+        clock.observe("a", ms * 1_000_000)
+        clock.end()
+    clock.start()
+    clock.observe("a", 99_000_000)
+    clock.cancel()  # a batch that was not served leaves no sample
+    assert clock.batches == 5
+    assert clock.samples_ms()["a"].tolist() == [3.0, 4.0, 5.0]
+    snap = clock.snapshot()
+    assert snap["batches"] == 5
+    assert snap["a"] == {"p50_ms": 4.0, "p99_ms": 4.98, "mean_ms": 4.0}
+    assert json.loads(json.dumps(snap)) == snap
+
+
+def test_stage_clock_before_any_batch_and_bad_arguments() -> None:
+    snap = StageClock().snapshot()
+    assert snap["batches"] == 0 and set(snap) == {"batches", *STAGES}
+    assert snap["model"] == {"p50_ms": None, "p99_ms": None, "mean_ms": None}
+    with pytest.raises(ValueError, match="distinct"):
+        StageClock(("a", "a"))
+    with pytest.raises(ValueError, match="window"):
+        StageClock(window=0)
+    clock = StageClock()
+    clock.start()
+    with pytest.raises(KeyError):
+        clock.lap("nope")
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 40])
+def test_small_batches_count_exactly_as_the_vectorised_path(n: int) -> None:
+    rng = np.random.default_rng(n)
+    done = 10_000_000_000
+    first = done - rng.integers(0, 3_000_000_000, n)  # up to 3 s old, across many buckets
+    first[0] = done + 5  # a clock step: a negative duration counts as 0
+    fast, ref = RequestHistograms(), RequestHistograms()
+    fast.observe_batch(first, start_ns=done - 7_000_000, end_ns=done - 1_000, done_ns=done)
+    ref.request.observe((done - first) / 1e9)
+    ref.queue.observe((done - 7_000_000 - first) / 1e9)
+    ref.compute.observe(np.full(n, (7_000_000 - 1_000) / 1e9))
+    for k in ("request", "queue", "compute"):
+        a, b = getattr(fast, k), getattr(ref, k)
+        assert a.counts.tolist() == b.counts.tolist(), k
+        assert a.sum_s == pytest.approx(b.sum_s, rel=1e-12), k
+
+
+def test_scalar_add_follows_observe_rules() -> None:
+    h = DurationHistogram()
+    h.add(DURATION_BUCKETS_S[2], count=3)  # on a bound: that bucket
+    h.add(math.inf)  # the +Inf bucket, not in the sum
+    h.add(-1.0)  # negative: 0
+    assert h.counts[2] == 3 and h.counts[-1] == 1 and h.counts[0] == 1
+    assert h.sum_s == pytest.approx(3 * DURATION_BUCKETS_S[2])
+    with pytest.raises(ValueError, match="NaN"):
+        h.add(float("nan"))

@@ -12,6 +12,7 @@ import pytest
 from gpuprims import wire
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
+from gpuprims.stats import STAGES
 from gpuprims.wire import Status
 from orchestrator.instance import PROBE_AFTER_S, Instance, InstanceSpec
 
@@ -110,3 +111,54 @@ def test_gather_answers_a_body_of_the_wrong_size_or_dtype_bad_request(
     r = _answer(inst, sock)
     assert r.status == Status.OK and r.array().shape == (10,)
     assert inst.stats.counts["error"] == 2 and inst.stats.counts["ok"] == 1
+
+
+def test_stage_breakdown_of_a_served_batch_is_in_the_stats(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    _send(ing, sock, 11)
+    assert _answer(inst, sock).status == Status.OK
+    snap = inst.stats.snapshot(0, 0)
+    stages = snap["stages"]
+    assert stages["batches"] == 1
+    ms = {s: stages[s]["p50_ms"] for s in STAGES}
+    # Every stage the batch went through took some time; a float32 app has no preprocessing.
+    for s in ("reassembly", "delivery", "wait", "gather", "model", "respond"):
+        assert ms[s] > 0, (s, ms)
+    assert ms["preprocess"] >= 0
+    # The stages cover the request's whole life: together they span at least what the instance measured
+    # from its first datagram to its answer (the respond stage ends just after that measurement does),
+    # and the model stage encloses the model call the instance times.
+    assert sum(ms.values()) >= snap["p50_ms"] - 1e-3  # stage figures are rounded to 0.1 us
+    assert ms["model"] >= inst.stats.model_ms[-1] - 1e-3
+
+
+def test_a_step_that_just_took_requests_does_not_poll_the_ring_again(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    polls: list[float] = []
+    poll = inst.consumer.poll
+
+    def counting(max_n: int = 32, timeout_ms: float = 100.0, **kw: int) -> np.ndarray:
+        polls.append(timeout_ms)
+        return poll(max_n, timeout_ms, **kw)
+
+    inst.consumer.poll = counting  # type: ignore[method-assign]
+    _send(ing, sock, 21)
+    deadline = time.monotonic() + 10
+    while inst.stats.counts["ok"] == 0 and time.monotonic() < deadline:
+        polls.clear()
+        inst.step(max_wait_ms=10)
+    assert inst.stats.counts["ok"] == 1
+    assert polls == [10]  # the step that served it polled once (waiting), not once more with timeout 0
+
+
+def test_a_batch_that_all_expired_leaves_no_stage_clock_running(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    _send(ing, sock, 31)
+    assert _answer(inst, sock).status == Status.OK  # a batch ran just now: predictions are trusted
+    for _ in range(40):
+        inst.policy.observe(1, 10_000.0)  # every request now "cannot make it"
+    _send(ing, sock, 32)
+    assert _answer(inst, sock).status == Status.DEADLINE_MISSED
+    assert not inst.stats.stages.running  # its wait is not carried into the next served batch
+    assert inst.stats.stages.batches == 1
