@@ -509,7 +509,8 @@ class Node:
                 s = st.stats
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
-                              "cores": st.spec.cores, **s})
+                              "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
+                              "prewarm": st.info.get("prewarm"), **s})
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
