@@ -194,19 +194,20 @@ class LatencyStats:
         self.busy_ms = 0.0  # time spent running the model
         self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
         self.started = time.monotonic()
-        # The data path's view of a switch: when this instance answered first and last
-        # (CLOCK_MONOTONIC ns, the same clock in every process), and how long the first request it
-        # answered waited beyond its batch's model run.
+        # The data path's view of a switch (CLOCK_MONOTONIC ns, the same clock in every process):
+        # when the first request this instance took had arrived, when it answered first and last, and
+        # the model time of that first answered batch.
+        self.first_request_ns = 0
         self.first_ok_ns = 0
         self.last_ok_ns = 0
-        self.first_wait_ms: float | None = None
+        self.first_model_ms: float | None = None
 
-    def mark_answered(self, first_ns: np.ndarray, model_ms: float) -> None:
-        """Note a batch just answered (its requests' ``first_ns`` and the model's run time)."""
+    def mark_answered(self, model_ms: float) -> None:
+        """Note a batch just answered OK (and the model's run time for it)."""
         now = time.monotonic_ns()
         if not self.first_ok_ns:
             self.first_ok_ns = now
-            self.first_wait_ms = round(max(0.0, (now - int(first_ns.min())) / 1e6 - model_ms), 3)
+            self.first_model_ms = round(model_ms, 3)
         self.last_ok_ns = now
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
@@ -233,9 +234,10 @@ class LatencyStats:
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "hist": self.hist.to_wire(),
+            "first_request_ns": self.first_request_ns,
             "first_ok_ns": self.first_ok_ns,
             "last_ok_ns": self.last_ok_ns,
-            "first_wait_ms": self.first_wait_ms,
+            "first_model_ms": self.first_model_ms,
             "uptime_s": elapsed,
         }
 
@@ -469,6 +471,8 @@ class Instance:
         if recs.size:
             info = self.pool.requests(recs)
             self.stats.counts["received"] += int(recs.size)
+            if not self.stats.first_request_ns:
+                self.stats.first_request_ns = int(info["first_ns"].min())
             for r, row in zip(recs.tolist(), info):
                 self.queue.append((r, row))
 
@@ -578,7 +582,7 @@ class Instance:
         for rows, group in self._groups(out, recs.size):
             self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
                          compute_s=model_ms / 1e3)
-        self.stats.mark_answered(info["first_ns"], model_ms)
+        self.stats.mark_answered(model_ms)
 
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""

@@ -286,10 +286,12 @@ class Change:
         """Fill each switch's downtime from the data path once the new instance has answered (its
         heartbeat says when). Returns True while some switch still waits for it.
 
-        For each switch: ``answer_gap_ms`` = the new instance's first answer - the old one's last
+        For each switch: ``answer_gap_ms`` = the new instance's first OK answer - the old one's last
         (negative: they overlapped, the old one still draining when the new one answered);
-        ``new_first_wait_ms`` = how long the first request the new instance answered waited beyond its
-        batch's model run; ``downtime_ms`` = max(0, min(answer_gap_ms, new_first_wait_ms)): the part of
+        ``new_first_wait_ms`` = that first answer - when the first request the new instance took had
+        arrived (or the switch, if later: a request requeued from a killed instance waited there
+        first), less the model time of that batch: how long the new instance kept requests waiting
+        before it served; ``downtime_ms`` = max(0, min(answer_gap_ms, new_first_wait_ms)): the part of
         the pause in answers the new instance caused by not serving at once (a pause with no requests
         arriving is not downtime)."""
         waiting = False
@@ -300,8 +302,10 @@ class Change:
             first = int((new.stats.get("first_ok_ns") or 0) if new is not None else 0)
             old_last = sw.get("old_last_answer_ns")
             if first and (old_last is not None or self.phase.terminal):
+                stats = new.stats if new is not None else {}
                 sw["new_first_answer_ns"] = first
-                sw["new_first_wait_ms"] = new.stats.get("first_wait_ms") if new is not None else None
+                took = max(int(stats.get("first_request_ns") or 0), int(sw["switch_ns"]))
+                sw["new_first_wait_ms"] = round(max(0.0, (first - took) / 1e6 - float(stats.get("first_model_ms") or 0)), 3)
                 gap = (first - old_last) / 1e6 if old_last else None
                 sw["answer_gap_ms"] = round(gap, 3) if gap is not None else None
                 wait = sw["new_first_wait_ms"]
@@ -413,6 +417,11 @@ class Changes:
             del self.running[app]
             self.changing.discard(app)
             self._finish(ch)
+
+    @property
+    def measuring(self) -> bool:
+        """True while a finished change still waits for a switch's data-path downtime."""
+        return bool(self._measuring)
 
     def get(self, change_id: int) -> Change | None:
         for ch in self:

@@ -281,7 +281,8 @@ def test_a_pause_in_answers_counts_only_as_long_as_the_new_instance_made_a_reque
     ch = _change(old_last=now - 20_000_000, switch_ns=now - 15_000_000)
     host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": 0})
     assert ch.observe_data_path(host) is True  # nothing answered yet: still waiting
-    host.instances["a-s1"].stats = {"first_ok_ns": now, "first_wait_ms": 0.4}
+    # Its first request arrived 1.4 ms before it answered, of which 1 ms ran the model.
+    host.instances["a-s1"].stats = {"first_ok_ns": now, "first_request_ns": now - 1_400_000, "first_model_ms": 1.0}
     assert ch.observe_data_path(host) is False
     sw = ch.switched[0]
     assert sw["data_path"] == "measured"
@@ -294,10 +295,24 @@ def test_overlapping_answers_are_no_downtime() -> None:
     host = _Host()
     now = time.monotonic_ns()
     ch = _change(old_last=now + 5_000_000, switch_ns=now - 1_000_000)  # the old one still draining
-    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": now, "first_wait_ms": 2.0})
+    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": now, "first_request_ns": now - 3_000_000,
+                                                    "first_model_ms": 1.0})
     ch.observe_data_path(host)
     assert ch.switched[0]["answer_gap_ms"] == pytest.approx(-5.0)
     assert ch.switched[0]["downtime_ms"] == 0.0
+
+
+def test_a_request_requeued_from_a_killed_instance_counts_its_wait_from_the_switch() -> None:
+    host = _Host()
+    now = time.monotonic_ns()
+    ch = _change(old_last=now - 2_000_000_000, switch_ns=now - 1_500_000_000)
+    # The replacement's first request arrived (at the old instance) before the switch; it answered
+    # 1.5 s after the switch, 5 ms of which was the model.
+    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": now, "first_request_ns": now - 1_800_000_000,
+                                                    "first_model_ms": 5.0})
+    ch.observe_data_path(host)
+    assert ch.switched[0]["new_first_wait_ms"] == pytest.approx(1495.0)
+    assert ch.switched[0]["downtime_ms"] == pytest.approx(1495.0)
 
 
 def test_a_new_instance_that_never_answers_leaves_the_downtime_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
