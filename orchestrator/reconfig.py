@@ -92,6 +92,7 @@ class Change:
     to_pct: int
     method: str = "overlap"  # overlap | restart
     origin: str = "set-gpu"  # set-gpu | monitor | api
+    reason: str | None = None  # why it was asked for (the monitor's verdict and figures)
     timeout_s: float = 180.0
     phase: Phase = Phase.PENDING
     error: str | None = None
@@ -325,7 +326,8 @@ class Change:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able view for status and the CLI."""
         return {"id": self.id, "app": self.app, "from_pct": self.from_pct, "to_pct": self.to_pct,
-                "method": self.method, "origin": self.origin, "phase": self.phase.value, "error": self.error,
+                "method": self.method, "origin": self.origin, "reason": self.reason, "phase": self.phase.value,
+                "error": self.error,
                 "phases": [list(p) for p in self.phases], "switched": self.switched,
                 "elapsed_s": round((self.ended or time.monotonic()) - self.started, 3)}
 
@@ -370,7 +372,8 @@ class Changes:
         self.changing: set[str] = set()
         self._measuring: list[Change] = []  # finished, a switch still waiting for its data-path downtime
 
-    def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu") -> Change:
+    def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu",
+               reason: str | None = None) -> Change:
         """Accept a change (it starts on the next advance) or raise ChangeError saying why not."""
         try:
             self.check(app, to_pct)
@@ -382,7 +385,7 @@ class Changes:
             raise ChangeError(f"a change of {app} is already in progress; try again when it completes")
         state = self.host.apps[app]
         ch = Change(id=next(self._ids), app=app, from_pct=state.gpu_pct, to_pct=to_pct, method=method,
-                    origin=origin, timeout_s=self.timeout_s)
+                    origin=origin, reason=reason, timeout_s=self.timeout_s)
         self.counts["submitted"] += 1
         if to_pct == state.gpu_pct and method == "overlap":
             ch.switched = []
@@ -392,7 +395,7 @@ class Changes:
         self.running[app] = ch
         self.changing.add(app)
         self.host.record({"event": "change_accepted", "app": app, "change": ch.id, "from_pct": ch.from_pct,
-                          "to_pct": to_pct, "method": method, "origin": origin})
+                          "to_pct": to_pct, "method": method, "origin": origin, "reason": reason})
         return ch
 
     def advance(self) -> None:
