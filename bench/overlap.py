@@ -4,7 +4,7 @@ One app (MobileNetV2, 3x32x32 float32 requests, ``shadow: true``) serves a const
 of what it can serve at its starting share. Mid-run its GPU% goes from 50 to 100 (on the CPU backend:
 one core to two), each method on a fresh node:
 
-- ``overlap``: ``change_gpu_pct``. The shadow loaded and warmed its model ahead of the change at idle
+- ``overlap``: ``change_gpu_pct``. The shadow loaded and warmed its model ahead of the change at nice 19
   scheduling priority (the bench waits until it reports warm before the traffic starts), so the
   change is: apply the share, re-time the served batch sizes, flip the route, drain the old instance.
 - ``restart``: ``restart_gpu_pct``: the active is killed and a new instance started at the new share
@@ -234,7 +234,7 @@ def main() -> None:
     notes = (f"CPU backend (no GPU): GPU% {FROM_PCT} -> {TO_PCT} is one core -> two (plan_cpu_shares). Load: "
              f"{LOAD:.0%} of the capacity at {FROM_PCT}% measured just before (zoo model alone, batch {MAX_BATCH}, "
              "one core, one thread). The shadow pre-warms (loads its model and runs the served batch sizes) in "
-             "a SCHED_IDLE thread before the traffic starts, so Overlapped-Execution's change is: apply the share, "
+             "a nice-19 thread before the traffic starts, so Overlapped-Execution's change is: apply the share, "
              "re-time the batch sizes, flip the route. downtime_ms is the node's data-path figure "
              "(Change.observe_data_path: min(new first answer - old last answer, the wait of the new instance's "
              "first request), >= 0); client_downtime_ms the longest gap between OK answers during the change "

@@ -174,28 +174,33 @@ def apply_cpu_share(share: CpuShare) -> None:
 
 def lower_thread_priority() -> str:
     """Put the calling thread (and the threads it starts afterwards, e.g. its OpenMP workers) at the
-    lowest scheduling priority, so that it only uses CPU time nothing else wants: ``SCHED_IDLE``, or
-    nice 19 where that policy is not available. Returns what was applied: ``"idle"``, ``"nice"``, or
-    ``"none"`` (the system refused both; the thread runs at its normal priority).
+    lowest priority it can take without starving: nice 19 (on Linux the nice value is per thread), or
+    ``SCHED_IDLE`` where nice is refused. Returns what was applied: ``"nice"``, ``"idle"`` or
+    ``"none"`` (both refused; the thread runs at its normal priority).
+
+    Nice 19 rather than SCHED_IDLE: a nice-19 thread still gets about 1.5 % of a core that normal
+    threads keep busy (weight 15 against 1024), so a shadow's pre-warm finishes even on a busy machine
+    and an idle thread holding the GIL cannot stall the process's other threads for long; SCHED_IDLE
+    (weight 3) can leave it waiting for minutes behind two busy loops.
 
     Any user may lower a thread's priority, but going back needs ``CAP_SYS_NICE`` or an
     ``RLIMIT_NICE`` that allows the old nice value (sched(7), setpriority(2)); by default an
     unprivileged user cannot. So call it only in a thread whose work is optional and ends (a shadow's
     warm-up), never in a thread that will serve: the serving threads keep their normal priority.
     """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return "nice"
+    except OSError as exc:
+        logger.debug("nice 19 refused (%s); trying SCHED_IDLE", exc)
     if hasattr(os, "SCHED_IDLE"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
             return "idle"
         except OSError as exc:
-            logger.debug("SCHED_IDLE refused (%s); trying nice 19", exc)
-    try:
-        # On Linux the nice value is per thread: PRIO_PROCESS with the thread id.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        return "nice"
-    except OSError as exc:
-        logger.warning("could not lower the thread's priority (%s); it runs at normal priority", exc)
-        return "none"
+            logger.debug("SCHED_IDLE refused (%s)", exc)
+    logger.warning("could not lower the thread's priority; it runs at normal priority")
+    return "none"
 
 
 _CAP_SYS_NICE = 23
@@ -226,22 +231,30 @@ def thread_priority(tid: int | None = None) -> dict[str, object]:
             "can_raise": can_raise}
 
 
-def raise_idle_threads() -> tuple[int, int]:
-    """Move every thread of this process that runs at SCHED_IDLE back to SCHED_OTHER (nice 0), where
-    the system allows it (CAP_SYS_NICE, or an RLIMIT_NICE that allows nice 0: sched(7)). Returns
-    (raised, refused); an unprivileged process typically gets (0, n)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return 0, 0
+def raise_low_threads() -> tuple[int, int]:
+    """Bring every thread of this process that runs below the calling thread's priority (a higher nice
+    value, or SCHED_IDLE) back to the calling thread's policy and nice value, where the system allows
+    it (CAP_SYS_NICE, or an RLIMIT_NICE that allows that nice value: sched(7)). Returns (raised,
+    refused); an unprivileged process typically gets (0, n)."""
+    me = threading.get_native_id()
+    my_nice = os.getpriority(os.PRIO_PROCESS, me)
+    my_policy = os.sched_getscheduler(me)
     raised = refused = 0
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return 0, 0
+    idle = getattr(os, "SCHED_IDLE", None)
     for tid in tids:
         try:
-            if os.sched_getscheduler(tid) != os.SCHED_IDLE:
+            low_policy = idle is not None and os.sched_getscheduler(tid) == idle and my_policy != idle
+            low_nice = os.getpriority(os.PRIO_PROCESS, tid) > my_nice
+            if not (low_policy or low_nice):
                 continue
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            if low_policy:
+                os.sched_setscheduler(tid, my_policy, os.sched_param(0))
+            if low_nice:
+                os.setpriority(os.PRIO_PROCESS, tid, my_nice)
             raised += 1
         except PermissionError:
             refused += 1

@@ -42,7 +42,7 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims.batching import BatchPolicy
-from gpuprims.cpushare import CpuShare, apply_cpu_share, lower_thread_priority, raise_idle_threads
+from gpuprims.cpushare import CpuShare, apply_cpu_share, lower_thread_priority, raise_low_threads
 from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
@@ -117,7 +117,7 @@ class InstanceSpec:
     measure_lock: str | None = None
     stage_pcts: dict[str, int] | None = None  # dispatched: the GPU% each stage is measured and run at
     gather_method: str | None = None  # host (cpu) | gpu_dma (cuda default) | cuda_copy (the baseline)
-    # A shadow on the cpu backend: load and warm the model at idle priority before InitGpu (see
+    # A shadow on the cpu backend: load and warm the model at the lowest priority before InitGpu (see
     # Instance.start_prewarm), so that a change is a route flip.
     prewarm: bool = False
 
@@ -403,13 +403,13 @@ class Instance:
 
     # -- shadow pre-warm (cpu backend) ----------------------------------------------------------------
     def start_prewarm(self) -> None:
-        """Load and warm the model now, before any InitGpu, in a thread at idle scheduling priority
-        (``lower_thread_priority``: SCHED_IDLE, its OpenMP workers inherit it), so that the shadow takes
-        no CPU time an active instance wants. The serving (main) thread is never demoted, so nothing
+        """Load and warm the model now, before any InitGpu, in a thread at the lowest priority
+        (``lower_thread_priority``: nice 19; its OpenMP workers inherit it), so that the shadow takes
+        (almost) no CPU time an active instance wants. The serving (main) thread is never demoted, so nothing
         has to be raised back at InitGpu, which works without CAP_SYS_NICE. When done, the main loop
         sends a second Ready with ``warm: true``; InitGpu then only applies the share and re-times the
         served batch sizes at the new thread count. An InitGpu that comes first abandons the pre-warm
-        (a starved idle thread cannot be hurried unprivileged) and loads on the main thread as before."""
+        (a low-priority thread cannot be hurried unprivileged) and loads on the main thread as before."""
         if self.spec.stages or (self.spec.share_params or "").startswith("export:"):
             return  # DAG apps and the weights' exporter load at InitGpu as before
         self.prewarm_state = "warming"
@@ -442,7 +442,7 @@ class Instance:
         raised to normal priority where the system allows it (CAP_SYS_NICE or RLIMIT_NICE) and it is
         waited for; otherwise (unprivileged) it is abandoned (None) and the caller loads as before."""
         if self.prewarm_state == "warming" and self._prewarm_thread is not None:
-            raised, refused = raise_idle_threads()
+            raised, refused = raise_low_threads()
             self.prewarm_info["raised"] = raised
             if raised and not refused:
                 self._prewarm_thread.join(timeout=PREWARM_JOIN_S)
@@ -867,7 +867,7 @@ def main() -> int:
             inst.close()
         control.close()
         if inst is not None and inst._prewarm_thread is not None and inst._prewarm_thread.is_alive():
-            # A pre-warm still running (an idle-priority thread inside torch) cannot be stopped, and
+            # A pre-warm still running (a low-priority thread inside torch) cannot be stopped, and
             # the interpreter's exit would tear torch down under it (std::terminate): leave now.
             logging.shutdown()
             os._exit(rc)

@@ -15,7 +15,7 @@ from gpuprims.cpushare import (
     cores_for_pct,
     lower_thread_priority,
     plan_cpu_shares,
-    raise_idle_threads,
+    raise_low_threads,
     thread_priority,
 )
 
@@ -211,12 +211,12 @@ def test_lowering_a_thread_leaves_the_other_threads_alone() -> None:
     def lowered() -> tuple[str, dict[str, object], int]:
         applied = lower_thread_priority()
         # A thread it starts afterwards (as OpenMP workers are) inherits the low priority.
-        return applied, thread_priority(), _in_thread(lambda: os.sched_getscheduler(0))
+        return applied, thread_priority(), _in_thread(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
-    applied, mine, child_policy = _in_thread(lowered)
-    assert applied == "idle"
-    assert mine["policy"] == "idle"
-    assert child_policy == os.SCHED_IDLE
+    applied, mine, child_nice = _in_thread(lowered)
+    assert applied == "nice"
+    assert mine["nice"] == 19 and mine["policy"] == "other"
+    assert child_nice == 19
     assert thread_priority() == main_before  # the calling (serving) thread keeps its priority
     assert main_before["policy"] == "other"
 
@@ -247,7 +247,7 @@ def _drop_cap_sys_nice() -> None:
 
 _UNPRIVILEGED = """
 import os, threading, json
-from gpuprims.cpushare import lower_thread_priority, raise_idle_threads, thread_priority
+from gpuprims.cpushare import lower_thread_priority, raise_low_threads, thread_priority
 done, go = threading.Event(), threading.Event()
 res = {}
 def warm():
@@ -255,14 +255,14 @@ def warm():
     done.set()
     go.wait(30)
 t = threading.Thread(target=warm); t.start(); done.wait(30)
-res["raise"] = raise_idle_threads()
+res["raise"] = raise_low_threads()
 res["main"] = thread_priority()
 go.set(); t.join()
 print(json.dumps(res))
 """
 
 
-def test_an_unprivileged_process_cannot_raise_an_idle_thread_back_but_its_main_thread_is_untouched() -> None:
+def test_an_unprivileged_process_cannot_raise_a_lowered_thread_back_but_its_main_thread_is_untouched() -> None:
     import json
     import resource
     import subprocess
@@ -278,12 +278,12 @@ def test_an_unprivileged_process_cannot_raise_an_idle_thread_back_but_its_main_t
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": repo})
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    assert res["applied"] == "idle"
-    assert res["raise"] == [0, 1]  # refused: SCHED_IDLE -> SCHED_OTHER needs CAP_SYS_NICE or RLIMIT_NICE
+    assert res["applied"] == "nice"
+    assert res["raise"] == [0, 1]  # refused: nice 19 -> 0 needs CAP_SYS_NICE or RLIMIT_NICE >= 20
     assert res["main"]["policy"] == "other" and res["main"]["nice"] == 0 and res["main"]["can_raise"] is False
 
 
-def test_a_privileged_process_raises_its_idle_threads_back() -> None:
+def test_a_privileged_process_raises_its_lowered_threads_back() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs CAP_SYS_NICE (run as root)")  # the unprivileged side is tested above
     done, go = threading.Event(), threading.Event()
@@ -298,8 +298,8 @@ def test_a_privileged_process_raises_its_idle_threads_back() -> None:
     t = threading.Thread(target=warm)
     t.start()
     assert done.wait(30)
-    raised, refused = raise_idle_threads()
+    raised, refused = raise_low_threads()
     go.set()
     t.join(30)
     assert (raised, refused) == (1, 0)
-    assert seen["after"]["policy"] == "other"
+    assert seen["after"]["policy"] == "other" and seen["after"]["nice"] == 0

@@ -214,10 +214,10 @@ def _until(node: Node, cond: Any, timeout_s: float, what: str) -> None:
 
 def test_a_prewarmed_shadow_switches_without_loading_and_the_switch_is_measured_on_the_data_path(
         node: Node) -> None:
-    # The shadow loads and warms its model ahead of the change, at idle priority (cpu backend).
+    # The shadow loads and warms its model ahead of the change, at nice 19 (cpu backend).
     _until(node, lambda: (sh := node.shadow_of("a")) is not None and sh.info.get("warm"), 180, "a warm shadow")
     shadow = node.shadow_of("a")
-    assert shadow is not None and shadow.info["priority"] == "idle"
+    assert shadow is not None and shadow.info["priority"] == "nice"
     entry = next(i for i in node.status()["apps"]["a"]["instances"] if i["name"] == shadow.name)
     assert entry["role"] == "shadow" and entry["warm"] is True
     load = Load(node.ingest.ports[0], rate_rps=50)
@@ -227,8 +227,9 @@ def test_a_prewarmed_shadow_switches_without_loading_and_the_switch_is_measured_
     ch = node.changes.finished[-1]
     sw = ch.switched[0]
     assert sw["to"] == shadow.name and sw["prewarmed"] is True
-    # The serving thread of the new active runs at normal priority (only the pre-warm thread was idle).
+    # The serving thread of the new active runs at normal priority (only the pre-warm thread was lowered).
     assert os.sched_getscheduler(shadow.pid) == os.SCHED_OTHER
+    assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 0
     _until(node, lambda: sw["data_path"] != "waiting", 60, "the new instance's first answer")
     load.finish(node)
     assert sw["data_path"] == "measured"
