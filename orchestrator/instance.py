@@ -423,19 +423,21 @@ class Instance:
             device = torch.device("cpu")
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             built = self._build_models(device)
-            warm_up(built["model"], tuple(self.spec.input_shape), self._warm_sizes(), device, repeats=1, discard=1)
+            if self.spec.warmup:  # (a node started with warmup off, as in tests, only loads)
+                warm_up(built["model"], tuple(self.spec.input_shape), self._warm_sizes(), device, repeats=1,
+                        discard=1)
         except Exception as e:  # the main thread loads at InitGpu instead, and says why
             log.warning("pre-warm failed (%s: %s); the model loads at InitGpu instead", type(e).__name__, e)
             with self._prewarm_lock:
                 if self.prewarm_state == "warming":
                     self.prewarm_state = "failed"
-                    self.prewarm_info = {"error": f"{type(e).__name__}: {e}"}
+                    self.prewarm_info["error"] = f"{type(e).__name__}: {e}"
             return
         with self._prewarm_lock:
             if self.prewarm_state == "warming":
                 self._prewarmed = built
                 self.prewarm_state = "warm"
-                self.prewarm_info = {"priority": priority, "prewarm_ms": round((time.monotonic() - t0) * 1e3, 1)}
+                self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
 
     def _take_prewarmed(self) -> dict[str, Any] | None:
         """The pre-warmed models if the pre-warm finished. If it is still running, its threads are
