@@ -3,7 +3,8 @@
 One app (MobileNetV2, 3x32x32 float32 requests, ``shadow: true``) starts at 50 % (on the CPU backend of
 this 2-core machine: one core, one thread) on a node with the monitor on, at its default policy (what
 ``gpuprims-node`` runs with ``autoscale: true``). The load, relative to the capacity at 50 % measured
-first (the zoo model alone at ``max_batch`` on one core: ``max_batch / latency``):
+first end to end (``bench.overlap.capacity_rps``: the highest rate of a staircase held at 99 % within
+the SLO):
 
 1. ``steady``: ``STEADY_LOAD`` of it for ``STEADY_S``: expected no change (not overloaded; and no step
    down, since no share below 50 % gives fewer than one core: the node does not make a change that
@@ -66,7 +67,7 @@ def phases(quick: bool, cap: float) -> list[tuple[str, float, float]]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    cap = capacity_rps()
+    cap = capacity_rps(START_PCT)
     plan = phases(quick, cap["capacity_rps"])
     print(f"capacity at {START_PCT}%: {cap['capacity_rps']} req/s; phases {[(n, round(r, 1), s) for n, r, s in plan]}",
           flush=True)
@@ -145,7 +146,7 @@ def main() -> None:
              "what the instance gets is 1 <-> 2 cores; the monitor's own step (10 %) is widened by the node to the "
              "first share that does (Placement.effective_target), and a decision that no share can satisfy is "
              "recorded as not made. Monitor at its default policy. Phase loads are relative to the capacity at 50 % "
-             "measured just before (zoo model alone, batch 8, one core).")
+             "measured just before, end to end (bench.overlap.capacity_rps).")
     if load_before[0] > 1.5 or os.getloadavg()[0] > 1.5:
         notes += (f" The machine was shared and busy (1-min load average {load_before[0]:.1f} before, "
                   f"{os.getloadavg()[0]:.1f} after, on 2 cores): the capacity figure and the attainment are noisy, "

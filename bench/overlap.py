@@ -10,8 +10,9 @@ one core to two), each method on a fresh node:
 - ``restart``: ``restart_gpu_pct``: the active is killed and a new instance started at the new share
   (what it held is requeued to the new one, which serves it once it has loaded).
 
-The capacity at the starting share is measured first (the zoo model alone at ``max_batch`` on one
-core with one thread: ``max_batch / latency``), and the rate is ``LOAD`` times that.
+The capacity at the starting share is measured first, end to end on this machine (client, ingest and
+node included: the highest step of a staircase of constant rates answered >= 99 % within the SLO,
+``capacity_rps``), and the rate is ``LOAD`` times that.
 
 Reported per method, from the client's per-request samples: throughput (OK answers per second by
 completion time) and SLO attainment (of the requests sent in each bin, the fraction answered OK within
@@ -39,6 +40,7 @@ import numpy as np
 from bench import serving as sv
 from bench.common import write_result
 from gpuprims import wire
+from gpuprims.traffic.stream import AppStream
 from orchestrator.node import Node
 from orchestrator.reconfig import change_gpu_pct, restart_gpu_pct
 
@@ -54,12 +56,25 @@ TIMEOUT_S = 5.0  # the client waits this long for an answer: a restart answers l
 METHODS = ("overlap", "restart")
 
 
-def capacity_rps() -> dict[str, Any]:
-    """What one instance at FROM_PCT (one core, one thread) serves at most: max_batch / model latency."""
+def capacity_rps(pct: int = FROM_PCT, segment_s: float = 3.0) -> dict[str, Any]:
+    """What the app at ``pct`` serves end to end on this machine (client, ingest and node included):
+    the highest step of a staircase of constant rates answered >= 99 % within the SLO. The staircase is
+    fractions of the model's own bound (max_batch / its latency at max_batch on one core)."""
     lat = sv.torch_latency_ms(MODEL, SHAPE, MAX_BATCH, cores=[0], threads=1, reps=30)
     med = float(np.median(lat))
-    return {"model_ms_at_max_batch": round(med, 3), "capacity_rps": round(MAX_BATCH * 1e3 / med, 1),
-            "samples_ms": lat}
+    bound = MAX_BATCH * 1e3 / med
+    rates = [round(f * bound, 1) for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]
+    cfg = sv.node_config([sv.app("mnet", MODEL, 1, shape=SHAPE, slo_ms=SLO_MS, gpu_pct=pct, max_batch=MAX_BATCH,
+                                 max_wait_ms=0.0)])
+    intervals, bounds = sv.ramp(rates, segment_s, warmup_rps=rates[0])
+    with sv.running_node(cfg) as node:
+        st = AppStream(app_id=1, shape=SHAPE, dtype="float32", intervals_s=intervals, to=("127.0.0.1", sv.port_of(node)))
+        rep = sv.drive(node, [st], timeout_s=TIMEOUT_S, slo_ms=SLO_MS)
+    steps = sv.ramp_stats(rep, 1, SLO_MS, bounds)
+    best = sv.held_rate(steps)
+    held = float(best["rate_rps"]) if best else rates[0]
+    return {"model_ms_at_max_batch": round(med, 3), "model_bound_rps": round(bound, 1), "capacity_rps": held,
+            "held_top_step": bool(best is not None and best is steps[-1]), "steps": steps, "samples_ms": lat}
 
 
 def _wait_warm_shadow(node: Node, app: str, timeout_s: float = 600.0) -> float:
@@ -168,8 +183,9 @@ def run(quick: bool, rate: float | None) -> dict[str, Any]:
     change_at_s = 5.0 if quick else 8.0
     cap = capacity_rps()
     rate = rate if rate is not None else round(LOAD * cap["capacity_rps"], 1)
-    print(f"capacity at {FROM_PCT}%: {cap['capacity_rps']} req/s (model {cap['model_ms_at_max_batch']} ms at "
-          f"batch {MAX_BATCH}); rate {rate} req/s", flush=True)
+    print(f"capacity at {FROM_PCT}%: {cap['capacity_rps']} req/s held at the SLO (model alone "
+          f"{cap['model_ms_at_max_batch']} ms at batch {MAX_BATCH}: bound {cap['model_bound_rps']} req/s); "
+          f"rate {rate} req/s", flush=True)
     runs = {m: one(m, rate, duration_s, change_at_s) for m in METHODS}
     ov, rs = runs["overlap"], runs["restart"]
     summary: dict[str, Any] = {
@@ -232,8 +248,8 @@ def main() -> None:
     res = run(args.quick, args.rate)
     busy = load_before[0] > 1.5 or os.getloadavg()[0] > 1.5
     notes = (f"CPU backend (no GPU): GPU% {FROM_PCT} -> {TO_PCT} is one core -> two (plan_cpu_shares). Load: "
-             f"{LOAD:.0%} of the capacity at {FROM_PCT}% measured just before (zoo model alone, batch {MAX_BATCH}, "
-             "one core, one thread). The shadow pre-warms (loads its model and runs the served batch sizes) in "
+             f"{LOAD:.0%} of the capacity at {FROM_PCT}% measured just before, end to end (the highest step of a "
+             "staircase answered >= 99 % within the SLO; samples.capacity.steps). The shadow pre-warms (loads its model and runs the served batch sizes) in "
              "a nice-19 thread before the traffic starts, so Overlapped-Execution's change is: apply the share, "
              "re-time the batch sizes, flip the route. downtime_ms is the node's data-path figure "
              "(Change.observe_data_path: min(new first answer - old last answer, the wait of the new instance's "
