@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -168,3 +170,94 @@ def apply_cpu_share(share: CpuShare) -> None:
                 share.threads,
                 exc,
             )
+
+
+def lower_thread_priority() -> str:
+    """Put the calling thread (and the threads it starts afterwards, e.g. its OpenMP workers) at the
+    lowest priority it can take without starving: nice 19 (on Linux the nice value is per thread), or
+    ``SCHED_IDLE`` where nice is refused. Returns what was applied: ``"nice"``, ``"idle"`` or
+    ``"none"`` (both refused; the thread runs at its normal priority).
+
+    Nice 19 rather than SCHED_IDLE: a nice-19 thread still gets about 1.5 % of a core that normal
+    threads keep busy (weight 15 against 1024), so a shadow's pre-warm finishes even on a busy machine
+    and an idle thread holding the GIL cannot stall the process's other threads for long; SCHED_IDLE
+    (weight 3) can leave it waiting for minutes behind two busy loops.
+
+    Any user may lower a thread's priority, but going back needs ``CAP_SYS_NICE`` or an
+    ``RLIMIT_NICE`` that allows the old nice value (sched(7), setpriority(2)); by default an
+    unprivileged user cannot. So call it only in a thread whose work is optional and ends (a shadow's
+    warm-up), never in a thread that will serve: the serving threads keep their normal priority.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return "nice"
+    except OSError as exc:
+        logger.debug("nice 19 refused (%s); trying SCHED_IDLE", exc)
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
+            return "idle"
+        except OSError as exc:
+            logger.debug("SCHED_IDLE refused (%s)", exc)
+    logger.warning("could not lower the thread's priority; it runs at normal priority")
+    return "none"
+
+
+_CAP_SYS_NICE = 23
+
+
+def _has_cap_sys_nice() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def thread_priority(tid: int | None = None) -> dict[str, object]:
+    """The scheduling policy and nice value of a thread (the calling one by default), and whether this
+    process could raise a thread back to nice 0 under SCHED_OTHER (``CAP_SYS_NICE`` or ``RLIMIT_NICE``
+    >= 20; effective uid 0 counts as having the capability)."""
+    tid = threading.get_native_id() if tid is None else tid
+    policy = os.sched_getscheduler(tid)
+    names = {getattr(os, n): n.removeprefix("SCHED_").lower()
+             for n in ("SCHED_OTHER", "SCHED_IDLE", "SCHED_BATCH", "SCHED_FIFO", "SCHED_RR") if hasattr(os, n)}
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
+    can_raise = _has_cap_sys_nice() or soft == resource.RLIM_INFINITY or soft >= 20
+    return {"policy": names.get(policy, str(policy)), "nice": os.getpriority(os.PRIO_PROCESS, tid),
+            "can_raise": can_raise}
+
+
+def raise_low_threads() -> tuple[int, int]:
+    """Bring every thread of this process that runs below the calling thread's priority (a higher nice
+    value, or SCHED_IDLE) back to the calling thread's policy and nice value, where the system allows
+    it (CAP_SYS_NICE, or an RLIMIT_NICE that allows that nice value: sched(7)). Returns (raised,
+    refused); an unprivileged process typically gets (0, n)."""
+    me = threading.get_native_id()
+    my_nice = os.getpriority(os.PRIO_PROCESS, me)
+    my_policy = os.sched_getscheduler(me)
+    raised = refused = 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return 0, 0
+    idle = getattr(os, "SCHED_IDLE", None)
+    for tid in tids:
+        try:
+            low_policy = idle is not None and os.sched_getscheduler(tid) == idle and my_policy != idle
+            low_nice = os.getpriority(os.PRIO_PROCESS, tid) > my_nice
+            if not (low_policy or low_nice):
+                continue
+            if low_policy:
+                os.sched_setscheduler(tid, my_policy, os.sched_param(0))
+            if low_nice:
+                os.setpriority(os.PRIO_PROCESS, tid, my_nice)
+            raised += 1
+        except PermissionError:
+            refused += 1
+        except OSError:  # the thread exited meanwhile
+            continue
+    return raised, refused

@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims.batching import BatchPolicy
-from gpuprims.cpushare import CpuShare, apply_cpu_share
+from gpuprims.cpushare import CpuShare, apply_cpu_share, lower_thread_priority, raise_low_threads
 from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer, ModelRunner, make_gatherer, torch_device
@@ -73,6 +74,9 @@ PROBE_AFTER_S = 1.0
 LAST_WORDS_MS = 2000
 #: The most requests one poll of the ring takes into the local queue.
 PULL_MAX = 64
+
+#: InitGpu waits this long for a pre-warm it could raise to normal priority before loading itself.
+PREWARM_JOIN_S = 60.0
 log = logging.getLogger("gpuprims.instance")
 
 
@@ -115,6 +119,9 @@ class InstanceSpec:
     measure_lock: str | None = None
     stage_pcts: dict[str, int] | None = None  # dispatched: the GPU% each stage is measured and run at
     gather_method: str | None = None  # host (cpu) | gpu_dma (cuda default) | cuda_copy (the baseline)
+    # A shadow on the cpu backend: load and warm the model at the lowest priority before InitGpu (see
+    # Instance.start_prewarm), so that a change is a route flip.
+    prewarm: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -190,6 +197,21 @@ class LatencyStats:
         self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
         self.stages = StageClock()  # per-batch stage breakdown (gpuprims.stats.STAGES)
         self.started = time.monotonic()
+        # The data path's view of a switch (CLOCK_MONOTONIC ns, the same clock in every process):
+        # when the first request this instance took had arrived, when it answered first and last, and
+        # the model time of that first answered batch.
+        self.first_request_ns = 0
+        self.first_ok_ns = 0
+        self.last_ok_ns = 0
+        self.first_model_ms: float | None = None
+
+    def mark_answered(self, model_ms: float) -> None:
+        """Note a batch just answered OK (and the model's run time for it)."""
+        now = time.monotonic_ns()
+        if not self.first_ok_ns:
+            self.first_ok_ns = now
+            self.first_model_ms = round(model_ms, 3)
+        self.last_ok_ns = now
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms, dtype=float)
@@ -216,6 +238,10 @@ class LatencyStats:
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "hist": self.hist.to_wire(),
             "stages": self.stages.snapshot(),
+            "first_request_ns": self.first_request_ns,
+            "first_ok_ns": self.first_ok_ns,
+            "last_ok_ns": self.last_ok_ns,
+            "first_model_ms": self.first_model_ms,
             "uptime_s": elapsed,
         }
 
@@ -253,6 +279,13 @@ class Instance:
         self._last_error: str | None = None
         self.gatherer: Gatherer | None = None
         self.runner: ModelRunner | None = None
+        # Pre-warm (spec.prewarm): idle -> warming -> warm | failed | abandoned (InitGpu came first).
+        self.prewarm_state = "idle"
+        self.prewarm_info: dict[str, Any] = {}
+        self._prewarmed: dict[str, Any] | None = None
+        self._prewarm_lock = threading.Lock()
+        self._prewarm_thread: threading.Thread | None = None
+        self._warm_announced = False
 
     # -- start-up ----------------------------------------------------------------------------------
     def init_compute(self, gpu_pct: int) -> None:
@@ -268,16 +301,9 @@ class Instance:
             if self.spec.cores:
                 apply_cpu_share(CpuShare(cores=list(self.spec.cores), threads=self.spec.threads or len(self.spec.cores),
                                          gpu_pct=gpu_pct))
-        if self.spec.stages:
-            self.stage_models = {
-                st["name"]: load_model(st["model"], seed=self.spec.seed, input_shape=tuple(self.spec.input_shape))
-                .to(self.device).eval()
-                for st in self.spec.stages}
-            self.routes = {st["name"]: list(st.get("routes") or []) for st in self.spec.stages}
-            entry = self.spec.entry or self.spec.stages[0]["name"]
-            self.model = DagModel(self.stage_models, self.routes, entry)
-        else:
-            self.model = self._load_single(load_model)
+        loaded = self._take_prewarmed()
+        for key, value in (loaded or self._build_models(self.device)).items():
+            setattr(self, key, value)
         # The gather and run seams: GPU-DMA into a preallocated device batch and Sync-lite on cuda
         # (the spec's gather_method may pick the CUDA-Copy baseline); the native host gather on cpu.
         self.gatherer = make_gatherer(self.spec.backend, self.pool, tuple(self.spec.input_shape), self.spec.dtype,
@@ -290,7 +316,23 @@ class Instance:
             self._warm_up()
         self.initialized = True
 
-    def _load_single(self, load_model: Any) -> Any:
+    def _build_models(self, device: Any) -> dict[str, Any]:
+        """Load the app's model(s) on ``device``; returns the attributes to set (model, stage_models,
+        routes, and the Param-Share ones), so that the pre-warm thread can build them without touching
+        the instance."""
+        if self.spec.stages:
+            stage_models = {
+                st["name"]: load_model(st["model"], seed=self.spec.seed, input_shape=tuple(self.spec.input_shape))
+                .to(device).eval()
+                for st in self.spec.stages}
+            routes = {st["name"]: list(st.get("routes") or []) for st in self.spec.stages}
+            entry = self.spec.entry or self.spec.stages[0]["name"]
+            return {"stage_models": stage_models, "routes": routes, "model": DagModel(stage_models, routes, entry)}
+        out: dict[str, Any] = {}
+        out["model"] = self._load_single(load_model, device, out)
+        return out
+
+    def _load_single(self, load_model: Any, device: Any, out: dict[str, Any]) -> Any:
         """Load the app's model: its own weights, or (Param-Share) the weights another instance exported.
 
         ``share_params`` is ``export:PATH`` (load, then move the weights into one shared allocation
@@ -303,17 +345,17 @@ class Instance:
             with open(path, "rb") as f:
                 handles = f.read()
             model = load_model(self.spec.model, device="meta", **kw)
-            self.shared = share_parameters(handles, model)
-            self.params_mode = "imported"
-            return self.shared.model.eval()
-        model = load_model(self.spec.model, **kw).to(self.device).eval()
+            shared = share_parameters(handles, model)
+            out.update(shared=shared, params_mode="imported")
+            return shared.model.eval()
+        model = load_model(self.spec.model, **kw).to(device).eval()
         if mode == "export":
-            self.exported = export_parameters(model)
+            exported = export_parameters(model)
             tmp = f"{path}.{os.getpid()}"
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(self.exported.to_bytes())
+                f.write(exported.to_bytes())
             os.replace(tmp, path)  # importers never see a partial file
-            self.params_mode = "exported"
+            out.update(exported=exported, params_mode="exported")
         return model
 
     @property
@@ -356,12 +398,81 @@ class Instance:
                               repeats=3, discard=1)
             self.measured[stage] = {str(b): ms for b, ms in medians.items()}
 
+    def _warm_sizes(self) -> list[int]:
+        return sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
+
     def _warm_up(self) -> None:
         """Run batches of 1, max_batch/2 and max_batch to seed the latency model."""
-        sizes = sorted({1, max(1, self.spec.max_batch // 2), self.spec.max_batch})
+        sizes = self._warm_sizes()
         run = self.model.run_all if isinstance(self.model, DagModel) else self.model
         for b, ms in warm_up(run, tuple(self.spec.input_shape), sizes, self.device, repeats=1, discard=1).items():
             self.policy.observe(b, ms)
+
+    # -- shadow pre-warm (cpu backend) ----------------------------------------------------------------
+    def start_prewarm(self) -> None:
+        """Load and warm the model now, before any InitGpu, in a thread at the lowest priority
+        (``lower_thread_priority``: nice 19; its OpenMP workers inherit it), so that the shadow takes
+        (almost) no CPU time an active instance wants. The serving (main) thread is never demoted, so nothing
+        has to be raised back at InitGpu, which works without CAP_SYS_NICE. When done, the main loop
+        sends a second Ready with ``warm: true``; InitGpu then only applies the share and re-times the
+        served batch sizes at the new thread count. An InitGpu that comes first abandons the pre-warm
+        (a low-priority thread cannot be hurried unprivileged) and loads on the main thread as before."""
+        if self.spec.stages or (self.spec.share_params or "").startswith("export:"):
+            return  # DAG apps and the weights' exporter load at InitGpu as before
+        self.prewarm_state = "warming"
+        self._prewarm_thread = threading.Thread(target=self._prewarm_run, name="prewarm", daemon=True)
+        self._prewarm_thread.start()
+
+    def _prewarm_run(self) -> None:
+        t0 = time.monotonic()
+        priority = lower_thread_priority()
+        try:
+            device = torch.device("cpu")
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+            built = self._build_models(device)
+            if self.spec.warmup:  # (a node started with warmup off, as in tests, only loads)
+                warm_up(built["model"], tuple(self.spec.input_shape), self._warm_sizes(), device, repeats=1,
+                        discard=1)
+        except Exception as e:  # the main thread loads at InitGpu instead, and says why
+            log.warning("pre-warm failed (%s: %s); the model loads at InitGpu instead", type(e).__name__, e)
+            with self._prewarm_lock:
+                if self.prewarm_state == "warming":
+                    self.prewarm_state = "failed"
+                    self.prewarm_info["error"] = f"{type(e).__name__}: {e}"
+            return
+        with self._prewarm_lock:
+            if self.prewarm_state == "warming":
+                self._prewarmed = built
+                self.prewarm_state = "warm"
+                self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
+
+    def _take_prewarmed(self) -> dict[str, Any] | None:
+        """The pre-warmed models if the pre-warm finished. If it is still running, its threads are
+        raised to normal priority where the system allows it (CAP_SYS_NICE or RLIMIT_NICE) and it is
+        waited for; otherwise (unprivileged) it is abandoned (None) and the caller loads as before."""
+        if self.prewarm_state == "warming" and self._prewarm_thread is not None:
+            raised, refused = raise_low_threads()
+            self.prewarm_info["raised"] = raised
+            if raised and not refused:
+                self._prewarm_thread.join(timeout=PREWARM_JOIN_S)
+        with self._prewarm_lock:
+            if self.prewarm_state == "warm":
+                built, self._prewarmed = self._prewarmed, None
+                self.prewarm_state = "used"
+                return built
+            if self.prewarm_state == "warming":
+                self.prewarm_state = "abandoned"
+                log.info("InitGpu before the pre-warm finished: loading on the serving thread")
+            return None
+
+    def _announce_warm(self) -> None:
+        """Main thread: tell the node once that the pre-warm finished (a second Ready)."""
+        if self._warm_announced or self.prewarm_state not in ("warm", "failed") or self.control is None:
+            return
+        self._warm_announced = True
+        self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
+                                info={"initialized": False, "warm": self.prewarm_state == "warm",
+                                      "prewarm": self.prewarm_state, **self.prewarm_info}))
 
     # -- serving -----------------------------------------------------------------------------------
     def _pull(self, timeout_ms: float) -> int:
@@ -372,6 +483,8 @@ class Instance:
                 self.stats.stages.start()  # the next batch's clock starts when its first request is taken
             info = self.pool.requests(recs)
             self.stats.counts["received"] += int(recs.size)
+            if not self.stats.first_request_ns:
+                self.stats.first_request_ns = int(info["first_ns"].min())
             for r, row in zip(recs.tolist(), info):
                 self.queue.append((r, row))
         return int(recs.size)
@@ -492,6 +605,7 @@ class Instance:
                              compute_s=model_ms / 1e3)
         else:  # one model: the whole batch, without copying its records into groups
             self._answer(recs, info, out.float().cpu().numpy().reshape(recs.size, -1), compute_s=model_ms / 1e3)
+        self.stats.mark_answered(model_ms)
         clock.lap("respond")
         self._clock_ingest(info)
         clock.end()
@@ -688,7 +802,8 @@ class Instance:
                 self.spec.threads = int(msg.settings.get("threads") or len(self.spec.cores))
             self.init_compute(msg.gpu_pct)
             self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
-                                    info={"initialized": True, "gpu_pct": msg.gpu_pct, "measured": self.measured}))
+                                    info={"initialized": True, "gpu_pct": msg.gpu_pct, "measured": self.measured,
+                                          "prewarm": self.prewarm_state}))
         elif isinstance(msg, Finish):
             self.finishing = True
             drained = self.drain()
@@ -730,7 +845,9 @@ class Instance:
                 self.step()
                 self.heartbeat()
             else:
-                msg = self.control.poll(100) if self.control is not None else None
+                self._announce_warm()
+                msg = self.control.poll(20 if self.prewarm_state == "warming" else 100) \
+                    if self.control is not None else None
                 if msg is not None:
                     self.handle(msg)
 
@@ -770,15 +887,18 @@ def main() -> int:
     # Its last words (Error, Ended) get up to LAST_WORDS_MS to leave before the process exits.
     control = connect_instance_from_env(linger_ms=LAST_WORDS_MS)
     inst = None
+    rc = 1
     try:
         inst = Instance(spec, control)
         if not spec.defer_init:
             inst.init_compute(spec.gpu_pct)
+        elif spec.prewarm:
+            inst.start_prewarm()
         control.send(Ready(instance=spec.name, pid=os.getpid(),
                            info={"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer,
                                  "measured": inst.measured}))
         inst.serve()
-        return 0
+        rc = 0
     except Exception as e:
         if isinstance(e, ValueError):  # a bad model or spec: its message says it all
             log.error("instance %s failed: %s", spec.name, e)
@@ -786,12 +906,16 @@ def main() -> int:
             log.exception("instance %s failed", spec.name)
         with contextlib.suppress(Exception):
             control.send(Error(instance=spec.name, kind=type(e).__name__, message=str(e)))
-        return 1
     finally:
         if inst is not None:
             inst.close()
         control.close()
-
+        if inst is not None and inst._prewarm_thread is not None and inst._prewarm_thread.is_alive():
+            # A pre-warm still running (a low-priority thread inside torch) cannot be stopped, and
+            # the interpreter's exit would tear torch down under it (std::terminate): leave now.
+            logging.shutdown()
+            os._exit(rc)
+    return rc
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,9 +11,16 @@ and utilisation (fraction of wall time its instances spent running the model, pe
 - **Under-using**: utilisation below ``underuse_util`` with attainment at target and no queue. The
   share goes down by ``step_pct`` (not below ``min_pct``, nor below what the profile says is needed).
 
-A verdict must hold for ``confirm`` consecutive samples (hysteresis), and an app is not changed again
-within ``dwell_s`` of its last change, so it does not flap. Every decision carries its reason; the node
-logs it, keeps it in ``status()["decisions"]`` and counts it in the metrics.
+A verdict must hold for ``confirm`` consecutive samples, and an app is not changed again within
+``dwell_s`` of its last change, so it does not flap. The node tells the monitor of every change of an
+app's share (:meth:`Monitor.changed`, whoever asked for it): the window then starts afresh, so it never
+mixes samples from before and after, and the dwell counts from when the change ended. The node makes
+only changes that change what the instance gets (on the CPU backend whole cores: see
+``Placement.effective_target``), and a step down only if the instance's utilisation, scaled to its
+smaller capacity, stays within ``max_util_after`` (hysteresis between ``underuse_util`` and that).
+Every decision carries its reason; the node logs it, keeps it in ``status()["decisions"]`` (made or
+not, and why), puts it on the change it asks for (``reason`` in ``status()["changes"]``) and counts
+it in the metrics.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class MonitorPolicy:
     confirm: int = 3
     dwell_s: float = 15.0
     min_served: int = 20  # answered requests in the window before attainment counts
+    max_util_after: float = 0.7  # a step down is made only if the projected utilisation stays below this
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.window_s < self.interval_s:
@@ -52,6 +60,9 @@ class MonitorPolicy:
             raise ValueError("step_pct and min_pct must be in 1..100")
         if self.confirm < 1 or self.dwell_s < 0:
             raise ValueError("confirm must be >= 1 and dwell_s >= 0")
+        if not self.underuse_util <= self.max_util_after <= 1:
+            raise ValueError(f"need underuse_util <= max_util_after <= 1, got {self.underuse_util}, "
+                             f"{self.max_util_after}")
 
 
 @dataclass
@@ -111,6 +122,14 @@ class Monitor:
             "busy_ms": float(sum(float(i.get("busy_ms") or 0) for i in insts) + float(app.get("busy_ms") or 0)),
             "instances": float(max(1, sum(1 for i in insts if i.get("role") == "active"))),
         }
+
+    def changed(self, app: str, now: float) -> None:
+        """The app's share changed (or is changing) at ``now``: forget the samples from before, start
+        the confirmation over, and count the dwell time from here."""
+        tr = self._apps.setdefault(app, _AppTrack())
+        tr.samples.clear()
+        tr.streak_verdict, tr.streak = "", 0
+        tr.last_change = max(tr.last_change, now)
 
     def window(self, app: str) -> AppWindow | None:
         """The app's rates over the current window, or None before two samples exist."""

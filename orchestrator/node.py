@@ -116,6 +116,7 @@ class Node:
         self.events: list[dict[str, Any]] = []
         self.errors: dict[str, int] = {}  # loop errors by where they happened (each logged)
         self.monitor = monitor  # orchestrator.monitor.Monitor: automatic GPU% changes when set
+        self._monitor_seen: set[int] = set()  # changes the monitor was told of (Monitor.changed)
         self.share_params = share_params  # Param-Share between instances of the same model
         if monitor is not None and monitor.needed_pct is None:
             monitor.needed_pct = self.placement.needed_pct
@@ -353,10 +354,11 @@ class Node:
             raise ChangeError("the node is stopping")
         self.placement.check_share(app_name, gpu_pct)
 
-    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = "set-gpu", method: str = "overlap") -> Change:
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = "set-gpu", method: str = "overlap",
+                reason: str | None = None) -> Change:
         """Accept a change of the app's GPU% (Overlapped-Execution, or the restart baseline). The node's
         loop carries it out; raises ChangeError when it is refused."""
-        return self.changes.submit(app, gpu_pct, origin=origin, method=method)
+        return self.changes.submit(app, gpu_pct, origin=origin, method=method, reason=reason)
 
     # -- running ---------------------------------------------------------------------------------------
     def serve(self, *, duration_s: float | None = None) -> None:
@@ -404,7 +406,16 @@ class Node:
 
     def _autoscale(self) -> None:
         assert self.monitor is not None
-        for d in self.monitor.sample(time.monotonic(), self.status()):
+        now = time.monotonic()
+        # A window must not mix samples from before and after a change (of any origin), and the
+        # monitor's dwell counts from when the change ended.
+        for ch in self.changes:
+            if not ch.phase.terminal:
+                self.monitor.changed(ch.app, now)
+            elif ch.id not in self._monitor_seen and ch.ended is not None:
+                self._monitor_seen.add(ch.id)
+                self.monitor.changed(ch.app, ch.ended)
+        for d in self.monitor.sample(now, self.status()):
             if d.app in self.changes.running:
                 continue  # its change is still running; the monitor asks again if it still holds
             # A change that does not change what the instances get (on the CPU backend: whole cores)
@@ -420,9 +431,20 @@ class Node:
                              "result": f"not made: no share toward {d.to_pct}% changes what {d.app} gets "
                                        f"({self.placement.capacity(d.from_pct)} at {d.from_pct}%)"})
                 continue
+            if d.verdict == "underused":
+                # Hysteresis: down only if the instance would still be comfortably below busy after it
+                # (its utilisation scaled by what it has now over what it would get).
+                after = d.window.get("utilisation", 0.0) * (self.placement.capacity(d.from_pct)
+                                                            / max(1, self.placement.capacity(target)))
+                if after > self.monitor.policy.max_util_after:
+                    self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
+                                 "from_pct": d.from_pct, "to_pct": target, "ok": False, "automatic": True,
+                                 "result": f"not made: at {target}% it would be busy {after:.0%} of the time "
+                                           f"(> max_util_after {self.monitor.policy.max_util_after:.0%})"})
+                    continue
             log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, target, d.reason)
             try:
-                ch = self.set_gpu(d.app, target, origin="monitor")
+                ch = self.set_gpu(d.app, target, origin="monitor", reason=f"{d.verdict}: {d.reason}")
                 ok, text = True, f"change {ch.id} accepted"
             except ChangeError as e:
                 ok, text = False, str(e)
@@ -512,7 +534,8 @@ class Node:
                 s = st.stats
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
-                              "cores": st.spec.cores, **s})
+                              "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
+                              "prewarm": st.info.get("prewarm"), **s})
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)

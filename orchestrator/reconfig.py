@@ -46,6 +46,10 @@ from orchestrator.state import AppState, InstanceState
 
 log = logging.getLogger("gpuprims.reconfig")
 
+#: How long after a switch the change waits for the new instance's first answer (its heartbeat) to
+#: compute the switch's downtime from the data path; after that the downtime stays unknown (None).
+DATA_PATH_WAIT_S = 30.0
+
 
 
 class Phase(str, enum.Enum):
@@ -88,6 +92,7 @@ class Change:
     to_pct: int
     method: str = "overlap"  # overlap | restart
     origin: str = "set-gpu"  # set-gpu | monitor | api
+    reason: str | None = None  # why it was asked for (the monitor's verdict and figures)
     timeout_s: float = 180.0
     phase: Phase = Phase.PENDING
     error: str | None = None
@@ -213,6 +218,7 @@ class Change:
                 old = None
             if old is None or old.ended:
                 self.switched[-1]["old_served"] = old.stats.get("ok") if old is not None else None
+                self.switched[-1]["old_last_answer_ns"] = _last_answer(old)
                 self._next_instance(host)
 
     def _switch(self, host: ChangeHost, shadow: InstanceState) -> None:
@@ -224,9 +230,12 @@ class Change:
         if old is not None:
             old.role = "finishing"  # off the route from here on; Finish follows
         host.route(self.app)
+        switch_ns = time.monotonic_ns()
         switch_ms = (time.monotonic() - t) * 1e3
         self.switched.append({"from": self._old, "to": shadow.name, "init_ms": round(init_ms, 1),
-                              "route_switch_ms": round(switch_ms, 3), "old_served": None})
+                              "route_switch_ms": round(switch_ms, 3), "old_served": None,
+                              "prewarmed": shadow.info.get("prewarm") == "used", "switch_ns": switch_ns,
+                              **_pending_data_path()})
         host.record({"event": "switch", "app": self.app, "change": self.id, "from": self._old, "to": shadow.name,
                      "gpu_pct": self.to_pct})
         self._enter(Phase.SWITCHED)
@@ -258,7 +267,10 @@ class Change:
             # requeued into its queue and no request meets an app without one.
             host.kill(old)
             host.route(self.app)
-            self.switched.append({"from": old.name, "to": new.name, "init_ms": None, "old_served": old.stats.get("ok")})
+            self.switched.append({"from": old.name, "to": new.name, "init_ms": None, "old_served": old.stats.get("ok"),
+                                  "switch_ns": time.monotonic_ns(), **_pending_data_path(),
+                                  # Killed: its last heartbeat's last answer (up to heartbeat_ms stale).
+                                  "old_last_answer_ns": _last_answer(old)})
             self._enter(Phase.INITIALISING)
         elif self.phase is Phase.INITIALISING:
             new = host.instances.get(self._new or "")
@@ -271,11 +283,51 @@ class Change:
                 self.fail(host, f"{self._new} start did not happen within {self.timeout_s:.0f} s; raise "
                                 "node.change_timeout_s if needed")
 
+    def observe_data_path(self, host: ChangeHost) -> bool:
+        """Fill each switch's downtime from the data path once the new instance has answered (its
+        heartbeat says when). Returns True while some switch still waits for it.
+
+        For each switch: ``answer_gap_ms`` = the new instance's first OK answer - the old one's last
+        (negative: they overlapped, the old one still draining when the new one answered);
+        ``new_first_wait_ms`` = that first answer - when the first request the new instance took had
+        arrived (or the switch, if later: a request requeued from a killed instance waited there
+        first), less the model time of that batch: how long the new instance kept requests waiting
+        before it served; ``downtime_ms`` = max(0, min(answer_gap_ms, new_first_wait_ms)): the part of
+        the pause in answers the new instance caused by not serving at once (a pause with no requests
+        arriving is not downtime)."""
+        waiting = False
+        for sw in self.switched:
+            if sw.get("data_path") != "waiting":
+                continue
+            new = host.instances.get(sw["to"])
+            first = int((new.stats.get("first_ok_ns") or 0) if new is not None else 0)
+            old_last = sw.get("old_last_answer_ns")
+            if first and (old_last is not None or self.phase.terminal):
+                stats = new.stats if new is not None else {}
+                sw["new_first_answer_ns"] = first
+                took = max(int(stats.get("first_request_ns") or 0), int(sw["switch_ns"]))
+                sw["new_first_wait_ms"] = round(max(0.0, (first - took) / 1e6 - float(stats.get("first_model_ms") or 0)), 3)
+                gap = (first - old_last) / 1e6 if old_last else None
+                sw["answer_gap_ms"] = round(gap, 3) if gap is not None else None
+                wait = sw["new_first_wait_ms"]
+                sw["downtime_ms"] = (round(max(0.0, min(gap, wait)), 3) if gap is not None and wait is not None
+                                     else wait)
+                sw["data_path"] = "measured"
+                host.record({"event": "switch_measured", "app": self.app, "change": self.id, "from": sw["from"],
+                             "to": sw["to"], "downtime_ms": sw["downtime_ms"], "answer_gap_ms": sw["answer_gap_ms"],
+                             "new_first_wait_ms": sw["new_first_wait_ms"]})
+            elif new is None or time.monotonic_ns() - sw["switch_ns"] > DATA_PATH_WAIT_S * 1e9:
+                sw["data_path"] = "unknown (the new instance answered nothing it reported)"
+            else:
+                waiting = True
+        return waiting
+
     # -- reporting --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able view for status and the CLI."""
         return {"id": self.id, "app": self.app, "from_pct": self.from_pct, "to_pct": self.to_pct,
-                "method": self.method, "origin": self.origin, "phase": self.phase.value, "error": self.error,
+                "method": self.method, "origin": self.origin, "reason": self.reason, "phase": self.phase.value,
+                "error": self.error,
                 "phases": [list(p) for p in self.phases], "switched": self.switched,
                 "elapsed_s": round((self.ended or time.monotonic()) - self.started, 3)}
 
@@ -293,6 +345,16 @@ class Change:
                 f"Overlapped-Execution in {total_ms:.0f} ms (route switch {worst:.3f} ms)")
 
 
+def _pending_data_path() -> dict[str, Any]:
+    return {"data_path": "waiting", "old_last_answer_ns": None, "new_first_answer_ns": None,
+            "new_first_wait_ms": None, "answer_gap_ms": None, "downtime_ms": None}
+
+
+def _last_answer(st: InstanceState | None) -> int | None:
+    """When the instance last answered (ns, CLOCK_MONOTONIC) by its last heartbeat; None if never."""
+    return int(st.stats.get("last_ok_ns") or 0) or None if st is not None else None
+
+
 class Changes:
     """The node's changes: at most one running per app, the finished ones kept for ``status``."""
 
@@ -308,8 +370,10 @@ class Changes:
         self._ids = itertools.count(1)
         #: Apps no new change may start on (their change is running); tests may hold one directly.
         self.changing: set[str] = set()
+        self._measuring: list[Change] = []  # finished, a switch still waiting for its data-path downtime
 
-    def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu") -> Change:
+    def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu",
+               reason: str | None = None) -> Change:
         """Accept a change (it starts on the next advance) or raise ChangeError saying why not."""
         try:
             self.check(app, to_pct)
@@ -321,7 +385,7 @@ class Changes:
             raise ChangeError(f"a change of {app} is already in progress; try again when it completes")
         state = self.host.apps[app]
         ch = Change(id=next(self._ids), app=app, from_pct=state.gpu_pct, to_pct=to_pct, method=method,
-                    origin=origin, timeout_s=self.timeout_s)
+                    origin=origin, reason=reason, timeout_s=self.timeout_s)
         self.counts["submitted"] += 1
         if to_pct == state.gpu_pct and method == "overlap":
             ch.switched = []
@@ -331,11 +395,13 @@ class Changes:
         self.running[app] = ch
         self.changing.add(app)
         self.host.record({"event": "change_accepted", "app": app, "change": ch.id, "from_pct": ch.from_pct,
-                          "to_pct": to_pct, "method": method, "origin": origin})
+                          "to_pct": to_pct, "method": method, "origin": origin, "reason": reason})
         return ch
 
     def advance(self) -> None:
-        """Advance every running change; one that raises fails alone."""
+        """Advance every running change; one that raises fails alone. Finished changes whose switches
+        still wait for the new instance's first answer get their data-path downtime filled in."""
+        self._measuring = [ch for ch in self._measuring if self._observe(ch)]
         for app, ch in list(self.running.items()):
             try:
                 ch.advance(self.host)
@@ -355,6 +421,11 @@ class Changes:
             self.changing.discard(app)
             self._finish(ch)
 
+    @property
+    def measuring(self) -> bool:
+        """True while a finished change still waits for a switch's data-path downtime."""
+        return bool(self._measuring)
+
     def get(self, change_id: int) -> Change | None:
         for ch in self:
             if ch.id == change_id:
@@ -365,7 +436,16 @@ class Changes:
         yield from self.running.values()
         yield from self.finished
 
+    def _observe(self, ch: Change) -> bool:
+        try:
+            return ch.observe_data_path(self.host)
+        except Exception:
+            log.exception("change %d: measuring the switch from the data path failed", ch.id)
+            return False
+
     def _finish(self, ch: Change) -> None:
+        if self._observe(ch):
+            self._measuring.append(ch)
         self.counts["done" if ch.phase is Phase.DONE else "failed"] += 1
         self.finished.append(ch)
         del self.finished[: -self.keep]

@@ -87,6 +87,29 @@ def format_status(status: Mapping[str, Any]) -> str:
         corr = sch.get("corrections")
         if isinstance(corr, Mapping) and corr:
             lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
+    lines.extend(_changes_lines(status))
     if st["control_rejected"]:
         lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
     return "\n".join(lines)
+
+
+def _changes_lines(status: Any, keep: int = 3) -> list[str]:
+    """The last few changes of share (origin, reason, how they went, the measured switch downtime)
+    and the monitor's last decisions, made or not."""
+    if not isinstance(status, Mapping):
+        return []
+    out: list[str] = []
+    changes = status.get("changes")
+    recent = changes.get("recent") if isinstance(changes, Mapping) else None
+    for ch in (recent or [])[-keep:]:
+        if not isinstance(ch, Mapping):
+            continue
+        downs = [sw.get("downtime_ms") for sw in ch.get("switched") or [] if isinstance(sw, Mapping)]
+        down = ", ".join("?" if d is None else f"{d:.3f} ms" for d in downs) or "-"
+        why = f" ({ch['reason']})" if ch.get("reason") else ""
+        out.append(f"change {ch.get('id')}: {ch.get('app')} {ch.get('from_pct')}% -> {ch.get('to_pct')}% "
+                   f"{ch.get('method')} by {ch.get('origin')}{why}: {ch.get('phase')}, switch downtime {down}")
+    for d in (status.get("decisions") or [])[-keep:]:
+        if isinstance(d, Mapping):
+            out.append(f"monitor: {d.get('app')} {d.get('verdict')} ({d.get('reason')}): {d.get('result')}")
+    return out

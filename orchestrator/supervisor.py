@@ -102,6 +102,8 @@ class Supervisor:
             dispatched=scheduled,
             measure_lock=str(self.run_dir / "measure.lock") if scheduled else None,
             stage_pcts=self.placement.stage_pcts(app.name) if scheduled else None,
+            # cpu backend: a shadow loads and warms its model at nice 19 before it is needed.
+            prewarm=defer_init and self.backend == "cpu" and not scheduled,
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))

@@ -3,11 +3,21 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 from typing import Any
 
 import pytest
 
-from gpuprims.cpushare import CpuShare, apply_cpu_share, available_cores, cores_for_pct, plan_cpu_shares
+from gpuprims.cpushare import (
+    CpuShare,
+    apply_cpu_share,
+    available_cores,
+    cores_for_pct,
+    lower_thread_priority,
+    plan_cpu_shares,
+    raise_low_threads,
+    thread_priority,
+)
 
 
 def test_two_cores_two_halves_get_one_core_each() -> None:
@@ -182,3 +192,116 @@ def test_apply_in_child_keeps_interop_set_earlier_and_warns() -> None:
     assert result["threads"] == len(cores) + 1
     assert result["interop"] == 1
     assert len(result["messages"]) == 1 and "inter-op threads stay at 1" in result["messages"][0]
+
+
+# -- thread priority (a shadow's pre-warm) -----------------------------------------------------------------
+
+def _in_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    return out[0]
+
+
+def test_lowering_a_thread_leaves_the_other_threads_alone() -> None:
+    main_before = thread_priority()
+
+    def lowered() -> tuple[str, dict[str, object], int]:
+        applied = lower_thread_priority()
+        # A thread it starts afterwards (as OpenMP workers are) inherits the low priority.
+        return applied, thread_priority(), _in_thread(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    applied, mine, child_nice = _in_thread(lowered)
+    assert applied == "nice"
+    assert mine["nice"] == 19 and mine["policy"] == "other"
+    assert child_nice == 19
+    assert thread_priority() == main_before  # the calling (serving) thread keeps its priority
+    assert main_before["policy"] == "other"
+
+
+def _drop_cap_sys_nice() -> None:
+    """Clear CAP_SYS_NICE from this process's bounding, effective and permitted capabilities."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Out of the bounding set first, or root's exec would give it back (PR_CAPBSET_DROP = 24).
+    if os.geteuid() == 0 and libc.prctl(24, 23, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    bit = ~(1 << 23)  # CAP_SYS_NICE
+    data[0].effective &= bit
+    data[0].permitted &= bit
+    if libc.capset(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+_UNPRIVILEGED = """
+import os, threading, json
+from gpuprims.cpushare import lower_thread_priority, raise_low_threads, thread_priority
+done, go = threading.Event(), threading.Event()
+res = {}
+def warm():
+    res["applied"] = lower_thread_priority()
+    done.set()
+    go.wait(30)
+t = threading.Thread(target=warm); t.start(); done.wait(30)
+res["raise"] = raise_low_threads()
+res["main"] = thread_priority()
+go.set(); t.join()
+print(json.dumps(res))
+"""
+
+
+def test_an_unprivileged_process_cannot_raise_a_lowered_thread_back_but_its_main_thread_is_untouched() -> None:
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    def drop() -> None:
+        # What an ordinary user has: RLIMIT_NICE 0 and no CAP_SYS_NICE (dropped here when run as root).
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+        _drop_cap_sys_nice()
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _UNPRIVILEGED], cwd=repo, preexec_fn=drop, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["applied"] == "nice"
+    assert res["raise"] == [0, 1]  # refused: nice 19 -> 0 needs CAP_SYS_NICE or RLIMIT_NICE >= 20
+    assert res["main"]["policy"] == "other" and res["main"]["nice"] == 0 and res["main"]["can_raise"] is False
+
+
+def test_a_privileged_process_raises_its_lowered_threads_back() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs CAP_SYS_NICE (run as root)")  # the unprivileged side is tested above
+    done, go = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def warm() -> None:
+        lower_thread_priority()
+        done.set()
+        go.wait(30)
+        seen["after"] = thread_priority()
+
+    t = threading.Thread(target=warm)
+    t.start()
+    assert done.wait(30)
+    raised, refused = raise_low_threads()
+    go.set()
+    t.join(30)
+    # At least this thread: earlier tests in this process may have left lowered threads of their own
+    # (a pre-warm's OpenMP workers inherit its nice value), and those are raised too.
+    assert raised >= 1 and refused == 0
+    assert seen["after"]["policy"] == "other" and seen["after"]["nice"] == 0

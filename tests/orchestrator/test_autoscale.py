@@ -7,14 +7,18 @@ import socket
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpuprims import wire
-from orchestrator.config import load_config
-from orchestrator.monitor import Monitor, MonitorPolicy
+from orchestrator.config import load_config, parse_config
+from orchestrator.monitor import Decision, Monitor, MonitorPolicy
 from orchestrator.node import Node
+from orchestrator.reconfig import Phase
+from orchestrator.state import AppState
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +80,10 @@ def test_rate_step_triggers_an_automatic_change(tmp_path: Path) -> None:
         end = time.monotonic() + 30
         while len(got) < sent[0] and time.monotonic() < end:
             node.step(20)
+        # The change the step asked for may still be loading on a busy machine: let it end.
+        end = time.monotonic() + node.cfg.node.change_timeout_s
+        while node.changes.running and time.monotonic() < end:
+            node.step(20)
         decisions = [e for e in node.events if e["event"] == "decision"]
     finally:
         stop.set()
@@ -91,3 +99,85 @@ def test_rate_step_triggers_an_automatic_change(tmp_path: Path) -> None:
     # No request lost or answered twice across the automatic switch.
     assert sorted(got) == list(range(sent[0]))
     assert all(len(v) == 1 for v in got.values())
+
+
+# -- the node's side of automatic changes (no processes: the monitor's decisions are scripted) ----------------
+
+class _Scripted(Monitor):
+    """A monitor whose next sample returns the given decisions."""
+
+    def __init__(self, policy: MonitorPolicy) -> None:
+        super().__init__(policy, needed_pct=lambda app, rps: None)
+        self.next: list[Decision] = []
+        self.told: list[tuple[str, float]] = []
+
+    def sample(self, now: float, status: Any) -> list[Decision]:
+        out, self.next = self.next, []
+        return out
+
+    def changed(self, app: str, now: float) -> None:
+        self.told.append((app, now))
+        super().changed(app, now)
+
+
+def _node(monkeypatch: pytest.MonkeyPatch, cores_per_pct: dict[int, int]) -> tuple[Node, _Scripted, list[Any]]:
+    cfg = parse_config({"node": {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": [0]}},
+                        "apps": [{"name": "a", "model": "mobilenet_v2", "app_id": 1, "input_shape": [3, 32, 32],
+                                  "slo_ms": 100, "gpu_pct": 50, "shadow": True}]}, source="test")
+    mon = _Scripted(MonitorPolicy(max_util_after=0.7))
+    node = Node(cfg, monitor=mon)
+    node.apps["a"] = AppState(cfg=cfg.apps[0], gpu_pct=50, instances=1)
+    # Whole cores per share, as on a 4-core machine (independent of this machine's cores).
+    monkeypatch.setattr(node.placement, "capacity", lambda pct: cores_per_pct[min(cores_per_pct, key=lambda p: abs(p - pct))])
+    asked: list[Any] = []
+
+    def set_gpu(app: str, pct: int, **kw: Any) -> Any:
+        asked.append((app, pct, kw))
+        return SimpleNamespace(id=len(asked))
+
+    monkeypatch.setattr(node, "set_gpu", set_gpu)
+    return node, mon, asked
+
+
+def _decision(verdict: str, from_pct: int, to_pct: int, util: float) -> Decision:
+    return Decision(t=0.0, app="a", from_pct=from_pct, to_pct=to_pct, verdict=verdict, reason=f"{verdict} because",
+                    window={"utilisation": util})
+
+
+def test_a_step_down_that_would_leave_the_instance_busy_is_not_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    node, mon, asked = _node(monkeypatch, {25: 1, 50: 2, 75: 3, 100: 4})
+    mon.next = [_decision("underused", 50, 25, util=0.4)]  # 2 cores -> 1 would make it 80 % busy
+    node._autoscale()
+    assert asked == []
+    ev = [e for e in node.events if e["event"] == "decision"][-1]
+    assert ev["ok"] is False and "would be busy 80%" in ev["result"] and ev["reason"] == "underused because"
+    assert node.status()["decisions"][-1] == ev  # visible in status
+    mon.next = [_decision("underused", 50, 25, util=0.25)]  # -> 50 %: made, with its reason
+    node._autoscale()
+    assert asked == [("a", 25, {"origin": "monitor", "reason": "underused: underused because"})]
+    ev = [e for e in node.events if e["event"] == "decision"][-1]
+    assert ev["ok"] is True and ev["to_pct"] == 25
+
+
+def test_a_change_the_monitor_asked_for_carries_its_reason_into_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    node, _mon, _ = _node(monkeypatch, {25: 1, 50: 2, 75: 3, 100: 4})
+    monkeypatch.setattr(node.changes, "check", lambda app, pct: None)
+    ch = Node.set_gpu(node, "a", 75, origin="monitor", reason="overloaded: SLO attainment 90.0% < 99%")
+    recent = node.status()["changes"]["recent"][-1]
+    assert recent["id"] == ch.id and recent["origin"] == "monitor"
+    assert recent["reason"] == "overloaded: SLO attainment 90.0% < 99%"
+    assert any(e["event"] == "change_accepted" and e["reason"] == recent["reason"] for e in node.events)
+
+
+def test_the_monitor_is_told_of_running_and_finished_changes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    node, mon, _ = _node(monkeypatch, {25: 1, 50: 2, 75: 3, 100: 4})
+    monkeypatch.setattr(node.changes, "check", lambda app, pct: None)
+    ch = Node.set_gpu(node, "a", 75)
+    node._autoscale()
+    assert [a for a, _ in mon.told] == ["a"]  # running: its window restarts every sample
+    ch._enter(Phase.DONE)
+    node.changes.running.clear()
+    node.changes.finished.append(ch)
+    node._autoscale()
+    node._autoscale()
+    assert mon.told[1:] == [("a", ch.ended)]  # finished: once, dwell counted from its end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES
 from gpuprims.wire import Status
+from orchestrator import instance as instance_mod
 from orchestrator.instance import PROBE_AFTER_S, Instance, InstanceSpec
 
 SHAPE = (3, 32, 32)
@@ -162,3 +164,44 @@ def test_a_batch_that_all_expired_leaves_no_stage_clock_running(setup: tuple[Ins
     assert _answer(inst, sock).status == Status.DEADLINE_MISSED
     assert not inst.stats.stages.running  # its wait is not carried into the next served batch
     assert inst.stats.stages.batches == 1
+
+
+# -- a shadow's pre-warm when InitGpu comes first ---------------------------------------------------------------
+
+def _prewarming(monkeypatch: pytest.MonkeyPatch, may_raise: bool) -> tuple[Instance, threading.Event]:
+    """An instance whose pre-warm thread is held inside its model load until the event is set."""
+    inst = Instance.__new__(Instance)  # only the pre-warm's state: no pool, no control
+    inst.spec = InstanceSpec(name="s", app="a", app_id=1, model="m", pool="p", consumer=0, defer_init=True,
+                             prewarm=True, warmup=False)
+    inst.prewarm_state, inst.prewarm_info, inst._prewarmed = "idle", {}, None
+    inst._prewarm_lock, inst._prewarm_thread = threading.Lock(), None
+    release = threading.Event()
+
+    def build(device: object) -> dict[str, object]:
+        release.wait(30)
+        return {"model": lambda x: x}
+
+    monkeypatch.setattr(inst, "_build_models", build)
+    monkeypatch.setattr(instance_mod, "raise_low_threads", lambda: (1, 0) if may_raise else (0, 1))
+    inst.start_prewarm()
+    assert inst.prewarm_state == "warming"
+    return inst, release
+
+
+def test_initgpu_before_the_prewarm_ends_abandons_it_when_the_thread_cannot_be_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    inst, release = _prewarming(monkeypatch, may_raise=False)
+    assert inst._take_prewarmed() is None  # the caller loads on the serving thread
+    assert inst.prewarm_state == "abandoned" and inst.prewarm_info["raised"] == 0
+    release.set()
+    inst._prewarm_thread.join(30)
+    assert inst.prewarm_state == "abandoned" and inst._prewarmed is None  # its late result is dropped
+
+
+def test_initgpu_before_the_prewarm_ends_waits_for_it_when_the_thread_can_be_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    inst, release = _prewarming(monkeypatch, may_raise=True)
+    threading.Timer(0.2, release.set).start()
+    built = inst._take_prewarmed()
+    assert built is not None and callable(built["model"])
+    assert inst.prewarm_state == "used" and inst.prewarm_info["raised"] == 1

@@ -554,3 +554,19 @@ def test_health_endpoints() -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             _scrape(urls["health_ready"])
         assert e.value.code == 503
+
+
+def test_format_status_shows_the_recent_changes_and_the_monitors_decisions() -> None:
+    st = {"apps": {}, "changes": {"recent": [
+        {"id": 4, "app": "a", "from_pct": 50, "to_pct": 75, "method": "overlap", "origin": "monitor",
+         "reason": "overloaded: SLO attainment 90.0% < 99%", "phase": "done",
+         "switched": [{"downtime_ms": 0.125}]},
+        {"id": 5, "app": "a", "from_pct": 75, "to_pct": 50, "method": "overlap", "origin": "set-gpu",
+         "reason": None, "phase": "draining", "switched": [{"downtime_ms": None}]}]},
+        "decisions": [{"app": "a", "verdict": "underused", "reason": "busy 10% of the time < 30%, no queue",
+                       "result": "not made: at 25% it would be busy 80% of the time (> max_util_after 70%)"}]}
+    text = format_status(st)
+    assert ("change 4: a 50% -> 75% overlap by monitor (overloaded: SLO attainment 90.0% < 99%): done, "
+            "switch downtime 0.125 ms") in text
+    assert "change 5: a 75% -> 50% overlap by set-gpu: draining, switch downtime ?" in text
+    assert "monitor: a underused (busy 10% of the time < 30%, no queue): not made: at 25% it would be busy" in text

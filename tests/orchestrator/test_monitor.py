@@ -98,7 +98,8 @@ def test_steady_app_is_left_alone() -> None:
 
 
 @pytest.mark.parametrize("kw", [{"interval_s": 0}, {"window_s": 0.1, "interval_s": 1}, {"slo_target": 0},
-                                {"overload_ratio": 0.5}, {"step_pct": 0}, {"confirm": 0}])
+                                {"overload_ratio": 0.5}, {"step_pct": 0}, {"confirm": 0},
+                                {"underuse_util": 0.5, "max_util_after": 0.4}, {"max_util_after": 1.5}])
 def test_policy_validation(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         MonitorPolicy(**kw)
@@ -110,3 +111,20 @@ def test_window_with_nothing_served_has_no_attainment_even_with_min_served_zero(
     sim.tick(arrive=0, serve=0, within_frac=1.0, busy_frac=0.0, queue=0)
     w = sim.m.window("a")
     assert w is not None and w.served == 0 and w.attainment is None
+
+
+def test_a_change_restarts_the_window_the_confirmation_and_the_dwell() -> None:
+    sim = Sim(Monitor(MonitorPolicy(confirm=2, dwell_s=3, window_s=5)))
+    sim.tick(200, 100, 1.0, 1.0, 10)
+    sim.tick(200, 100, 1.0, 1.0, 20)  # overloaded once: one more sample would confirm it
+    sim.m.changed("a", sim.t)  # ... but the share changed here (by hand, or a change ended)
+    assert sim.m.window("a") is None  # samples from before the change are gone
+    out = []
+    times = []
+    for i in range(6):
+        got = sim.tick(200, 100, 1.0, 1.0, 30 + 10 * i)
+        out += got
+        times += [sim.t] * len(got)
+    # Changed at t=2: samples at t=3 and 4 make the first window (overloaded once), t=5 confirms it,
+    # which is also the end of the 3 s dwell. Without the reset it would have come at t=3.
+    assert times[0] == 5.0 and out[0].verdict == "overloaded"

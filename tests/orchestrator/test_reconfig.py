@@ -10,15 +10,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpuprims import wire
+from gpuprims.cpushare import thread_priority
 from gpuprims.wire import Status
+from orchestrator import reconfig
 from orchestrator.config import load_config
 from orchestrator.node import Node
-from orchestrator.reconfig import change_gpu_pct, restart_gpu_pct
+from orchestrator.reconfig import Change, Phase, change_gpu_pct, restart_gpu_pct
 
 pytestmark = pytest.mark.slow
 
@@ -195,8 +199,145 @@ def test_kill_and_restart_baseline(node: Node) -> None:
     _pump(node, 0.5)
     load.finish(node)
     assert node.apps["a"].gpu_pct == 30
-    # Every request is answered once: OK, INSTANCE_FAILED for what the killed instance held, or
-    # DEADLINE_MISSED for those that waited out the restart (the downtime this baseline shows).
+    # Every request is answered once: OK, INSTANCE_FAILED for what the killed instance held,
+    # DEADLINE_MISSED for those that waited out the restart (the downtime this baseline shows), or
+    # OVERLOADED when a slow restart on a busy machine let the replacement's queue fill up.
     assert sorted(load.got) == list(range(load.sent))
     assert all(len(v) == 1 for v in load.got.values())
-    assert {v[0][0] for v in load.got.values()} <= {Status.OK, Status.INSTANCE_FAILED, Status.DEADLINE_MISSED}
+    assert {v[0][0] for v in load.got.values()} <= {Status.OK, Status.INSTANCE_FAILED, Status.DEADLINE_MISSED,
+                                                    Status.OVERLOADED}
+
+
+def _until(node: Node, cond: Any, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        node.step(20)
+
+
+def test_a_prewarmed_shadow_switches_without_loading_and_the_switch_is_measured_on_the_data_path(
+        node: Node) -> None:
+    # The shadow loads its model ahead of the change in a nice-19 thread (cpu backend). On a quiet
+    # machine that takes about a second; beside busy loops it can take minutes, so the change does not
+    # wait for it: it then raises the thread (when this process may) and waits for it, or loads itself.
+    _until(node, lambda: (sh := node.shadow_of("a")) is not None and sh.ready, 180, "the shadow's start")
+    end = time.monotonic() + 10
+    while not node.shadow_of("a").info.get("warm") and time.monotonic() < end:
+        node.step(20)
+    shadow = node.shadow_of("a")
+    assert shadow is not None
+    warm_before = bool(shadow.info.get("warm"))
+    if warm_before:
+        assert shadow.info["priority"] == "nice"
+        entry = next(i for i in node.status()["apps"]["a"]["instances"] if i["name"] == shadow.name)
+        assert entry["role"] == "shadow" and entry["warm"] is True
+    load = Load(node.ingest.ports[0], rate_rps=50)
+    _until(node, lambda: load.got, 60, "first answers")
+    ok, msg = change_gpu_pct(node, "a", 30)
+    assert ok, msg
+    ch = node.changes.finished[-1]
+    sw = ch.switched[0]
+    assert sw["to"] == shadow.name
+    assert sw["prewarmed"] is (warm_before or bool(thread_priority()["can_raise"]))
+    # The serving thread of the new active runs at normal priority (only the pre-warm thread was lowered).
+    assert os.sched_getscheduler(shadow.pid) == os.SCHED_OTHER
+    assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 0
+    _until(node, lambda: sw["data_path"] != "waiting", 60, "the new instance's first answer")
+    load.finish(node)
+    assert sw["data_path"] == "measured"
+    assert sw["old_last_answer_ns"] and sw["new_first_answer_ns"] and sw["new_first_answer_ns"] > sw["switch_ns"]
+    assert sw["answer_gap_ms"] == pytest.approx((sw["new_first_answer_ns"] - sw["old_last_answer_ns"]) / 1e6, abs=1e-3)
+    assert sw["downtime_ms"] == max(0.0, min(sw["answer_gap_ms"], sw["new_first_wait_ms"]))
+    recent = node.status()["changes"]["recent"][-1]
+    assert recent["switched"][0]["downtime_ms"] == sw["downtime_ms"]
+    assert any(e["event"] == "switch_measured" and e["change"] == ch.id for e in node.events)
+    assert sorted(load.got) == list(range(load.sent))
+    assert all(len(v) == 1 and v[0][0] == Status.OK for v in load.got.values())
+
+
+def test_a_shadow_stopped_while_it_prewarms_exits_cleanly(tmp_path: Path) -> None:
+    n = start(tmp_path)
+    try:
+        _until(n, lambda: (sh := n.shadow_of("a")) is not None and sh.ready, 180, "the shadow's start")
+        shadow = n.shadow_of("a")
+        assert shadow is not None
+    finally:
+        n.stop()
+    # Exit status 0, whether its pre-warm thread was still inside torch (no std::terminate) or done.
+    assert shadow.proc.returncode == 0
+
+
+# -- a switch's downtime from the data path, on a stand-in instance table --------------------------------
+
+class _Host:
+    """A stand-in instance table for Change.observe_data_path."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def record(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+
+def _change(old_last: int | None, switch_ns: int) -> Change:
+    ch = Change(id=1, app="a", from_pct=50, to_pct=30)
+    ch.switched = [{"from": "a-0", "to": "a-s1", "switch_ns": switch_ns, **reconfig._pending_data_path(),
+                    "old_last_answer_ns": old_last}]
+    ch._enter(Phase.DONE)
+    return ch
+
+
+def test_a_pause_in_answers_counts_only_as_long_as_the_new_instance_made_a_request_wait() -> None:
+    host = _Host()
+    now = time.monotonic_ns()
+    ch = _change(old_last=now - 20_000_000, switch_ns=now - 15_000_000)
+    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": 0})
+    assert ch.observe_data_path(host) is True  # nothing answered yet: still waiting
+    # Its first request arrived 1.4 ms before it answered, of which 1 ms ran the model.
+    host.instances["a-s1"].stats = {"first_ok_ns": now, "first_request_ns": now - 1_400_000, "first_model_ms": 1.0}
+    assert ch.observe_data_path(host) is False
+    sw = ch.switched[0]
+    assert sw["data_path"] == "measured"
+    assert sw["answer_gap_ms"] == pytest.approx(20.0)  # no request arrived for a while: not downtime
+    assert sw["downtime_ms"] == pytest.approx(0.4)
+    assert host.events[-1]["event"] == "switch_measured" and host.events[-1]["downtime_ms"] == pytest.approx(0.4)
+
+
+def test_overlapping_answers_are_no_downtime() -> None:
+    host = _Host()
+    now = time.monotonic_ns()
+    ch = _change(old_last=now + 5_000_000, switch_ns=now - 1_000_000)  # the old one still draining
+    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": now, "first_request_ns": now - 3_000_000,
+                                                    "first_model_ms": 1.0})
+    ch.observe_data_path(host)
+    assert ch.switched[0]["answer_gap_ms"] == pytest.approx(-5.0)
+    assert ch.switched[0]["downtime_ms"] == 0.0
+
+
+def test_a_request_requeued_from_a_killed_instance_counts_its_wait_from_the_switch() -> None:
+    host = _Host()
+    now = time.monotonic_ns()
+    ch = _change(old_last=now - 2_000_000_000, switch_ns=now - 1_500_000_000)
+    # The replacement's first request arrived (at the old instance) before the switch; it answered
+    # 1.5 s after the switch, 5 ms of which was the model.
+    host.instances["a-s1"] = SimpleNamespace(stats={"first_ok_ns": now, "first_request_ns": now - 1_800_000_000,
+                                                    "first_model_ms": 5.0})
+    ch.observe_data_path(host)
+    assert ch.switched[0]["new_first_wait_ms"] == pytest.approx(1495.0)
+    assert ch.switched[0]["downtime_ms"] == pytest.approx(1495.0)
+
+
+def test_a_new_instance_that_never_answers_leaves_the_downtime_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = _Host()
+    ch = _change(old_last=None, switch_ns=time.monotonic_ns())
+    host.instances["a-s1"] = SimpleNamespace(stats={})
+    assert ch.observe_data_path(host) is True
+    monkeypatch.setattr(reconfig, "DATA_PATH_WAIT_S", 0.0)
+    assert ch.observe_data_path(host) is False
+    assert ch.switched[0]["data_path"].startswith("unknown") and ch.switched[0]["downtime_ms"] is None
+    # Gone before it answered: unknown as well.
+    del host.instances["a-s1"]
+    ch3 = _change(old_last=None, switch_ns=time.monotonic_ns())
+    assert ch3.observe_data_path(host) is False
+    assert ch3.switched[0]["data_path"].startswith("unknown")
