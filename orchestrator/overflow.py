@@ -28,7 +28,6 @@ from gpuprims.coexec.overflow import OverflowRouter, RouteDecision
 from gpuprims.cpushare import CpuShare, available_cores
 from gpuprims.profile.format import Profile, ProfileError, load_profile
 from orchestrator.config import AppConfig, NodeConfig
-from orchestrator.placement import model_key
 
 
 class OverflowSetupError(ValueError):
@@ -430,6 +429,17 @@ class NodeOverflow:
             out[label] = {"routed": c.get("received", 0), "ok": c.get("ok", 0),
                           "answered": c.get("ok", 0) + c.get("deadline_missed", 0) + c.get("errors", 0)}
         return out
+
+
+def model_key(model: str) -> str:
+    """The name a model's profile is filed under (as ``orchestrator.placement.model_key``); the zoo,
+    and with it torch, is imported only when this is called, so the CLI checks overflow without it."""
+    from apps.zoo.registry import canonical_name  # torch: imported only when overflow is asked for
+
+    try:
+        return canonical_name(model)
+    except ValueError:
+        return model
 
 
 def _entry_model(app: AppConfig) -> str:
