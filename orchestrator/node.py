@@ -539,7 +539,7 @@ class Node:
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
-            live = [i for i in insts if i.get("role") == "active" and i.get("p50_ms") is not None]
+            live = [i for i in insts if i.get("role") in ("active", OVERFLOW_ROLE) and i.get("p50_ms") is not None]
             weight = sum(max(1, int(i.get("ok") or 0)) for i in live)
             # App-level latency from the instances' recent windows: p50 weighted by what each served,
             # p99 the worst instance's (an upper bound of the app's p99).
