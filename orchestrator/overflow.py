@@ -276,6 +276,7 @@ class NodeOverflow:
         self.retired: dict[str, dict[str, dict[str, int]]] = {a: {GPU: {}, CPU: {}} for a in pools}
         self.costs: dict[str, dict[str, tuple[float, float]]] = {}  # app -> instance -> (fixed_us, per_us)
         self._windows: dict[str, _Window] = {}
+        self._busy: dict[str, tuple[float, float]] = {}  # instance -> (busy fraction, mean batch ms) last measured
         self._costed: set[int] = set()
         self._next_update = 0.0
         self._lock = threading.Lock()
@@ -334,15 +335,27 @@ class NodeOverflow:
         if not force and now < self._next_update:
             return False
         self._next_update = now + self.update_s
+        self._set_costs(instances, ingest, now, measure=True)
+        return True
+
+    def reroute(self, instances: Iterable[Any], ingest: Any) -> None:
+        """A route changed (an instance joined or left): give every routed queue its cost now, from the
+        models as they stand, so a new queue does not wait for the next update (the ingest routes an
+        app least-loaded while one of its queues has no cost model)."""
+        self._set_costs(instances, ingest, 0.0, measure=False)
+
+    def _set_costs(self, instances: Iterable[Any], ingest: Any, now: float, *, measure: bool) -> None:
         insts = list(instances)
         costed: set[int] = set()
         with self._lock:
             for name, ov in self.apps.items():
-                mine = [st for st in insts if st.app == name and st.ready and not st.ended
-                        and st.role in ("active", OVERFLOW_ROLE)]
+                # What the ingest routes to (Supervisor.route): actives, loading or not, and a ready CPU instance.
+                mine = [st for st in insts if st.app == name and not st.ended
+                        and (st.role == "active" or (st.role == OVERFLOW_ROLE and st.ready))]
                 busy: dict[str, tuple[float, float]] = {}
                 for st in mine:
-                    busy[st.name] = self._observe(ov, st, now)
+                    busy[st.name] = self._observe(ov, st, now) if measure else self._busy.get(st.name, (0.0, 0.0))
+                    self._busy[st.name] = busy[st.name]
                 app_costs: dict[str, tuple[float, float]] = {}
                 for st in mine:
                     fixed, per = self._cost(ov, device_of(st.role), *busy[st.name])
@@ -355,7 +368,7 @@ class NodeOverflow:
             self._costed = costed
             live = {st.name for st in insts}
             self._windows = {k: v for k, v in self._windows.items() if k in live}
-        return True
+            self._busy = {k: v for k, v in self._busy.items() if k in live}
 
     def _observe(self, ov: AppOverflow, st: Any, now: float) -> tuple[float, float]:
         """Feed the instance's batches since the last update into its device's model; returns

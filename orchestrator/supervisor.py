@@ -186,6 +186,8 @@ class Supervisor:
                      if st.app == app_name and not st.ended
                      and (st.role == "active" or (st.role == OVERFLOW_ROLE and st.ready))]
         self.ingest.set_route(app.app_id, consumers)
+        if self.overflow is not None and app_name in self.overflow.pools:
+            self.overflow.reroute(self.instances.values(), self.ingest)
 
     def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None],
                     stopping: Callable[[], bool] = lambda: False) -> None:

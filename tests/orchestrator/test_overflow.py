@@ -158,6 +158,13 @@ def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Pat
     # The CPU instance gone: its queue loses its cost model (its consumer may serve another app next).
     ov.update([acc], ingest, now=4.0)
     assert ingest.cost(1) is None and ingest.cost(0) is not None
+    # A route change sets costs at once, from the models as they stand: a new (still loading) active
+    # is costed like the accelerator, a CPU instance only once it is ready.
+    new, cpu2 = _inst("a-r5", "active", 2), _inst("a-c6", OVERFLOW_ROLE, 3)
+    new.ready = cpu2.ready = False
+    ov.reroute([acc, new, cpu2], ingest)
+    assert ingest.cost(2) is not None and ingest.cost(2)[1] == pytest.approx(ingest.cost(0)[1])  # type: ignore[index]
+    assert ingest.cost(3) is None
 
 
 def test_split_counts_each_device_and_keeps_what_gone_instances_counted(tmp_path: Path) -> None:
