@@ -235,10 +235,10 @@ class Node:
             self._start_dispatcher()
         for app in self.cfg.apps:
             self.supervisor.route(app.name)
-        if self.overflow is not None:
-            self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
             if app.shadow and not self.scheduled:
                 self.supervisor.spawn_shadow(app.name)
+        if self.overflow is not None:
+            self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
         if node.frontdoor_enabled:
             self._start_frontdoor()
         self.started_at = time.monotonic()
