@@ -6,7 +6,14 @@ again: ``gpuprims-profile --device cpu --stages`` for the DUET models and ResNet
 time with 1..N busy cores). The three scenarios (``gpuprims.coexec.scenarios``) are simulated from
 these profiles: no accelerator ran here. Writes ``bench/results/<machine>/coexec.json`` (+ ``.png``).
 
-Run: ``python3 -m bench.coexec [--measure-cpu] [--quick]``. Reports, never asserts.
+``--live-overflow`` instead runs SIR+ request overflow LIVE on a node (CPU backend): one app whose
+"accelerator" instance has one core and whose CPU overflow pool has the other, offered Poisson load
+above the accelerator instance's capacity, once with ``overflow: cpu`` and once without; it records
+throughput, p50/p99, SLO attainment, lost answers and the per-device split into the ``live_overflow``
+section of the same ``coexec.json`` (the simulated sections are kept as they are).
+
+Run: ``python3 -m bench.coexec [--measure-cpu] [--quick]`` or ``python3 -m bench.coexec --live-overflow
+[--duration S] [--load X]``. Reports, never asserts.
 """
 
 from __future__ import annotations
@@ -17,12 +24,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, results_dir, write_result
+import numpy as np
+
+from bench import serving as sv
+from bench.common import ROOT, git_commit, machine_info, results_dir, write_result
 from gpuprims.coexec.scenarios import paper_chrion, paper_duet, paper_sir
+from gpuprims.profile import save_profile, with_stages
+from orchestrator.config import parse_config
+from orchestrator.dispatch import measured_profile
 
 CPU_DIR = ROOT / "gpuprims" / "coexec" / "profiles" / "cpu"
 
@@ -116,12 +130,109 @@ def _plot(sir: dict[str, Any], duet_: dict[str, Any], chrion: dict[str, Any], pa
     plt.close(fig)
 
 
+LIVE_MODEL = "mobilenet_v2"
+LIVE_SHAPE = (3, 32, 32)
+LIVE_SLO_MS = 300.0
+LIVE_BATCH = 8
+
+
+def _live_config(overflow: bool, profiles: Path) -> Any:
+    a = sv.app("cls", LIVE_MODEL, 1, shape=LIVE_SHAPE, slo_ms=LIVE_SLO_MS, gpu_pct=50, max_batch=LIVE_BATCH)
+    if overflow:
+        a.update(overflow="cpu", overflow_cores=1)
+    return parse_config({"node": {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": [0]}, "pool": sv.POOL,
+                                  "log_level": "WARNING", "autoscale": False, "overflow_profiles": str(profiles),
+                                  "overflow_reserved_cores": 1},
+                         "apps": [a]}, source="bench.coexec")
+
+
+def _live_run(overflow: bool, profiles: Path, rate: float, duration_s: float) -> dict[str, Any]:
+    with sv.running_node(_live_config(overflow, profiles)) as node:
+        st = sv.stream(1, LIVE_SHAPE, rate, duration_s, sv.port_of(node), process="poisson")
+        rep = sv.drive(node, [st], timeout_s=duration_s + 60, slo_ms=LIVE_SLO_MS, seed=7)
+        for _ in range(10):
+            node.step(50)  # the last heartbeats, for the split
+        stats = sv.app_stats(rep, 1, LIVE_SLO_MS)
+        window = max(float(rep.summary["rate"]["window_s"]), 1e-9)
+        app = node.status()["apps"]["cls"]
+        out = {"overflow": overflow, "offered_rps_target": round(rate, 2), **stats,
+               "throughput_rps": round(stats["ok"] / window, 2), "split": app.get("overflow"),
+               "instances": sv.instance_stats(node, "cls")["instances"],
+               "latency_ms_ok": np.round(sv.latencies_ms(rep, 1), 3).tolist()}
+    print(f"overflow {'on ' if overflow else 'off'}: offered {stats['offered_rps']} rps, throughput "
+          f"{out['throughput_rps']} rps, p50 {stats['p50_ms']} ms, p99 {stats['p99_ms']} ms, SLO "
+          f"{stats['slo_attainment']}, lost {stats['lost']}", flush=True)
+    return out
+
+
+def live_overflow(duration_s: float, load: float) -> Path:
+    """The ``--live-overflow`` mode (module docstring); returns the file it updated."""
+    load_before = _loadavg()
+    cores = sorted(os.sched_getaffinity(0))
+    # The CPU pool's profile, measured now on the pool's core (what `gpuprims-profile --device cpu
+    # --cores 1` measures); the accelerator instance's capacity, measured the same way on core 0.
+    ms = {b: float(np.median(sv.torch_latency_ms(LIVE_MODEL, LIVE_SHAPE, b, cores=[cores[-1]], threads=1, reps=20)))
+          for b in (1, LIVE_BATCH // 2, LIVE_BATCH)}
+    accel_ms = float(np.median(sv.torch_latency_ms(LIVE_MODEL, LIVE_SHAPE, LIVE_BATCH, cores=[cores[0]], threads=1,
+                                                   reps=20)))
+    capacity = LIVE_BATCH * 1000.0 / accel_ms
+    rate = load * capacity
+    print(f"CPU profile (1 core) {ms}; accelerator instance capacity ~{capacity:.0f} rps; offering {rate:.0f} rps",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = measured_profile(LIVE_MODEL, {str(b): v for b, v in ms.items()}, 100, backend="cpu",
+                                input_shape=LIVE_SHAPE, dtype="float32", note="bench.coexec --live-overflow, 1 core")
+        save_profile(with_stages(prof, [], device_kind="cpu", cpu_cores=1), Path(tmp) / f"{LIVE_MODEL}.cpu.json")
+        runs = [_live_run(False, Path(tmp), rate, duration_s), _live_run(True, Path(tmp), rate, duration_s)]
+    off, on = runs
+    split = on["split"] or {}
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    summary = {
+        "mode": "live", "model": LIVE_MODEL, "input_shape": list(LIVE_SHAPE), "slo_ms": LIVE_SLO_MS,
+        "duration_s": duration_s, "load_vs_accel_capacity": load, "accel_capacity_rps": round(capacity, 1),
+        "cpu_profile_ms": ms, "offered_rps": on["offered_rps"],
+        **{f"{k}_{tag}": r[k] for tag, r in (("off", off), ("on", on))
+           for k in ("throughput_rps", "p50_ms", "p99_ms", "slo_attainment", "lost", "duplicates", "ok", "sent")},
+        "throughput_ratio": ratio(on["throughput_rps"], off["throughput_rps"]),
+        "split_routed_accelerator": (split.get("accelerator") or {}).get("routed"),
+        "split_routed_cpu": (split.get("cpu") or {}).get("routed"),
+        "split_answered_accelerator": (split.get("accelerator") or {}).get("answered"),
+        "split_answered_cpu": (split.get("cpu") or {}).get("answered"),
+    }
+    path = results_dir("cpu") / "coexec.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"experiment": "coexec"}
+    machine = machine_info("cpu")
+    machine["load_avg_before"] = load_before
+    machine["load_avg_after"] = _loadavg()
+    doc["live_overflow"] = {
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.coexec", *sys.argv[1:]]),
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(), "git": git_commit(),
+        "machine": machine, "summary": summary, "samples": {"off": off, "on": on},
+        "notes": ("Live on the CPU backend: the 'accelerator' instance is the same model on one core (gpu_pct 50), "
+                  "the overflow pool the other core, so this shows the mechanism (routing, split, answers) and what "
+                  "a second core adds at a load above one core's capacity, not a GPU's figures. The machine was "
+                  "shared with other jobs (other helpers' builds and tests): see the load averages."),
+    }
+    path.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(summary, indent=1))
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure-cpu", action="store_true", help="measure the CPU profiles again first")
     ap.add_argument("--requests", type=int, default=20000, help="simulated requests per SIR run")
     ap.add_argument("--quick", action="store_true", help="fewer simulated requests (4000 per SIR run)")
+    ap.add_argument("--live-overflow", action="store_true", help="run overflow live on a node (on vs off) instead")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per live run")
+    ap.add_argument("--load", type=float, default=1.5, help="offered load / the accelerator instance's capacity")
     args = ap.parse_args()
+    if args.live_overflow:
+        print(f"updated {live_overflow(args.duration, args.load)}")
+        return
     if args.quick:
         args.requests = min(args.requests, 4000)
     load_before = _loadavg()

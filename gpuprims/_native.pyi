@@ -288,3 +288,11 @@ class TrafficReceiver:
         """(records, payload bytes) received since the last drain."""
 
     def stats(self) -> dict: ...
+
+def ingest_set_cost(ingest: Ingest, consumer: int, fixed_us: float, per_request_us: float) -> None:
+    """
+    Set consumer's cost model: predicted finish = fixed_us + per_request_us * (queued + 1); fixed_us < 0 clears it.
+    """
+
+def ingest_cost(ingest: Ingest, consumer: int) -> tuple[float, float]:
+    """(fixed_us, per_request_us) of consumer; fixed_us < 0 when it has none."""

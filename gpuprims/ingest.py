@@ -18,6 +18,7 @@ without another answer.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -83,7 +84,8 @@ class Ingest:
         self._native.stop()
 
     def set_route(self, app_id: int, consumers: Iterable[int]) -> None:
-        """Send complete requests of ``app_id`` to these consumers (least-loaded first).
+        """Send complete requests of ``app_id`` to these consumers (least-loaded first, or earliest
+        predicted finish when they all have a cost model: ``set_cost``).
 
         An empty list stops serving the app: its datagrams are dropped as unknown_app. Takes effect
         before the next received batch.
@@ -99,6 +101,33 @@ class Ingest:
 
     def route(self, app_id: int) -> list[int]:
         return list(self._native.route(app_id))
+
+    def set_cost(self, consumer: int, fixed_us: float, per_request_us: float) -> None:
+        """Give ``consumer``'s queue a cost model: a request delivered to it now is predicted to finish
+        after ``fixed_us + per_request_us * (queued + 1)`` microseconds. An app whose consumers all have
+        one goes to the earliest predicted finish (round-robin among equals); otherwise it goes to the
+        least-loaded queue. ``fixed_us < 0`` clears the model. Takes effect on the next delivery.
+        """
+        self._check_consumer(consumer)
+        if not (math.isfinite(fixed_us) and math.isfinite(per_request_us) and per_request_us >= 0):
+            raise ValueError(f"fixed_us and per_request_us must be finite and per_request_us >= 0, "
+                             f"got {fixed_us}, {per_request_us}")
+        _native.ingest_set_cost(self._native, consumer, float(fixed_us), float(per_request_us))
+
+    def clear_cost(self, consumer: int) -> None:
+        """Remove ``consumer``'s cost model (its app is routed least-loaded again)."""
+        self.set_cost(consumer, -1.0, 0.0)
+
+    def cost(self, consumer: int) -> tuple[float, float] | None:
+        """``(fixed_us, per_request_us)`` of ``consumer``, or None when it has no cost model."""
+        self._check_consumer(consumer)
+        fixed, per = _native.ingest_cost(self._native, consumer)
+        return None if fixed < 0 else (float(fixed), float(per))
+
+    def _check_consumer(self, consumer: int) -> None:
+        n = self.pool.layout["consumer_count"]
+        if not 0 <= consumer < n:
+            raise ValueError(f"consumer {consumer} out of range 0..{n - 1}")
 
     def reclaim(self, consumer: int, *, requeue: bool = True, timeout_ms: int = 5000) -> tuple[int, int]:
         """Take back what a dead consumer held. Returns (answered_failed, requeued).

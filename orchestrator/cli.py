@@ -26,6 +26,7 @@ import click
 
 from gpuprims import __version__
 from orchestrator.config import ConfigError, NodeConfig, load_config
+from orchestrator.overflow import NodeOverflow, OverflowSetupError
 from orchestrator.rundir import (
     NodeEntry,
     NodeRecord,
@@ -258,9 +259,15 @@ def validate(config: str) -> None:
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     _check_user_models(cfg, config)
+    try:  # CPU overflow: every pool fits the cores and has the CPU profile it routes by
+        overflow = NodeOverflow.plan(cfg)
+    except OverflowSetupError as e:
+        raise click.ClickException(f"{config}: {e}") from e
     for app in cfg.apps:
+        pool = overflow.pools.get(app.name) if overflow is not None else None
         click.echo(f"{app.name}: app_id {app.app_id}, model {app.model}, slo {app.slo_ms} ms, "
-                   f"gpu_pct {app.gpu_pct}, instances {app.instances}")
+                   f"gpu_pct {app.gpu_pct}, instances {app.instances}"
+                   + (f", CPU overflow on cores {','.join(map(str, pool.cores))}" if pool is not None else ""))
     click.echo(f"{config}: ok")
 
 

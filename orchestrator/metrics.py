@@ -710,6 +710,15 @@ class _Collector(Collector):
         }
         roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
                                   labels=["app", "role"])
+        ad = ["app", "device"]
+        ovf = {  # CPU overflow (issue 18): only apps with `overflow: cpu`
+            "routed": CounterMetricFamily("gpuprims_overflow_routed", "Requests of an app with CPU overflow routed to "
+                                          "each device (received by its instances there)", labels=ad),
+            "answered": CounterMetricFamily("gpuprims_overflow_answered", "Requests of an app with CPU overflow "
+                                            "answered by each device (any status)", labels=ad),
+            "failures": CounterMetricFamily("gpuprims_overflow_cpu_instance_failures", "CPU overflow instances of "
+                                            "the app that died (the accelerator path kept serving)", labels=a_),
+        }
         for a in st["apps"]:
             app = str(a.get("name", "?"))
             insts = a["instances"]
@@ -749,12 +758,20 @@ class _Collector(Collector):
                 counts[role] = counts.get(role, 0) + 1
             for role, n in sorted(counts.items()):
                 roles.add_metric([app, role], float(n))
+            split = a.get("overflow")
+            if isinstance(split, Mapping):
+                for dev in ("accelerator", "cpu"):
+                    d = split.get(dev) if isinstance(split.get(dev), Mapping) else {}
+                    ovf["routed"].add_metric([app, dev], float(_as_count(d.get("routed"))))
+                    ovf["answered"].add_metric([app, dev], float(_as_count(d.get("answered"))))
+                ovf["failures"].add_metric([app], float(_as_count(split.get("cpu_instance_failures"))))
         yield from c.values()
         yield failure
         yield from hist.values()
         yield batch
         yield from g.values()
         yield roles
+        yield from ovf.values()
         yield from self._node_families(raw, st)
 
     @staticmethod

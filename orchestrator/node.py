@@ -63,6 +63,7 @@ from orchestrator.messages import (
 )
 from orchestrator.metrics import MetricsServer
 from orchestrator.mps import MpsDaemon, MpsUnavailable
+from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupError
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
@@ -124,6 +125,7 @@ class Node:
         self._lock = threading.RLock()
         self.dispatcher: LiveScheduler | None = None
         self.frontdoor: FrontDoor | None = None  # Open Inference Protocol over HTTP/gRPC (node.http_port/grpc_port)
+        self.overflow: NodeOverflow | None = None  # CPU overflow of apps with `overflow: cpu` (issue 18)
 
     @property
     def changing(self) -> set[str]:
@@ -170,6 +172,10 @@ class Node:
             except MpsUnavailable as e:
                 raise StartError(f"node.mps is 'require' but MPS cannot be used: {e}") from e
 
+        try:
+            self.overflow = NodeOverflow.plan(self.cfg)
+        except OverflowSetupError as e:
+            raise StartError(str(e)) from None
         for app in self.cfg.apps:
             n = app.instances if isinstance(app.instances, int) else 1
             self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
@@ -184,7 +190,7 @@ class Node:
         total = sum(a.instances for a in self.apps.values())
         # Room for a shadow per app, replacements and restarts, so a consumer index is never reused
         # while a dead instance's requests are being reclaimed.
-        consumers = min(1024, 2 * total + 2 * len(self.apps) + 4)
+        consumers = min(1024, 2 * total + 2 * len(self.apps) + 4 + 2 * len(self.overflow.pools if self.overflow else {}))
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
                                       max_chunks=p.max_chunks, consumer_count=consumers,
@@ -202,7 +208,7 @@ class Node:
             self.cfg, self.apps, self.instances, pool=self.pool, ingest=self.ingest, server=self.server,
             token=self.token, run_dir=self.run_dir, placement=self.placement, params=self.params,
             backend=self.backend, python=self.python, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
-            consumers=consumers, mps=self.mps, record=self.record, on_lost=self._instance_lost)
+            consumers=consumers, mps=self.mps, record=self.record, on_lost=self._instance_lost, overflow=self.overflow)
 
         shares = self.placement.plan_shares()
         # Param-Share: the first instance of each model exports its weights; the others start once
@@ -225,17 +231,32 @@ class Node:
                 self.mps.check_clients({st.pid: st.spec.gpu_pct for st in self.instances.values()})
             except MpsUnavailable as e:
                 raise StartError(f"node.mps is 'require' but an instance is not an MPS client: {e}") from e
+        if self.overflow is not None:
+            self._start_overflow(self.overflow)
         if self.scheduled:
             self._start_dispatcher()
         for app in self.cfg.apps:
             self.supervisor.route(app.name)
             if app.shadow and not self.scheduled:
                 self.supervisor.spawn_shadow(app.name)
+        if self.overflow is not None:
+            self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
         if node.frontdoor_enabled:
             self._start_frontdoor()
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
+
+    def _start_overflow(self, ov: NodeOverflow) -> None:
+        """Start each overflowing app's CPU instance (its pool's cores) and its decision point."""
+        sup = self._sup()
+        sup.await_ready([sup.spawn_overflow(name) for name in ov.pools], self.ready_timeout_s, self._handle,
+                        self._stop.is_set)
+        for name in ov.pools:
+            a = self.apps[name]
+            ov.attach(a.cfg, self.placement.profile_of, a.instances)
+            log.info("CPU overflow of %s on cores %s (alpha %.3g ms)", name, list(ov.pools[name].cores),
+                     ov.pools[name].alpha_ms)
 
     def _start_frontdoor(self) -> None:
         """The Open Inference Protocol front door: HTTP/gRPC requests enter through the node's own UDP
@@ -390,6 +411,9 @@ class Node:
         self._guard("supervision", self.supervisor.check_hangs, now, self.cfg.node.hang_timeout_s)
         self._guard("changes", self.changes.advance)
         self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running))
+        if self.overflow is not None:
+            self._guard("overflow", self.supervisor.refill_overflow, now)
+            self._guard("overflow", self.overflow.update, self.instances.values(), self.ingest, now)
         if self.monitor is not None and now >= self._next_sample:
             self._next_sample = now + self.monitor.policy.interval_s
             self._guard("monitor", self._autoscale)
@@ -474,6 +498,8 @@ class Node:
                         self.dispatcher.bind(st.app, st.name, st.spec.consumer)
                 elif st.role == "shadow":
                     self._sup().shadow_ok(st.app)
+                elif st.role == OVERFLOW_ROLE:
+                    self._sup().overflow_ok(st)
                 log.info("%s ready (pid %d)", msg.instance, msg.pid)
         elif isinstance(msg, BatchDone):
             if self.dispatcher is not None and msg.instance in self.instances:
@@ -539,7 +565,7 @@ class Node:
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
-            live = [i for i in insts if i.get("role") == "active" and i.get("p50_ms") is not None]
+            live = [i for i in insts if i.get("role") in ("active", OVERFLOW_ROLE) and i.get("p50_ms") is not None]
             weight = sum(max(1, int(i.get("ok") or 0)) for i in live)
             # App-level latency from the instances' recent windows: p50 weighted by what each served,
             # p99 the worst instance's (an upper bound of the app's p99).
@@ -554,6 +580,8 @@ class Node:
                 "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
                 "requeued_by_crash": a.requeued_by_crash, "hangs": a.hangs, "shadow_restarts": a.shadow_restarts,
                 "change": running.to_dict() if running is not None else None, **totals,
+                "overflow": self.overflow.split(name, self.instances.values())
+                if self.overflow is not None and name in self.overflow.pools else None,
                 "slo_attainment": (totals.get("within_slo", 0) / served) if served else None,
             }
         return {

@@ -76,6 +76,17 @@ def format_status(status: Mapping[str, Any]) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("no apps")
+    for a in st["apps"]:
+        split = a.get("overflow")
+        if isinstance(split, Mapping):
+            parts = []
+            for dev in ("accelerator", "cpu"):
+                d = split.get(dev) if isinstance(split.get(dev), Mapping) else {}
+                parts.append(f"{dev} routed={_fmt(d.get('routed'), 'd')} answered={_fmt(d.get('answered'), 'd')}")
+            cores = split.get("cores")
+            lines.append(f"overflow {a.get('name', '?')}: " + "  ".join(parts)
+                         + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
+                         + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
     drops = st["ingest_drops"]
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))

@@ -15,6 +15,10 @@ every step. Its rules are what keeps every request answered exactly once when a 
   grows with consecutive failures), so ``shadow: true`` keeps holding.
 - **An active goes silent** (no heartbeat for ``node.hang_timeout_s`` once serving): it is killed, and
   the first rule applies.
+- **A CPU overflow instance dies** (role ``overflow``, issue 18): the route drops it first, what it
+  held is requeued to the app's accelerator instances (or answered INSTANCE_FAILED when none is
+  left), the failure is counted, and a new one is started after a back-off like a shadow's, so the
+  accelerator path never stops serving.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from orchestrator.control import ControlServer, instance_env
 from orchestrator.errors import SupervisionError
 from orchestrator.instance import ENV_SPEC, InstanceSpec
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
+from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement
 from orchestrator.state import AppState, InstanceState
@@ -55,7 +60,8 @@ class Supervisor:
                  placement: Placement, params: ParamShare, backend: str, python: str, heartbeat_ms: float,
                  warmup: bool, consumers: int, mps: Any = None,
                  record: Callable[[dict[str, Any]], None] = lambda e: None,
-                 on_lost: Callable[[InstanceState], None] = lambda st: None) -> None:
+                 on_lost: Callable[[InstanceState], None] = lambda st: None,
+                 overflow: NodeOverflow | None = None) -> None:
         self.cfg = cfg
         self.apps = apps
         self.instances = instances
@@ -77,28 +83,34 @@ class Supervisor:
         self._seq = itertools.count()
         self._shadow_failures: dict[str, int] = {}
         self._shadow_not_before: dict[str, float] = {}
+        self.overflow = overflow
+        self._overflow_failures: dict[str, int] = {}
+        self._overflow_not_before: dict[str, float] = {}
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
-              gpu_pct: int | None = None) -> InstanceState:
-        """Start an instance process (``python -m orchestrator.instance``); an active unless ``defer_init``."""
+              gpu_pct: int | None = None, role: str | None = None) -> InstanceState:
+        """Start an instance process (``python -m orchestrator.instance``); an active unless ``defer_init``
+        or ``role`` (``overflow``: a CPU instance on ``share``'s cores, whatever the node's backend)."""
         if not self.free_consumers:
             raise SupervisionError("no free consumer endpoint in the packet pool")
         consumer = self.free_consumers.pop()
         pct = gpu_pct if gpu_pct is not None else self.placement.instance_pct(app.name)
         scheduled = self.placement.scheduled
+        on_cpu = role == OVERFLOW_ROLE
+        backend = "cpu" if on_cpu else self.backend
         spec = InstanceSpec(
             name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
             input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
             slo_ms=app.slo_ms, max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, gpu_pct=pct,
-            backend=self.backend, gpu=self.cfg.gpu_of(app) if self.backend == "cuda" else 0,
+            backend=backend, gpu=self.cfg.gpu_of(app) if backend == "cuda" else 0,
             cores=list(share.cores) if share is not None else None,
             threads=share.threads if share is not None else None, defer_init=defer_init,
             heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
             stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
             if app.stages else None,
             entry=app.entry_stages()[0] if app.stages else None,
-            share_params=self.params.mode_for(app, name),
+            share_params=None if on_cpu else self.params.mode_for(app, name),
             dispatched=scheduled,
             measure_lock=str(self.run_dir / "measure.lock") if scheduled else None,
             stage_pcts=self.placement.stage_pcts(app.name) if scheduled else None,
@@ -112,7 +124,7 @@ class Supervisor:
         env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
         if share is not None:
             env.update(share.env())
-        if self.backend == "cuda" and self.mps is not None:
+        if backend == "cuda" and self.mps is not None:
             env.update(self.mps.env(pct))
             if defer_init:
                 # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
@@ -123,7 +135,8 @@ class Supervisor:
         except OSError as e:
             self.free_consumers.append(consumer)
             raise SupervisionError(f"could not start {name}: {e}") from e
-        st = InstanceState(name=name, app=app.name, spec=spec, proc=proc, role="shadow" if defer_init else "active")
+        st = InstanceState(name=name, app=app.name, spec=spec, proc=proc,
+                           role=role or ("shadow" if defer_init else "active"))
         self.instances[name] = st
         log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
         return st
@@ -168,11 +181,15 @@ class Supervisor:
             st.proc.kill()
 
     def route(self, app_name: str) -> None:
-        """Point the ingest's route for the app at its active instances (ready or loading)."""
+        """Point the ingest's route for the app at its active instances (ready or loading) and its
+        ready CPU overflow instance."""
         app = self.apps[app_name].cfg
         consumers = [st.spec.consumer for st in self.instances.values()
-                     if st.app == app_name and st.role == "active" and not st.ended]
+                     if st.app == app_name and not st.ended
+                     and (st.role == "active" or (st.role == OVERFLOW_ROLE and st.ready))]
         self.ingest.set_route(app.app_id, consumers)
+        if self.overflow is not None and app_name in self.overflow.pools:
+            self.overflow.reroute(self.instances.values(), self.ingest)
 
     def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None],
                     stopping: Callable[[], bool] = lambda: False) -> None:
@@ -242,6 +259,11 @@ class Supervisor:
                 self.record({"event": "shadow_died", "app": st.app, "instance": st.name, "rc": rc})
                 continue
             app.retire(st)
+            if self.overflow is not None:
+                self.overflow.retire(st)
+            if st.role == OVERFLOW_ROLE:
+                self._overflow_lost(st, rc)
+                continue
             if st.role == "active" and not st.ended:
                 self._replace(st, rc)
                 continue
@@ -259,7 +281,7 @@ class Supervisor:
     def check_hangs(self, now: float, timeout_s: float) -> None:
         """Kill active instances that have been serving but sent no heartbeat for ``timeout_s``."""
         for st in list(self.instances.values()):
-            if (st.role == "active" and st.initialized and st.alive and st.last_beat
+            if (st.role in ("active", OVERFLOW_ROLE) and st.initialized and st.alive and st.last_beat
                     and now - st.last_beat > timeout_s):
                 log.error("%s sent no heartbeat for %.1f s (node.hang_timeout_s %.1f); killing it as hung",
                           st.name, now - st.last_beat, timeout_s)
@@ -284,6 +306,59 @@ class Supervisor:
                 continue
             app.shadow_restarts += 1
             self.record({"event": "shadow_started", "app": name, "instance": st.name})
+
+    # -- CPU overflow (issue 18) ----------------------------------------------------------------------------
+    def spawn_overflow(self, app_name: str) -> InstanceState:
+        """Start the app's CPU overflow instance on its pool's cores; routed to once it is ready."""
+        assert self.overflow is not None
+        return self.spawn(self.apps[app_name].cfg, self.next_name(app_name, "c"), self.overflow.share(app_name),
+                          gpu_pct=100, role=OVERFLOW_ROLE)
+
+    def overflow_of(self, app_name: str) -> InstanceState | None:
+        """The app's CPU overflow instance (ready or starting), if there is one."""
+        return next((st for st in self.instances.values() if st.app == app_name and st.role == OVERFLOW_ROLE), None)
+
+    def refill_overflow(self, now: float) -> None:
+        """Start a CPU instance for every overflowing app that has none (after its back-off)."""
+        if self.overflow is None:
+            return
+        for name in self.overflow.pools:
+            if self.overflow_of(name) is not None or now < self._overflow_not_before.get(name, 0.0):
+                continue
+            try:
+                st = self.spawn_overflow(name)
+            except SupervisionError as e:
+                log.error("cannot start the CPU overflow instance of %s: %s", name, e)
+                self._overflow_backoff(name)
+                continue
+            self.record({"event": "overflow_started", "app": name, "instance": st.name})
+
+    def overflow_ok(self, st: InstanceState) -> None:
+        """The app's CPU instance became ready: route to it and reset its back-off."""
+        self._overflow_failures.pop(st.app, None)
+        self._overflow_not_before.pop(st.app, None)
+        self.route(st.app)
+
+    def _overflow_backoff(self, app_name: str) -> None:
+        n = self._overflow_failures.get(app_name, 0) + 1
+        self._overflow_failures[app_name] = n
+        self._overflow_not_before[app_name] = time.monotonic() + min(SHADOW_BACKOFF_MAX_S, 2.0 ** (n - 1))
+
+    def _overflow_lost(self, st: InstanceState, rc: int) -> None:
+        """A CPU overflow instance exited: off the route, what it held to the accelerator (see the
+        module docstring), counted; ``refill_overflow`` starts the next one."""
+        app = self.apps[st.app]
+        self.route(st.app)
+        failed, requeued = self._release(st)
+        app.failed_by_crash += failed
+        app.requeued_by_crash += requeued
+        if self.overflow is not None:
+            self.overflow.lost(st.app)
+        self._overflow_backoff(st.app)
+        log.error("CPU overflow instance %s (pid %d) exited (status %s): %d held request(s) requeued to the "
+                  "accelerator, %d answered INSTANCE_FAILED", st.name, st.pid, rc, requeued, failed)
+        self.record({"event": "overflow_died", "app": st.app, "instance": st.name, "rc": rc, "failed": failed,
+                     "requeued": requeued})
 
     def shadow_ok(self, app_name: str) -> None:
         """A shadow of the app became ready: reset its back-off."""

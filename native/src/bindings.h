@@ -9,4 +9,5 @@ void bind_wire(nb::module_& m);
 void bind_pool(nb::module_& m);
 void bind_cuda(nb::module_& m);
 void bind_traffic(nb::module_& m);
+void bind_ingest_cost(nb::module_& m);
 }  // namespace gpuprims

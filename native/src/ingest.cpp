@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <future>
 
@@ -178,6 +179,12 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
   routes_pending_.assign(65536, {});
   rr_.assign(65536, 0);
   wake_.assign(h->consumer_count, 0);
+  cost_fixed_us_.reset(new std::atomic<double>[h->consumer_count]);
+  cost_per_us_.reset(new std::atomic<double>[h->consumer_count]);
+  for (uint32_t c = 0; c < h->consumer_count; ++c) {
+    cost_fixed_us_[c].store(-1.0);
+    cost_per_us_[c].store(0.0);
+  }
   active_.reserve(h->record_count * 2);
   publish_gauges();
 }
@@ -221,6 +228,20 @@ void Ingest::set_route(uint16_t app_id, const std::vector<uint32_t>& consumers) 
 std::vector<uint32_t> Ingest::route(uint16_t app_id) {
   std::lock_guard<std::mutex> g(mu_);
   return routes_pending_[app_id];
+}
+
+void Ingest::set_cost(uint32_t consumer, double fixed_us, double per_request_us) {
+  pool_->check_consumer(consumer);
+  if (!std::isfinite(fixed_us) || !std::isfinite(per_request_us) || per_request_us < 0)
+    throw std::invalid_argument("cost: fixed_us and per_request_us must be finite, per_request_us >= 0");
+  // Two relaxed stores: a delivery may see one updated and not the other, which only shifts a guess.
+  cost_per_us_[consumer].store(per_request_us, std::memory_order_relaxed);
+  cost_fixed_us_[consumer].store(fixed_us < 0 ? -1.0 : fixed_us, std::memory_order_relaxed);
+}
+
+std::pair<double, double> Ingest::cost(uint32_t consumer) const {
+  pool_->check_consumer(consumer);
+  return {cost_fixed_us_[consumer].load(std::memory_order_relaxed), cost_per_us_[consumer].load(std::memory_order_relaxed)};
 }
 
 std::array<uint64_t, kCounterCount> Ingest::counters() const {
@@ -525,24 +546,36 @@ void Ingest::flush_answers() {
   out_n_ = 0;
 }
 
+size_t Ingest::pick(const std::vector<uint32_t>& cands, uint16_t app_id) {
+  // Earliest predicted finish (fixed + per_request * (queued + 1)) when every candidate has a cost
+  // model; otherwise the least-loaded queue. Round-robin among equals; full queues are skipped.
+  const size_t n = cands.size();
+  bool costed = n > 0;
+  for (uint32_t c : cands) costed = costed && cost_fixed_us_[c].load(std::memory_order_relaxed) >= 0;
+  size_t best = SIZE_MAX;
+  double best_score = 0;
+  const uint32_t start = rr_[app_id]++;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t c = cands[(start + i) % n];
+    const pool::Ring& ring = v_.consumer(c)->deliver;
+    const uint64_t depth = ring.tail.load(std::memory_order_relaxed) - ring.head.load(std::memory_order_acquire);
+    if (depth >= ring.capacity) continue;
+    const double score = costed ? cost_fixed_us_[c].load(std::memory_order_relaxed) +
+                                      cost_per_us_[c].load(std::memory_order_relaxed) * double(depth + 1)
+                                : double(depth);
+    if (best == SIZE_MAX || score < best_score) {
+      best_score = score;
+      best = (start + i) % n;
+    }
+  }
+  return best;
+}
+
 void Ingest::deliver(uint32_t r) {
   pool::Record* rec = v_.record(r);
   const auto& cands = routes_[rec->app_id];
-  const size_t n = cands.size();
-  if (n) {
-    // Least-loaded consumer of the app, round-robin among equals.
-    size_t best = SIZE_MAX;
-    uint64_t best_depth = UINT64_MAX;
-    const uint32_t start = rr_[rec->app_id]++;
-    for (size_t i = 0; i < n; ++i) {
-      const uint32_t c = cands[(start + i) % n];
-      const pool::Ring& ring = v_.consumer(c)->deliver;
-      const uint64_t depth = ring.tail.load(std::memory_order_relaxed) - ring.head.load(std::memory_order_acquire);
-      if (depth < ring.capacity && depth < best_depth) {
-        best_depth = depth;
-        best = (start + i) % n;
-      }
-    }
+  if (!cands.empty()) {
+    const size_t best = pick(cands, rec->app_id);
     if (best != SIZE_MAX) {
       const uint32_t c = cands[best];
       rec->owner = c;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -90,6 +91,12 @@ class Ingest {
 
   void set_route(uint16_t app_id, const std::vector<uint32_t>& consumers);
   std::vector<uint32_t> route(uint16_t app_id);
+  // Per-queue cost model (CPU overflow, issue 18): the predicted finish of a request delivered to
+  // `consumer` now is fixed_us + per_request_us * (queued + 1). An app whose candidates all have one
+  // is routed to the earliest predicted finish; otherwise to the least-loaded queue. A negative
+  // fixed_us clears it. Takes effect on the next delivery.
+  void set_cost(uint32_t consumer, double fixed_us, double per_request_us);
+  std::pair<double, double> cost(uint32_t consumer) const;
   std::array<uint64_t, kCounterCount> counters() const;
   uint64_t free_slots() const { return free_count_pub_.load(std::memory_order_relaxed); }
   uint64_t free_records() const { return free_records_pub_.load(std::memory_order_relaxed); }
@@ -144,6 +151,7 @@ class Ingest {
                      socklen_t addrlen, bool real_slot, uint32_t slot);
   void signal_consumers();
   void deliver(uint32_t rec);
+  size_t pick(const std::vector<uint32_t>& cands, uint16_t app_id);  // index in cands, SIZE_MAX if all full
   void free_record(uint32_t rec, bool slots_received_only);
   void drain_releases();
   // Send what consumers published in their answer rings and free the answered records.
@@ -202,6 +210,7 @@ class Ingest {
   std::vector<sockaddr_in6> out_addrs_;
   size_t out_n_ = 0;
   int out_sock_ = -1;
+  std::unique_ptr<std::atomic<double>[]> cost_fixed_us_, cost_per_us_;  // per consumer; fixed < 0: none
   uint64_t next_expire_ns_ = 0;
   uint64_t next_gone_purge_ns_ = 0;
 

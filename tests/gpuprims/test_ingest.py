@@ -606,3 +606,46 @@ def test_a_consumer_process_that_dies_after_answering_gets_each_request_one_answ
             p.kill()
         p.join()
         n.close()
+
+
+def _deliver_one(node: Node, rid: int) -> tuple[int, int]:
+    """Send one request, wait for its delivery; the depth of consumers 0 and 1 after it."""
+    before = node.ingest.counters()["requests_delivered"]
+    node.send(wire.encode_request(APP, rid, _body(rid)))
+    node.wait(lambda c: c["requests_delivered"] == before + 1)
+    return node.pool.consumer(0).depth(), node.pool.consumer(1).depth()
+
+
+def test_cost_models_route_to_the_earliest_predicted_finish() -> None:
+    n = Node(consumers=3)
+    try:
+        n.ingest.set_route(APP, [0, 1])
+        # Queue 0 ("accelerator"): 1 ms a request; queue 1 ("CPU"): 4.5 ms fixed + 1 ms a request.
+        # Finish on 0 with q waiting: 1000 (q + 1); on 1 (empty): 5500. So 0 takes five, then 1.
+        n.ingest.set_cost(0, 0.0, 1000.0)
+        n.ingest.set_cost(1, 4500.0, 1000.0)
+        assert n.ingest.cost(0) == (0.0, 1000.0) and n.ingest.cost(2) is None
+        depths = [_deliver_one(n, rid) for rid in range(7)]
+        assert depths[:5] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+        assert depths[5] == (5, 1)  # 6000 on 0 against 5500 on 1
+        assert depths[6] == (6, 1)  # 6000 on 0 against 6500 on 1
+        # A queue without a cost model puts the app back on least-loaded routing.
+        n.ingest.clear_cost(1)
+        assert n.ingest.cost(1) is None
+        assert _deliver_one(n, 7) == (6, 2)
+    finally:
+        n.close()
+
+
+def test_cost_model_arguments_are_checked() -> None:
+    n = Node(consumers=2)
+    try:
+        for bad in ((0, float("nan"), 1.0), (0, 1.0, -1.0), (0, 1.0, float("inf"))):
+            with pytest.raises(ValueError, match="finite"):
+                n.ingest.set_cost(*bad)
+        with pytest.raises(ValueError, match="out of range"):
+            n.ingest.set_cost(2, 0.0, 1.0)
+        with pytest.raises(ValueError, match="out of range"):
+            n.ingest.cost(-1)
+    finally:
+        n.close()

@@ -85,6 +85,15 @@ def test_validate_rejects_unknown_zoo_model(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "resnet51" in r.output and "resnet50" in r.output
 
 
+def test_validate_refuses_overflow_without_a_cpu_profile_and_names_the_command(tmp_path: Path) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(f"node: {{overflow_profiles: {tmp_path}, overflow_reserved_cores: 0}}\n"
+                 "apps:\n  - {name: a, model: resnet18, slo_ms: 50, overflow: cpu, overflow_cores: 1}\n")
+    r = CliRunner().invoke(cli.main, ["validate", str(p)])
+    assert r.exit_code == 1
+    assert "CPU profile of model 'resnet18'" in r.output and "gpuprims-profile resnet18 --device cpu" in r.output
+
+
 def test_validate_accepts_the_bundled_examples() -> None:
     root = Path(__file__).resolve().parents[2]
     for name in ("apps.yaml", "apps-paper.yaml", "apps-table3.yaml"):

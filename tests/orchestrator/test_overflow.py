@@ -1,12 +1,23 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from gpuprims.profile import with_stages
+from gpuprims.ingest import Ingest
+from gpuprims.pool import PacketPool
+from gpuprims.profile import save_profile, with_stages
 from orchestrator.config import NodeConfig
-from orchestrator.overflow import OverflowSetupError, plan_pools, start_overflow
+from orchestrator.overflow import (
+    OVERFLOW_ROLE,
+    NodeOverflow,
+    OverflowSetupError,
+    plan_pools,
+    start_overflow,
+)
 from tests.gpuprims.sched._profiles import grid
 
 
@@ -88,3 +99,96 @@ def test_bad_reports_are_refused_and_routing_is_thread_safe() -> None:
         t.join(timeout=60)
     assert ov.in_flight() == {"gpu": 0, "cpu": 0}
     assert sum(ov.routed.values()) == 2000
+
+
+# ---- NodeOverflow: the node's side (the ingest's cost models, the split) ----------------------------------
+
+
+@pytest.fixture
+def ingest() -> Iterator[Ingest]:
+    pool = PacketPool.create(slot_count=64, record_count=8, max_chunks=4, consumer_count=4)
+    ing = Ingest(pool, [("127.0.0.1", 0)])  # never started: only its cost models are used
+    yield ing
+    ing.stop()
+    pool.close()
+
+
+def _node_overflow(tmp_path: Path, *, accel: bool = True) -> tuple[NodeOverflow, dict]:
+    d = tmp_path / "profiles"
+    d.mkdir()
+    accel_p = with_stages(grid("resnet50", {100: {1: 2.0, 8: 8.0}}), [], device_kind="accelerator")
+    cpu_p = with_stages(grid("resnet50", {100: {1: 10.0, 8: 40.0}}), [], device_kind="cpu", cpu_cores=1)
+    save_profile(cpu_p, d / "resnet50.cpu.json")
+    cfg = NodeConfig.model_validate({"node": {"overflow_profiles": str(d)}, "apps": [
+        _app("a", gpu_pct=100, max_batch=8, overflow_cores=1, overflow_alpha_ms=1.0)]})
+    ov = NodeOverflow.plan(cfg, cores=[0, 1])
+    assert ov is not None
+    ov.attach(cfg.apps[0], lambda model: accel_p if accel else None, 1)
+    return ov, {"accel": accel_p, "cpu": cpu_p}
+
+
+def _inst(name: str, role: str, consumer: int, **stats: object) -> SimpleNamespace:
+    return SimpleNamespace(name=name, app="a", role=role, ready=True, ended=False,
+                           spec=SimpleNamespace(consumer=consumer), stats=dict(stats))
+
+
+def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Path, ingest: Ingest) -> None:
+    ov, _ = _node_overflow(tmp_path)
+    acc, cpu = _inst("a-0", "active", 0), _inst("a-c1", OVERFLOW_ROLE, 1)
+    assert ov.update([acc, cpu], ingest, now=0.0)
+    # accelerator: 8 ms a batch of 8 -> 1000 us a request, a lone request 2 ms -> 1000 us fixed;
+    # CPU (1 core of a 1-core profile): 40 ms / 8 -> 5000 us, 10 ms alone -> 5000 us + alpha 1 ms.
+    assert ingest.cost(0) == pytest.approx((1000.0, 1000.0))
+    assert ingest.cost(1) == pytest.approx((6000.0, 5000.0))
+    assert not ov.update([acc, cpu], ingest, now=0.1)  # not due yet (every COST_UPDATE_S)
+    # First heartbeats open the measurement window; a second one, 1 s later, closes it: the
+    # accelerator ran 10 batches of 8 in 160 ms (twice its profile), busy 16% of the second.
+    acc.stats = {"busy_ms": 0.0, "batches": 0, "batch_sizes": {}}
+    ov.update([acc, cpu], ingest, now=1.0)
+    acc.stats = {"busy_ms": 160.0, "batches": 10, "batch_sizes": {"8": 10}}
+    ov.update([acc, cpu], ingest, now=2.0)
+    # learned scale 0.8 + 0.2 * 2 = 1.2: 1200 us a request; fixed 1.2 * 2000 - 1200 plus 0.16 x 16 ms / 2
+    fixed, per = ingest.cost(0)  # type: ignore[misc]
+    assert per == pytest.approx(1200.0) and fixed == pytest.approx(1200.0 + 1280.0)
+    assert ingest.cost(1) == pytest.approx((6000.0, 5000.0))  # the CPU measured nothing: unchanged
+    assert ov.costs["a"]["a-0"] == (pytest.approx(2480.0), pytest.approx(1200.0))
+    # A malformed heartbeat measures nothing and breaks nothing.
+    acc.stats = {"busy_ms": "x", "batches": None, "batch_sizes": {"eight": 1}}
+    assert ov.update([acc, cpu], ingest, now=3.0)
+    # The CPU instance gone: its queue loses its cost model (its consumer may serve another app next).
+    ov.update([acc], ingest, now=4.0)
+    assert ingest.cost(1) is None and ingest.cost(0) is not None
+    # A route change sets costs at once, from the models as they stand: a new (still loading) active
+    # is costed like the accelerator, a CPU instance only once it is ready.
+    new, cpu2 = _inst("a-r5", "active", 2), _inst("a-c6", OVERFLOW_ROLE, 3)
+    new.ready = cpu2.ready = False
+    ov.reroute([acc, new, cpu2], ingest)
+    assert ingest.cost(2) is not None and ingest.cost(2)[1] == pytest.approx(ingest.cost(0)[1])  # type: ignore[index]
+    assert ingest.cost(3) is None
+
+
+def test_split_counts_each_device_and_keeps_what_gone_instances_counted(tmp_path: Path) -> None:
+    ov, _ = _node_overflow(tmp_path, accel=False)
+    assert ov.seeded_from_cpu == {"a"}  # no accelerator profile: seeded from the CPU one until measured
+    acc = _inst("a-0", "active", 0, received=10, ok=9, errors=1)
+    dead = _inst("a-c1", OVERFLOW_ROLE, 1, received=4, ok=2, deadline_missed=1)
+    ov.retire(dead)
+    ov.lost("a")
+    cpu = _inst("a-c2", OVERFLOW_ROLE, 2, received=3, ok=3)
+    shadow = _inst("a-s3", "shadow", 3, received=99)
+    split = ov.split("a", [acc, cpu, shadow])
+    assert split["accelerator"] == {"routed": 10, "ok": 9, "answered": 10}
+    assert split["cpu"] == {"routed": 7, "ok": 5, "answered": 6}
+    assert split["cpu_instance_failures"] == 1 and split["cores"] == [1]
+
+
+def test_overflow_without_a_cpu_profile_is_refused_with_the_command(tmp_path: Path) -> None:
+    cfg = NodeConfig.model_validate({"node": {"overflow_profiles": str(tmp_path)}, "apps": [
+        _app("a", input_shape=[3, 64, 64])]})
+    with pytest.raises(OverflowSetupError, match=r"app 'a'.*CPU profile of model 'resnet50'.*gpuprims-profile "
+                                                 r"resnet50 --device cpu --cores 1 --input-shape 3,64,64"):
+        NodeOverflow.plan(cfg, cores=[0, 1])
+    sched = NodeConfig.model_validate({"node": {"scheduler": "temporal"}, "apps": [_app("a")]})
+    with pytest.raises(OverflowSetupError, match=r"node\.scheduler spatial"):
+        NodeOverflow.plan(sched, cores=[0, 1])
+    assert NodeOverflow.plan(NodeConfig.model_validate({"apps": [{"name": "n", "model": "resnet50", "slo_ms": 50}]})) is None

@@ -54,8 +54,8 @@ def test_kills_during_monitor_and_set_gpu_changes_leave_the_node_serving(tmp_pat
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG)
     # A monitor that always finds the apps under-using their share, so it keeps asking for changes.
-    monitor = Monitor(MonitorPolicy(interval_s=0.3, window_s=0.6, confirm=1, dwell_s=0.0, underuse_util=1.01,
-                                    step_pct=10, min_pct=10, min_served=0))
+    monitor = Monitor(MonitorPolicy(interval_s=0.3, window_s=0.6, confirm=1, dwell_s=0.0, underuse_util=1.0,
+                                    max_util_after=1.0, step_pct=10, min_pct=10, min_served=0))
     node = Node(load_config(p), heartbeat_ms=100, warmup=False, monitor=monitor).start()
     rng = random.Random(7)
     kills = {"active": 0, "shadow": 0}
