@@ -153,6 +153,23 @@ class Change:
     def _timed_out(self) -> bool:
         return time.monotonic() > self._phase_deadline
 
+    def _current_old(self, host: ChangeHost) -> InstanceState | None:
+        """The instance this step replaces: the one picked, or, if it died meanwhile, the replacement the
+        supervisor started for it (and so on). Without this the replacement would outlive the change
+        beside the new instance: each active killed during a change would add one to the app."""
+        for _ in range(64):  # bounded: each pass follows one replacement
+            st = host.instances.get(self._old or "")
+            if st is not None:
+                return st
+            nxt = next((o for o in host.instances.values() if o.replaces == self._old and o.app == self.app), None)
+            if nxt is None:
+                return None
+            log.info("change %d of %s: %s died; its replacement %s is replaced instead", self.id, self.app,
+                     self._old, nxt.name)
+            self._done_with.add(self._old or "")
+            self._old = nxt.name
+        return None
+
     def _next_old(self, host: ChangeHost) -> InstanceState | None:
         """The next active instance still at another share (replacements started meanwhile included)."""
         cands = sorted((st for st in host.instances.values()
@@ -205,9 +222,12 @@ class Change:
                                 f"raise node.change_timeout_s if needed; {self.app} keeps serving at "
                                 f"{self.from_pct}%")
         elif self.phase is Phase.SWITCHED:
-            old = host.instances.get(self._old or "")
-            if old is not None:
-                host.finish(old)
+            old = self._current_old(host)
+            if old is not None and old.role == "finishing":
+                if old.ready:
+                    host.finish(old)
+                else:  # a replacement still starting has served nothing: what its queue holds is requeued
+                    host.kill(old, role="finishing")
             self._enter(Phase.DRAINING)
         elif self.phase is Phase.DRAINING:
             old = host.instances.get(self._old or "")
@@ -226,8 +246,8 @@ class Change:
         t = time.monotonic()
         shadow.role = "active"
         shadow.spec.gpu_pct = self.to_pct
-        old = host.instances.get(self._old or "")
-        if old is not None:
+        old = self._current_old(host)
+        if old is not None and old.role == "active":
             old.role = "finishing"  # off the route from here on; Finish follows
         host.route(self.app)
         switch_ns = time.monotonic_ns()

@@ -38,6 +38,7 @@ class InstanceState:
     error: str | None = None
     history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
     info: dict[str, Any] = field(default_factory=dict)  # what its Ready said
+    replaces: str | None = None  # the active that died and that this one was started to replace
 
     @property
     def pid(self) -> int:

@@ -396,6 +396,7 @@ class Supervisor:
         new: InstanceState | None = None
         try:
             new = self.spawn(app.cfg, self.next_name(st.app, "r"), share, gpu_pct=st.spec.gpu_pct)
+            new.replaces = st.name  # a change that was replacing st replaces this one instead
         except SupervisionError as e:
             log.error("cannot replace %s: %s", st.name, e)
         self.route(st.app)

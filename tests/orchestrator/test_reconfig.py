@@ -341,3 +341,94 @@ def test_a_new_instance_that_never_answers_leaves_the_downtime_unknown(monkeypat
     ch3 = _change(old_last=None, switch_ns=time.monotonic_ns())
     assert ch3.observe_data_path(host) is False
     assert ch3.switched[0]["data_path"].startswith("unknown")
+
+
+# -- the change's own bookkeeping, on a table of instances without processes -------------------------------
+
+
+class _Table:
+    """A ChangeHost over plain records: enough for Change.advance; reaping is done by the test."""
+
+    def __init__(self) -> None:
+        self.apps = {"a": SimpleNamespace(gpu_pct=50)}
+        self.instances: dict[str, Any] = {}
+        self.events: list[tuple[str, str]] = []
+
+    def add(self, name: str, role: str, pct: int, *, ready: bool = True, replaces: str | None = None) -> Any:
+        st = SimpleNamespace(name=name, app="a", role=role, spec=SimpleNamespace(gpu_pct=pct), ready=ready,
+                             initialized=role == "active", error=None, ended=False, stats={}, info={},
+                             replaces=replaces)
+        self.instances[name] = st
+        return st
+
+    def actives(self) -> list[str]:
+        return sorted(n for n, st in self.instances.items() if st.role == "active")
+
+    def shadow_of(self, app_name: str) -> Any:
+        return next((st for st in self.instances.values() if st.role == "shadow"), None)
+
+    def spawn_shadow(self, app_name: str) -> Any:
+        return self.add(f"a-s{len(self.instances)}", "shadow", 50)
+
+    def spawn_active(self, app_name: str, gpu_pct: int, share: Any) -> Any:
+        return self.add(f"a-k{len(self.instances)}", "active", gpu_pct)
+
+    def init_shadow(self, st: Any, gpu_pct: int, share: Any) -> None:
+        self.events.append(("init", st.name))
+
+    def share_for(self, app_name: str, gpu_pct: int, index: int) -> None:
+        return None
+
+    def route(self, app_name: str) -> None:
+        self.events.append(("route", ",".join(self.actives())))
+
+    def finish(self, st: Any) -> None:
+        st.role = "finishing"
+        self.events.append(("finish", st.name))
+
+    def kill(self, st: Any, role: str = "stopping") -> None:
+        st.role = role
+        self.events.append(("kill", st.name))
+
+    def record(self, event: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("replacement_ready", [True, False], ids=["ready", "starting"])
+def test_an_active_killed_during_a_change_does_not_leave_an_extra_instance(replacement_ready: bool) -> None:
+    """The active a change is replacing dies before the switch, and the supervisor starts a replacement
+    for it: the change replaces that one instead, so the app ends with as many actives as it had (before,
+    each such kill added one, until the pool had no consumer left for a shadow or a replacement)."""
+    t = _Table()
+    t.add("a-0", "active", 50)
+    t.add("a-s1", "shadow", 50)
+    ch = Change(id=1, app="a", from_pct=50, to_pct=70)
+    ch.advance(t)
+    assert ch.phase is Phase.INITIALISING and ("init", "a-s1") in t.events
+    del t.instances["a-0"]  # SIGKILLed and reaped; the supervisor's replacement:
+    t.add("a-r2", "active", 50, ready=replacement_ready, replaces="a-0")
+    t.instances["a-s1"].initialized = True
+    ch.advance(t)
+    assert ch.phase is Phase.DRAINING
+    assert t.actives() == ["a-s1"]  # the replacement left the route with the switch
+    assert (("finish" if replacement_ready else "kill"), "a-r2") in t.events
+    if replacement_ready:
+        t.instances["a-r2"].ended = True
+    del t.instances["a-r2"]  # it exits (Ended, or killed) and is reaped
+    ch.advance(t)
+    assert ch.phase is Phase.DONE and t.apps["a"].gpu_pct == 70
+    assert t.actives() == ["a-s1"]
+
+
+def test_a_change_with_nothing_to_adopt_keeps_the_new_instance_only() -> None:
+    """The old active died and no replacement could start (no free consumer): the switch leaves the app
+    with the new instance, and the change ends."""
+    t = _Table()
+    t.add("a-0", "active", 50)
+    t.add("a-s1", "shadow", 50)
+    ch = Change(id=2, app="a", from_pct=50, to_pct=70)
+    ch.advance(t)
+    del t.instances["a-0"]
+    t.instances["a-s1"].initialized = True
+    ch.advance(t)
+    assert ch.phase is Phase.DONE and t.actives() == ["a-s1"]
