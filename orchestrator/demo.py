@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuprims.interrupt import ctrl_c_interrupts
 from orchestrator.config import ConfigError, NodeConfig, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,12 @@ def per_app_report(report: Any, cfg: NodeConfig) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The demo (module docstring); Ctrl-C ends it with a partial report, however it was started."""
+    with ctrl_c_interrupts():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "examples" / "apps.yaml"))
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")

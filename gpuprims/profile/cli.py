@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from gpuprims import __version__
+from gpuprims.interrupt import ctrl_c_interrupts
 from gpuprims.profile.format import save_profile
 from gpuprims.profile.measure import ProfileInterrupted, measure_profile, parse_int_list, plot_profile
 
@@ -68,10 +69,11 @@ def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: st
             if cores > len(avail):
                 raise ValueError(f"--cores {cores}: only {len(avail)} cores are available to this process")
             pool = avail[:cores]
-        prof = measure_profile(model, batch_sizes=batch, gpu_pcts=gpu_pct, backend=backend,
-                               input_shape=input_shape, repeats=repeats, warmup=warmup, width=width,
-                               timeout_s=timeout_s, progress=not no_progress, device_kind=device_kind,
-                               cores=pool, stages=stages)
+        with ctrl_c_interrupts():  # the points measured so far are kept, however this was started
+            prof = measure_profile(model, batch_sizes=batch, gpu_pcts=gpu_pct, backend=backend,
+                                   input_shape=input_shape, repeats=repeats, warmup=warmup, width=width,
+                                   timeout_s=timeout_s, progress=not no_progress, device_kind=device_kind,
+                                   cores=pool, stages=stages)
     except (ValueError, RuntimeError) as e:
         click.echo(f"gpuprims-profile: {e}", err=True)
         sys.exit(2)

@@ -12,13 +12,9 @@ Reports are JSON on stdout; progress goes to stderr. Ctrl-C prints the partial r
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +22,7 @@ import click
 import numpy as np
 
 from gpuprims import __version__, wire
+from gpuprims.interrupt import ctrl_c_interrupts
 from gpuprims.traffic.stream import AppStream, Stream, parse_addr, read_intervals
 
 _APP_KEYS = {"rate": float, "pps": float, "process": str, "count": int, "duration": float, "to": str,
@@ -123,28 +120,6 @@ def _build_stream(kw: dict[str, Any], *, need_app: bool = True) -> Stream | None
         return Stream(apps, seed=kw["seed"], warmup_s=kw["warmup"], request_id_base=kw["request_id_base"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-
-
-@contextlib.contextmanager
-def _ctrl_c_interrupts() -> Iterator[None]:
-    """Make SIGINT raise KeyboardInterrupt for the block, even where it was inherited as ignored.
-
-    A shell without job control starts background commands (`cmd &` in a script, CI steps, test
-    runners started that way) with SIGINT ignored, and Python keeps an ignored SIGINT ignored; a
-    replay started so would then run to its end through `kill -INT`. The commands that promise a
-    partial report on Ctrl-C take it explicitly, as the node does, and give the old handling back.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread (CliRunner in a worker thread)
-        return
-    old = signal.getsignal(signal.SIGINT)
-    if old is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if old is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, old)
 
 
 def _emit(doc: dict, json_path: str | None) -> None:
@@ -263,7 +238,7 @@ def replay(pcap_path: str | None, speed: float, loops: int, raw: bool, skip_fore
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
-        with _ctrl_c_interrupts():
+        with ctrl_c_interrupts():
             report = run(plan, ports=port_list, bind_host=bind, timeout_s=timeout, linger_s=linger, slo_ms=slo_ms,
                          progress=progress, gso=gso, max_batch_pkts=batch)
     except OSError as e:  # a client port in use, an address not on this host
@@ -320,7 +295,7 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
         owned = SocketSet([p for _, p in addrs], addrs[0][0])
     except OSError as e:  # a port in use, an address not on this host
         raise click.ClickException(str(e)) from None
-    with owned as socks, _ctrl_c_interrupts():
+    with owned as socks, ctrl_c_interrupts():
         if plan is None:
             plan = _empty_plan()
         tracker = Tracker(plan, np.zeros(plan.n_events, np.int64), timeout_ns=2**62)
@@ -397,7 +372,7 @@ def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_ev
         raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     click.echo(f"echo server on {srv.address[0]}:{srv.address[1]} (Ctrl-C to stop)", err=True)
     try:
-        with _ctrl_c_interrupts():
+        with ctrl_c_interrupts():
             srv.serve()
     except KeyboardInterrupt:
         pass

@@ -19,6 +19,12 @@ apps:
 """
 
 
+def _as_a_background_job() -> None:
+    """Start the child as a shell without job control starts `cmd &`: with SIGINT ignored. A Ctrl-C
+    (SIGINT to its process group) must still end it with its partial result."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_ends_the_demo_with_its_partial_report(tmp_path: Path) -> None:
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(CONFIG)
@@ -28,7 +34,8 @@ def test_ctrl_c_ends_the_demo_with_its_partial_report(tmp_path: Path) -> None:
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.demo", "--config", str(cfg), "--duration", "120",
                                  "--rate", "5"], cwd=ROOT, stdout=out, stderr=err, start_new_session=True,
-                                env={**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"})
+                                 preexec_fn=_as_a_background_job,
+                                 env={**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120  # the node loads its model on a busy 2-core machine
         while "replaying" not in err_path.read_text():

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,18 +92,29 @@ def test_plot_marks_the_knee(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+
+
+def _as_a_background_job() -> None:
+    """Start the child as a shell without job control starts `cmd &`: with SIGINT ignored. A Ctrl-C
+    (SIGINT to its process group) must still end it with its partial result."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    args = [sys.executable, "-m", "gpuprims.profile.cli", "mobilenet", "--batch", "1,2", "--gpu-pct", "100",
-            "--input-shape", "3,32,32", "--width", "0.25", "--repeats", "3", "--warmup", "1", "--backend", "cpu",
-            "--out", str(out)]
+    # Eight points, each its own worker process: after the first, the rest take far longer than any
+    # delay between seeing "1/8" and the Ctrl-C landing on a busy machine, so the run is interrupted.
+    args = [sys.executable, "-m", "gpuprims.profile.cli", "mobilenet", "--batch", "1,2,3,4,5,6,7,8", "--gpu-pct",
+            "100", "--input-shape", "3,32,32", "--width", "0.25", "--repeats", "3", "--warmup", "1", "--backend",
+            "cpu", "--out", str(out)]
     err_path = tmp_path / "err.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                preexec_fn=_as_a_background_job,
                                 cwd=Path(__file__).resolve().parents[3])
     try:
         deadline = time.monotonic() + 120  # one point: a spawn process importing torch on a busy machine
-        while "1/2" not in err_path.read_text():
+        while "1/8" not in err_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
@@ -112,11 +124,14 @@ def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     text = err_path.read_text()
-    assert "Traceback" not in text and "interrupted after 1 of 2 points" in text, text
+    m = re.search(r"interrupted after (\d+) of 8 points", text)
+    assert "Traceback" not in text and m is not None, text
+    done = int(m.group(1))
+    assert 1 <= done < 8
     raw = json.loads(out.with_suffix(".partial.json").read_text())
-    assert raw["measured"] == 1 and raw["points"][0]["batch_size"] == 1
+    assert raw["measured"] == done and [pt["batch_size"] for pt in raw["points"]] == list(range(1, done + 1))
     p = load_profile(out)
-    assert p.batch_sizes == [1] and p.gpu_pcts == [100]
+    assert p.batch_sizes == list(range(1, done + 1)) and p.gpu_pcts == [100]
 
 
 def test_cli_device_cpu_records_the_pool_and_the_stages(tmp_path: Path) -> None:
