@@ -13,6 +13,11 @@ shadow and a fresh shadow loads, so a step right after a change is a replacement
 growth that carries on across replacements. Writes ``bench/results/<machine>/soak.json`` and ``soak.png``. Every request
 is also matched to its answer by bench/chaos's Ledger (lost and duplicated are reported).
 
+The verdict ``flat`` is judged on private memory (RssAnon), fds, threads and shm segments; RSS and
+the shared pool's resident pages (RssShmem) are recorded beside it. The orchestrator's RSS steps up
+by about one answer ring (1 MiB) at each set-gpu until every consumer of the pool has been used once:
+those are the pool's shared pages being touched for the first time, bounded by its size, not a leak.
+
 Run: ``python -m bench.soak [--duration 3600] [--sample-s 60]``; a smoke test: ``--duration 60 --sample-s 5``.
 """
 
@@ -39,16 +44,26 @@ from bench.chaos import (
 )
 from bench.common import ROOT, results_dir, write_result
 
-METRICS = ("rss_mb", "fds", "threads", "shm_segments")
+METRICS = ("rss_mb", "private_mb", "shared_mb", "fds", "threads", "shm_segments")
+#: What "flat" is judged on. RSS also counts the shared packet pool's pages the process has touched
+#: (``shared_mb``): each instance's answer ring is touched for the first time when an instance on a
+#: fresh consumer starts answering, so the orchestrator's RSS steps up by about a ring per set-gpu until
+#: every consumer has been used, bounded by the pool's size. A leak grows private memory.
+VERDICT_METRICS = ("private_mb", "fds", "threads", "shm_segments")
 
 
 def proc_sample(pid: int) -> dict[str, float] | None:
-    """RSS (MB), open fds, threads and distinct /dev/shm files mapped by one process (None if gone)."""
+    """RSS, private (RssAnon) and shared-memory (RssShmem) resident MB, open fds, threads and distinct
+    /dev/shm files mapped by one process (None if gone)."""
     try:
-        rss = threads = 0.0
+        rss = private = shared = threads = 0.0
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) / 1024
+            elif line.startswith("RssAnon:"):
+                private = int(line.split()[1]) / 1024
+            elif line.startswith("RssShmem:"):
+                shared = int(line.split()[1]) / 1024
             elif line.startswith("Threads:"):
                 threads = int(line.split()[1])
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -56,7 +71,8 @@ def proc_sample(pid: int) -> dict[str, float] | None:
                if "/dev/shm/" in ln}
     except (OSError, ValueError, IndexError):
         return None
-    return {"rss_mb": round(rss, 1), "fds": fds, "threads": threads, "shm_segments": len(shm)}
+    return {"rss_mb": round(rss, 1), "private_mb": round(private, 1), "shared_mb": round(shared, 1), "fds": fds,
+            "threads": threads, "shm_segments": len(shm)}
 
 
 def process_keys(status: dict[str, Any]) -> dict[str, int]:
@@ -229,10 +245,13 @@ def main() -> int:
         "offered_rps": {str(k): round(v, 2) for k, v in rates.items()},
         "sent": res["sent"], "ok": res["ok"], "errors_by_status": res["errors_by_status"], "lost": res["lost"],
         "duplicated": res["duplicated"], "corrupted": res["corrupted"],
-        "flat": all(v["flat"] is not False for m in flat.values() for v in m.values()),
+        "flat": all(m[k]["flat"] is not False for m in flat.values() for k in VERDICT_METRICS),
+        "flat_judged_on": list(VERDICT_METRICS),
         "node_shm_segments_end": node_shm[-1] if node_shm else None, "leftover_shm_segments": leftover,
         "node_exit_code": code,
         "processes": {k: {"rss_mb_first5min_max": v["rss_mb"]["baseline_max"], "rss_mb_end": v["rss_mb"]["end"],
+                          "private_mb_first5min_max": v["private_mb"]["baseline_max"],
+                          "private_mb_end": v["private_mb"]["end"], "shared_mb_end": v["shared_mb"]["end"],
                           "fds_end": v["fds"]["end"], "threads_end": v["threads"]["end"],
                           "shm_segments_end": v["shm_segments"]["end"],
                           "flat": {m: v[m]["flat"] for m in METRICS}} for k, v in flat.items()},

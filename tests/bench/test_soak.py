@@ -28,4 +28,5 @@ def test_flat_means_no_sample_above_the_baseline_range() -> None:
 def test_proc_sample_of_this_process_and_of_none() -> None:
     s = proc_sample(os.getpid())
     assert s is not None and s["rss_mb"] > 0 and s["fds"] > 0 and s["threads"] >= 1
+    assert 0 < s["private_mb"] <= s["rss_mb"] and 0 <= s["shared_mb"] <= s["rss_mb"]
     assert proc_sample(2**22 + 12345) is None
