@@ -289,11 +289,14 @@ class LiveScheduler:
             if d.action == "run":
                 self.scheduler.aborted(d)
             return 0
+        # Taken before the send: a dispatcher descheduled right after it (a busy machine) would otherwise
+        # start the round trip late, and the run could look shorter than the model time the instance took.
+        t_sent = self.clock_ms()
         self.send(e.instance, RunBatch(instance=e.instance, id=d.id, stage=d.stage, batch=d.batch_size,
                                        gpu_pct=d.gpu_pct, action=d.action))
         if d.action == "run":
             self.inflight[d.id] = (d, e.instance)
-            self._sent[d.id] = (self.clock_ms(), head)
+            self._sent[d.id] = (t_sent, head)
             self.stats.runs += 1
             self.stats.run_requests += d.batch_size
             self.stats.batch_sizes[d.batch_size] += 1
