@@ -757,9 +757,18 @@ class _ZmqInstanceClient(InstanceClient):
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def _recv(self, timeout_ms: float) -> list[bytes] | None:
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            return None
-        return self._sock.recv_multipart(flags=zmq.NOBLOCK)
+        # With REQ_CORRELATE a late reply to an earlier request makes the socket readable, and recv
+        # then discards it and finds nothing (EAGAIN): wait again for the rest of the time.
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+            if not self._sock.poll(remaining_ms, zmq.POLLIN):
+                return None
+            try:
+                return self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if remaining_ms <= 0:
+                    return None
 
     def _close(self) -> None:
         self._finalizer()
@@ -901,9 +910,18 @@ class _ZmqCommandClient(CommandClient):
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
     def _recv(self, timeout_ms: float) -> list[bytes] | None:
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            return None
-        return self._sock.recv_multipart(flags=zmq.NOBLOCK)
+        # With REQ_CORRELATE a late reply to an earlier request makes the socket readable, and recv
+        # then discards it and finds nothing (EAGAIN): wait again for the rest of the time.
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+            if not self._sock.poll(remaining_ms, zmq.POLLIN):
+                return None
+            try:
+                return self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if remaining_ms <= 0:
+                    return None
 
     def _close(self) -> None:
         self._finalizer()

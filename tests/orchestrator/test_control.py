@@ -506,3 +506,26 @@ def test_late_reply_is_not_taken_for_the_next_request(server: ControlServer, tok
         assert cli.request(StopRequest(drain=False), timeout_ms=REACT_S * 1000) == Result(ok=True, message="StopRequest")
         t.join(10)
         assert not t.is_alive()
+
+
+def test_late_reply_arriving_while_the_cli_waits_is_skipped(server: ControlServer, token: str) -> None:
+    # The stale reply reaches the CLI while it is already waiting for the next one: the socket turns
+    # readable, the stale reply is discarded, and the CLI must go on waiting for its own.
+    with connect_command(server.address, token) as cli:
+        with pytest.raises(ControlTimeout):
+            cli.request(StatusRequest(), timeout_ms=100)
+        first = _recv(server)
+
+        def late_then_real() -> None:
+            second = server.poll(REACT_S * 1000)
+            if second is None:
+                return
+            server.reply(first, Result(ok=True, message="late"))
+            time.sleep(0.2)  # a window in which only the stale reply is there to read
+            server.reply(second, Result(ok=True, message="real"))
+
+        t = threading.Thread(target=late_then_real, daemon=True)
+        t.start()
+        assert cli.request(StopRequest(drain=False), timeout_ms=REACT_S * 1000) == Result(ok=True, message="real")
+        t.join(REACT_S)
+        assert not t.is_alive()
