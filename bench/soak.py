@@ -8,7 +8,8 @@ orchestrator and each instance (by app and role, since set-gpu replaces processe
 threads and shared-memory segments mapped, plus the node's /dev/shm segments.
 
 A series is *flat* when no sample after the first ``--baseline-s`` (five minutes) is above the range
-of the samples within it. A series follows a role, not a pid: after a set-gpu the active is the former
+of the samples within it (an app's active and shadow share one range, since a change makes one the
+other). A series follows a role, not a pid: after a set-gpu the active is the former
 shadow and a fresh shadow loads, so a step right after a change is a replacement; a leak shows as
 growth that carries on across replacements. Writes ``bench/results/<machine>/soak.json`` and ``soak.png``. Every request
 is also matched to its answer by bench/chaos's Ledger (lost and duplicated are reported).
@@ -92,12 +93,28 @@ def process_keys(status: dict[str, Any]) -> dict[str, int]:
 
 def flatness(times_s: list[float], series: dict[str, dict[str, list[float | None]]],
              baseline_s: float) -> dict[str, dict[str, Any]]:
-    """Per process and metric: the baseline window's max, the max after it, the last value, flat or not."""
+    """Per process and metric: the baseline window's max, the max after it, the last value, flat or not.
+
+    An app's active and shadow roles share one baseline range: a set-gpu makes the shadow the active,
+    so the active's series continues with what was the shadow's process (a pre-warmed shadow keeps
+    the OpenMP workers of the thread that warmed it, one or two idle threads more than an active that
+    loaded on its serving thread). A value either role had in the baseline window is not growth."""
+    def role_group(key: str) -> str:
+        parts = key.split("/")
+        return f"{parts[0]}/instance" if len(parts) >= 2 and parts[1] in ("active", "shadow") else key
+
+    def in_baseline(vals: list[float | None]) -> list[float]:
+        return [v for t, v in zip(times_s, vals) if v is not None and t <= baseline_s]
+
+    group_base: dict[tuple[str, str], list[float]] = {}
+    for key, metrics in series.items():
+        for m, vals in metrics.items():
+            group_base.setdefault((role_group(key), m), []).extend(in_baseline(vals))
     out: dict[str, dict[str, Any]] = {}
     for key, metrics in series.items():
         out[key] = {}
         for m, vals in metrics.items():
-            base = [v for t, v in zip(times_s, vals) if v is not None and t <= baseline_s]
+            base = group_base[(role_group(key), m)] if in_baseline(vals) else []
             after = [v for t, v in zip(times_s, vals) if v is not None and t > baseline_s]
             last = next((v for v in reversed(vals) if v is not None), None)
             base_max = max(base) if base else None

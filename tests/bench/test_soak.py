@@ -30,3 +30,15 @@ def test_proc_sample_of_this_process_and_of_none() -> None:
     assert s is not None and s["rss_mb"] > 0 and s["fds"] > 0 and s["threads"] >= 1
     assert 0 < s["private_mb"] <= s["rss_mb"] and 0 <= s["shared_mb"] <= s["rss_mb"]
     assert proc_sample(2**22 + 12345) is None
+
+
+def test_an_apps_active_is_judged_on_the_range_of_both_its_roles() -> None:
+    # The shadow (4 threads: its pre-warm's idle OpenMP workers) becomes the active at a change.
+    times = [0, 60, 120, 180]
+    series = {"a/active": {"threads": [3, 3, 4, 4]}, "a/shadow": {"threads": [4, 4, 4, 4]},
+              "b/active": {"threads": [3, 3, 4, 4]}, "b/shadow": {"threads": [3, 3, 3, 3]},
+              "a/active/1": {"threads": [None, None, 4, 4]}}
+    f = flatness(times, series, baseline_s=60)
+    assert f["a/active"]["threads"]["flat"] is True and f["a/active"]["threads"]["baseline_max"] == 4
+    assert f["b/active"]["threads"]["flat"] is False  # b's shadow never had 4: that is growth
+    assert f["a/active/1"]["threads"]["flat"] is None  # not sampled in the baseline window
