@@ -58,7 +58,9 @@ class LatencyModel:
     Per batch size it keeps the last `window` measurements and uses their `quantile` (p90 by
     default: robust to one-off spikes, pessimistic enough for deadlines). A batch size with no
     measurement yet uses its profile value (`profile`, e.g. from a warm-up or a stored profile), if
-    any. The point estimates are then made non-decreasing in batch size (running maximum: a larger
+    any. A caller that passes ``at_s`` to `observe` can `forget` measurements older than a time, so a
+spell of slow batches (a neighbour's burst, a process starting beside the instance) stops counting
+once it is over instead of after `window` new measurements of each size. The point estimates are then made non-decreasing in batch size (running maximum: a larger
     batch never predicts faster than a smaller one) and, for an unseen batch size b:
 
     - between two known sizes: linear interpolation;
@@ -80,6 +82,7 @@ class LatencyModel:
             raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
         self.quantile = float(quantile)
         self._samples: dict[int, deque[float]] = {}
+        self._times: dict[int, deque[float]] = {}
         self._profile: dict[int, float] = {}
         self._points: list[tuple[int, float]] | None = None
         if profile is not None:
@@ -115,12 +118,36 @@ class LatencyModel:
         self._profile.update(checked)
         self._points = None
 
-    def observe(self, batch_size: int, latency_ms: float) -> None:
-        """Record that a batch of `batch_size` requests took `latency_ms`."""
+    def observe(self, batch_size: int, latency_ms: float, *, at_s: float | None = None) -> None:
+        """Record that a batch of `batch_size` requests took `latency_ms`, measured at `at_s` (any
+        monotonic clock in seconds; `forget` compares against it; none: never forgotten)."""
         _check_batch("batch_size", batch_size)
         latency = _check_ms("latency_ms", latency_ms)
+        at = -math.inf if at_s is None else float(at_s)
+        if math.isnan(at):
+            raise ValueError("at_s must be a time in seconds, got nan")
         self._samples.setdefault(batch_size, deque(maxlen=self.window)).append(latency)
+        self._times.setdefault(batch_size, deque(maxlen=self.window)).append(at)
         self._points = None
+
+    def forget(self, before_s: float) -> int:
+        """Drop the measurements taken before `before_s` (those observed with `at_s`); returns how many.
+        A batch size left with none predicts from its profile value or its neighbours again."""
+        dropped = 0
+        for size in list(self._times):
+            times = self._times[size]
+            if not any(-math.inf < t < before_s for t in times):
+                continue
+            kept = [(t, v) for t, v in zip(times, self._samples[size]) if not -math.inf < t < before_s]
+            dropped += len(times) - len(kept)
+            if kept:
+                self._times[size] = deque((t for t, _ in kept), maxlen=self.window)
+                self._samples[size] = deque((v for _, v in kept), maxlen=self.window)
+            else:
+                del self._samples[size], self._times[size]
+        if dropped:
+            self._points = None
+        return dropped
 
     @property
     def known(self) -> bool:

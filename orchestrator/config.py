@@ -272,6 +272,10 @@ class NodeSettings(BaseModel):
     # holds is answered or requeued) and replaced; a change of share gives up a phase after change_timeout_s.
     hang_timeout_s: float = Field(30.0, gt=0, le=3600)
     change_timeout_s: float = Field(180.0, gt=0, le=3600)
+    # After a change switches an app to its shadow, the next shadow of that app starts only this much
+    # later: a process starting (interpreter, torch) beside the new active would take the cores it was
+    # just given, at the moment it starts serving on them.
+    shadow_settle_s: float = Field(10.0, ge=0, le=3600)
     # Monitoring and detection: change an app's GPU% when it is overloaded or under-uses its share.
     autoscale: bool = True
     # CPU co-execution: cores no overflow pool may take (the ingest loop and the orchestrator), and the

@@ -69,6 +69,11 @@ ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
 #: After this long without running a batch, a request is served even if the latency model predicts
 #: it will miss (see Instance._expire).
 PROBE_AFTER_S = 1.0
+#: The latency model forgets batch times older than this: a spell of slow batches (a shadow starting
+#: beside the instance, a neighbour's burst) stops predicting misses seconds after it ends, instead of
+#: after a whole window of new measurements of each size, which at one probe a second took half a
+#: minute of DEADLINE_MISSED answers (measured in bench/overlap).
+LATENCY_MEMORY_S = 5.0
 #: How long closing the control socket may wait for queued messages to leave (bounded if the
 #: orchestrator is gone).
 LAST_WORDS_MS = 2000
@@ -406,7 +411,7 @@ class Instance:
         sizes = self._warm_sizes()
         run = self.model.run_all if isinstance(self.model, DagModel) else self.model
         for b, ms in warm_up(run, tuple(self.spec.input_shape), sizes, self.device, repeats=1, discard=1).items():
-            self.policy.observe(b, ms)
+            self.policy.model.observe(b, ms, at_s=time.monotonic())
 
     # -- shadow pre-warm (cpu backend) ----------------------------------------------------------------
     def start_prewarm(self) -> None:
@@ -500,9 +505,12 @@ class Instance:
         expires only while that prediction is fresh (a batch ran within ``PROBE_AFTER_S``): otherwise
         one slow measurement could make every later request look hopeless, nothing would run, and
         the model would never learn that the instance is fast again. After that long without serving,
-        the next request is let through as a probe.
+        the next request is let through as a probe. Batch times older than ``LATENCY_MEMORY_S`` are
+        forgotten first.
         """
-        predictive = time.monotonic() - self._last_served < PROBE_AFTER_S
+        now_s = time.monotonic()
+        self.policy.model.forget(now_s - LATENCY_MEMORY_S)
+        predictive = now_s - self._last_served < PROBE_AFTER_S
         expired = []
         while self.queue:
             row = self.queue[0][1]
@@ -598,7 +606,7 @@ class Instance:
             return
         clock.lap("model")
         out, model_ms = done
-        self.policy.observe(recs.size, model_ms)
+        self.policy.model.observe(recs.size, model_ms, at_s=time.monotonic())
         if isinstance(out, list):  # a DAG app's groups of rows
             for rows, group in out:
                 self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),

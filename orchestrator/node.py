@@ -410,7 +410,8 @@ class Node:
         self._guard("supervision", self.supervisor.reap)
         self._guard("supervision", self.supervisor.check_hangs, now, self.cfg.node.hang_timeout_s)
         self._guard("changes", self.changes.advance)
-        self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running))
+        settling = self.changes.settling(now, self.cfg.node.shadow_settle_s)
+        self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running) | settling)
         if self.overflow is not None:
             self._guard("overflow", self.supervisor.refill_overflow, now)
             self._guard("overflow", self.overflow.update, self.instances.values(), self.ingest, now)

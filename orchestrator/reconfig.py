@@ -441,6 +441,14 @@ class Changes:
             self.changing.discard(app)
             self._finish(ch)
 
+    def settling(self, now: float, settle_s: float) -> set[str]:
+        """Apps whose last change switched (done) less than ``settle_s`` before ``now``."""
+        last: dict[str, Change] = {}
+        for ch in self.finished:
+            last[ch.app] = ch
+        return {app for app, ch in last.items()
+                if ch.phase is Phase.DONE and ch.ended is not None and now - ch.ended < settle_s}
+
     @property
     def measuring(self) -> bool:
         """True while a finished change still waits for a switch's data-path downtime."""

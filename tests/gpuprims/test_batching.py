@@ -48,6 +48,34 @@ def test_window_keeps_only_recent_measurements() -> None:
     assert model.predict(2) == 7.0
 
 
+def test_forget_drops_a_spell_of_slow_batches_once_it_is_over() -> None:
+    model = LatencyModel(profile={8: 40.0})
+    for t in range(10):  # a spell of slow batches of 1 and 8 (a neighbour starting) ...
+        model.observe(1, 400.0, at_s=100.0 + t)
+        model.observe(8, 900.0, at_s=100.0 + t)
+    for t in range(3):  # ... then fast ones of 1 only: p90 of the window is still the spell's
+        model.observe(1, 8.0, at_s=115.0 + t)
+    assert model.predict(1) > 300.0 and model.predict(8) == 900.0
+    assert model.forget(before_s=115.0) == 20
+    assert model.samples(1) == 3 and model.samples(8) == 0
+    assert model.predict(1) == 8.0
+    assert model.predict(8) == 40.0  # back to its profile value
+    assert model.forget(before_s=115.0) == 0
+
+
+def test_forget_keeps_measurements_without_a_time() -> None:
+    model = LatencyModel(quantile=1.0)
+    model.observe(2, 50.0)
+    model.observe(2, 5.0, at_s=1.0)
+    model.observe(2, 6.0, at_s=9.0)
+    assert model.forget(before_s=5.0) == 1
+    assert model.samples(2) == 2 and model.predict(2) == 50.0
+    with pytest.raises(ValueError, match="at_s"):
+        model.observe(2, 5.0, at_s=math.nan)
+    model.forget(before_s=math.inf)
+    assert model.samples(2) == 1
+
+
 def test_profile_seeds_sizes_until_they_are_measured() -> None:
     model = LatencyModel(profile={1: 5.0, 8: 12.0})
     assert model.known

@@ -16,7 +16,7 @@ from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES
 from gpuprims.wire import Status
 from orchestrator import instance as instance_mod
-from orchestrator.instance import PROBE_AFTER_S, Instance, InstanceSpec
+from orchestrator.instance import LATENCY_MEMORY_S, PROBE_AFTER_S, Instance, InstanceSpec
 
 SHAPE = (3, 32, 32)
 
@@ -76,6 +76,19 @@ def test_pessimistic_latency_model_recovers_through_a_probe(setup: tuple[Instanc
     time.sleep(PROBE_AFTER_S + 0.1)
     _send(ing, sock, 3)
     assert _answer(inst, sock).status == Status.OK
+
+
+def test_a_spell_of_slow_batches_is_forgotten_once_it_is_old(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    over = time.monotonic() - LATENCY_MEMORY_S - 1.0
+    for _ in range(40):  # slow batches measured more than LATENCY_MEMORY_S ago (a neighbour's start-up)
+        inst.policy.model.observe(1, 10_000.0, at_s=over)
+    _send(ing, sock, 1)
+    assert _answer(inst, sock).status == Status.OK
+    # Right after a run, and yet served: the spell no longer predicts a miss.
+    _send(ing, sock, 2)
+    assert _answer(inst, sock).status == Status.OK
+    assert inst.policy.model.samples(1) == 2 and inst.policy.predict(1) < 10_000.0
 
 
 def test_expire_tolerates_a_request_newer_than_its_clock(setup: tuple[Instance, Ingest, socket.socket]) -> None:

@@ -31,6 +31,7 @@ node:
   listen: {host: 127.0.0.1, port: 0}
   backend: cpu
   pool: {slot_count: 4096, max_chunks: 64, record_count: 512}
+  shadow_settle_s: 2
 apps:
   - {name: a, model: MODEL_A, input_shape: [3, 32, 32], slo_ms: 3000, gpu_pct: 50, max_batch: 8, app_id: 1,
      num_classes: 10, shadow: true}
@@ -121,8 +122,13 @@ def test_change_under_load_loses_and_duplicates_nothing(node: Node) -> None:
     after = [st for st in node.instances.values() if st.app == "a" and st.role == "active"]
     assert len(after) == 1 and after[0].name not in before and after[0].spec.gpu_pct == 30
     assert node.apps["a"].gpu_pct == 30
-    # A fresh shadow is prepared for the next change.
-    assert node.shadow_of("a") is not None
+    # A fresh shadow is prepared for the next change, once the new active has had its cores alone
+    # for node.shadow_settle_s.
+    _until(node, lambda: node.shadow_of("a") is not None, 120, "the next shadow")
+    ended = next(ch for ch in node.changes.finished if ch.app == "a").ended
+    assert ended is not None
+    started = [e["t"] for e in node.events if e["event"] == "shadow_started" and e["app"] == "a"][-1]
+    assert started - ended >= node.cfg.node.shadow_settle_s == 2
     changed = [e for e in node.events if e["event"] == "changed"]
     assert changed and changed[-1]["switched"][0]["route_switch_ms"] < 1000
     c = node.ingest.counters()
