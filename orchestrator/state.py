@@ -39,6 +39,7 @@ class InstanceState:
     history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
     info: dict[str, Any] = field(default_factory=dict)  # what its Ready said
     replaces: str | None = None  # the active that died and that this one was started to replace
+    killed: bool = False  # SIGKILLed by the node itself (Supervisor.kill), not a crash
 
     @property
     def pid(self) -> int:

@@ -178,6 +178,7 @@ class Supervisor:
         """SIGKILL an instance; :meth:`reap` handles its exit by ``role`` on the next step."""
         st.role = role
         if st.alive:
+            st.killed = True
             st.proc.kill()
 
     def route(self, app_name: str) -> None:
@@ -272,10 +273,14 @@ class Supervisor:
                 # Died while draining during a switch: what it held goes to the new active.
                 app.failed_by_crash += failed
                 app.requeued_by_crash += requeued
-                log.error("%s died while draining (status %s): %d requeued, %d answered INSTANCE_FAILED",
-                          st.name, rc, requeued, failed)
-                self.record({"event": "died_draining", "app": st.app, "instance": st.name, "failed": failed,
-                             "requeued": requeued})
+                if st.killed:  # the change killed it (a replacement still starting, or a drain timed out)
+                    log.info("%s killed by its change (status %s): %d requeued, %d answered INSTANCE_FAILED",
+                             st.name, rc, requeued, failed)
+                else:
+                    log.error("%s died while draining (status %s): %d requeued, %d answered INSTANCE_FAILED",
+                              st.name, rc, requeued, failed)
+                self.record({"event": "killed_draining" if st.killed else "died_draining", "app": st.app,
+                             "instance": st.name, "failed": failed, "requeued": requeued})
         return gone
 
     def check_hangs(self, now: float, timeout_s: float) -> None:

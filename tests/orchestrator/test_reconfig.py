@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import socket
@@ -195,6 +196,21 @@ def test_active_dying_while_draining_hands_its_requests_on(node: Node) -> None:
     assert victim.name not in node.instances
     assert any(e["event"] == "died_draining" and e["instance"] == victim.name for e in node.events)
     assert new_active.name in node.instances
+
+
+def test_an_instance_the_node_kills_while_draining_is_not_reported_as_a_crash(
+        node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    # A change kills a replacement that was still starting at its switch (or one that would not drain).
+    victim = next(st for st in node.instances.values() if st.app == "b")
+    node.supervisor.kill(victim, role="finishing")
+    victim.proc.wait()
+    with caplog.at_level(logging.INFO, logger="gpuprims.node"):
+        node.step(10)
+    assert victim.name not in node.instances
+    assert any(e["event"] == "killed_draining" and e["instance"] == victim.name for e in node.events)
+    assert not any(e["event"] == "died_draining" for e in node.events)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and victim.name in r.getMessage()]
+    assert any("killed by its change" in r.getMessage() for r in caplog.records)
 
 
 def test_kill_and_restart_baseline(node: Node) -> None:
