@@ -298,7 +298,10 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
     // Reset the dead consumer's rings; the records it held are found by owner below.
     cb->deliver.head.store(cb->deliver.tail.load());
     cb->release.head.store(cb->release.tail.load());
-    cb->answer.head.store(cb->answer.tail.load());
+    // (Aligned, so that a consumer which left nonsense in its tail does not leave it to the next one.)
+    const uint64_t answer_tail = pool::align_up(cb->answer.tail.load(), pool::kAnswerAlign);
+    cb->answer.tail.store(answer_tail);
+    cb->answer.head.store(answer_tail);
     for (uint32_t r = 0; r < v_.hdr->record_count; ++r) {
       pool::Record* rec = v_.record(r);
       if (rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != consumer) continue;
@@ -460,6 +463,13 @@ void Ingest::drain_answers() {
     }
     while (head < tail) {
       const uint64_t pos = head & (cap - 1);
+      if (pos % pool::kAnswerAlign || tail - head < sizeof(pool::AnswerEntry)) {
+        // Entries start aligned and are whole: an unaligned position or a tail short of a header is
+        // the consumer's nonsense (and reading a header there could run past the ring's end).
+        bump(kBadAnswers);
+        head = tail;
+        break;
+      }
       pool::AnswerEntry e;
       std::memcpy(&e, data + pos, sizeof e);
       if (e.entry_len < sizeof e || e.entry_len % pool::kAnswerAlign || e.entry_len > cap - pos ||

@@ -266,6 +266,9 @@ size_t Pool::answer(uint32_t consumer, const uint32_t* recs, const uint32_t* gen
   uint8_t* data = view_.answer_data(consumer);
   const uint64_t cap = h->answer_ring_bytes;
   uint64_t tail = a.tail.load(std::memory_order_relaxed);
+  if (tail % pool::kAnswerAlign || tail - a.head.load(std::memory_order_acquire) > cap)
+    throw std::runtime_error("the answer ring's control words are corrupt (tail " + std::to_string(tail) +
+                             "); the node answers what this consumer holds when it reclaims it");
   const uint64_t start = now_ns();
   const uint64_t deadline = timeout_us < 0 ? UINT64_MAX : start + uint64_t(timeout_us) * 1000;
   size_t done = 0, published = 0;

@@ -649,3 +649,70 @@ def test_cost_model_arguments_are_checked() -> None:
             n.ingest.cost(-1)
     finally:
         n.close()
+
+
+def test_fuzzed_answer_ring_entries_never_crash_the_ingest_nor_answer_a_held_request() -> None:
+    """A consumer writing nonsense into its answer ring (random entries, lengths, fillers, tails that
+    are unaligned, short of a header or a ring ahead): each drain counts it and moves on; the ring
+    is small so positions near its end (where a header would not fit) come up often."""
+    cap = 4096
+    n = Node(answer_ring_bytes=cap)
+    try:
+        n.send(wire.encode_request(APP, 1, _body(1)))
+        recs = n.take(1)
+        lay = n.pool.layout
+        data = np.frombuffer((ctypes.c_uint8 * lay["total_size"]).from_address(n.pool.address), np.uint8)
+        ring = data[lay["answers_offset"]:lay["answers_offset"] + cap]
+        ctl = lay["rings_offset"] + 2 * 192  # consumer 0: deliver ring, release ring, then AnswerCtl
+        head_word = data[ctl:ctl + 8].view(np.uint64)
+        tail_word = data[ctl + 64:ctl + 72].view(np.uint64)
+        rng = np.random.default_rng(14)
+        for i in range(400):
+            tail = int(tail_word[0])
+            pos = tail % cap
+            room = cap - pos
+            kind = i % 4
+            if kind == 0:  # random bytes
+                k = int(rng.integers(1, room + 1))
+                ring[pos:pos + k] = rng.integers(0, 256, k, dtype=np.uint8)
+                delta = int(rng.integers(1, 2 * cap))
+            else:  # a header with plausible, edge or wrong fields
+                rec = int(rng.choice([int(recs[0]), 0xFFFFFFFF, int(rng.integers(0, 2**32))]))
+                entry_len = int(rng.choice([0, 7, 24, 32, 64, room, room + 32, cap, int(rng.integers(0, 2**32))]))
+                body_len = int(rng.choice([0, 8, entry_len, int(rng.integers(0, 2**32))]))
+                hdr = np.array([rec, int(rng.integers(0, 2**32)), entry_len, body_len, 0, 0], np.uint32)
+                raw = hdr.view(np.uint8)[:min(24, room)]
+                ring[pos:pos + raw.size] = raw
+                delta = int(rng.choice([entry_len % (2 * cap), 32, 8, 24, room, cap + 32]))
+            tail_word[0] = np.uint64(tail + delta)
+            # The ingest drains the ring (a wake is not needed: it drains whenever it looks at answers).
+            n.wait(lambda c, t=tail + delta: int(head_word[0]) == t)
+            assert n.ingest.running
+        c = n.ingest.counters()
+        assert c["bad_answers"] > 0 and c["responses_sent"] == 0 and c["requests_answered"] == 0
+        # The held request was never answered by the nonsense; taken back, it is answered once.
+        n.ingest.reclaim(0, requeue=False)
+        assert n.responses(1)[0].status == Status.INSTANCE_FAILED
+        c = n.wait(lambda c: c["requests_reclaimed_failed"] == 1)
+        assert c["requests_answered"] == 0 and c["responses_sent"] == 1
+        # The reclaim left the ring clean for the consumer's next process.
+        assert int(head_word[0]) == int(tail_word[0]) and int(tail_word[0]) % 32 == 0
+        n.ingest.set_route(APP, [0])
+        n.send(wire.encode_request(APP, 2, _body(2)))
+        recs = n.take(1)
+        n.pool.consumer(0).answer_status(recs, n.pool.requests(recs), Status.OK)
+        assert n.responses(1)[0].request_id == 2
+    finally:
+        n.close()
+
+
+def test_a_consumer_refuses_to_answer_into_a_ring_whose_control_words_are_corrupt(node: Node) -> None:
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    recs = node.take(1)
+    lay = node.pool.layout
+    data = np.frombuffer((ctypes.c_uint8 * lay["total_size"]).from_address(node.pool.address), np.uint8)
+    ctl = lay["rings_offset"] + 2 * 192
+    data[ctl + 64:ctl + 72].view(np.uint64)[0] = 7  # an unaligned tail, one the ingest cannot have left
+    with pytest.raises(RuntimeError, match="corrupt"):
+        node.pool.consumer(0).answer_status(recs, node.pool.requests(recs), Status.OK)
+    node.wait(lambda c: c["bad_answers"] == 1)  # and the ingest counted it and moved on
