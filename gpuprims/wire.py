@@ -74,11 +74,15 @@ class DType(enum.IntEnum):
     @classmethod
     def from_numpy(cls, dtype: np.dtype | str) -> DType:
         dt = np.dtype(dtype)
-        table = {np.dtype(np.float32): cls.FLOAT32, np.dtype(np.uint8): cls.UINT8,
-                 np.dtype(np.float16): cls.FLOAT16, np.dtype(np.int64): cls.INT64}
-        if dt not in table:
+        found = _WIRE_DTYPES.get(dt)
+        if found is None:
             raise ValueError(f"no wire dtype for numpy dtype {dt}")
-        return table[dt]
+        return found
+
+
+#: numpy dtype -> wire dtype (built once: every answer looks its result's dtype up).
+_WIRE_DTYPES: dict[np.dtype, DType] = {np.dtype(np.float32): DType.FLOAT32, np.dtype(np.uint8): DType.UINT8,
+                                       np.dtype(np.float16): DType.FLOAT16, np.dtype(np.int64): DType.INT64}
 
 
 class Status(enum.IntEnum):
