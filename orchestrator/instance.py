@@ -77,6 +77,8 @@ LATENCY_MEMORY_S = 5.0
 #: How long closing the control socket may wait for queued messages to leave (bounded if the
 #: orchestrator is gone).
 LAST_WORDS_MS = 2000
+#: How many batches deep (x max_batch) an instance looks for a backlog's early drop.
+EARLY_DROP_SCAN = 4
 #: The most requests one poll of the ring takes into the local queue.
 PULL_MAX = 64
 
@@ -228,6 +230,7 @@ class LatencyStats:
             "received": self.counts["received"],
             "ok": ok,
             "deadline_missed": self.counts["deadline_missed"],
+            "early_dropped": self.counts["early_dropped"],  # of deadline_missed: given up on under a backlog
             "errors": self.counts["error"],
             "within_slo": within,
             "slo_attainment": (within / served) if served else None,
@@ -523,6 +526,21 @@ class Instance:
             self.fail(np.array([r for r, _ in expired], np.uint32),
                       np.array([row for _, row in expired], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
 
+    def _early_drop(self, now_ns: int) -> None:
+        """Under a backlog, answer DEADLINE_MISSED the head requests whose deadline would hold the
+        instance to small batches while a full batch behind them can still be served in time
+        (`BatchPolicy.early_drop`). Looks at most ``EARLY_DROP_SCAN`` batches deep."""
+        if len(self.queue) <= self.spec.max_batch:
+            return
+        head = [self.queue[i][1] for i in range(min(len(self.queue), EARLY_DROP_SCAN * self.spec.max_batch))]
+        ages = [max(0.0, (now_ns - int(row["first_ns"])) / 1e6) for row in head]
+        k = self.policy.early_drop(ages, [self._deadline_ms(row) for row in head])
+        if k:
+            dropped = [self.queue.popleft() for _ in range(k)]
+            self.stats.counts["early_dropped"] += k
+            self.fail(np.array([r for r, _ in dropped], np.uint32),
+                      np.array([row for _, row in dropped], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+
     # -- the data path: one seam per step (gather, run, answer) ---------------------------------------------
     def gather(self, items: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, Any] | None:
         """The seam every serving mode gathers through: ``(records, rows, batch)`` for the requests in
@@ -648,6 +666,7 @@ class Instance:
         if not self.queue:
             self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
             return
+        self._early_drop(time.monotonic_ns())
         oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
         decision = self.policy.decide(len(self.queue), oldest_age)
         if decision.take:

@@ -327,3 +327,45 @@ def test_from_profile_seeds_every_profiled_batch_size() -> None:
         LatencyModel.from_profile(profile, 0)
     with pytest.raises(ValueError):
         LatencyModel.from_profile(profile, 5)  # below the measured GPU% range: the profile refuses
+
+
+# --- early drop under a backlog ------------------------------------------------------------------------
+
+
+def _backlog_policy() -> BatchPolicy:
+    # 6 ms for one, 16 ms for a full batch of 8, deadline 100 ms.
+    return BatchPolicy(8, 0.0, 100.0, model=LatencyModel(profile={1: 6.0, 8: 16.0}))
+
+
+def test_early_drop_gives_up_the_head_that_holds_a_backlog_to_small_batches() -> None:
+    p = _backlog_policy()
+    ages = [92.0, 90.0, 85.0, 84.0] + [70.0 - i for i in range(10)]
+    # The oldest has 8 ms left: a batch of 2 (7.4 ms) is the most that fits, and the full batch behind
+    # it (from index 2, age 85) would end at 85 + 7.4 + 16 > 100. The first request a full batch
+    # (16 ms) serves in time is index 3 (84 + 16 <= 100): give up the three before it.
+    assert p.decide(len(ages), ages[0]).take == 2
+    assert p.early_drop(ages) == 3
+
+
+def test_no_early_drop_when_the_head_can_go_first() -> None:
+    p = _backlog_policy()
+    # After the head's batch of 1 (6 ms) the next full batch still ends in time (70 + 6 + 16 <= 100).
+    ages = [92.0] + [70.0 - i for i in range(12)]
+    assert p.early_drop(ages) == 0
+
+
+def test_no_early_drop_without_a_full_batch_behind_the_head_or_a_known_latency() -> None:
+    p = _backlog_policy()
+    assert p.early_drop([92.0, 90.0] + [80.0] * 6) == 0  # 8 queued: not more than max_batch
+    assert p.early_drop([10.0] * 12) == 0  # a full batch fits the oldest: no backlog
+    assert p.early_drop([99.5] * 12) == 0  # nothing fits even alone: that is expiry's business
+    assert BatchPolicy(8, 0.0, 100.0).early_drop([92.0] * 12) == 0  # nothing known yet
+    with pytest.raises(ValueError, match="deadlines_ms"):
+        p.early_drop([1.0] * 12, [None])
+
+
+def test_early_drop_uses_each_requests_own_deadline() -> None:
+    p = _backlog_policy()
+    ages = [92.0, 90.0] + [60.0] * 10
+    deadlines: list[float | None] = [100.0, 100.0, 70.0] + [None] * 9  # index 2 has only 10 ms left
+    assert p.early_drop(ages, deadlines) == 3

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gpuprims import wire
+from gpuprims.batching import LatencyModel
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES
@@ -89,6 +90,39 @@ def test_a_spell_of_slow_batches_is_forgotten_once_it_is_old(setup: tuple[Instan
     _send(ing, sock, 2)
     assert _answer(inst, sock).status == Status.OK
     assert inst.policy.model.samples(1) == 2 and inst.policy.predict(1) < 10_000.0
+
+
+def test_a_backlog_gives_up_its_head_so_a_full_batch_makes_it(setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    # Six requests whose own deadline is 33 ms, then six with the app's 500 ms; batches take 6 ms
+    # alone and 16 ms full (4). All 25 ms old, the short ones allow batches of one only, and a full
+    # batch right after one would end too late for them, while a full batch of the others is in
+    # time: the six short ones are given up on (DEADLINE_MISSED) instead of holding up the rest.
+    x = np.random.default_rng(0).random(SHAPE, dtype=np.float32)
+    for rid in range(12):
+        for d in wire.encode_request(1, rid, x, deadline_us=33_000 if rid < 6 else 0):
+            sock.sendto(d, ("127.0.0.1", ing.ports[0]))
+    deadline = time.monotonic() + 10
+    while len(inst.queue) < 12 and time.monotonic() < deadline:
+        inst._pull(50)
+    assert len(inst.queue) == 12
+    inst.policy.model = LatencyModel(profile={1: 6.0, 4: 16.0})
+    now = time.monotonic_ns()
+    for _, row in inst.queue:  # the instance's own copies of the records: set their ages exactly
+        row["first_ns"] = now - 25_000_000
+    inst._early_drop(now)
+    assert len(inst.queue) == 6 and inst.stats.counts["early_dropped"] == 6
+    got: dict[int, int] = {}
+    asm = wire.ResponseAssembler()
+    sock.settimeout(5.0)
+    while len(got) < 6:
+        r = asm.feed(sock.recv(65536))
+        if r is not None:
+            got[r.request_id] = r.status
+    assert got == {rid: Status.DEADLINE_MISSED for rid in range(6)}
+    # Without a backlog nothing is given up.
+    inst._early_drop(now)
+    assert len(inst.queue) == 6
 
 
 def test_expire_tolerates_a_request_newer_than_its_clock(setup: tuple[Instance, Ingest, socket.socket]) -> None:
