@@ -530,8 +530,11 @@ class Instance:
         """Under a backlog, answer DEADLINE_MISSED the head requests whose deadline would hold the
         instance to small batches while a full batch behind them can still be served in time
         (`BatchPolicy.early_drop`). Looks at most ``EARLY_DROP_SCAN`` batches deep."""
-        if len(self.queue) <= self.spec.max_batch:
+        if len(self.queue) <= self.spec.max_batch or not self.policy.model.known:
             return
+        row0 = self.queue[0][1]
+        if (now_ns - int(row0["first_ns"])) / 1e6 + self.policy.predict(self.spec.max_batch) <= self._deadline_ms(row0):
+            return  # a full batch fits the oldest request: no backlog to cut (the common case, kept cheap)
         head = [self.queue[i][1] for i in range(min(len(self.queue), EARLY_DROP_SCAN * self.spec.max_batch))]
         ages = [max(0.0, (now_ns - int(row["first_ns"])) / 1e6) for row in head]
         k = self.policy.early_drop(ages, [self._deadline_ms(row) for row in head])
