@@ -494,6 +494,22 @@ def _close_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, paths: list[Path], l
             p.unlink()
 
 
+def _poll_recv(sock: zmq.Socket, timeout_ms: float) -> list[bytes] | None:
+    """The next message on ``sock`` within ``timeout_ms``, or None. A socket can turn readable for a
+    message it then discards: with REQ_CORRELATE, a late reply to an earlier, timed-out request. recv
+    then finds nothing (EAGAIN), and the wait goes on for the rest of the time."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000)
+        if not sock.poll(remaining_ms, zmq.POLLIN):
+            return None
+        try:
+            return sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if remaining_ms <= 0:
+                return None
+
+
 def _refuse_live_ipc(endpoint: str) -> None:
     """Refuse to bind over the ipc socket of a node that is still running (zmq would steal it)."""
     if not endpoint.startswith("ipc://"):
@@ -757,18 +773,7 @@ class _ZmqInstanceClient(InstanceClient):
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def _recv(self, timeout_ms: float) -> list[bytes] | None:
-        # With REQ_CORRELATE a late reply to an earlier request makes the socket readable, and recv
-        # then discards it and finds nothing (EAGAIN): wait again for the rest of the time.
-        deadline = time.monotonic() + timeout_ms / 1000
-        while True:
-            remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-            if not self._sock.poll(remaining_ms, zmq.POLLIN):
-                return None
-            try:
-                return self._sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                if remaining_ms <= 0:
-                    return None
+        return _poll_recv(self._sock, timeout_ms)
 
     def _close(self) -> None:
         self._finalizer()
@@ -910,18 +915,7 @@ class _ZmqCommandClient(CommandClient):
         self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
     def _recv(self, timeout_ms: float) -> list[bytes] | None:
-        # With REQ_CORRELATE a late reply to an earlier request makes the socket readable, and recv
-        # then discards it and finds nothing (EAGAIN): wait again for the rest of the time.
-        deadline = time.monotonic() + timeout_ms / 1000
-        while True:
-            remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000)
-            if not self._sock.poll(remaining_ms, zmq.POLLIN):
-                return None
-            try:
-                return self._sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                if remaining_ms <= 0:
-                    return None
+        return _poll_recv(self._sock, timeout_ms)
 
     def _close(self) -> None:
         self._finalizer()
