@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from gpuprims.interrupt import ctrl_c_interrupts
 from gpuprims.traffic import EchoServer, read_pcap
 from gpuprims.traffic.cli import main, parse_app
 
@@ -27,7 +28,7 @@ def _cli(*args: str, launcher: str | None = None) -> Iterator[subprocess.Popen]:
     SIGINT reaches the child with its default handling even where this process ignores it.
     """
     cmd = [sys.executable, "-c", launcher, *args] if launcher else [sys.executable, "-m", "gpuprims.traffic.cli", *args]
-    with _sigint_not_ignored():
+    with ctrl_c_interrupts():  # a SIGINT this process ignores would be inherited ignored
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield p
@@ -35,19 +36,6 @@ def _cli(*args: str, launcher: str | None = None) -> Iterator[subprocess.Popen]:
         if p.poll() is None:
             p.kill()
         p.communicate(timeout=30)
-
-
-@contextlib.contextmanager
-def _sigint_not_ignored() -> Iterator[None]:
-    """While spawning: a SIGINT this process ignores would be inherited ignored; one it handles resets."""
-    old = signal.getsignal(signal.SIGINT)
-    if old is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        if old is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, old)
 
 
 def test_app_spec_parsing() -> None:
