@@ -87,8 +87,8 @@ class Ingest:
         """Send complete requests of ``app_id`` to these consumers (least-loaded first, or earliest
         predicted finish when they all have a cost model: ``set_cost``).
 
-        An empty list stops serving the app: its datagrams are dropped as unknown_app. Takes effect
-        before the next received batch.
+        An empty list stops serving the app: its datagrams are dropped as unknown_app. Every datagram
+        the ingest receives after this returns is routed by it.
         """
         if not 0 <= app_id <= 0xFFFF:
             raise ValueError(f"app_id must be in 0..65535, got {app_id}")

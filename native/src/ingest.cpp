@@ -246,7 +246,10 @@ std::pair<double, double> Ingest::cost(uint32_t consumer) const {
 
 std::array<uint64_t, kCounterCount> Ingest::counters() const {
   std::array<uint64_t, kCounterCount> out{};
-  for (int i = 0; i < kCounterCount; ++i) out[i] = cnt_[i].load(std::memory_order_relaxed);
+  // packets_received first, with acquire: it pairs with handle_packet's release (see there).
+  out[kPacketsReceived] = cnt_[kPacketsReceived].load(std::memory_order_acquire);
+  for (int i = 0; i < kCounterCount; ++i)
+    if (i != kPacketsReceived) out[i] = cnt_[i].load(std::memory_order_relaxed);
   return out;
 }
 
@@ -660,7 +663,13 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
     bump(counter);
     if (real_slot) free_slots_.push_back(slot);
   };
-  bump(kPacketsReceived);
+  // packets_received is published last, with release, when the packet has been handled whichever
+  // way it leaves: a reader that sees N received (counters() loads it with acquire, first) also sees
+  // every other counter that the N packets moved (accepted or the drop, the refusal, the completion).
+  struct Received {
+    std::atomic<uint64_t>& c;
+    ~Received() { c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  } received{cnt_[kPacketsReceived]};
   bump(kBytesReceived, len);
   if (msg_flags & MSG_TRUNC) return drop(kDropOversize);
   wire::Header h;
@@ -853,6 +862,9 @@ void Ingest::run() {
       const int n = recvmmsg(socks_[s], msgs.data(), B, MSG_DONTWAIT, nullptr);
       bump(kRecvCalls);
       const uint32_t got = n > 0 ? uint32_t(n) : 0;
+      // Routes again, after the receive: a datagram sent after set_route() returned is routed by it,
+      // even when this thread was between the top of the loop and recvmmsg when the route changed.
+      if (got > 0) apply_routes();
       for (uint32_t i = 0; i < got; ++i) {
         msghdr& mh = msgs[i].msg_hdr;
         size_t seg = 0;

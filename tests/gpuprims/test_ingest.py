@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -716,3 +717,36 @@ def test_a_consumer_refuses_to_answer_into_a_ring_whose_control_words_are_corrup
     with pytest.raises(RuntimeError, match="corrupt"):
         node.pool.consumer(0).answer_status(recs, node.pool.requests(recs), Status.OK)
     node.wait(lambda c: c["bad_answers"] == 1)  # and the ingest counted it and moved on
+
+
+def test_a_datagram_sent_after_set_route_returns_is_routed_by_it() -> None:
+    """The route is read after the receive: while the ingest thread is kept looping by a stream of
+    datagrams for another app, an app's route is taken away and given back, then a request is sent;
+    it must be delivered every time (never refused as unknown_app by the route of before)."""
+    n = Node()
+    stop = threading.Event()
+
+    def noise() -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        d = wire.encode_request(APP + 1, 1, _body(0, 64))[0]
+        try:
+            while not stop.is_set():
+                s.sendto(d, n.addr)
+        finally:
+            s.close()
+
+    t = threading.Thread(target=noise, daemon=True)
+    t.start()
+    try:
+        c = n.pool.consumer(0)
+        for rid in range(1000):
+            n.ingest.set_route(APP, [])
+            n.ingest.set_route(APP, [0])
+            n.send(wire.encode_request(APP, rid, _body(rid, 64)))
+            recs = n.take(1)
+            c.answer_status(recs, n.pool.requests(recs), Status.OK)
+        assert n.ingest.counters()["drop_unknown_app"] > 0  # the noise was there
+    finally:
+        stop.set()
+        t.join(REACT_S)
+        n.close()
