@@ -1,6 +1,6 @@
 """One inference app instance: a process that serves one app from its consumer queue of the pool.
 
-Started by the orchestrator as ``python -m orchestrator.instance`` with its :class:`InstanceSpec` as JSON in
+Started by the orchestrator as ``python -m orchestrator.launch`` (which runs :func:`main`) with its :class:`InstanceSpec` as JSON in
 ``GPUPRIMS_INSTANCE_SPEC`` and the control-plane variables of ``orchestrator.control.instance_env``.
 It maps the packet pool, confines itself to its share (CPU cores on the cpu backend; on cuda the
 orchestrator set ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` before CUDA initialises), loads its model, and
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import json
@@ -50,6 +49,7 @@ from gpuprims.pool import RECORD_DTYPE, PacketPool
 from gpuprims.stats import RequestHistograms, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.control import connect_instance_from_env
+from orchestrator.launch import die_with_parent
 from orchestrator.logs import setup_logging
 from orchestrator.messages import (
     BatchDone,
@@ -898,15 +898,10 @@ def _default_profile_batches(max_batch: int) -> list[int]:
     return [*out, max_batch]
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the orchestrator dies (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)
-
-
-def main() -> int:
-    _die_with_parent()
+def main(import_info: dict[str, Any] | None = None) -> int:
+    """Run one instance (spec from the environment) until told to stop. ``import_info``: how
+    ``orchestrator.launch`` imported this module (at a lowered nice value), reported in Ready."""
+    die_with_parent()
     spec = InstanceSpec.from_json(os.environ[ENV_SPEC])
     setup_logging(os.environ.get("GPUPRIMS_LOG_LEVEL", "INFO"), os.environ.get("GPUPRIMS_LOG_FORMAT", "text"),
                   instance=spec.name)
@@ -924,9 +919,11 @@ def main() -> int:
             inst.init_compute(spec.gpu_pct)
         elif spec.prewarm:
             inst.start_prewarm()
-        control.send(Ready(instance=spec.name, pid=os.getpid(),
-                           info={"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer,
-                                 "measured": inst.measured}))
+        info: dict[str, Any] = {"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer,
+                                "measured": inst.measured}
+        if import_info is not None:
+            info["import"] = inst.prewarm_info["import"] = import_info  # (the warm Ready says it again)
+        control.send(Ready(instance=spec.name, pid=os.getpid(), info=info))
         inst.serve()
         rc = 0
     except Exception as e:

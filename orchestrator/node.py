@@ -1,7 +1,7 @@
 """The node: packet pool, native ingest, and the parts that run the inference instances.
 
 ``Node(cfg).start()`` is all-or-nothing: it creates the private run directory, the shared packet pool
-and the ingest, spawns every instance (``python -m orchestrator.instance``) and waits for each READY
+and the ingest, spawns every instance (``python -m orchestrator.launch``) and waits for each READY
 within ``ready_timeout_s`` (the error names that setting); if any fails, everything started is torn
 down and the error says which instance failed and why. ``serve()`` then runs the node's one loop
 until ``stop()``; each :meth:`Node.step` receives heartbeats and commands, lets the supervisor reap,

@@ -23,6 +23,7 @@ every step. Its rules are what keeps every request answered exactly once when a 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -39,6 +40,7 @@ from orchestrator.config import AppConfig, NodeConfig
 from orchestrator.control import ControlServer, instance_env
 from orchestrator.errors import SupervisionError
 from orchestrator.instance import ENV_SPEC, InstanceSpec
+from orchestrator.launch import ENV_IMPORT_NICE
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
 from orchestrator.param_share import ParamShare
@@ -49,6 +51,8 @@ log = logging.getLogger("gpuprims.node")
 
 #: Shadow restarts back off: 1 s after the first consecutive failure, doubling up to this.
 SHADOW_BACKOFF_MAX_S = 30.0
+#: The nice value a pre-warming shadow (cpu backend) imports its code at (orchestrator.launch).
+SHADOW_IMPORT_NICE = 10
 
 
 
@@ -90,7 +94,7 @@ class Supervisor:
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
               gpu_pct: int | None = None, role: str | None = None) -> InstanceState:
-        """Start an instance process (``python -m orchestrator.instance``); an active unless ``defer_init``
+        """Start an instance process (``python -m orchestrator.launch``); an active unless ``defer_init``
         or ``role`` (``overflow``: a CPU instance on ``share``'s cores, whatever the node's backend)."""
         if not self.free_consumers:
             raise SupervisionError("no free consumer endpoint in the packet pool")
@@ -124,13 +128,17 @@ class Supervisor:
         env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
         if share is not None:
             env.update(share.env())
+        env.pop(ENV_IMPORT_NICE, None)
+        if spec.prewarm:
+            # Its import too runs below the active instances it shares cores with (orchestrator.launch).
+            env[ENV_IMPORT_NICE] = str(SHADOW_IMPORT_NICE)
         if backend == "cuda" and self.mps is not None:
             env.update(self.mps.env(pct))
             if defer_init:
                 # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
                 env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
         try:
-            proc = subprocess.Popen([self.python, "-m", "orchestrator.instance"], env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([self.python, "-m", "orchestrator.launch"], env=env, stdin=subprocess.DEVNULL,
                                     cwd=str(Path(__file__).resolve().parent.parent))
         except OSError as e:
             self.free_consumers.append(consumer)
@@ -421,6 +429,13 @@ class Supervisor:
         ``pump(ms)`` runs the control loop's receive side while waiting."""
         for st in self.instances.values():
             st.role = "stopping"
+            if not st.ready:
+                # Still starting (a shadow importing at low priority can take seconds on a busy
+                # machine): it holds no request and cannot be told yet, so it is not waited for.
+                log.info("%s had not started yet; terminating", st.name)
+                with contextlib.suppress(OSError):
+                    st.proc.terminate()
+                continue
             try:
                 self.server.send(st.name, Shutdown(instance=st.name, drain=drain and st.initialized))
             except Exception as e:  # a dead peer cannot be told; it is reaped below

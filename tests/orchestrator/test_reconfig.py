@@ -24,6 +24,7 @@ from orchestrator import reconfig
 from orchestrator.config import load_config
 from orchestrator.node import Node
 from orchestrator.reconfig import Change, Phase, change_gpu_pct, restart_gpu_pct
+from orchestrator.supervisor import SHADOW_IMPORT_NICE
 
 pytestmark = pytest.mark.slow
 
@@ -249,6 +250,10 @@ def test_a_prewarmed_shadow_switches_without_loading_and_the_switch_is_measured_
     shadow = node.shadow_of("a")
     assert shadow is not None
     warm_before = bool(shadow.info.get("warm"))
+    # It imported its code at a lowered priority too (orchestrator.launch), as the supervisor asked.
+    assert shadow.info["import"]["nice"] == SHADOW_IMPORT_NICE, shadow.info
+    # The actives did not: their start is urgent.
+    assert all("import" not in st.info for st in node.instances.values() if st.role == "active")
     if warm_before:
         assert shadow.info["priority"] == "nice"
         entry = next(i for i in node.status()["apps"]["a"]["instances"] if i["name"] == shadow.name)

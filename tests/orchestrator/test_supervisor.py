@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +20,12 @@ import pytest
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.errors import ChangeError
+from orchestrator.instance import InstanceSpec
 from orchestrator.monitor import Monitor, MonitorPolicy
 from orchestrator.node import Node
 from orchestrator.reconfig import Phase
+from orchestrator.state import InstanceState
+from orchestrator.supervisor import Supervisor
 from tests.orchestrator.test_reconfig import Load
 
 pytestmark = pytest.mark.slow
@@ -106,3 +111,49 @@ def test_kills_during_monitor_and_set_gpu_changes_leave_the_node_serving(tmp_pat
     finally:
         node.stop()
     assert not node.instances
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+
+    def send(self, name: str, msg: object) -> None:
+        self.sent.append((name, msg))
+
+
+class _App:
+    def __init__(self) -> None:
+        self.retired: list[str] = []
+
+    def retire(self, st: InstanceState) -> None:
+        self.retired.append(st.name)
+
+
+def test_shutdown_terminates_an_instance_still_starting_without_waiting_for_it(tmp_path: Path) -> None:
+    # A shadow still importing (not Ready) cannot be told to stop and holds no request: the node
+    # terminates it at once instead of waiting out the drain timeout for it; a Ready one is told.
+    sup = Supervisor.__new__(Supervisor)
+    sup.server, app = _Server(), _App()
+    sup.apps = {"a": app}  # type: ignore[dict-item]
+    spec = InstanceSpec(name="x", app="a", app_id=1, model="m", pool="p", consumer=0)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    starting = InstanceState(name="a-s0", app="a", spec=spec, proc=subprocess.Popen(sleeper), role="shadow")
+    # A Ready instance that exits when told (here: on its own, once the Shutdown is recorded).
+    ready = InstanceState(name="a-0", app="a", spec=spec, proc=subprocess.Popen(sleeper), ready=True)
+    sup.instances = {st.name: st for st in (starting, ready)}
+
+    def pump(ms: float) -> None:
+        if any(name == "a-0" for name, _ in sup.server.sent) and ready.alive:  # type: ignore[attr-defined]
+            ready.proc.kill()
+        time.sleep(ms / 1e3)
+
+    try:
+        sup.shutdown(drain=True, timeout_s=600, pump=pump)
+        assert [name for name, _ in sup.server.sent] == ["a-0"]  # type: ignore[attr-defined]
+        assert starting.proc.returncode == -signal.SIGTERM and ready.proc.returncode == -signal.SIGKILL
+        assert sup.instances == {} and sorted(app.retired) == ["a-0", "a-s0"]
+    finally:
+        for st in (starting, ready):
+            if st.proc.poll() is None:
+                st.proc.kill()
+            st.proc.wait()
