@@ -85,6 +85,10 @@ once it is over instead of after `window` new measurements of each size. The poi
         self._times: dict[int, deque[float]] = {}
         self._profile: dict[int, float] = {}
         self._points: list[tuple[int, float]] | None = None
+        # No finite measurement time is below this (a lower bound: the window may have pushed the
+        # oldest out since), so `forget` is O(1) when there is nothing to forget: an instance calls
+        # it before every batch.
+        self._oldest = math.inf
         if profile is not None:
             self.seed(profile)
 
@@ -128,11 +132,15 @@ once it is over instead of after `window` new measurements of each size. The poi
             raise ValueError("at_s must be a time in seconds, got nan")
         self._samples.setdefault(batch_size, deque(maxlen=self.window)).append(latency)
         self._times.setdefault(batch_size, deque(maxlen=self.window)).append(at)
+        if -math.inf < at < self._oldest:
+            self._oldest = at
         self._points = None
 
     def forget(self, before_s: float) -> int:
         """Drop the measurements taken before `before_s` (those observed with `at_s`); returns how many.
         A batch size left with none predicts from its profile value or its neighbours again."""
+        if not self._oldest < before_s:
+            return 0
         dropped = 0
         for size in list(self._times):
             times = self._times[size]
@@ -147,6 +155,7 @@ once it is over instead of after `window` new measurements of each size. The poi
                 del self._samples[size], self._times[size]
         if dropped:
             self._points = None
+        self._oldest = min((t for times in self._times.values() for t in times if t > -math.inf), default=math.inf)
         return dropped
 
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -74,6 +75,27 @@ def test_forget_keeps_measurements_without_a_time() -> None:
         model.observe(2, 5.0, at_s=math.nan)
     model.forget(before_s=math.inf)
     assert model.samples(2) == 1
+
+
+def test_forget_agrees_with_a_full_scan_whatever_the_order_of_times_and_the_window() -> None:
+    # forget() skips its scan when nothing can be old enough; times out of order, measurements
+    # pushed out of the window and untimed ones must not make it skip one it should drop.
+    rng = np.random.default_rng(3)
+    model = LatencyModel(window=4, quantile=1.0)
+    shadow: dict[int, list[float]] = {}
+    for step in range(600):
+        if rng.random() < 0.8:
+            size = int(rng.integers(1, 4))
+            at = None if rng.random() < 0.1 else float(rng.integers(0, 100))
+            model.observe(size, 1.0, at_s=at)
+            shadow.setdefault(size, []).append(-math.inf if at is None else at)
+            shadow[size] = shadow[size][-4:]
+        else:
+            before = float(rng.integers(0, 100))
+            want = sum(1 for ts in shadow.values() for t in ts if -math.inf < t < before)
+            shadow = {k: kept for k, ts in shadow.items() if (kept := [t for t in ts if not -math.inf < t < before])}
+            assert model.forget(before_s=before) == want, step
+            assert all(model.samples(k) == len(ts) for k, ts in shadow.items())
 
 
 def test_profile_seeds_sizes_until_they_are_measured() -> None:
