@@ -1,4 +1,4 @@
-"""bench/peer: the same apps on gpuprims and on Ray Serve, side by side, interleaved.
+"""bench/peer: the same apps on gpuprims, Ray Serve and LitServe, side by side, interleaved.
 
 Per app (default MobileNetV2 with a 100 ms SLO and ResNet-50 with 250 ms, 3x64x64 float32 requests,
 as bench/e2e), both systems run at once, each as its own process tree started by this bench:
@@ -9,13 +9,16 @@ as bench/e2e), both systems run at once, each as its own process tree started by
 - **ray**: ``python -m bench.peer_ray``: a fresh local Ray cluster (no dashboard) with Serve's HTTP
   proxy and one replica (``num_cpus=1``) that loads the same zoo model with the same seed, confines
   itself with the same ``apply_cpu_share`` (same core, same torch intra/inter-op threads, same
-  ``OMP_*``) and batches with ``@serve.batch`` at the same max batch size and wait.
+  ``OMP_*``) and batches with ``@serve.batch`` at the same max batch size and wait;
+- **litserve**: ``python -m bench.peer_litserve``: LitServe with one API server process and one
+  inference worker process (cpu, one device, one worker) that loads the same model, applies the same
+  ``apply_cpu_share`` and batches with ``LitAPI(max_batch_size, batch_timeout)`` at the same settings.
 
 Before measuring, one fixed input goes to both and to the model in this process: the logits must
 agree (same weights, same inputs). Traffic is open loop at constant rate from a driver process per
 system (one asyncio loop; each request starts at its scheduled time whatever the earlier ones are
 doing): ``gpuprims.client.AsyncClient`` over the node's UDP wire, and aiohttp (no connection limit)
-posting the raw tensor to Serve. Both cycle through the same 16 seeded inputs in the same order, and
+posting the raw tensor to Serve, or LitServe's JSON (the tensor in base64) to LitServe. Both cycle through the same 16 seeded inputs in the same order, and
 give up on an answer after the same client timeout (counted ``lost``). Rates: ``light``, ``medium``
 and ``overload`` = 0.25, 0.6 and 1.5 x the model's batch-8 capacity on its core, measured here in
 torch first. At each rate the systems take turns in short blocks (the order alternates), so a
@@ -29,14 +32,17 @@ whole process tree over its blocks (warm-ups included), sampled from /proc throu
 by the requests sent in those blocks. The tree's idle CPU while the other system is measured is
 recorded too. Ratios are gpuprims over the peer oriented so that >= 1 means gpuprims is ahead.
 
-Run: ``python3 -m bench.peer [--quick]`` (needs ``pip install -e '.[peer]'``). Reports, never asserts.
+Run: ``python3 -m bench.peer [--quick] [--peers ray litserve]`` (needs ``pip install -e '.[peer]'``).
+Reports, never asserts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -71,7 +77,9 @@ MAX_WAIT_MS = 2.0
 APP_ID = 1
 APPS = {"mobilenet_v2": {"slo_ms": 100.0}, "resnet50": {"slo_ms": 250.0}}
 LEVELS = {"light": 0.25, "medium": 0.6, "overload": 1.5}
-SYSTEMS = ("gpuprims", "ray")
+SYSTEMS = ("gpuprims", "ray", "litserve")
+#: The peers a run compares with by default (``--peers``).
+PEERS = SYSTEMS[1:]
 N_INPUTS = 16
 CLIENT_TIMEOUT_S = 2.0
 #: Serve's max_ongoing_requests for the replica: its default (5) would cap a batch below MAX_BATCH.
@@ -312,6 +320,14 @@ def start_ray(model: str, port: int, cores: list[int], threads: int, work: Path)
     return proc
 
 
+def start_litserve(model: str, port: int, cores: list[int], threads: int, work: Path) -> SystemProc:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "bench.peer_litserve", "--port", str(port), "--model", model,
+            "--shape", *map(str, SHAPE), "--cores", *map(str, cores), "--threads", str(threads),
+            "--max-batch", str(MAX_BATCH), "--wait-ms", str(MAX_WAIT_MS)]
+    return SystemProc("litserve", argv, env, work / "litserve.log")
+
+
 def ask_gpuprims(port: int, x: np.ndarray) -> np.ndarray | None:
     from gpuprims.client import Client, RequestLost
 
@@ -330,6 +346,24 @@ def ask_ray(port: int, x: np.ndarray) -> np.ndarray | None:
             return np.frombuffer(r.read(), np.float32)
     except (urllib.error.URLError, OSError):
         return None
+
+
+def litserve_body(x: np.ndarray) -> bytes:
+    """LitServe's request: JSON (its request path), the raw float32 tensor in base64."""
+    return json.dumps({"x": base64.b64encode(np.ascontiguousarray(x, np.float32).tobytes()).decode("ascii")}).encode()
+
+
+def ask_litserve(port: int, x: np.ndarray) -> np.ndarray | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=litserve_body(x), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+            return np.frombuffer(base64.b64decode(json.loads(r.read())["y"]), np.float32)
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None
+
+
+ASK = {"gpuprims": ask_gpuprims, "ray": ask_ray, "litserve": ask_litserve}
 
 
 def wait_ready(system: SystemProc, ask: Any, x: np.ndarray, timeout_s: float = READY_TIMEOUT_S) -> np.ndarray:
@@ -370,12 +404,16 @@ async def _drive_async(system: str, port: int, rate: float, duration_s: float, w
 
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                         timeout=aiohttp.ClientTimeout(total=timeout_s))
-        url = f"http://127.0.0.1:{port}/infer"
-        bodies = [x.tobytes() for x in xs]
+        if system == "litserve":
+            url, headers = f"http://127.0.0.1:{port}/predict", {"Content-Type": "application/json"}
+            bodies = [litserve_body(x) for x in xs]
+        else:
+            url, headers = f"http://127.0.0.1:{port}/infer", {}
+            bodies = [x.tobytes() for x in xs]
 
         async def call(i: int) -> str:
             try:
-                async with session.post(url, data=bodies[i]) as r:
+                async with session.post(url, data=bodies[i], headers=headers) as r:
                     data = await r.read()
                     if r.status != 200:
                         return f"http_{r.status}"
@@ -487,7 +525,8 @@ def renice_tree(meter: CpuMeter, nice: int) -> list[dict[str, Any]]:
 
 
 def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s: float,
-            fixed_rates: list[float] | None, ray_nice: int | None = None) -> dict[str, Any]:
+            fixed_rates: list[float] | None, ray_nice: int | None = None,
+            systems: Sequence[str] = SYSTEMS) -> dict[str, Any]:
     import torch
 
     from apps.zoo import load_model
@@ -504,36 +543,40 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
         ref = load_model(model, seed=0, input_shape=SHAPE).eval()(torch.from_numpy(xs[:1])).numpy()[0]
 
     work = Path(tempfile.mkdtemp(prefix=f"peer-{model}-"))
-    ports = {"gpuprims": free_port(socket.SOCK_DGRAM), "ray": free_port(socket.SOCK_STREAM)}
+    ports = {s: free_port(socket.SOCK_DGRAM if s == "gpuprims" else socket.SOCK_STREAM) for s in systems}
     procs: dict[str, SystemProc] = {}
     try:
         procs["gpuprims"] = start_gpuprims(model, slo_ms, ports["gpuprims"], work)
-        procs["ray"] = start_ray(model, ports["ray"], cores, threads, work)
+        if "ray" in systems:
+            procs["ray"] = start_ray(model, ports["ray"], cores, threads, work)
+        if "litserve" in systems:
+            procs["litserve"] = start_litserve(model, ports["litserve"], cores, threads, work)
         t0 = time.monotonic()
         check = {}
-        for name, ask in (("gpuprims", ask_gpuprims), ("ray", ask_ray)):
+        for name in systems:
+            ask = ASK[name]
             got = wait_ready(procs[name], lambda x, a=ask, p=ports[name]: a(p, x), xs[0])
             check[name] = {"max_abs_diff_vs_torch": float(np.max(np.abs(got - ref))) if got.shape == ref.shape
                            else None, "ready_s": round(time.monotonic() - t0, 1)}
             print(f"  {name} ready after {check[name]['ready_s']} s, logits vs torch: {check[name]}", flush=True)
-        reniced = renice_tree(procs["ray"].meter, ray_nice) if ray_nice is not None else []
+        reniced = renice_tree(procs["ray"].meter, ray_nice) if ray_nice is not None and "ray" in procs else []
         if reniced:
             print(f"  reniced Ray's processes: {reniced}", flush=True)
-        raw: dict[str, dict[str, list[dict[str, Any]]]] = {lv: {s: [] for s in SYSTEMS} for lv in LEVELS}
-        idle: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-        meters = [procs[s].meter for s in SYSTEMS]
+        raw: dict[str, dict[str, list[dict[str, Any]]]] = {lv: {s: [] for s in systems} for lv in LEVELS}
+        idle: dict[str, list[float]] = {s: [] for s in systems}
+        meters = [procs[s].meter for s in systems]
         with drivers(ports) as drv, Sampler(meters):
-            for level, system, k in schedule(list(LEVELS), SYSTEMS, blocks):
+            for level, system, k in schedule(list(LEVELS), systems, blocks):
                 rate = level_rates[level]
-                before = {s: procs[s].meter.sample() for s in SYSTEMS}
+                before = {s: procs[s].meter.sample() for s in systems}
                 tb = time.monotonic()
                 load0 = os.getloadavg()[0]
                 r = run_block(drv[system], rate, duration_s, warmup_s, CLIENT_TIMEOUT_S)
                 wall = time.monotonic() - tb
-                after = {s: procs[s].meter.sample() for s in SYSTEMS}
+                after = {s: procs[s].meter.sample() for s in systems}
                 r.update(cpu_s=after[system] - before[system], block=k, rate_rps=rate, wall_s=round(wall, 3),
                          load1_before=round(load0, 2), load1_after=round(os.getloadavg()[0], 2))
-                for other in SYSTEMS:
+                for other in systems:
                     if other != system:
                         r[f"idle_cpu_s_{other}"] = after[other] - before[other]
                         idle[other].append((after[other] - before[other]) / wall)
@@ -542,14 +585,15 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
                 print(f"  {level:>8} {rate:7.1f} req/s {system:>8} block {k}: ok {st['ok']}/{st['sent']}, "
                       f"att {st['slo_attainment']}, p50 {st['p50_ms']} p99 {st['p99_ms']} ms, lost {st['lost']}, "
                       f"cpu {r['cpu_s']:.2f} s, load {r['load1_before']}", flush=True)
-        results = {lv: {s: summarise(raw[lv][s], slo_ms) for s in SYSTEMS} for lv in LEVELS}
+        results = {lv: {s: summarise(raw[lv][s], slo_ms) for s in systems} for lv in LEVELS}
         for lv in LEVELS:
-            for s in SYSTEMS:
+            for s in systems:
                 results[lv][s]["rate_rps"] = level_rates[lv]
         return {"results": results, "raw": raw, "check": check, "capacity_rps": round(capacity, 1),
                 "model_b8_ms": b8.tolist(), "cores": cores, "threads": threads, "rates": level_rates,
                 "idle_cpu_s_per_s": {s: round(float(np.mean(v)), 4) if v else None for s, v in idle.items()},
-                "processes": {s: procs[s].meter.processes() for s in SYSTEMS}, "reniced": reniced}
+                "processes": {s: procs[s].meter.processes() for s in systems}, "reniced": reniced,
+                "systems": list(systems)}
     finally:
         for p in procs.values():
             p.stop()
@@ -564,19 +608,25 @@ CAVEATS = (
     "a Ray RPC to the replica): the transport is part of what each system is, so it is part of what is "
     "measured, but an HTTP front door on gpuprims (bench/oip) costs more than its UDP path. Client: one "
     "asyncio driver process per system, open loop, the same inputs in the same order, the same client "
-    "timeout (requests not answered in time count as lost); the drivers' own CPU is not in either tree "
-    "(reported as driver_cpu_s). Pinning: both model processes are confined to the same core with the same "
-    "torch threads (gpuprims' planner decides it; Ray's replica applies the same CpuShare); neither system's "
-    "other processes (node ingest and control loop; Ray's proxy, GCS, raylet, agents) are pinned. Both "
-    "systems stay up for the whole run, so each one's idle background CPU falls on the other's blocks "
+    "timeout (requests not answered in time count as lost); the drivers' own CPU is in no system's tree "
+    "(reported as driver_cpu_s). Pinning: every model process is confined to the same core with the same "
+    "torch threads (gpuprims' planner decides it; Ray's replica and LitServe's worker apply the same "
+    "CpuShare); no system's other processes (node ingest and control loop; Ray's proxy, GCS, raylet, "
+    "agents; LitServe's API server) are pinned. All systems stay up for the whole run, so each one's idle "
+    "background CPU falls on the others' blocks "
     "(idle_cpu_s_per_s). Ray: started with its defaults except no dashboard (which favours Ray's CPU "
     "figure) and max_ongoing_requests raised to 2 x max batch (the default 5 would cap a batch below 8); "
     "its queue in front of the replica is unbounded (max_queued_requests -1), so above capacity requests "
     "wait until the client gives up, where gpuprims answers DEADLINE_MISSED at once; Ray's worker "
     "processes run at the niceness listed under samples.<app>.processes (as Ray sets it, not changed "
-    "here). gpuprims sheds late work by design, so compare goodput and attainment, not raw throughput, "
+    "here). LitServe 0.2.19: its defaults except fast_queue (ZeroMQ between its API server and its worker, "
+    "which its documentation advises above 100 requests/s); its request path is JSON, so its requests "
+    "carry the tensor in base64 (about a third larger, plus encoding on both sides: part of what LitServe "
+    "is, as HTTP is part of Ray Serve); no queue bound is set, and its own request timeout (30 s by "
+    "default) is longer than the client's, so above capacity it too keeps requests until the client gives "
+    "up. gpuprims sheds late work by design, so compare goodput and attainment, not raw throughput, "
     "above capacity. Shared 2-core machine: other sessions' load is recorded per block (load1_*) and "
-    "falls on both systems alike through the interleaving, but moves every absolute figure.")
+    "falls on every system alike through the interleaving, but moves every absolute figure.")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -587,7 +637,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
     apps = list(res)
     fig, axes = plt.subplots(len(apps), 4, figsize=(16, 3.6 * len(apps)), squeeze=False)
-    colors = {"gpuprims": "tab:blue", "ray": "tab:orange"}
+    colors = {"gpuprims": "tab:blue", "ray": "tab:orange", "litserve": "tab:green"}
     for i, app in enumerate(apps):
         results = res[app]["results"]
         levels = list(results)
@@ -597,13 +647,16 @@ def plot(res: dict[str, Any], path: Path) -> None:
                                                    ("p99_ms", "p50 (hatched) / p99 latency of OK (ms)", True),
                                                    ("cpu_ms_per_request", "CPU ms per request (process tree)", False))):
             ax = axes[i][j]
-            for k, s in enumerate(SYSTEMS):
+            systems = res[app].get("systems", list(SYSTEMS))
+            width = 0.8 / len(systems)
+            for k, s in enumerate(systems):
+                at = x + (k - (len(systems) - 1) / 2) * width
                 vals = [results[lv][s].get(fig_key) or 0 for lv in levels]
-                ax.bar(x + (k - 0.5) * 0.38, vals, 0.38, label=s, color=colors.get(s))
+                ax.bar(at, vals, width, label=s, color=colors.get(s))
                 if fig_key == "p99_ms":
                     p50 = [results[lv][s].get("p50_ms") or 0 for lv in levels]
-                    ax.bar(x + (k - 0.5) * 0.38, p50, 0.38, color="none", edgecolor="k", hatch="//")
-            ax.set_xticks(x, [f"{lv}\n{results[lv][SYSTEMS[0]]['rate_rps']:g}/s" for lv in levels])
+                    ax.bar(at, p50, width, color="none", edgecolor="k", hatch="//")
+            ax.set_xticks(x, [f"{lv}\n{results[lv][systems[0]]['rate_rps']:g}/s" for lv in levels])
             ax.set_title(f"{app}: {label}", fontsize=9)
             if log:
                 ax.set_yscale("log")
@@ -626,15 +679,18 @@ def main() -> None:
                     "(default: 0.25, 0.6, 1.5 x the measured batch-8 capacity)")
     ap.add_argument("--ray-nice", type=int, default=None, help="renice Ray's worker processes (Ray starts them "
                     "at 15) to this niceness once Serve is up; default: leave Ray's own setting")
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS),
+                    help="the peer systems to run beside gpuprims (default: all)")
     args = ap.parse_args()
+    systems = ("gpuprims", *args.peers)
     apps = args.apps[:1] if args.quick else args.apps
     duration = 3.0 if args.quick else args.duration
     blocks = 1 if args.quick else args.blocks
     load_before = os.getloadavg()
-    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice)
+    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice, systems)
            for app in apps}
     summary = assemble({app: r["results"] for app, r in res.items()})
-    summary.update(systems=list(SYSTEMS), ray_version=_version("ray"), input_shape="x".join(map(str, SHAPE)),
+    summary.update(systems=list(systems), ray_version=_version("ray"), litserve_version=_version("litserve"), input_shape="x".join(map(str, SHAPE)),
                    gpu_pct=GPU_PCT, max_batch=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, client_timeout_s=CLIENT_TIMEOUT_S,
                    block_s=duration, blocks=blocks)
     for app, r in res.items():
@@ -642,8 +698,9 @@ def main() -> None:
         summary[f"{app}.capacity_rps"] = r["capacity_rps"]
         for s, c in r["check"].items():
             summary[f"{app}.{s}.logits_max_abs_diff_vs_torch"] = c["max_abs_diff_vs_torch"]
-        workers = [p["nice"] for p in r["processes"]["ray"] if str(p["name"]).startswith("ray::")]
-        summary[f"{app}.ray.worker_nice_during_run"] = sorted(set(workers))
+        if "ray" in r["processes"]:
+            workers = [p["nice"] for p in r["processes"]["ray"] if str(p["name"]).startswith("ray::")]
+            summary[f"{app}.ray.worker_nice_during_run"] = sorted(set(workers))
         for s, v in r["idle_cpu_s_per_s"].items():
             summary[f"{app}.{s}.idle_cpu_s_per_s"] = v
     samples = {app: {k: v for k, v in r.items() if k != "results"} | {"results": r["results"]} for app, r in res.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -206,3 +207,29 @@ def test_renice_tree_lowers_only_the_processes_above_zero() -> None:
     assert peer.renice_tree(m, 0) == [{"pid": 2, "name": "p2", "nice_before": 15, "nice_after": 0}]
     assert (root.nice(), worker.nice(), gcs.nice()) == (0, 0, 0)
     assert peer.renice_tree(m, 0) == []
+
+
+def test_litserve_request_is_json_with_the_raw_tensor_in_base64() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 2, 2) / 7
+    doc = json.loads(peer.litserve_body(x))
+    assert set(doc) == {"x"}
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(doc["x"]), np.float32).reshape(x.shape), x)
+
+
+def test_three_systems_are_interleaved_and_each_peer_gets_its_ratios() -> None:
+    order = peer.schedule(["light"], list(peer.SYSTEMS), 3)
+    assert [s for _, s, k in order if k == 0] == ["gpuprims", "ray", "litserve"]
+    assert [s for _, s, k in order if k == 1] == ["ray", "litserve", "gpuprims"]
+    ours = peer.summarise([_block([10.0, 20.0], ["ok", "ok"])], 100.0)
+    slow = peer.summarise([_block([40.0, 80.0], ["ok", "lost"])], 100.0)
+    out = peer.assemble({"m": {"light": {"gpuprims": ours, "ray": slow, "litserve": ours}}})
+    assert out["m.light.ray.p50_ratio"] > 1 and out["m.light.litserve.p50_ratio"] == 1.0
+    assert out["m.light.ray.slo_attainment_ratio"] == 2.0
+
+
+def test_the_plot_draws_any_number_of_systems(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    st = peer.summarise([_block([10.0], ["ok"])], 100.0) | {"rate_rps": 5.0}
+    res = {"m": {"results": {lv: {s: st for s in peer.SYSTEMS} for lv in peer.LEVELS}, "systems": list(peer.SYSTEMS)}}
+    peer.plot(res, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
