@@ -85,6 +85,11 @@ CLIENT_TIMEOUT_S = 2.0
 #: Serve's max_ongoing_requests for the replica: its default (5) would cap a batch below MAX_BATCH.
 RAY_MAX_ONGOING = 2 * MAX_BATCH
 CPU_SAMPLE_S = 0.2
+#: Before each block, wait (up to QUIET_MAX_S) until no system's process tree uses more than QUIET_CPU
+#: cores: a system still working off requests its clients gave up on in its own block (Ray's and
+#: LitServe's queues keep them) would otherwise take the shared core from the next block's system.
+QUIET_CPU = 0.5
+QUIET_MAX_S = 45.0
 READY_TIMEOUT_S = 300.0
 
 
@@ -217,12 +222,30 @@ class CpuMeter:
         return self.total()
 
     def total(self) -> float:
-        return float(sum(self.seen.values()))
+        return float(sum(list(self.seen.values())))  # (a copy: the Sampler thread may be adding to it)
 
     def processes(self) -> list[dict[str, Any]]:
         """Every process counted: pid, name, niceness when first seen, CPU seconds at its last sample."""
         return [{"pid": k[0], "name": self.names.get(k, ("?", None))[0], "nice": self.names.get(k, ("?", None))[1],
                  "cpu_s": round(v, 3)} for k, v in sorted(self.seen.items(), key=lambda kv: -kv[1])]
+
+
+def wait_quiet(meters: Sequence[CpuMeter], *, level: float = QUIET_CPU, max_s: float = QUIET_MAX_S,
+               step_s: float = 0.5, sleep: Any = time.sleep) -> float:
+    """Wait until every tree used less than `level` cores over the last `step_s` (at most `max_s`);
+    returns the seconds waited (counted in steps, so a fake `sleep` can test it)."""
+    if not level > 0 or max_s < 0 or not step_s > 0:
+        raise ValueError(f"bad wait: level {level}, max_s {max_s}, step_s {step_s}")
+    prev = [m.sample() for m in meters]
+    waited = 0.0
+    while waited < max_s:
+        sleep(step_s)
+        waited += step_s
+        cur = [m.sample() for m in meters]
+        if all((c - p) / step_s < level for c, p in zip(cur, prev)):
+            break
+        prev = cur
+    return waited
 
 
 class Sampler:
@@ -568,6 +591,7 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
         with drivers(ports) as drv, Sampler(meters):
             for level, system, k in schedule(list(LEVELS), systems, blocks):
                 rate = level_rates[level]
+                quiet_wait_s = wait_quiet([procs[s].meter for s in systems])
                 before = {s: procs[s].meter.sample() for s in systems}
                 tb = time.monotonic()
                 load0 = os.getloadavg()[0]
@@ -575,6 +599,7 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
                 wall = time.monotonic() - tb
                 after = {s: procs[s].meter.sample() for s in systems}
                 r.update(cpu_s=after[system] - before[system], block=k, rate_rps=rate, wall_s=round(wall, 3),
+                         quiet_wait_s=quiet_wait_s,
                          load1_before=round(load0, 2), load1_after=round(os.getloadavg()[0], 2))
                 for other in systems:
                     if other != system:
@@ -626,7 +651,10 @@ CAVEATS = (
     "default) is longer than the client's, so above capacity it too keeps requests until the client gives "
     "up. gpuprims sheds late work by design, so compare goodput and attainment, not raw throughput, "
     "above capacity. Shared 2-core machine: other sessions' load is recorded per block (load1_*) and "
-    "falls on every system alike through the interleaving, but moves every absolute figure.")
+    "falls on every system alike through the interleaving, but moves every absolute figure. Before each "
+    "block the bench waits (up to 45 s, quiet_wait_s per block) until no system's tree uses half a core: "
+    "Ray and LitServe go on computing answers their clients gave up on after an overload block, on the "
+    "core every system's model shares, and that work would otherwise fall on the next block.")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:

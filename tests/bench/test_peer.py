@@ -233,3 +233,26 @@ def test_the_plot_draws_any_number_of_systems(tmp_path: Any) -> None:
     res = {"m": {"results": {lv: {s: st for s in peer.SYSTEMS} for lv in peer.LEVELS}, "systems": list(peer.SYSTEMS)}}
     peer.plot(res, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+class _Totals:
+    """A CpuMeter stand-in whose cumulative CPU follows a list, one value per sample."""
+
+    def __init__(self, totals: list[float]) -> None:
+        self.totals = totals
+
+    def sample(self) -> float:
+        return self.totals.pop(0) if len(self.totals) > 1 else self.totals[0]
+
+
+def test_wait_quiet_waits_until_every_tree_is_below_the_level_or_gives_up() -> None:
+    slept: list[float] = []
+    # One tree busy (1 core) for two steps of 0.5 s, then idle; the other idle throughout.
+    busy, idle = _Totals([0.0, 0.5, 1.0, 1.05, 1.05]), _Totals([0.0])
+    assert peer.wait_quiet([busy, idle], level=0.5, max_s=10, step_s=0.5, sleep=slept.append) == 1.5  # type: ignore[list-item]
+    assert slept == [0.5, 0.5, 0.5]
+    # Never quiet: gives up at max_s.
+    always = _Totals([float(i) for i in range(100)])
+    assert peer.wait_quiet([always], level=0.5, max_s=2.0, step_s=0.5, sleep=lambda s: None) == 2.0  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        peer.wait_quiet([], level=0, sleep=lambda s: None)
