@@ -5,6 +5,7 @@ A benchmark reports; it never asserts a speed.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -158,3 +159,18 @@ def _jsonable(o: Any) -> Any:
     if isinstance(o, np.generic):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def peer_server_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every peer server of bench/peer takes (bench.peer_ray, bench.peer_litserve): where to
+    listen, which zoo model at which input shape, the instance's cores and torch threads, and the
+    node's max batch size and wait."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--shape", type=int, nargs="+", required=True)
+    ap.add_argument("--cores", type=int, nargs="+", required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--max-batch", type=int, required=True)
+    ap.add_argument("--wait-ms", type=float, required=True)
+    return ap

@@ -18,13 +18,13 @@ Needs the ``peer`` extra.
 
 from __future__ import annotations
 
-import argparse
 import base64
 from typing import Any
 
 import litserve as ls
 import numpy as np
 
+from bench.common import peer_server_parser
 from gpuprims.cpushare import CpuShare, apply_cpu_share
 
 ROUTE = "/predict"
@@ -69,14 +69,7 @@ class ZooAPI(ls.LitAPI):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--shape", type=int, nargs="+", required=True)
-    ap.add_argument("--cores", type=int, nargs="+", required=True)
-    ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--max-batch", type=int, required=True)
-    ap.add_argument("--wait-ms", type=float, required=True)
+    ap = peer_server_parser(__doc__.splitlines()[0])
     args = ap.parse_args()
     api = ZooAPI(args.model, tuple(args.shape), args.cores, args.threads, args.max_batch, args.wait_ms / 1e3)
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, fast_queue=True)

@@ -15,7 +15,6 @@ app running, and shuts Serve and Ray down on SIGTERM/SIGINT. Needs the ``peer`` 
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bench.common import peer_server_parser
 from gpuprims.cpushare import CpuShare, apply_cpu_share
 
 ROUTE = "/infer"
@@ -68,14 +68,7 @@ def make_deployment(model_name: str, shape: tuple[int, ...], cores: list[int], t
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--shape", type=int, nargs="+", required=True)
-    ap.add_argument("--cores", type=int, nargs="+", required=True)
-    ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--max-batch", type=int, required=True)
-    ap.add_argument("--wait-ms", type=float, required=True)
+    ap = peer_server_parser(__doc__.splitlines()[0])
     ap.add_argument("--max-ongoing", type=int, required=True)
     ap.add_argument("--num-cpus", type=int, required=True)
     ap.add_argument("--temp-dir", required=True)

@@ -47,11 +47,9 @@ def import_at_nice(module: str, nice: int) -> dict[str, Any]:
     error: list[BaseException] = []
 
     def run() -> None:
-        try:
+        with contextlib.suppress(OSError):  # refused: import at normal priority rather than not at all
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             result["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        except OSError:
-            pass  # refused: import at normal priority rather than not at all
         try:
             importlib.import_module(module)
         except BaseException as e:  # re-raised in the calling thread
