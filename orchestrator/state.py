@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import AppConfig
-from orchestrator.instance import InstanceSpec
 from orchestrator.metrics import retire_into
+from orchestrator.spec import InstanceSpec
 
 #: An instance's role. ``active`` instances are routed to; a ``shadow`` waits (CPU side up, model not
 #: loaded) for a change of share; ``finishing`` drains after a switch; ``stopping`` is on its way out.

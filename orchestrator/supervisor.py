@@ -39,12 +39,12 @@ from gpuprims.pool import PacketPool
 from orchestrator.config import AppConfig, NodeConfig
 from orchestrator.control import ControlServer, instance_env
 from orchestrator.errors import SupervisionError
-from orchestrator.instance import ENV_SPEC, InstanceSpec
 from orchestrator.launch import ENV_IMPORT_NICE
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement
+from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.state import AppState, InstanceState
 
 log = logging.getLogger("gpuprims.node")

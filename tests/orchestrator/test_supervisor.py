@@ -20,10 +20,10 @@ import pytest
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.errors import ChangeError
-from orchestrator.instance import InstanceSpec
 from orchestrator.monitor import Monitor, MonitorPolicy
 from orchestrator.node import Node
 from orchestrator.reconfig import Phase
+from orchestrator.spec import InstanceSpec
 from orchestrator.state import InstanceState
 from orchestrator.supervisor import Supervisor
 from tests.orchestrator.test_reconfig import Load

@@ -1,0 +1,75 @@
+"""What an instance is told at start: its :class:`InstanceSpec`, JSON in ``GPUPRIMS_INSTANCE_SPEC``.
+
+A module of its own, free of torch, so that the node (which builds specs and never runs a model)
+does not import the instance's serving code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
+
+
+@dataclass
+class InstanceSpec:
+    """Everything an instance needs to start, JSON-serialisable."""
+
+    name: str
+    app: str
+    app_id: int
+    model: str
+    pool: str
+    consumer: int
+    input_shape: tuple[int, int, int] = (3, 224, 224)
+    dtype: str = "float32"
+    seed: int = 0
+    num_classes: int | None = None
+    slo_ms: float = 100.0
+    max_batch: int = 8
+    max_wait_ms: float = 2.0
+    gpu_pct: int = 100
+    backend: str = "cpu"
+    gpu: int = 0
+    cores: list[int] | None = None
+    threads: int | None = None
+    defer_init: bool = False
+    heartbeat_ms: float = 500.0
+    chunk_payload: int = 1024
+    warmup: bool = True
+    share_params: str | None = None
+    # A DAG app: [{"name", "model", "routes": [stage, ...]}, ...]; the first stage named in `entry`
+    # runs first and class i of its output continues at routes[i] (classes past the list end there).
+    stages: list[dict[str, Any]] | None = None
+    entry: str | None = None
+    # Scheduler-dispatched (node.scheduler spatiotemporal/temporal): serve only what RunBatch says,
+    # one stage at a time; the warm-up measures every stage at ``profile_batches`` for the scheduler.
+    dispatched: bool = False
+    profile_batches: list[int] | None = None
+    # A file the node's instances lock while measuring, so that their measurements do not overlap.
+    measure_lock: str | None = None
+    stage_pcts: dict[str, int] | None = None  # dispatched: the GPU% each stage is measured and run at
+    gather_method: str | None = None  # host (cpu) | gpu_dma (cuda default) | cuda_copy (the baseline)
+    # A shadow on the cpu backend: load and warm the model at the lowest priority before InitGpu (see
+    # Instance.start_prewarm), so that a change is a route flip.
+    prewarm: bool = False
+    # The model runner (gpuprims.engines): eager (torch), onnxruntime, tensorrt, cudagraph, compile, ...
+    # and its options (apps.yaml ``engine:``), validated by the node before it starts the instance.
+    engine: str = "eager"
+    engine_options: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> InstanceSpec:
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown instance spec keys: {sorted(unknown)}")
+        data["input_shape"] = tuple(data.get("input_shape", (3, 224, 224)))
+        return cls(**data)
