@@ -28,10 +28,7 @@ import importlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from gpuprims.engines.cache import EngineCache
+from typing import Any, ClassVar
 
 #: Every kind an app's ``engine:`` may name, and the module:class that implements it (imported on use).
 KINDS: dict[str, str] = {
@@ -144,7 +141,8 @@ class Engine(abc.ABC):
     uses_torch_weights: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
-                 cache: EngineCache | None = None) -> None:
+                 cache: Any = None) -> None:
+        # cache: a gpuprims.engines.cache.EngineCache (typed Any: the cache module imports this one).
         self.check(target.backend, options)
         self.source = source
         self.target = target
@@ -236,6 +234,6 @@ def check_engine(kind: str, backend: str, options: Mapping[str, Any] | None = No
 
 
 def make_engine(kind: str, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
-                cache: EngineCache | None = None) -> Engine:
+                cache: Any = None) -> Engine:
     """An unprepared engine of ``kind`` (call :meth:`Engine.prepare` before :meth:`Engine.run`)."""
     return engine_class(kind)(source, target, options, cache=cache)
