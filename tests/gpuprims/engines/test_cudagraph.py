@@ -1,0 +1,151 @@
+"""``engine: cudagraph`` on the fake CUDA runtime: one graph per bucket captured at prepare (never on
+the serving path), equal to eager at batch 1, max/2 and max, the static input that GPU-DMA fills, the
+replay on the instance's stream that Sync-lite waits for, capture errors as CudaError, and close()
+destroying every graph."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+from gpuprims.cuda import graph as cuda_graph
+from gpuprims.cuda import runtime
+from gpuprims.cuda.errors import CudaError
+from gpuprims.cuda.event import Event, Stream
+from gpuprims.engines import EngineError, EngineUnavailable, ModelSource, Target, check_engine, make_engine
+from gpuprims.engines.cudagraph import CudaGraphEngine, bucket_of, buckets_for
+
+MAX = 8
+SOURCE = ModelSource("tests.gpuprims.engines.nets:tiny", (3, 8, 8), max_batch=MAX)
+
+
+def _eager(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return SOURCE.build_module("cpu")(x)
+
+
+def test_buckets_are_powers_of_two_and_max() -> None:
+    assert buckets_for(1) == [1]
+    assert buckets_for(8) == [1, 2, 4, 8]
+    assert buckets_for(12) == [1, 2, 4, 8, 12]
+    assert [bucket_of(n, buckets_for(12)) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
+    with pytest.raises(EngineError, match="exceeds"):
+        bucket_of(13, buckets_for(12))
+
+
+def test_check_refuses_cpu_and_opara_and_bad_options() -> None:
+    with pytest.raises(EngineUnavailable, match=r"'cudagraph' needs the cuda backend; this node runs on cpu"):
+        check_engine("cudagraph", "cpu")
+    with pytest.raises(EngineUnavailable, match="streams: opara"):
+        check_engine("cudagraph", "cuda", {"streams": "opara"})
+    with pytest.raises(EngineError, match="streams must be one of"):
+        check_engine("cudagraph", "cuda", {"streams": "many"})
+    with pytest.raises(EngineError, match="warmup"):
+        check_engine("cudagraph", "cuda", {"warmup": 0})
+    with pytest.raises(EngineError, match="no option"):
+        check_engine("cudagraph", "cuda", {"stream": "single"})
+    check_engine("cudagraph", "cuda", {"streams": "single", "warmup": 2})
+
+
+def test_outputs_equal_eager_and_serving_never_captures(fake_cuda: Any) -> None:
+    stream = Stream(0)
+    eng = make_engine("cudagraph", SOURCE, Target("cuda", stream=stream))
+    assert isinstance(eng, CudaGraphEngine)
+    before = cuda_graph.captures()
+    msgs: list[str] = []
+    eng.prepare(progress=lambda m, f: msgs.append(m))
+    assert eng.captures == len(buckets_for(MAX)) == cuda_graph.captures() - before
+    assert fake_cuda.captures_begun == eng.captures
+    assert any("capturing bucket" in m for m in msgs)
+    begun = fake_cuda.captures_begun
+    ev = Event(0)
+    rng = torch.Generator().manual_seed(0)
+    rtol, atol = CudaGraphEngine.tolerance
+    for n in (1, MAX // 2, 3, MAX, 1):
+        x = torch.rand((n, *SOURCE.input_shape), generator=rng)
+        out = eng.run(x)
+        ev.record(stream)  # Sync-lite: an event after the replay on the instance's stream
+        ev.wait(50, timeout_s=30)
+        torch.testing.assert_close(out, _eager(x), rtol=rtol, atol=atol)
+    assert fake_cuda.captures_begun == begun and eng.captures == len(buckets_for(MAX))  # no capture while serving
+    assert eng.replays == 5
+    d = eng.describe()
+    assert d["kind"] == "cudagraph" and d["buckets"] == [1, 2, 4, 8] and d["replays"] == 5
+    ev.close()
+    eng.close()
+    stream.close()
+    gc.collect()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("graph_exec") == []
+    assert fake_cuda.live("device") == [] and fake_cuda.live("stream") == [] and fake_cuda.unsafe_frees == []
+
+
+def test_static_input_is_the_device_buffer_the_graphs_read(fake_cuda: Any) -> None:
+    eng = make_engine("cudagraph", SOURCE, Target("cuda"))
+    assert eng.static_input() is None
+    eng.prepare()
+    static = eng.static_input()
+    assert tuple(static.shape) == (MAX, *SOURCE.input_shape) and static.dtype == torch.float32
+    # it lies in fake device memory (what a GPU-DMA kernel may write), and a batch written there runs as is
+    assert any(r.handle <= static.data_ptr() < r.handle + r.nbytes for r in fake_cuda.live("device"))
+    x = torch.rand((5, *SOURCE.input_shape), generator=torch.Generator().manual_seed(1))
+    static[:5].copy_(x)
+    copies = fake_cuda.calls.get("cuda_memcpy_async", 0)
+    out = eng.run(static[:5])
+    eng.synchronize()
+    assert fake_cuda.calls.get("cuda_memcpy_async", 0) == copies  # no copy: pool -> kernel -> graph
+    torch.testing.assert_close(out, _eager(x), rtol=1e-4, atol=1e-5)
+    eng.close()
+    gc.collect()
+    assert fake_cuda.live("graph_exec") == [] and fake_cuda.live("device") == []
+
+
+def test_bad_batches_are_refused_by_name(fake_cuda: Any) -> None:
+    eng = make_engine("cudagraph", SOURCE, Target("cuda"))
+    with pytest.raises(EngineError, match="not prepared"):
+        eng.run(torch.zeros(1, 3, 8, 8))
+    eng.prepare()
+    for bad in (torch.zeros(MAX + 1, 3, 8, 8), torch.zeros(1, 3, 4, 4), torch.zeros(3, 8, 8)):
+        with pytest.raises(EngineError, match=r"takes \(n, 3, 8, 8\)"):
+            eng.run(bad)
+    eng.close()
+
+
+@pytest.mark.parametrize(("call", "status", "name"), [
+    ("cuda_stream_begin_capture", 900, "cudaErrorStreamCaptureUnsupported"),
+    ("cuda_stream_end_capture", 904, "cudaErrorStreamCaptureUnjoined"),
+    ("cuda_graph_instantiate", 2, "cudaErrorMemoryAllocation"),
+])
+def test_capture_errors_surface_as_cuda_error_and_leave_nothing(fake_cuda: Any, call: str, status: int,
+                                                               name: str) -> None:
+    fake_cuda.inject(call, status)
+    eng = make_engine("cudagraph", SOURCE, Target("cuda"))
+    with pytest.raises(CudaError) as ei:
+        eng.prepare()
+    assert ei.value.name == name and not eng.prepared
+    gc.collect()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("graph_exec") == [] and fake_cuda.live("device") == []
+    assert fake_cuda.live("stream") == []
+
+
+def test_run_inside_a_host_function_is_refused(fake_cuda: Any) -> None:
+    """An engine that enqueues must be driven from the host thread; from a stream callback CUDA refuses
+    every call (cudaErrorNotPermitted), which the fake enforces."""
+    eng = make_engine("cudagraph", SOURCE, Target("cuda"))
+    eng.prepare()
+    s = Stream(0)
+    box: list[BaseException] = []
+
+    def inside() -> None:
+        try:
+            eng.run(torch.zeros(1, 3, 8, 8))
+        except CudaError as e:
+            box.append(e)
+
+    runtime.cuda().launch_host_func(s.handle, inside)
+    s.synchronize()
+    assert [type(e).__name__ for e in box] == ["CudaError"] and "NotPermitted" in str(box[0])
+    s.close()
+    eng.close()
