@@ -37,6 +37,7 @@ captures each time (in the shadow's pre-warm, off the serving path); ``describe(
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -53,6 +54,22 @@ def buckets_for(max_batch: int) -> list[int]:
     """The batch buckets of ``max_batch``: every power of two below it, and itself."""
     out = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return [*out, max_batch]
+
+
+def device_tensor(shape: tuple[int, ...], device: int) -> tuple[runtime.DeviceMemory, Any]:
+    """Zeroed float32 device memory of ``shape`` (cudaMalloc, ours, tracked by the runtime) and a torch
+    tensor viewing it: a CUDA tensor on a GPU, a CPU tensor over the fake's device memory (host memory)."""
+    import torch
+
+    nbytes = math.prod(shape) * 4
+    mem = runtime.DeviceMemory(nbytes, device)
+    if runtime.is_fake():
+        flat = torch.frombuffer((ctypes.c_char * nbytes).from_address(mem.ptr), dtype=torch.uint8)
+    else:
+        flat = torch.as_tensor(mem, device=torch.device("cuda", device))
+    t = flat.view(torch.float32).view(*shape)
+    t.zero_()
+    return mem, t
 
 
 def bucket_of(n: int, buckets: list[int]) -> int:
@@ -91,7 +108,6 @@ class CudaGraphEngine(Engine):
 
     # -- prepare -------------------------------------------------------------------------------------
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-        import torch
 
         from gpuprims.gather import torch_device
 
@@ -110,17 +126,8 @@ class CudaGraphEngine(Engine):
         self._keep: Any = None
         self.captures = 0
         self.replays = 0
-        c, h, w = self.source.input_shape
-        nbytes = self.source.max_batch * c * h * w * 4
-        self._mem = runtime.DeviceMemory(nbytes, dev)
+        self._mem, self._static = device_tensor((self.source.max_batch, *self.source.input_shape), dev)
         try:
-            if self.fake:  # fake device memory is host memory: a CPU tensor views it
-                raw = (ctypes.c_char * nbytes).from_address(self._mem.ptr)
-                flat = torch.frombuffer(raw, dtype=torch.uint8)
-            else:
-                flat = torch.as_tensor(self._mem, device=tdev)
-            self._static = flat.view(torch.float32).view(self.source.max_batch, c, h, w)
-            self._static.zero_()
             self._warm_up(progress)
             self._capture_all(progress)
         except BaseException:
