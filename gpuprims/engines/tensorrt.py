@@ -30,7 +30,6 @@ import logging
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,6 +38,7 @@ from gpuprims.cuda import runtime
 from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, ExportError, Progress
 from gpuprims.engines.cudagraph import device_tensor
+from gpuprims.engines.onnx import export_onnx
 
 log = logging.getLogger("gpuprims.engines")
 
@@ -48,29 +48,6 @@ ONNX = "model.onnx"
 #: The tolerances (rtol, atol) against eager per precision: FP32 without TF32 is close to eager (kernels
 #: and fusions differ); FP16 rounds every activation to 11 significant bits.
 TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-3, 1e-4), "fp16": (2e-2, 2e-2)}
-
-
-def _export_onnx_fallback(module: Any, source: Any, path: Path) -> dict[str, Any]:
-    """ONNX with a dynamic batch axis (torch's TorchScript exporter), used until the shared
-    :mod:`gpuprims.engines.onnx` exporter is present."""
-    import torch
-
-    dummy = torch.zeros((1, *source.input_shape), dtype=torch.float32)
-    with warnings.catch_warnings():  # the TorchScript exporter says it is legacy; it needs no onnxscript
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module, (dummy,), str(path), input_names=["input"], output_names=["output"],
-                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, opset_version=17,
-                          dynamo=False)
-    return {"input": "input", "output": "output", "opset": 17}
-
-
-def export_onnx(module: Any, source: Any, path: Path) -> dict[str, Any]:
-    """The ONNX export every engine shares (:func:`gpuprims.engines.onnx.export_onnx` where present)."""
-    try:
-        shared = importlib.import_module("gpuprims.engines.onnx")
-    except ImportError:
-        return _export_onnx_fallback(module, source, path)
-    return dict(shared.export_onnx(module, source, path) or {})
 
 
 def _trt() -> Any:
@@ -140,7 +117,7 @@ class TensorRTEngine(Engine):
             if mod is None:
                 mod = self.source.build_module("cpu")
             self._say(progress, "tensorrt: exporting ONNX", 0.0)
-            meta = export_onnx(mod, self.source, tmp / ONNX)
+            meta = export_onnx(mod, self.source, tmp / ONNX)  # ExportError names the model and why
             plan = self._build_plan(trt, (tmp / ONNX).read_bytes(), meta.get("input", "input"), progress)
             (tmp / PLAN).write_bytes(bytes(plan))
             return {"input": meta.get("input", "input"), "output": meta.get("output", "output"),
