@@ -29,8 +29,9 @@ text errors pass through :func:`gpuprims.cuda.errors.raise_from_message`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gpuprims.cuda import runtime
@@ -113,20 +114,69 @@ class Capture:
         issued on ``on`` so far."""
         self._link(on, waiter)
 
-    def _link(self, src: Any, dst: Any) -> None:
+    def record(self, stream: Any) -> Any:
+        """An event recorded now on ``stream`` (after the work issued there so far), for :meth:`wait_event`:
+        what a plan records after an op that another stream waits for."""
         ev = self._event()
+        ev.record(stream_handle(stream) if self.graph.fake else self._handle_or_stream(stream))
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream``'s later work wait for ``event`` (cudaStreamWaitEvent); a stream not yet in the
+        capture joins it from the event's point."""
         if self.graph.fake:
-            ev.record(stream_handle(src))
-            runtime.cuda().cuda_stream_wait_event(stream_handle(dst), ev.handle)
+            runtime.cuda().cuda_stream_wait_event(stream_handle(stream), event.handle)
         else:
-            ev.record(self._handle_or_stream(src))
-            self._handle_or_stream(dst).wait_event(ev)
+            self._handle_or_stream(stream).wait_event(event)
+
+    def _link(self, src: Any, dst: Any) -> None:
+        self.wait_event(dst, self.record(src))
 
     def _close(self) -> None:
         for ev in self._events:
             if self.graph.fake:
                 ev.close()
         self._events.clear()
+
+
+def capture_plan(cap: Capture, plan: Any, launch_op: Callable[[str], Any], streams: Sequence[Any]) -> None:
+    """Issue a multi-stream plan inside a capture, following the contract of Opara's ``StreamPlan``
+    (:mod:`gpuprims.opara.plan`): every stream but 0 forks from the capture stream; then each op of
+    ``plan.order`` is launched on ``streams[plan.stream_of[op]]`` after waiting for the events recorded
+    after the ops in ``plan.waits[op]``; an event is recorded after every op in ``plan.events``; at the
+    end stream 0 waits for the ops in ``plan.join`` and for every other stream's last work, so the
+    capture ends joined. ``streams[0]`` must be the capture stream; ``launch_op(op)`` issues one op's
+    work (a host launch on the fake, kernels on a GPU). ``plan`` is duck-typed: anything with ``order``,
+    ``stream_of``, ``waits``, ``num_streams`` and optionally ``events`` and ``join``."""
+    if len(streams) < plan.num_streams:
+        raise ValueError(f"the plan needs {plan.num_streams} streams, {len(streams)} given")
+    same = (stream_handle(streams[0]) == stream_handle(cap.stream)) if cap.graph.fake else streams[0] is cap.stream
+    if not same:
+        raise ValueError("streams[0] must be the capture stream")
+    for s in streams[1:plan.num_streams]:
+        cap.fork(s)
+    # An event after every op some other stream waits for (plan.events lists them; the waits are the
+    # authority, so a plan without ``events`` works too).
+    marks = set(getattr(plan, "events", ()) or ()) | {u for w in plan.waits.values() for u in w}
+    marks |= set(getattr(plan, "join", ()) or ())
+    events: dict[str, Any] = {}
+    for op in plan.order:
+        sid = plan.stream_of[op]
+        for u in plan.waits.get(op, ()):
+            if u not in events:
+                raise ValueError(f"plan op {op!r} waits for {u!r}, which has no event before it (not in "
+                                 "plan.events, or issued later)")
+            cap.wait_event(streams[sid], events[u])
+        cap.launch(functools.partial(launch_op, op), streams[sid])
+        if op in marks:
+            events[op] = cap.record(streams[sid])
+    for u in getattr(plan, "join", ()) or ():
+        if u in events:
+            cap.wait_event(streams[0], events[u])
+    for s in streams[1:plan.num_streams]:
+        # Every forked stream ends joined: redundant where the plan's output op joined it already (an
+        # extra edge to an ancestor), and what keeps EndCapture from cudaErrorStreamCaptureUnjoined if not.
+        cap.join(s)
 
 
 class CudaGraph:
@@ -249,11 +299,12 @@ class CudaGraph:
         self.closed = True
         if self.fake:
             rt: Any = runtime.cuda()
+            # A lost context (sticky fault) takes the graphs with it: logged by _release, not raised.
             if self._exec is not None:
-                rt.cuda_graph_exec_destroy(self._exec)
+                runtime._release(rt.cuda_graph_exec_destroy, self._exec)
                 self._exec = None
             if self._graph is not None:
-                rt.cuda_graph_destroy(self._graph)
+                runtime._release(rt.cuda_graph_destroy, self._graph)
                 self._graph = None
         elif self._torch_graph is not None:
             self._torch_graph.reset()

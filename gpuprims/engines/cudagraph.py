@@ -37,15 +37,19 @@ captures each time (in the shadow's pre-warm, off the serving path); ``describe(
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from gpuprims.cuda import runtime
+from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.cuda.graph import CudaGraph
 from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, Progress
+
+log = logging.getLogger("gpuprims.engines")
 
 STREAM_MODES = ("single", "opara")
 
@@ -270,7 +274,7 @@ class CudaGraphEngine(Engine):
         """Wait for work in flight, then destroy every graph and free the static buffer."""
         graphs: dict[int, CudaGraph] = self.__dict__.get("graphs", {})
         if graphs and self.__dict__.get("replays"):
-            self.synchronize(timeout_s=60.0)
+            _settle(self)
         for g in graphs.values():
             g.close()
         graphs.clear()
@@ -288,3 +292,12 @@ class CudaGraphEngine(Engine):
                 obj.close()
                 setattr(self, name, None)
         super().close()
+
+
+def _settle(engine: Any) -> None:
+    """Wait for the engine's last run before its buffers go. A lost context (a sticky fault) or a device
+    that stopped is logged, not raised: queued work is gone with the context, and close() must finish."""
+    try:
+        engine.synchronize(timeout_s=60.0)
+    except (CudaError, TimeoutError) as e:
+        log.error("engine %s: the last run did not complete before close (%s); releasing anyway", engine.kind, e)

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from gpuprims.cuda import runtime
 from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, ExportError, Progress
-from gpuprims.engines.cudagraph import device_tensor
+from gpuprims.engines.cudagraph import _settle, device_tensor
 from gpuprims.engines.onnx import export_onnx
 
 log = logging.getLogger("gpuprims.engines")
@@ -283,7 +283,7 @@ class TensorRTEngine(Engine):
     def close(self) -> None:
         """Wait for the last run, then release the context, the engine and the device buffers."""
         if self.__dict__.get("runs"):
-            self.synchronize(timeout_s=60.0)
+            _settle(self)
         for name in ("_context", "_engine", "_runtime", "_static", "_out"):
             self.__dict__.pop(name, None)
         self._keep = None

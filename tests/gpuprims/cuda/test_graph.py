@@ -4,7 +4,7 @@ errors as CudaError, close() leaving nothing; and torch's text errors mapped thr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -89,3 +89,57 @@ def test_torch_text_errors_become_cuda_errors() -> None:
     with pytest.raises(RuntimeError) as ri:
         raise_from_message(other, "x")
     assert ri.value is other
+
+
+class _Plan:
+    """A hand-made plan in the shape of Opara's StreamPlan: x -> (a on 0, b on 1, c on 2 after b) -> out.
+    As in its contract, the input op ``x`` is in place before the capture begins (the forks follow it)."""
+
+    order = ("x", "a", "b", "c", "out")
+    stream_of: ClassVar[dict[str, int]] = {"x": 0, "a": 0, "b": 1, "c": 2, "out": 0}
+    waits: ClassVar[dict[str, tuple[str, ...]]] = {"x": (), "a": (), "b": (), "c": ("b",), "out": ("c",)}
+    num_streams = 3
+    events = ("b", "c")
+    join = ()
+
+
+def test_a_multi_stream_plan_captures_with_its_edges_and_replays(fake_cuda: Any) -> None:
+    env: dict[str, float] = {}
+    ops = {"x": lambda: None, "a": lambda: env.__setitem__("a", env["x"] + 1),
+           "b": lambda: env.__setitem__("b", env["x"] * 2), "c": lambda: env.__setitem__("c", env["b"] - 1),
+           "out": lambda: env.__setitem__("out", env["a"] * 10 + env["c"])}
+    s1, s2, out = Stream(0), Stream(0), Stream(0)
+    with CudaGraph(0) as g:
+        with g.capture() as cap:
+            cuda_graph.capture_plan(cap, _Plan(), lambda op: ops[op](), [cap.stream, s1, s2])
+        assert env == {} and g.nodes == 5
+        nodes = fake_cuda.graph_nodes(g._graph)
+        by_label = {n.index: n for n in nodes}
+        # out (node 4) depends on a (1) through stream 0 and on c (3) through its wait; c on b (2); b forked
+        # from the capture's start on its own stream
+        assert set(by_label[4].deps) >= {1, 3} and by_label[3].deps == (2,) and by_label[2].deps == ()
+        assert [n.stream for n in nodes] == [cap.stream.handle, cap.stream.handle, s1.handle, s2.handle,
+                                             cap.stream.handle]
+        env["x"] = 3.0  # the input, in place before the replay
+        g.replay(out)
+        out.synchronize()
+        assert env["out"] == 45.0
+    for s in (s1, s2, out):
+        s.close()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("event") == []
+
+
+def test_a_plan_that_waits_for_a_later_op_is_refused(fake_cuda: Any) -> None:
+    class Bad(_Plan):
+        waits: ClassVar[dict[str, tuple[str, ...]]] = {"x": (), "a": ("out",), "b": (), "c": ("b",), "out": ()}
+
+    s1, s2 = Stream(0), Stream(0)
+    g = CudaGraph(0)
+    with pytest.raises(ValueError, match="waits for 'out'"), g.capture() as cap:
+        cuda_graph.capture_plan(cap, Bad(), lambda op: None, [cap.stream, s1, s2])
+    with pytest.raises(ValueError, match="needs 3 streams"), CudaGraph(0).capture() as cap:
+        cuda_graph.capture_plan(cap, _Plan(), lambda op: None, [cap.stream])
+    g.close()
+    for s in (s1, s2):
+        s.close()
+    assert fake_cuda.live("graph") == []

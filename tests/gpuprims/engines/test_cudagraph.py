@@ -149,3 +149,13 @@ def test_run_inside_a_host_function_is_refused(fake_cuda: Any) -> None:
     assert [type(e).__name__ for e in box] == ["CudaError"] and "NotPermitted" in str(box[0])
     s.close()
     eng.close()
+
+
+def test_close_after_a_device_fault_releases_everything(fake_cuda: Any) -> None:
+    """A sticky fault (the context is lost) while a replay is queued: close() logs it and still releases."""
+    eng = make_engine("cudagraph", SOURCE, Target("cuda"))
+    eng.prepare()
+    eng.run(torch.zeros(2, 3, 8, 8))
+    fake_cuda.fault(700)  # cudaErrorIllegalAddress: every later call fails
+    eng.close()
+    assert not eng.prepared and eng.graphs == {}
