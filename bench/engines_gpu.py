@@ -45,8 +45,8 @@ ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "cudagraph": ("cudagraph", {}),
     "tensorrt-fp32": ("tensorrt", {"precision": "fp32"}),
     "tensorrt-fp16": ("tensorrt", {"precision": "fp16"}),
-    "onnxruntime-cuda": ("onnxruntime", {"providers": ["cuda"]}),
-    "onnxruntime-tensorrt": ("onnxruntime", {"providers": ["tensorrt"]}),
+    "onnxruntime-cuda": ("onnxruntime", {"provider": "cuda"}),
+    "onnxruntime-tensorrt": ("onnxruntime", {"provider": "tensorrt"}),
 }
 
 

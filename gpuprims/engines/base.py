@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 #: Every kind an app's ``engine:`` may name, and the module:class that implements it (imported on use).
 KINDS: dict[str, str] = {
     "eager": "gpuprims.engines.eager:EagerEngine",
+    "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
     "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
 }

@@ -13,10 +13,11 @@ import torch
 
 from gpuprims.engines import ExportError, ModelSource
 from gpuprims.engines.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
+from tests.gpuprims.engines.tinynet import SPEC
 
 
 def test_export_has_a_dynamic_batch_and_runs_like_eager(tmp_path: Path) -> None:
-    src = ModelSource("mobilenet_v2", (3, 32, 32), max_batch=4)
+    src = ModelSource(SPEC, (3, 16, 16), max_batch=4, num_classes=1000)
     module = src.build_module()
     path = tmp_path / "m.onnx"
     meta = export_onnx(module, src, path)
@@ -28,7 +29,7 @@ def test_export_has_a_dynamic_batch_and_runs_like_eager(tmp_path: Path) -> None:
     assert inp.name == INPUT_NAME and inp.type.tensor_type.shape.dim[0].dim_param
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for n in (1, 3, 4):
-        x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
+        x = torch.randn(n, 3, 16, 16, generator=torch.Generator().manual_seed(n))
         with torch.inference_mode():
             want = module(x).numpy()
         (got,) = sess.run([OUTPUT_NAME], {INPUT_NAME: x.numpy()})
@@ -37,7 +38,7 @@ def test_export_has_a_dynamic_batch_and_runs_like_eager(tmp_path: Path) -> None:
 
 
 def test_export_builds_the_model_when_none_is_given(tmp_path: Path) -> None:
-    src = ModelSource("resnet18", (3, 32, 32), max_batch=2, num_classes=10)
+    src = ModelSource(SPEC, (3, 16, 16), max_batch=2, num_classes=10)
     meta = export_onnx(None, src, tmp_path / "r.onnx")
     assert meta["output_shape"] == [10] and (tmp_path / "r.onnx").is_file()
 
