@@ -159,3 +159,25 @@ def test_close_after_a_device_fault_releases_everything(fake_cuda: Any) -> None:
     fake_cuda.fault(700)  # cudaErrorIllegalAddress: every later call fails
     eng.close()
     assert not eng.prepared and eng.graphs == {}
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_torch_capture_equals_eager_at_every_bucket() -> None:
+    """The real path: torch.cuda.graph per bucket, replayed on a torch stream, against eager on the GPU."""
+    source = ModelSource("mobilenet_v2", (3, 64, 64), max_batch=MAX, num_classes=10)
+    stream = torch.cuda.Stream()
+    eng = make_engine("cudagraph", source, Target("cuda", stream=stream))
+    module = source.build_module("cuda")
+    eng.prepare(module)
+    before = cuda_graph.captures()
+    gen = torch.Generator().manual_seed(0)
+    rtol, atol = CudaGraphEngine.tolerance
+    for n in (1, MAX // 2, 3, MAX):
+        x = torch.rand((n, 3, 64, 64), generator=gen).cuda()
+        torch.cuda.synchronize()
+        out = eng.run(x)
+        eng.synchronize()
+        with torch.no_grad():
+            torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
+    assert cuda_graph.captures() == before
+    eng.close()

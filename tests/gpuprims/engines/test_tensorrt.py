@@ -218,3 +218,26 @@ def test_bad_batches_are_refused_by_name(fake_cuda: Any, trt: Any, tmp_path: Any
         with pytest.raises(EngineError, match=r"takes \(n, 3, 8, 8\)"):
             eng.run(bad)
     eng.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_real_tensorrt_plan_equals_eager(tmp_path: Any) -> None:
+    """The real TensorRT (where installed on the GPU host) on MobileNetV2, fp32, batch 1 and max."""
+    import importlib.util
+
+    if "tensorrt" not in sys.modules and importlib.util.find_spec("tensorrt") is None:
+        pytest.skip("the tensorrt package is not installed on this GPU host (pip install 'gpuprims[gpu-engines]')")
+    source = ModelSource("mobilenet_v2", (3, 64, 64), max_batch=MAX, num_classes=10)
+    stream = torch.cuda.Stream()
+    eng = make_engine("tensorrt", source, Target("cuda", stream=stream), cache=EngineCache(tmp_path))
+    module = source.build_module("cuda")
+    eng.prepare(module)
+    rtol, atol = TOLERANCES["fp32"]
+    for n in (1, MAX):
+        x = torch.rand((n, 3, 64, 64), device="cuda")
+        torch.cuda.synchronize()
+        out = eng.run(x)
+        eng.synchronize()
+        with torch.no_grad():
+            torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
+    eng.close()
