@@ -198,6 +198,7 @@ class _FakeStream:
         # captured operation on this stream depends on).
         self.capture: _Capture | None = None
         self.frontier: tuple[int, ...] = ()
+        self.non_blocking = False  # created with cudaStreamNonBlocking (set by cuda_stream_create)
         self.thread = threading.Thread(target=self._run, name=f"fake-cuda-stream-{handle:x}", daemon=True)
         self.thread.start()
 
@@ -424,10 +425,13 @@ class FakeRuntime:
         self._enter("cuda_device_synchronize")
         self._dev(dev, "cudaDeviceSynchronize")
         with self.lock:
-            active = [c for c in self._captures.values() if not c.ended and c.mode != CAPTURE_MODE_RELAXED]
+            me = threading.get_ident()
+            active = [c for c in self._captures.values() if not c.ended and (
+                c.mode == CAPTURE_MODE_GLOBAL or (c.mode == CAPTURE_MODE_THREAD_LOCAL and c.thread == me))]
             for c in active:
-                # A device-wide synchronize is a "potentially unsafe API call" while any capture in
-                # global or thread-local mode is under way: refused, and the capture is invalidated.
+                # A device-wide synchronize is a "potentially unsafe API call": refused while a global
+                # capture is under way anywhere, or a thread-local one in this thread, and the capture
+                # is invalidated (cudaStreamCaptureMode's rules).
                 self._invalidate(c)
             if active:
                 raise error(CAPTURE_UNSUPPORTED, "cudaDeviceSynchronize")
@@ -464,6 +468,7 @@ class FakeRuntime:
         with self.lock:
             h = next(self._ids) << 4
             self._streams[h] = _FakeStream(self, h)
+            self._streams[h].non_blocking = bool(flags & 0x01)  # cudaStreamNonBlocking
             self.resources[("stream", h)] = Resource("stream", h, info={"device": dev})
         return h
 
@@ -560,15 +565,17 @@ class FakeRuntime:
             raise error(CAPTURE_INVALIDATED, call)
 
     def _check_implicit(self, st: _FakeStream, call: str) -> None:
-        """The legacy stream (0) synchronizes implicitly with every blocking stream, so using it while a
-        global-mode capture is under way is refused (cudaErrorStreamCaptureImplicit) and invalidates the
-        capture. (Every stream this runtime creates is treated as blocking with respect to it.)"""
+        """The legacy stream (0) synchronizes implicitly with every blocking stream. The programming guide:
+        "When any stream in the same context is being captured, and it was not created with
+        cudaStreamNonBlocking, any attempted use of the legacy stream is invalid": refused
+        (cudaErrorStreamCaptureImplicit), and those captures are invalidated."""
         if st.handle != 0:
             return
-        active = [c for c in self._captures.values() if not c.ended and c.mode == CAPTURE_MODE_GLOBAL]
-        for c in active:
+        blocking = [c for c in self._captures.values() if not c.ended and any(
+            not self._streams[h].non_blocking for h in c.streams if h in self._streams)]
+        for c in blocking:
             self._invalidate(c)
-        if active:
+        if blocking:
             raise error(CAPTURE_IMPLICIT, call)
 
     def _invalidate(self, cap: _Capture) -> None:

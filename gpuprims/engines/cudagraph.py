@@ -178,7 +178,9 @@ class CudaGraphEngine(Engine):
         order = sorted(self.buckets, reverse=True)  # largest first: the shared pool is sized once
         for i, b in enumerate(order):
             self._say(progress, f"cudagraph: capturing bucket {b} ({i + 1}/{len(order)})", i / len(order))
-            g = CudaGraph(self.target.device_index)
+            # thread_local: only this thread's unsafe calls break the capture, so an instance's other
+            # threads (ingest, control, a serving loop while a shadow pre-warms) may use CUDA meanwhile.
+            g = CudaGraph(self.target.device_index, mode="thread_local")
             self.graphs[b] = g  # closed by close() even if the capture fails
             with g.capture(pool=pool) as cap:
                 cap.launch(self._forward(b))

@@ -452,15 +452,23 @@ def test_capture_rules_refuse_what_cuda_refuses(fake_cuda: Any) -> None:
     assert ei.value.name == "cudaErrorStreamCaptureIsolation"
     with pytest.raises(CudaError):
         rt.cuda_stream_end_capture(s)
-    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    # the legacy stream while a blocking stream captures; a non-blocking one may capture beside it
+    blocking = int(rt.cuda_stream_create(0, 0, 0))
+    rt.cuda_stream_begin_capture(blocking, fake.CAPTURE_MODE_GLOBAL)
     with pytest.raises(CudaError) as ei:
         rt.launch_host_func(0, lambda: None)
     assert ei.value.name == "cudaErrorStreamCaptureImplicit"
+    assert rt.cuda_stream_is_capturing(blocking) == fake.CAPTURE_STATUS_INVALIDATED
+    with pytest.raises(CudaError):
+        rt.cuda_stream_end_capture(blocking)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.launch_host_func(0, lambda: None)  # s is non-blocking: the legacy stream does not touch it
     with pytest.raises(CudaError) as ei:
         rt.cuda_device_synchronize(0)
     assert ei.value.name == "cudaErrorStreamCaptureUnsupported"
     with pytest.raises(CudaError):
         rt.cuda_stream_end_capture(s)
+    rt.cuda_stream_synchronize(0)
     assert rt.live("graph") == []
 
 
@@ -521,3 +529,27 @@ def test_graph_launches_of_one_exec_are_ordered_across_streams(fake_cuda: Any) -
     assert seen == [0, 1, 2, 3]
     rt.cuda_graph_exec_destroy(x)
     rt.cuda_graph_destroy(g)
+
+
+def test_a_thread_local_capture_lets_other_threads_synchronize(fake_cuda: Any) -> None:
+    import threading
+
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_THREAD_LOCAL)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            rt.cuda_device_synchronize(0)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert errors == [] and rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_ACTIVE
+    with pytest.raises(CudaError, match="cudaErrorStreamCaptureUnsupported"):
+        rt.cuda_device_synchronize(0)  # from the capturing thread it is refused
+    with pytest.raises(CudaError, match="cudaErrorStreamCaptureInvalidated"):
+        rt.cuda_stream_end_capture(s)
