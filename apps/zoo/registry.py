@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from apps.zoo.inception import GoogLeNet, InceptionV3
 from apps.zoo.init import init_weights
 from apps.zoo.nets import VGG, VGG_CONFIGS, AlexNet, BasicBlock, Bottleneck, MobileNetV2, ResNet
 from apps.zoo.seqnets import MT_DNN_TAGS, MTDNN, Siamese, StackedLSTM, WideDeep, wide_deep_shape
@@ -112,6 +113,21 @@ _SPECS = (
         RESNET_CAR_LABELS,
     ),
     ModelSpec(
+        "googlenet",
+        GoogLeNet,
+        1000,
+        "GoogLeNet (Szegedy et al. 2015) without its training-only auxiliary heads, 6.6M parameters; "
+        "nine 4-branch Inception blocks (Opara's model)",
+    ),
+    ModelSpec(
+        "inception_v3",
+        InceptionV3,
+        1000,
+        "Inception-v3 (Szegedy et al. 2016) without its training-only auxiliary head, 23.8M parameters; "
+        "Inception blocks of 2 to 6 parallel branches (Opara's model)",
+        input_shape=(3, 299, 299),
+    ),
+    ModelSpec(
         "wide_deep",
         WideDeep,
         2,
@@ -149,7 +165,8 @@ MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in 
 
 #: Other accepted names and the canonical name each stands for.
 ALIASES: Mapping[str, str] = MappingProxyType(
-    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50"}
+    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50",
+     "inception": "inception_v3", "inceptionv3": "inception_v3"}
 )
 
 
