@@ -191,6 +191,9 @@ class StreamExecutor:
     def _worker(self, stream: int) -> None:
         import torch
 
+        # get_num_threads first: a thread's first parallel op otherwise initialises its OpenMP count
+        # from torch's process-wide default, which another executor's workers may have just changed.
+        torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
         program = self._programs[stream]
         join = self.plan.join if stream == 0 else ()

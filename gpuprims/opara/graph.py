@@ -130,6 +130,8 @@ class OpGraph:
     module: Any = field(default=None, compare=False, repr=False)
     tasks: TaskGraph = field(init=False, compare=False, repr=False)
     _index: dict[str, Op] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _preds: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _succs: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         ops = tuple(self.ops)
@@ -148,6 +150,9 @@ class OpGraph:
                 raise ValueError(f"output {o.name!r} cannot have successors {list(tasks.succs(o.name))}")
         object.__setattr__(self, "tasks", tasks)
         object.__setattr__(self, "_index", {o.name: o for o in ops})
+        # Plain dicts: the planners look these up for every op and edge, and planning time is reported.
+        object.__setattr__(self, "_preds", {o.name: o.preds for o in ops})
+        object.__setattr__(self, "_succs", {o.name: tasks.succs(o.name) for o in ops})
 
     @classmethod
     def from_edges(cls, preds: Mapping[str, Sequence[str]], *, op_class: Mapping[str, str] | None = None,
@@ -175,11 +180,18 @@ class OpGraph:
 
     def preds(self, name: str) -> tuple[str, ...]:
         """Distinct direct predecessors, in the order the op reads them."""
-        return self.tasks.preds(name)
+        try:
+            return self._preds[name]
+        except KeyError:
+            return self.op(name).preds  # raises KeyError naming the known ops
 
     def succs(self, name: str) -> tuple[str, ...]:
         """Distinct direct successors, in declaration order."""
-        return self.tasks.succs(name)
+        try:
+            return self._succs[name]
+        except KeyError:
+            self.op(name)  # raises KeyError naming the known ops
+            raise
 
     def topo_order(self) -> tuple[str, ...]:
         """A topological order (declaration order among ready ops)."""

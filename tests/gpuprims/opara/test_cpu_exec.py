@@ -47,6 +47,20 @@ def test_one_intra_op_thread_per_stream_is_equal_within_rounding(models: dict[st
         torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
 
 
+def test_executors_with_other_thread_counts_side_by_side_keep_their_own(models: dict[str, nn.Module]) -> None:
+    # The second executor's workers change torch's process-wide default while the first's start: the
+    # first must still run every operator with its own count (so it stays bit-identical).
+    model = models["inception_v3"]
+    x = torch.randn(1, *SMALL["inception_v3"][0], generator=torch.Generator().manual_seed(5))
+    graph = op_graph(model, x)
+    with torch.inference_mode():
+        want = model(x)
+    with StreamExecutor(graph, plan_streams(graph)) as same, \
+            StreamExecutor(graph, plan_streams(graph, max_streams=2), intra_op_threads=1) as one:
+        one(x)
+        assert torch.equal(same(x), want)
+
+
 class Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
