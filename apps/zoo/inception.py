@@ -1,4 +1,4 @@
-"""Multi-branch networks of the zoo: GoogLeNet and Inception-v3, in plain torch (Opara's models).
+"""Multi-branch networks of the zoo: GoogLeNet, Inception-v3 and a BERT-base-like encoder (Opara's models).
 
 Both follow torchvision's layer layout (torchvision itself has no build matching the pinned torch), so
 at width 1.0 and 1000 classes the parameter counts are the well-known ones without the auxiliary
@@ -14,10 +14,15 @@ concatenated widths follow from the scaled branches. Inputs must be large enough
 strides: at least 16x16 pixels for GoogLeNet and 75x75 for Inception-v3 (as torchvision); smaller
 ones are refused with the minimum in the message.
 
+`Bert` is a BERT-base-like encoder over token embeddings (its docstring): the paper's third model,
+whose parallel operators are the query, key and value projections of each layer.
+
 The constructors only create layers; weights are set by `apps.zoo.init.init_weights`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -288,3 +293,66 @@ class InceptionV3(nn.Module):
         x = self.Mixed_7c(self.Mixed_7b(self.Mixed_7a(x)))
         x = torch.flatten(self.avgpool(x), 1)
         return self.fc(self.dropout(x))
+
+
+class BertLayer(nn.Module):
+    """One BERT encoder layer: separate query, key and value projections (as BERT's own code has them:
+    three independent matrix products Opara can run at once), scaled dot-product attention, output
+    projection, residual and LayerNorm, then the GELU feed-forward with residual and LayerNorm."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.intermediate = nn.Linear(hidden, intermediate)
+        self.act = nn.GELU()
+        self.output = nn.Linear(intermediate, hidden)
+        self.out_norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        # No reads of .shape: a traced graph then holds tensor operators only, no shape arithmetic.
+        return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        ctx = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).flatten(2)
+        x = self.attn_norm(x + self.attn_out(ctx))
+        return self.out_norm(x + self.output(self.act(self.intermediate(x))))
+
+
+#: BERT-base: 12 layers, 12 heads, feed-forward 4x the hidden size.
+BERT_LAYERS = 12
+BERT_HEADS = 12
+
+
+class Bert(nn.Module):
+    """A BERT-base-like encoder classifier (Devlin et al. 2019) over token embeddings.
+
+    Input (N, 1, S, H): S token embeddings of size H per request (positions and segments already
+    added, as a tokenizer-side embedding lookup gives them; the zoo's tensors are float), so the
+    request travels like every other zoo input. Embedding LayerNorm, 12 encoder layers with H / 12
+    per head (H must be a multiple of 12), the pooler (tanh of a linear map of the first token) and
+    a linear classifier. At H = 768 it is BERT-base's encoder (85,054,464 parameters in the layers).
+    `width` scales the feed-forward size (4H at width 1). The paper runs BERT at S = 32.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], width: float = 1.0) -> None:
+        super().__init__()
+        channels, _, hidden = input_shape
+        if channels != 1 or hidden % BERT_HEADS:
+            raise ValueError(f"bert takes input_shape (1, tokens, hidden) with hidden a multiple of {BERT_HEADS}, "
+                             f"got {input_shape}")
+        self.emb_norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.layers = nn.Sequential(*(BertLayer(hidden, BERT_HEADS, scale_channels(4 * hidden, width))
+                                      for _ in range(BERT_LAYERS)))
+        self.pooler = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers(self.emb_norm(x[:, 0]))
+        return self.classifier(torch.tanh(self.pooler(h[:, 0])))

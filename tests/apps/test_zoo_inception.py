@@ -14,10 +14,16 @@ from apps.zoo import MODELS, build_model, canonical_name, load_model, model_info
 SMALL = {
     "googlenet": ((3, 32, 32), 0.125),
     "inception_v3": ((3, 75, 75), 0.125),
+    "bert": ((1, 8, 48), 1.0),
 }
 
 #: torchvision's parameter counts less the training-only auxiliary heads (see apps/zoo/inception.py).
-KNOWN_PARAMS = {"googlenet": 6_624_904, "inception_v3": 23_834_568}
+KNOWN_PARAMS = {
+    "googlenet": 6_624_904,
+    "inception_v3": 23_834_568,
+    # BERT-base's 12 encoder layers (85,054,464), embedding LayerNorm, pooler and a 2-way classifier.
+    "bert": 85_054_464 + 2 * 768 + (768 * 768 + 768) + (768 * 2 + 2),
+}
 
 
 def _digest(model: nn.Module) -> str:
@@ -45,6 +51,7 @@ def test_parameter_counts_match_torchvision_without_aux_heads(name: str) -> None
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_small_variant_shape_and_input_dependent_output(name: str) -> None:
     model = load_model(name, input_shape=SMALL[name][0], width=SMALL[name][1], num_classes=7)
+    assert isinstance(model, nn.Module)
     assert not model.training and all(not p.requires_grad for p in model.parameters())
     x = _input(SMALL[name][0])
     with torch.inference_mode():
@@ -60,6 +67,13 @@ def test_default_shapes_and_aliases() -> None:
     assert MODELS["inception_v3"].input_shape == (3, 299, 299)
     assert canonical_name("Inception") == canonical_name("inceptionv3") == "inception_v3"
     assert MODELS["googlenet"].num_classes == MODELS["inception_v3"].num_classes == 1000
+    assert MODELS["bert"].input_shape == (1, 32, 768) and MODELS["bert"].num_classes == 2
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 768), (1, 32, 100)])
+def test_bert_refuses_shapes_it_cannot_read(shape: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError, match=r"bert takes input_shape \(1, tokens, hidden\)"):
+        build_model("bert", input_shape=shape, device="meta")
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -115,7 +129,7 @@ def test_inputs_below_the_minimum_are_refused_with_it(name: str, side: int, mini
     build_model(name, input_shape=(3, minimum, minimum), device="meta")
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
 def test_smallest_accepted_input_runs(name: str) -> None:
     side = {"googlenet": 16, "inception_v3": 75}[name]
     model = build_model(name, input_shape=(3, side, side), width=0.125)

@@ -12,7 +12,7 @@ from gpuprims.opara.cpu_exec import ExecutorTimeout, OperatorError, StreamExecut
 from gpuprims.opara.graph import OpGraph, op_graph
 from gpuprims.opara.plan import plan_streams
 
-SMALL = {"googlenet": ((3, 32, 32), 0.25), "inception_v3": ((3, 75, 75), 0.125)}
+SMALL = {"googlenet": ((3, 32, 32), 0.25), "inception_v3": ((3, 75, 75), 0.125), "bert": ((1, 8, 48), 1.0)}
 
 
 @pytest.fixture(scope="module")
