@@ -13,7 +13,9 @@ For GoogLeNet (224x224), Inception-v3 (299x299) and the BERT-base-like encoder (
   (the model exported with ``torch.onnx.export``) in its sequential and its parallel execution mode
   (``ExecutionMode.ORT_PARALLEL``, inter-op threads = cores) when ``onnxruntime`` is installed
   (``pip install -e '.[onnx]'``). The modes run interleaved, one call each per round, so a busy
-  machine slows them alike. Whether each output equals eager is recorded beside it.
+  machine slows them alike; each timed call follows an untimed one of the same mode, so a mode is not
+  timed while the previous mode's idle workers still spin. Whether each output equals eager is
+  recorded beside it.
 - **GPU rows** (eager, single-stream CUDA graph, Opara at 100 % and 25 % MPS share) are ``null`` here:
   the GPU host script of the engines issue fills them on a GPU.
 
@@ -185,6 +187,9 @@ def bench_model(name: str, shape: tuple[int, int, int], *, width: float, batches
                 times: dict[str, list[float]] = {m: [] for m in runs}
                 for i in range(warmup + repeats):
                     for mode, fn in runs.items():
+                        # One untimed call first: the previous mode's idle OpenMP or ORT workers may still
+                        # be spinning on the cores right after it (28-36 of them for the stream executor).
+                        fn()
                         t0 = time.perf_counter_ns()
                         fn()
                         if i >= warmup:
