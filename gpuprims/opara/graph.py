@@ -15,6 +15,8 @@ returns an ``OpGraph``: one ``Op`` per fx node (placeholders, operators, the out
   reference device's ridge point, else ``"memory"``. Only a contraction can get there: a 3x3
   convolution over 56x56 maps is compute-bound, the 1024 -> 1000 classifier at batch 1 (a matrix
   times a vector) is memory-bound, whatever the nodes are called;
+- ``host``: the operator's result holds no tensor (shape reads, integer arithmetic): it launches
+  nothing on a device, and Algorithm 1 does not give it a stream of its own;
 - ``demand_us``: the roofline time of the operator on the reference device, ``max(flops / peak,
   bytes / bandwidth)``: the resource demand Algorithm 2 orders by (the paper profiles shared memory
   per block on the GPU; this estimate needs no GPU and orders operators the same way within a class:
@@ -102,6 +104,9 @@ class Op:
     bytes: float = 0.0
     demand_us: float = 0.0
     out_shape: tuple[int, ...] | None = None
+    #: True for an operator whose result holds no tensor (``x.shape``, ``size()``, integer arithmetic):
+    #: host-side work that launches nothing on a device.
+    host: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in (INPUT, OPERATOR, OUTPUT):
@@ -114,6 +119,8 @@ class Op:
                 raise ValueError(f"op {self.name!r}: {label} must be finite and >= 0, got {v!r}")
         if self.kind == INPUT and self.preds:
             raise ValueError(f"input {self.name!r} cannot have predecessors {list(self.preds)}")
+        if self.host and self.kind != OPERATOR:
+            raise ValueError(f"op {self.name!r}: only an operator can be host-side, not a {self.kind!r}")
         object.__setattr__(self, "preds", tuple(dict.fromkeys(self.preds)))
 
 
@@ -351,7 +358,7 @@ def op_graph(model: Any, example_input: Any, *, device: Roofline = T4) -> OpGrap
         raise ValueError(f"{type(model).__name__} takes {len(placeholders)} inputs, got {len(inputs)}")
     _, views, _ = _function_names()
     env: dict[str, Any] = {}
-    estimates: dict[str, tuple[float, float, tuple[int, ...] | None]] = {}
+    estimates: dict[str, tuple[float, float, tuple[int, ...] | None, bool]] = {}
     with torch.inference_mode():
         for n in nodes:
             if n.op == "placeholder":
@@ -377,7 +384,7 @@ def op_graph(model: Any, example_input: Any, *, device: Roofline = T4) -> OpGrap
                 outs = _tensors(value)
                 flops, nbytes = _estimate(n, gm, ins, outs) if n.op != "get_attr" else (0.0, 0.0)
                 shape = tuple(outs[0].shape) if len(outs) == 1 else None
-                estimates[n.name] = (flops, nbytes, shape)
+                estimates[n.name] = (flops, nbytes, shape, not outs)
     extra: dict[str, list[str]] = {n.name: [] for n in nodes}
     position = {n.name: i for i, n in enumerate(nodes)}
     view_like = {n.name for n in nodes
@@ -412,7 +419,7 @@ def op_graph(model: Any, example_input: Any, *, device: Roofline = T4) -> OpGrap
         elif n.op == "output":
             ops.append(Op(n.name, preds, OUTPUT, "output", MEMORY))
         else:
-            flops, nbytes, shape = estimates[n.name]
+            flops, nbytes, shape, host = estimates[n.name]
             ops.append(Op(n.name, preds, OPERATOR, _describe(n, gm), device.classify(flops, nbytes), flops, nbytes,
-                          device.time_us(flops, nbytes), shape))
+                          device.time_us(flops, nbytes), shape, host))
     return OpGraph(tuple(ops), module=gm)

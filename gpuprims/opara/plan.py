@@ -8,6 +8,9 @@ property the tests hold a plan to: any two operators on one stream are ordered b
 ancestor of the other), so two branches that can run at the same time never share a stream. The
 model's inputs live on stream 0 (the capture's origin stream) and pass it on once, to the first op
 that is the first successor of an input; the output op is put on stream 0 (it is the join).
+Host-side operators (``Op.host``: shape reads, integer arithmetic; they launch nothing) ride on
+their first input's stream without taking it, so they neither start streams nor break a chain of
+device operators (a host op is not a device operator: the property above is about device operators).
 ``rule="first_free"`` is the public implementation's variant: an op takes the stream of its first
 predecessor that has not yet handed it on (an op whose first successor went elsewhere can pass its
 stream to a later successor): fewer streams, still chains.
@@ -116,6 +119,8 @@ def allocate_streams(graph: OpGraph, *, rule: str = RULES[0]) -> dict[str, int]:
     inputs = "\0input"
     count = 1  # stream 0 is the origin (the inputs' stream)
     has_inputs = any(op.kind == INPUT for op in graph.ops)
+    # "First successor" counts device operators only: a shape read taken first does not end a chain.
+    first_device = {n: next((x for x in graph.succs(n) if not graph.op(x).host), None) for n in graph.names}
     for name in graph.topo_order():
         op = graph.op(name)
         if op.kind == INPUT:
@@ -124,12 +129,18 @@ def allocate_streams(graph: OpGraph, *, rule: str = RULES[0]) -> dict[str, int]:
         if op.kind == OUTPUT:
             stream[name] = 0
             continue
+        if op.host:
+            # Host-side work (a shape read, integer arithmetic) runs nothing on a device: it rides on its
+            # first input's stream without taking it (that stream still goes to a device operator).
+            preds = graph.preds(name)
+            stream[name] = stream[preds[0]] if preds else 0
+            continue
         chosen: int | None = None
         for p in graph.preds(name):
             token = inputs if graph.op(p).kind == INPUT else p
-            if token in handed:
-                continue
-            if first_free or graph.succs(p)[0] == name:
+            if token in handed or graph.op(p).host:
+                continue  # a host op rides on a stream it does not own: it has none to hand on
+            if first_free or first_device[p] == name:
                 chosen = stream[p]
                 handed.add(token)
                 break

@@ -90,6 +90,50 @@ def test_a_wait_implied_through_another_stream_is_dropped() -> None:
     check_plan(g, plan)
 
 
+def test_host_side_operators_start_no_stream_and_do_not_end_a_chain() -> None:
+    # x.shape read first, then the device operators: the paper's rule would give q a new stream if the
+    # shape read counted as x's first successor; host ops ride on their input's stream instead.
+    g = OpGraph((
+        Op("x", kind=INPUT),
+        Op("shape", ("x",), host=True),
+        Op("n", ("shape",), host=True),
+        Op("q", ("x",)),
+        Op("k", ("x",)),
+        Op("view", ("q", "n")),
+        Op("cat", ("view", "k")),
+        Op("out", ("cat",), kind=OUTPUT),
+    ))
+    streams = allocate_streams(g)
+    assert streams == {"x": 0, "shape": 0, "n": 0, "q": 0, "k": 1, "view": 0, "cat": 0, "out": 0}
+    plan = plan_streams(g)
+    assert plan.num_streams == 2
+    check_plan(g, plan)
+    check_chains(g, plan)
+    with pytest.raises(ValueError, match="only an operator can be host-side"):
+        Op("y", kind=INPUT, host=True)
+
+
+class ShapeReads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.k = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, s, d = x.shape
+        return (self.q(x).view(n, s, 2, d // 2) + self.k(x).view(n, s, 2, d // 2)).flatten(2)
+
+
+def test_shape_reads_of_a_traced_model_are_host_side() -> None:
+    g = op_graph(ShapeReads(), torch.randn(2, 3, 8))
+    host = {o.name for o in g.ops if o.host}
+    assert host and all(o.out_shape is None for o in g.ops if o.name in host)
+    assert not any(o.host for o in g.ops if o.what in ("Linear", "method:view"))
+    plan = plan_streams(g)
+    assert plan.num_streams == 2  # q continues x's stream, k gets the second; the shape reads none
+    check_plan(g, plan)
+
+
 def test_cap_folds_streams_and_stays_correct() -> None:
     g = _block()
     for cap in (1, 2, 3):
@@ -148,7 +192,7 @@ def dags(draw: st.DrawFn) -> OpGraph:
     for i in range(n):
         preds = draw(st.lists(st.sampled_from(names), max_size=3, unique=True)) if names else []
         ops.append(Op(f"o{i}", tuple(preds), OPERATOR, op_class=draw(st.sampled_from([MEMORY, COMPUTE])),
-                      demand_us=draw(st.floats(0, 10, allow_nan=False))))
+                      demand_us=draw(st.floats(0, 10, allow_nan=False)), host=draw(st.booleans())))
         names.append(f"o{i}")
     if with_output:
         sinks = [o.name for o in ops if o.kind == OPERATOR and all(o.name not in p.preds for p in ops)]
