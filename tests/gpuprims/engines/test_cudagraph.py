@@ -233,7 +233,10 @@ OPARA_SOURCES = {
 }
 
 
-@pytest.mark.parametrize(("name", "cap"), [("googlenet", None), ("inception_v3", None), ("googlenet", 3)])
+@pytest.mark.parametrize(("name", "cap"), [
+    ("googlenet", None), ("googlenet", 3),
+    pytest.param("inception_v3", None, marks=pytest.mark.slow),  # ~25 s at load 10: each bucket's first runs
+])
 def test_opara_capture_follows_the_plan_and_equals_eager(fake_cuda: Any, name: str, cap: int | None) -> None:
     source = OPARA_SOURCES[name]
     stream = Stream(0)
@@ -300,7 +303,8 @@ def test_opara_capture_with_an_unjoined_stream_is_a_cuda_error(fake_cuda: Any,
         cap.launch(lambda: None, streams[1])  # work forked into the capture after the join
 
     monkeypatch.setattr(module, "capture_plan", leaves_a_stream_unjoined)
-    eng = make_engine("cudagraph", OPARA_SOURCES["googlenet"], Target("cuda"), {"streams": "opara", "warmup": 1})
+    source = ModelSource("tests.gpuprims.engines.nets:googlenet_small", (3, 32, 32), max_batch=1)
+    eng = make_engine("cudagraph", source, Target("cuda"), {"streams": "opara", "warmup": 1})
     with pytest.raises(CudaError) as ei:
         eng.prepare()
     assert ei.value.name == "cudaErrorStreamCaptureUnjoined" and not eng.prepared
