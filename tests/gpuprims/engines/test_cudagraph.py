@@ -320,3 +320,26 @@ def test_opara_refuses_a_model_fx_cannot_trace(fake_cuda: Any) -> None:
         eng.prepare()
     gc.collect()
     assert fake_cuda.live("graph") == [] and fake_cuda.live("device") == [] and fake_cuda.live("stream") == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_opara_capture_equals_eager_at_every_bucket() -> None:
+    """The real path of streams: opara: torch's capture of the plan's forked streams, replayed on a torch
+    stream, against eager on the GPU (GoogLeNet and Inception-v3 at full width, batch 1, max/2, max)."""
+    for name, shape in (("googlenet", (3, 224, 224)), ("inception_v3", (3, 299, 299))):
+        source = ModelSource(name, shape, max_batch=MAX, num_classes=10)
+        stream = torch.cuda.Stream()
+        eng = make_engine("cudagraph", source, Target("cuda", stream=stream), {"streams": "opara"})
+        module = source.build_module("cuda")
+        eng.prepare(module)
+        assert eng.describe()["opara"]["num_streams"] > 1
+        gen = torch.Generator().manual_seed(0)
+        rtol, atol = CudaGraphEngine.tolerance
+        for n in (1, MAX // 2, MAX):
+            x = torch.rand((n, *shape), generator=gen).cuda()
+            torch.cuda.synchronize()
+            out = eng.run(x)
+            eng.synchronize()
+            with torch.no_grad():
+                torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
+        eng.close()
