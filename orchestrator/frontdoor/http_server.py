@@ -23,6 +23,7 @@ from aiohttp import web
 from gpuprims import __version__
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+from orchestrator.frontdoor.transport import Marks
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 #: Largest request body accepted (aiohttp's default is 1 MiB; a 224x224x3 float32 batch of 8 is 4.8 MB).
@@ -161,14 +162,17 @@ def _wants_binary(req: dict[str, Any]) -> bool:
 
 async def infer(request: web.Request) -> web.Response:
     core = _core(request)
+    marks = Marks()
     info = _model(request)
     req, binary = _parse_body(await request.read(), request.headers.get(HEADER_LENGTH))
+    marks.lap("parse")
     x = _input_array(core, info, req, binary)
     binary_out = _wants_binary(req)
     timeout_us = (req.get("parameters") or {}).get("timeout", 0)
     if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or not 0 <= timeout_us < 2**32:
         raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout_us!r}")
-    out = await core.infer(info, x, deadline_us=timeout_us)
+    marks.lap("decode")
+    out = await core.infer(info, x, deadline_us=timeout_us, marks=marks)
     head: dict[str, Any] = {"model_name": info.name, "model_version": "1"}
     if "id" in req:
         head["id"] = req["id"]
@@ -186,6 +190,8 @@ async def infer(request: web.Request) -> web.Response:
                             headers={HEADER_LENGTH: str(len(js))})
     if request.headers.get("Accept-Encoding"):
         resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    marks.lap("encode")
+    core.commit("http", marks)
     return resp
 
 
