@@ -232,6 +232,7 @@ class LocalPort:
         return out
 
     def close(self) -> None:
+        """Close the port (idempotent); answers still coming to it are dropped."""
         self._finalizer()
 
     def __enter__(self) -> LocalPort:

@@ -75,18 +75,20 @@ class UdpTransport:
 
     async def rows(self, app_id: int, x: np.ndarray, *, deadline_us: int, timeout_s: float,
                    marks: Marks) -> list[Result | BaseException]:
-        marks.lap("submit")
-        t0 = marks.last_ns
-        results = await asyncio.gather(
-            *(self.client.infer(app_id, row, deadline_us=deadline_us, timeout_s=timeout_s) for row in x),
-            return_exceptions=True)
-        # The client times a row from its encoding to its last answer datagram: what is left of the
-        # wall time is the encode + send of the rows and the client's scheduling (submit).
-        total = marks.lap("node")
-        rt = max((r.latency_ms for r in results if isinstance(r, Result)), default=0.0)
-        moved = max(0, (total - t0) - int(rt * 1e6))
-        marks.ns["node"] -= moved
-        marks.ns["submit"] += moved
+        tasks = [asyncio.ensure_future(self.client.infer(app_id, row, deadline_us=deadline_us, timeout_s=timeout_s))
+                 for row in x]
+        # One turn of the loop runs each task up to its first wait: the encoding and the sendto of
+        # every datagram of its row. What follows (the node, the answer datagrams and their
+        # reassembly in the client) is the node stage.
+        try:
+            await asyncio.sleep(0)
+            marks.lap("submit")
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the call went away: so do its rows (late answers are strays)
+            for t in tasks:
+                t.cancel()
+            raise
+        marks.lap("node")
         return list(results)
 
     def close(self) -> None:
@@ -103,7 +105,7 @@ class PoolTransport:
     name = "pool"
 
     def __init__(self, ingest: Ingest) -> None:
-        self.ingest = ingest
+        self.ingest: Ingest | None = ingest
         self.port: LocalPort | None = None
         self.stray = 0
         self._next_token = 1
@@ -111,6 +113,8 @@ class PoolTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def open(self) -> PoolTransport:
+        if self.ingest is None:
+            raise RuntimeError("PoolTransport is closed")
         self._loop = asyncio.get_running_loop()
         self.port = self.ingest.local_port()
         self._loop.add_reader(self.port.fd, self._drain)
@@ -144,7 +148,13 @@ class PoolTransport:
                 self._pending.pop(token0 + i, None)
             raise
         sent_ns = marks.lap("submit")
-        done, _ = await asyncio.wait(futs, timeout=timeout_s)
+        try:
+            done, _ = await asyncio.wait(futs, timeout=timeout_s)
+        except asyncio.CancelledError:  # the call went away: its rows' answers will be strays
+            for i, f in enumerate(futs):
+                self._pending.pop(token0 + i, None)
+                f.cancel()
+            raise
         out: list[Result | BaseException] = []
         node_ns = 0
         for i, f in enumerate(futs):
@@ -167,6 +177,9 @@ class PoolTransport:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self.port.fd)
             self.port.close()
+        # Servers may outlive their stop (grpc keeps its handlers): hold nothing of the node after it.
+        self.port = None
+        self.ingest = None
         for f in self._pending.values():
             if not f.done():
                 f.cancel()
