@@ -8,6 +8,7 @@ UNIMPLEMENTED. Errors abort the call with the code of :data:`GRPC_CODE`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -88,7 +89,7 @@ class Servicer:
             if o.name != OUTPUT_NAME:
                 raise OipError("invalid", f"unknown output {o.name!r}; the only output is {OUTPUT_NAME!r}")
         dtype = NUMPY_OF[info.datatype]
-        n = int(np.prod(shape))
+        n = math.prod(shape)  # not np.prod: tens of µs on a list, on every request
         if req.raw_input_contents:
             if len(req.raw_input_contents) != 1:
                 raise OipError("invalid", f"{len(req.raw_input_contents)} raw_input_contents for one input")

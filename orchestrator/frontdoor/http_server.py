@@ -15,6 +15,7 @@ Errors are ``{"error": "<message>"}`` with the code of :data:`core.HTTP_CODE`.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -126,7 +127,7 @@ def _input_array(core: Core, info: Any, req: dict[str, Any], binary: memoryview)
         raise OipError("invalid", "input 'shape' must be a list of integers")
     core.check_input(info, str(t.get("name")), str(t.get("datatype")), shape)
     dtype = NUMPY_OF[info.datatype]
-    want = int(np.prod(shape)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize  # not np.prod: tens of µs on a list, on every request
     params = t.get("parameters") or {}
     if "binary_data_size" in params:
         size = params["binary_data_size"]
@@ -142,8 +143,8 @@ def _input_array(core: Core, info: Any, req: dict[str, Any], binary: memoryview)
         arr = np.asarray(t["data"], dtype=dtype)
     except (ValueError, TypeError, OverflowError) as e:
         raise OipError("invalid", f"input 'input' data is not {info.datatype}: {e}") from None
-    if arr.size != int(np.prod(shape)):
-        raise OipError("invalid", f"input 'input' has {arr.size} elements, shape {shape} needs {int(np.prod(shape))}")
+    if arr.size != math.prod(shape):
+        raise OipError("invalid", f"input 'input' has {arr.size} elements, shape {shape} needs {math.prod(shape)}")
     return arr.reshape(shape)
 
 
