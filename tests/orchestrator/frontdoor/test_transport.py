@@ -175,3 +175,15 @@ def test_each_protocol_reports_its_stage_times(stack: Stack) -> None:
         assert all(s[k]["p50_ms"] >= 0 for k in STAGES)
         if stack.via == "pool":
             assert s["back"]["p50_ms"] > 0
+
+
+def test_grpc_infer_bytes_that_do_not_parse_are_invalid_argument(stack: Stack) -> None:
+    """ModelInfer parses its own request bytes (so the parse is timed): garbage is the client's error."""
+    import grpc
+
+    assert stack.door.grpc_target is not None
+    with grpc.insecure_channel(stack.door.grpc_target) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\xff\xff\xff\xff", timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in e.value.details()
