@@ -105,6 +105,29 @@ class Ingest:
 
     def reclaim(self, consumer: int, requeue: bool, timeout_ms: int = 5000) -> tuple[int, int]: ...
 
+    def local_open(self) -> int:
+        """
+        Open a local port (answer queue + eventfd) for submit(); returns its index.
+        """
+
+    def local_close(self, port: int) -> None:
+        """
+        Close a local port; answers still coming to it are dropped (local_dropped).
+        """
+
+    def local_fd(self, port: int) -> int:
+        """The port's eventfd: readable while answers wait."""
+
+    def submit(self, port: int, app_id: int, rows: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], dtype: int, deadline_us: int, token0: int) -> None:
+        """
+        Place each row (uint8 [n, row_bytes]) in the pool as a complete request of app_id and route it; row i is answered at the local port with token token0 + i.
+        """
+
+    def take_local(self, port: int) -> list:
+        """
+        Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.
+        """
+
     def counters(self) -> dict: ...
 
 DMA_MAX_BATCH: int = 512

@@ -259,8 +259,9 @@ class Node:
                      ov.pools[name].alpha_ms)
 
     def _start_frontdoor(self) -> None:
-        """The Open Inference Protocol front door: HTTP/gRPC requests enter through the node's own UDP
-        ingest on loopback, so they share the pool, the instances, batching, statuses and metrics."""
+        """The Open Inference Protocol front door: its requests are placed straight into the node's
+        packet pool by the ingest (and answered back in-process), so they share the pool, the
+        instances, batching, statuses and metrics with UDP requests."""
         assert self.ingest is not None
         node = self.cfg.node
         h = node.listen.host
@@ -270,7 +271,7 @@ class Node:
             self.frontdoor = start_frontdoor(
                 self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
                 grpc_port=node.grpc_port or None, host=h,
-                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)))
+                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)), ingest=ingest)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 

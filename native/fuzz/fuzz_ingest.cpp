@@ -3,7 +3,10 @@
 // thread through Ingest::feed/housekeeping on a fake clock. After every step it checks
 // Ingest::check_invariants (every slot free or held by exactly one request, reservations equal the
 // chunks still awaited, every datagram accepted or dropped for one reason) and that each request a
-// consumer pops is complete and assembled only from its own chunks. At the end of an input every
+// consumer pops is complete and assembled only from its own chunks. Rows placed in-process through a
+// local port (Ingest::submit, the front door's way in) are requests like any other, and each gets
+// exactly one answer at its port: one never submitted or answered twice aborts at once, one never
+// answered by the end of the input aborts then. At the end of an input every
 // consumer hands back what it holds and the clock jumps past the reassembly timeout and the dedup
 // window, after which the pool must be entirely free again: each input starts from a clean state.
 //
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -46,6 +50,9 @@ struct Side {  // one pool + ingest (with and without UDP GRO)
   Pool* pool = nullptr;
   Ingest* ingest = nullptr;
   std::vector<uint32_t> held[kConsumers];  // records each consumer popped and has not released
+  int port = -1;                           // the local port rows are submitted through
+  uint64_t next_token = 1;
+  std::set<uint64_t> outstanding;          // tokens submitted and not answered yet
 };
 
 struct World {
@@ -97,6 +104,7 @@ World* make_world() {
     std::vector<gpuprims::ListenSpec> listen{{"127.0.0.1", 0, -1}, {"127.0.0.1", 0, 2}};
     wd->side[g].ingest = new Ingest(wd->side[g].pool, listen, o);
     wd->side[g].ingest->set_clock(fake_clock);
+    wd->side[g].port = wd->side[g].ingest->local_open();
   }
   return wd;
 }
@@ -225,10 +233,17 @@ void release(Side& s, uint32_t c, size_t n) {
   h.erase(h.begin(), h.begin() + long(done));
 }
 
+// Every answer at the local port must be of a row submitted and not answered yet.
+void take_local(Side& s) {
+  for (const auto& a : s.ingest->take_local(s.port)) {
+    if (!s.outstanding.erase(a.token)) die("token " + std::to_string(a.token) + " answered twice or never submitted");
+  }
+}
+
 void run_op(Side& s, Reader& in) {
   const uint8_t op = in.u8();
   const uint8_t a = in.u8();
-  switch (op % 12) {
+  switch (op % 13) {
     case 0: {  // a raw datagram (the header checks), maybe a coalesced GRO buffer
       const size_t len = in.u16() % 1400;
       std::vector<uint8_t> d(len);
@@ -317,7 +332,18 @@ void run_op(Side& s, Reader& in) {
     case 11:  // the last datagram again (a duplicate), maybe from another client
       if (!g_last.empty()) feed(s, (a & 1) ? g_last_src : a % kSources, g_last_sock, g_last, 0);
       break;
+    case 12: {  // rows placed in-process (some too large for a record, some of apps without a route)
+      const size_t n = 1 + a % 3;
+      const size_t row = 1 + in.u16() % (kPayload * (kMaxChunks + 4));
+      std::vector<uint8_t> rows(n * row);
+      for (size_t k = 0; k < rows.size(); ++k) rows[k] = uint8_t(k * 13 + a);
+      s.ingest->submit(s.port, uint16_t(1 + (a >> 2) % 5), rows.data(), n, row, uint8_t((a >> 5) % 3), a, s.next_token);
+      for (size_t i = 0; i < n; ++i) s.outstanding.insert(s.next_token + i);
+      s.next_token += n;
+      break;
+    }
   }
+  take_local(s);
   check(s);
 }
 
@@ -340,6 +366,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   g_now += kTimeoutNs + kDedupNs + 1;
   s.ingest->housekeeping();
   check(s);
+  take_local(s);
+  if (!s.outstanding.empty())
+    die(std::to_string(s.outstanding.size()) + " submitted rows never answered, first token " +
+        std::to_string(*s.outstanding.begin()));
   const auto free_slots = s.ingest->free_slots();
   const auto free_recs = s.ingest->free_records();
   if (free_slots != kSlots || free_recs != kRecords || s.ingest->filling() != 0)

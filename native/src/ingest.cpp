@@ -63,6 +63,9 @@ const char* kCounterNames[kCounterCount] = {
     "gro_buffers",
     "requests_answered",
     "bad_answers",
+    "local_submitted",
+    "local_answered",
+    "local_dropped",
 };
 
 int open_socket(const ListenSpec& spec, int rcvbuf, bool gro, int* bound_port) {
@@ -194,6 +197,8 @@ Ingest::~Ingest() {
   for (int fd : socks_) ::close(fd);
   if (epfd_ >= 0) ::close(epfd_);
   if (wakefd_ >= 0) ::close(wakefd_);
+  for (auto& lp : local_)
+    if (lp.fd >= 0) ::close(lp.fd);
   if (answer_wake_fd_ >= 0) ::close(answer_wake_fd_);
   if (!pool_->closed()) v_.hdr->wake_len = 0;
 }
@@ -212,6 +217,8 @@ void Ingest::stop() {
   (void)!write(wakefd_, &one, sizeof one);
   if (thread_.joinable()) thread_.join();
   running_.store(false);
+  // A submit that saw the thread running but queued its command after the loop's last look.
+  run_commands();
   v_.hdr->ingest_pid.store(0);
 }
 
@@ -328,7 +335,7 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
       } else {
         ++failed;
         bump(kRequestsReclaimedFailed);
-        if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusInstanceFailed);
+        if (opt_.answer_drops || rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusInstanceFailed);
         free_record(r, false);
       }
     }
@@ -358,6 +365,169 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
   return fut.get();
 }
 
+Ingest::LocalPort& Ingest::local_port(int port) {
+  if (port < 0 || port >= kLocalPorts) throw std::out_of_range("no local port " + std::to_string(port));
+  return local_[size_t(port)];
+}
+
+int Ingest::local_open() {
+  std::lock_guard<std::mutex> g(local_open_mu_);
+  for (int p = 0; p < kLocalPorts; ++p) {
+    LocalPort& lp = local_[size_t(p)];
+    std::lock_guard<std::mutex> q(lp.mu);
+    if (lp.open) continue;
+    lp.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (lp.fd < 0) throw std::runtime_error(std::string("local port eventfd: ") + std::strerror(errno));
+    lp.answers.clear();
+    lp.open = true;
+    return p;
+  }
+  throw std::runtime_error("all " + std::to_string(kLocalPorts) + " local ports of the ingest are open");
+}
+
+void Ingest::local_close(int port) {
+  LocalPort& lp = local_port(port);
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) return;
+  lp.open = false;
+  ::close(lp.fd);
+  lp.fd = -1;
+  bump(kLocalDropped, lp.answers.size());
+  lp.answers.clear();
+}
+
+int Ingest::local_fd(int port) {
+  LocalPort& lp = local_port(port);
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) throw std::runtime_error("local port " + std::to_string(port) + " is closed");
+  return lp.fd;
+}
+
+void Ingest::push_local(int port, LocalAnswer&& a) {
+  LocalPort& lp = local_[size_t(port) % kLocalPorts];
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) {
+    bump(kLocalDropped);
+    return;
+  }
+  const bool was_empty = lp.answers.empty();
+  lp.answers.push_back(std::move(a));
+  bump(kLocalAnswered);
+  if (was_empty) {
+    uint64_t one = 1;
+    (void)!write(lp.fd, &one, sizeof one);
+  }
+}
+
+std::vector<LocalAnswer> Ingest::take_local(int port) {
+  LocalPort& lp = local_port(port);
+  std::vector<LocalAnswer> out;
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) throw std::runtime_error("local port " + std::to_string(port) + " is closed");
+  // Under the lock a push cannot come between the reset and the swap: whatever is pushed after the
+  // swap finds the queue empty and signals again.
+  uint64_t v;
+  (void)!read(lp.fd, &v, sizeof v);
+  out.swap(lp.answers);
+  return out;
+}
+
+void Ingest::place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
+                         uint32_t deadline_us, uint64_t token, uint64_t now) {
+  bump(kLocalSubmitted);
+  auto refuse = [&](uint16_t status) {
+    push_local(port, LocalAnswer{token, status, uint8_t(wire::kDTypeBytes), 0, clock_(), {}});
+  };
+  if (routes_[app_id].empty()) return refuse(wire::kStatusUnknownApp);
+  const uint32_t stride = v_.hdr->max_payload;
+  const uint64_t chunks = (uint64_t(row_bytes) + stride - 1) / stride;
+  if (row_bytes == 0 || row_bytes > 0xFFFFFFFFull || chunks > v_.hdr->max_chunks)
+    return refuse(wire::kStatusBadRequest);
+  // The same admission as a received request: all its slots or nothing.
+  if (free_count_ - reserved_ < chunks) {
+    bump(kRequestsRejectedPoolFull);
+    return refuse(wire::kStatusOverloaded);
+  }
+  if (free_records_.empty()) {
+    bump(kRequestsRejectedNoRecord);
+    return refuse(wire::kStatusOverloaded);
+  }
+  const uint32_t r = free_records_.back();
+  free_records_.pop_back();
+  pool::Record* rec = v_.record(r);
+  rec->owner = UINT32_MAX;
+  rec->app_id = app_id;
+  rec->dtype = dtype;
+  rec->chunk_count = uint32_t(chunks);
+  rec->chunks_received = uint32_t(chunks);
+  rec->stride = stride;
+  rec->total_len = uint32_t(row_bytes);
+  rec->deadline_us = deadline_us;
+  rec->request_id = token;
+  rec->client_ts_ns = 0;
+  rec->first_ns = now;
+  rec->complete_ns = now;
+  std::memset(rec->addr, 0, sizeof rec->addr);
+  rec->addr_len = 0;
+  rec_sock_[r] = -(port + 1);
+  // Each chunk is a slot as the receive loop would have left it (a valid request header, then the
+  // payload), so every reader of the pool (CPU gather, the GPU-DMA kernel) sees no difference.
+  uint32_t* map = v_.chunkmap(r);
+  for (uint32_t c = 0; c < chunks; ++c) {
+    const uint32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    const uint32_t len = uint32_t(std::min<uint64_t>(stride, row_bytes - uint64_t(c) * stride));
+    wire::Header h{};
+    h.magic = wire::kMagic;
+    h.version = wire::kVersion;
+    h.kind = wire::kKindRequest;
+    h.app_id = app_id;
+    h.dtype = dtype;
+    h.chunk_index = c;
+    h.chunk_count = uint32_t(chunks);
+    h.payload_len = len;
+    h.request_id = token;
+    h.total_len = uint32_t(row_bytes);
+    h.deadline_us = deadline_us;
+    uint8_t* slot = v_.slot(s);
+    std::memcpy(slot, &h, sizeof h);
+    std::memcpy(slot + wire::kHeaderSize, row + size_t(c) * stride, len);
+    map[c] = s;
+  }
+  free_count_ -= chunks;
+  bump(kRequestsStarted);
+  bump(kRequestsCompleted);
+  deliver(r);
+}
+
+void Ingest::submit(int port, uint16_t app_id, const uint8_t* data, size_t n, size_t row_bytes, uint8_t dtype,
+                    uint32_t deadline_us, uint64_t token0) {
+  local_fd(port);  // throws for a port that is not open
+  if (dtype > wire::kDTypeMax) throw std::invalid_argument("submit: dtype " + std::to_string(dtype) + " is no wire dtype");
+  if (n == 0) return;
+  // The rows are copied here, in the caller's thread, so the caller's buffer is free when this returns.
+  auto rows = std::make_shared<std::vector<uint8_t>>(data, data + n * row_bytes);
+  auto work = [this, port, rows, app_id, n, row_bytes, dtype, deadline_us, token0] {
+    apply_routes();
+    const uint64_t now = clock_();
+    for (size_t i = 0; i < n; ++i)
+      place_local(port, app_id, rows->data() + i * row_bytes, row_bytes, dtype, deadline_us, token0 + i, now);
+    signal_consumers();
+    publish_gauges();
+  };
+  if (!running_.load()) {
+    work();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    commands_.push_back(Command{work});
+    has_commands_.store(true, std::memory_order_release);
+  }
+  uint64_t one = 1;
+  (void)!write(wakefd_, &one, sizeof one);
+}
+
 uint64_t Ingest::src_key(const sockaddr_in6& a, socklen_t len) {
   if (a.sin6_family == AF_INET) {
     const auto& a4 = reinterpret_cast<const sockaddr_in&>(a);
@@ -376,6 +546,10 @@ void Ingest::remember(const Key& k, int reason, uint64_t now) {
 }
 
 void Ingest::send_status(int sock, const pool::Record& rec, uint16_t status) {
+  if (sock < 0) {
+    push_local(-sock - 1, LocalAnswer{rec.request_id, status, uint8_t(wire::kDTypeBytes), rec.first_ns, clock_(), {}});
+    return;
+  }
   wire::Header h{};
   h.magic = wire::kMagic;
   h.version = wire::kVersion;
@@ -436,6 +610,8 @@ void Ingest::drain_releases() {
           bump(kBadReleases);
           continue;
         }
+        // A submitted request is answered whatever happens: given back unanswered is an error.
+        if (rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusInternal);
         free_record(r, false);
         bump(kRequestsReleased);
       }
@@ -499,6 +675,15 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
     return;
   }
   const int sock = rec_sock_[e.record];
+  if (sock < 0) {
+    // A submitted request: its answer goes back in-process, with the result bytes copied out of the ring.
+    const bool ok = e.status == wire::kStatusOk;
+    push_local(-sock - 1, LocalAnswer{rec->request_id, e.status, ok ? e.dtype : uint8_t(wire::kDTypeBytes), rec->first_ns,
+                           clock_(), ok ? std::string(reinterpret_cast<const char*>(body), e.body_len) : std::string()});
+    free_record(e.record, false);
+    bump(kRequestsAnswered);
+    return;
+  }
   const uint32_t payload = std::min<uint32_t>(v_.hdr->max_payload, 65507 - uint32_t(wire::kHeaderSize));
   const uint32_t total = e.status == wire::kStatusOk ? e.body_len : 0;
   const uint32_t chunks = total ? (total + payload - 1) / payload : 1;
@@ -600,7 +785,7 @@ void Ingest::deliver(uint32_t r) {
     }
   }
   bump(kRequestsRejectedQueueFull);
-  if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusOverloaded);
+  if (opt_.answer_drops || rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusOverloaded);
   free_record(r, false);
 }
 

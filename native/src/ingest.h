@@ -58,10 +58,23 @@ enum Counter : int {
   kGroBuffers,               // receive buffers that held more than one datagram (UDP GRO)
   kRequestsAnswered,         // answered by a consumer through its answer ring; the ingest sent it
   kBadAnswers,               // answers refused: record not held by that consumer (taken back), or a corrupt entry
+  kLocalSubmitted,           // requests placed in the pool by submit() (the front door), not received
+  kLocalAnswered,            // answers of submitted requests handed to their port (any status)
+  kLocalDropped,             // answers of submitted requests whose port was closed
   kCounterCount
 };
 
 const char* counter_name(int c);
+
+// The answer of a request placed with Ingest::submit(), handed back in-process instead of as datagrams.
+struct LocalAnswer {
+  uint64_t token;        // the request's token (submit's token0 + row)
+  uint16_t status;       // wire::Status
+  uint8_t dtype;         // wire::DType of body (OK only)
+  uint64_t placed_ns;    // CLOCK_MONOTONIC when the ingest placed it in the pool (0: refused before)
+  uint64_t answered_ns;  // CLOCK_MONOTONIC when the ingest took its answer
+  std::string body;      // result bytes (OK only)
+};
 
 struct ListenSpec {
   std::string host;
@@ -106,6 +119,25 @@ class Ingest {
   // are handed to `requeue_to` consumers of their app when given (and not full), else answered
   // with INSTANCE_FAILED and freed. Runs on the ingest thread; blocks until done.
   std::pair<uint64_t, uint64_t> reclaim(uint32_t consumer, bool requeue, int timeout_ms);
+
+  // In-process requests (the Open Inference Protocol front door). A submitter opens a local port
+  // (an answer queue and its eventfd; up to kLocalPorts at once) and places n requests of row_bytes
+  // each (rows back to back at data, copied before submit returns) for app_id into the pool, already
+  // complete, routed like reassembled ones. Row i's answer comes back to that port as a LocalAnswer
+  // with token token0 + i, never as a datagram: exactly one per row, whatever happens (OK or an
+  // instance's status, OVERLOADED when refused at admission, UNKNOWN_APP without a route, BAD_REQUEST
+  // when too large for the pool, INSTANCE_FAILED when its instance died and no other took it,
+  // INTERNAL when an instance released it unanswered). Placement runs on the ingest thread (directly
+  // when it is not running). Answers for a closed port are dropped (counted in local_dropped).
+  static constexpr int kLocalPorts = 16;
+  int local_open();
+  void local_close(int port);
+  void submit(int port, uint16_t app_id, const uint8_t* data, size_t n, size_t row_bytes, uint8_t dtype,
+              uint32_t deadline_us, uint64_t token0);
+  // Every answer waiting at the port, oldest first; local_fd(port) (an eventfd) is readable while
+  // answers wait. take_local() resets it before it takes them, so none is left unsignalled.
+  std::vector<LocalAnswer> take_local(int port);
+  int local_fd(int port);
 
   // Seams for driving the per-datagram step without the thread or a socket receive (the fuzz harness
   // in native/fuzz/ uses them; only while the thread is not running). feed() handles one received
@@ -160,7 +192,19 @@ class Ingest {
   void flush_answers();
   bool answers_pending() const;
   void expire(uint64_t now);
+  // sock < 0: a submitted request, answered through the local queue (always, whatever answer_drops).
   void send_status(int sock, const pool::Record& rec, uint16_t status);
+  // A submitted request's rec_sock_ is -(port + 1).
+  void place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
+                   uint32_t deadline_us, uint64_t token, uint64_t now);
+  void push_local(int port, LocalAnswer&& a);
+  struct LocalPort {
+    std::mutex mu;
+    bool open = false;
+    int fd = -1;                      // eventfd: readable while answers is not empty
+    std::vector<LocalAnswer> answers;  // waiting for take_local()
+  };
+  LocalPort& local_port(int port);
   void remember(const Key& k, int reason, uint64_t now);
   void apply_routes();
   void run_commands();
@@ -223,6 +267,8 @@ class Ingest {
   uint64_t routes_seen_ = 0;
   std::vector<Command> commands_;
   std::atomic<bool> has_commands_{false};
+  std::array<LocalPort, kLocalPorts> local_;
+  std::mutex local_open_mu_;
 };
 
 }  // namespace gpuprims

@@ -213,6 +213,40 @@ void bind_pool(nb::module_& m) {
       .def("route", &Ingest::route, nb::arg("app_id"))
       .def("reclaim", &Ingest::reclaim, nb::arg("consumer"), nb::arg("requeue"), nb::arg("timeout_ms") = 5000,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("local_open", &Ingest::local_open,
+           "Open a local port (answer queue + eventfd) for submit(); returns its index.")
+      .def("local_close", &Ingest::local_close, nb::arg("port"),
+           "Close a local port; answers still coming to it are dropped (local_dropped).")
+      .def("local_fd", &Ingest::local_fd, nb::arg("port"), "The port's eventfd: readable while answers wait.")
+      .def(
+          "submit",
+          [](Ingest& ing, int port, uint16_t app_id, ByteArray2 rows, uint8_t dtype, uint32_t deadline_us,
+             uint64_t token0) {
+            const size_t n = rows.shape(0), row_bytes = rows.shape(1);
+            const uint8_t* data = rows.data();
+            nb::gil_scoped_release nogil;
+            ing.submit(port, app_id, data, n, row_bytes, dtype, deadline_us, token0);
+          },
+          nb::arg("port"), nb::arg("app_id"), nb::arg("rows"), nb::arg("dtype"), nb::arg("deadline_us"),
+          nb::arg("token0"),
+          "Place each row (uint8 [n, row_bytes]) in the pool as a complete request of app_id and route it; "
+          "row i is answered at the local port with token token0 + i.")
+      .def(
+          "take_local",
+          [](Ingest& ing, int port) {
+            std::vector<LocalAnswer> got;
+            {
+              nb::gil_scoped_release nogil;
+              got = ing.take_local(port);
+            }
+            nb::list out;
+            for (auto& a : got)
+              out.append(nb::make_tuple(a.token, a.status, a.dtype, a.placed_ns, a.answered_ns,
+                                        nb::bytes(a.body.data(), a.body.size())));
+            return out;
+          },
+          nb::arg("port"),
+          "Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.")
       .def("counters",
            [](const Ingest& ing) {
              const auto c = ing.counters();

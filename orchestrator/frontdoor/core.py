@@ -1,14 +1,15 @@
 """The protocol-independent half of the front door: models, one inference, errors, statistics.
 
-An inference of ``[N, *input_shape]`` becomes N wire requests (one per row) sent together to the
-node's own UDP ingest with the asyncio UDP client, so they enter the same packet pool, queues,
+An inference of ``[N, *input_shape]`` becomes N requests (one per row) handed together to the node
+by a transport (orchestrator/frontdoor/transport.py: placed straight into the node's packet pool by
+its ingest, or sent as wire datagrams to a UDP ingest), so they enter the same packet pool, queues,
 batches, SLO accounting and metrics as any UDP client's requests. The N answers are stacked into
 ``[N, K]``. The first row that is not answered OK decides the error (:data:`STATUS_ERRORS`).
+Each inference's time is split by stage (:data:`transport.STAGES`) per protocol: ``stages()``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
+from gpuprims.stats import StageClock
 from gpuprims.wire import Status
 from orchestrator.frontdoor.models import ModelInfo
+from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
 HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
@@ -88,19 +91,41 @@ class ModelStats:
 
 
 class Core:
-    """Models by name and inference over the UDP client; shared by the HTTP and gRPC servers.
+    """Models by name and inference through a transport; shared by the HTTP and gRPC servers.
 
-    ``ready(name)`` says whether the node serves a model now (default: always); ``timeout_s`` is
-    how long one row waits for its answer (default: the larger of 2 s and 3 x the app's SLO).
+    ``client`` is the transport (an AsyncClient is wrapped in a UdpTransport). ``ready(name)`` says
+    whether the node serves a model now (default: always); ``timeout_s`` is how long one row waits
+    for its answer (default: the larger of 2 s and 3 x the app's SLO).
     """
 
-    def __init__(self, infos: list[ModelInfo], client: AsyncClient, *, timeout_s: float | None = None,
+    def __init__(self, infos: list[ModelInfo], client: Transport | AsyncClient, *, timeout_s: float | None = None,
                  ready: Callable[[str], bool] | None = None) -> None:
         self.models = {m.name: m for m in infos}
-        self.client = client
+        self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
         self._ready = ready
         self.stats = {m.name: ModelStats() for m in infos}
+        #: Stage durations of the last 1024 inferences answered OK, per protocol (http, grpc).
+        self.clocks: dict[str, StageClock] = {}
+
+    def commit(self, protocol: str, marks: Marks) -> None:
+        """Add one answered inference's stage durations to ``protocol``'s clock."""
+        clock = self.clocks.get(protocol)
+        if clock is None:
+            clock = self.clocks[protocol] = StageClock(STAGES)
+        clock.start()
+        for stage, ns in marks.ns.items():
+            clock.observe(stage, ns)
+        clock.end()
+
+    def stages(self) -> dict[str, Any]:
+        """Per protocol: ``{"transport", "inferences", <stage>: {"p50_ms", "p99_ms", "mean_ms"}}``."""
+        out: dict[str, Any] = {}
+        for protocol, clock in self.clocks.items():
+            snap = clock.snapshot()
+            snap["inferences"] = snap.pop("batches")
+            out[protocol] = {"transport": self.transport.name, **snap}
+        return out
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         info = self.models.get(name)
@@ -137,15 +162,18 @@ class Core:
         if not 1 <= shape[0] <= MAX_ROWS:
             raise OipError("invalid", f"batch of {shape[0]} rows; send 1..{MAX_ROWS} rows per inference")
 
-    async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0) -> np.ndarray:
-        """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError."""
+    async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0,
+                    marks: Marks | None = None) -> np.ndarray:
+        """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError.
+
+        ``marks`` (the request's stage durations so far) gets the submit, node, back and collect stages.
+        """
         t0 = time.monotonic_ns()
         st = self.stats[info.name]
+        marks = marks if marks is not None else Marks(t0)
         try:
-            results = await asyncio.gather(
-                *(self.client.infer(info.app_id, row, deadline_us=deadline_us,
-                                    timeout_s=self.row_timeout_s(info, deadline_us)) for row in x),
-                return_exceptions=True)
+            results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us,
+                                                timeout_s=self.row_timeout_s(info, deadline_us), marks=marks)
             out = self._collect(info, results, st)
         except OipError:
             st.fail.add(time.monotonic_ns() - t0)
@@ -154,6 +182,7 @@ class Core:
         st.inference_count += len(x)
         st.execution_count += 1
         st.last_inference_ms = int(time.time() * 1e3)
+        marks.lap("collect")
         return out
 
     def _collect(self, info: ModelInfo, results: list[Result | BaseException], st: ModelStats) -> np.ndarray:

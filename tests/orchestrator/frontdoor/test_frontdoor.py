@@ -234,7 +234,8 @@ def test_node_statuses_map_to_protocol_errors(stack: Stack) -> None:
                       slo_ms=500, app_id=3),
             AppConfig(name="narrow", model="mobilenet_v2", input_shape=(3, 16, 16), num_classes=10,
                       slo_ms=500, app_id=1)]
-    with start_frontdoor(apps, stack.node.address, http_port=0, grpc_port=0, timeout_s=10) as door:
+    with start_frontdoor(apps, stack.node.address, http_port=0, grpc_port=0, timeout_s=10,
+                         ingest=stack.ingest) as door:
         assert door.http_url is not None and door.grpc_target is not None
         h = httpclient.InferenceServerClient(door.http_url.removeprefix("http://"))
         g = grpcclient.InferenceServerClient(door.grpc_target)
