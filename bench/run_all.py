@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 
-ORDER = ["gather", "ingest", "traffic", "e2e", "dma", "sync", "share", "overlap", "multi", "css", "knee", "sched", "coexec"]
+ORDER = ["gather", "ingest", "traffic", "e2e", "dma", "sync", "share", "overlap", "multi", "css", "knee", "sched", "coexec",
+         "opara"]
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from apps.zoo.inception import Bert, GoogLeNet, InceptionV3
 from apps.zoo.init import init_weights
 from apps.zoo.nets import VGG, VGG_CONFIGS, AlexNet, BasicBlock, Bottleneck, MobileNetV2, ResNet
 from apps.zoo.seqnets import MT_DNN_TAGS, MTDNN, Siamese, StackedLSTM, WideDeep, wide_deep_shape
@@ -112,6 +113,29 @@ _SPECS = (
         RESNET_CAR_LABELS,
     ),
     ModelSpec(
+        "googlenet",
+        GoogLeNet,
+        1000,
+        "GoogLeNet (Szegedy et al. 2015) without its training-only auxiliary heads, 6.6M parameters; "
+        "nine 4-branch Inception blocks (Opara's model)",
+    ),
+    ModelSpec(
+        "inception_v3",
+        InceptionV3,
+        1000,
+        "Inception-v3 (Szegedy et al. 2016) without its training-only auxiliary head, 23.8M parameters; "
+        "Inception blocks of 2 to 6 parallel branches (Opara's model)",
+        input_shape=(3, 299, 299),
+    ),
+    ModelSpec(
+        "bert",
+        Bert,
+        2,
+        "BERT-base-like encoder (Devlin et al. 2019) over 32 token embeddings of 768: 12 layers with separate "
+        "query/key/value projections, pooler and a 2-way classifier, 85.6M parameters (Opara's model)",
+        input_shape=(1, 32, 768),
+    ),
+    ModelSpec(
         "wide_deep",
         WideDeep,
         2,
@@ -149,7 +173,8 @@ MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in 
 
 #: Other accepted names and the canonical name each stands for.
 ALIASES: Mapping[str, str] = MappingProxyType(
-    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50"}
+    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50",
+     "inception": "inception_v3", "inceptionv3": "inception_v3"}
 )
 
 
