@@ -21,7 +21,8 @@ from gpuprims.wire import Status
 from orchestrator.frontdoor.models import ModelInfo
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
-HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
+HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,
+             "too_large": 413}
 
 #: Each wire status other than OK: the error kind it is answered with, and why.
 STATUS_ERRORS: dict[Status, tuple[str, str]] = {
@@ -33,9 +34,6 @@ STATUS_ERRORS: dict[Status, tuple[str, str]] = {
     Status.INTERNAL: ("internal", "the model failed on this batch"),
     Status.SHUTTING_DOWN: ("unavailable", "the node is stopping"),
 }
-#: The largest batch one inference may carry (each row is one request in the node's pool).
-MAX_ROWS = 256
-
 
 class OipError(Exception):
     """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
@@ -134,8 +132,9 @@ class Core:
         if len(shape) != len(info.input_shape) + 1 or tuple(shape[1:]) != info.input_shape:
             raise OipError("invalid", f"input 'input' of model {info.name!r} has shape "
                                       f"[-1, {', '.join(map(str, info.input_shape))}], got {list(shape)}")
-        if not 1 <= shape[0] <= MAX_ROWS:
-            raise OipError("invalid", f"batch of {shape[0]} rows; send 1..{MAX_ROWS} rows per inference")
+        if not 1 <= shape[0] <= info.max_batch:  # as Triton: a batch is at most the model's max_batch_size
+            raise OipError("invalid", f"batch of {shape[0]} rows; model {info.name!r} takes 1..{info.max_batch} "
+                                      "rows per inference (its max_batch)")
 
     async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0) -> np.ndarray:
         """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError."""
