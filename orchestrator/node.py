@@ -593,7 +593,10 @@ class Node:
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
                      "errors": dict(self.errors)},
             "ingest": counters,
-            "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
+            # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
+            # buffer until their request's deadline passed.
+            "drops": {k[5:] if k.startswith("drop_") else k: v for k, v in counters.items()
+                      if (k.startswith("drop_") or k == "answers_expired") and v},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
             "changes": {"counts": dict(self.changes.counts),
