@@ -87,7 +87,7 @@ class Pool:
         """
 
 class Ingest:
-    def __init__(self, pool: Pool, listen: Sequence[tuple[str, int, int]], timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64, rcvbuf_bytes: int = 33554432, answer_drops: bool = True, gro: bool = True) -> None: ...
+    def __init__(self, pool: Pool, listen: Sequence[tuple[str, int, int]], timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64, rcvbuf_bytes: int = 33554432, answer_drops: bool = True, gro: bool = True, answer_hold_ms: float = 1000.0, answer_hold_bytes: int = 33554432) -> None: ...
 
     def start(self) -> None: ...
 
@@ -126,6 +126,11 @@ class Ingest:
     def take_local(self, port: int) -> list:
         """
         Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.
+        """
+
+    def set_blocked_port(self, port: int) -> None:
+        """
+        Fault seam: answers to clients with this UDP port fail as on a full send buffer (0 clears).
         """
 
     def counters(self) -> dict: ...

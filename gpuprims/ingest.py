@@ -64,11 +64,18 @@ class Ingest:
     default) the kernel may deliver a run of datagrams of one flow in one buffer, and each datagram
     is copied into its slot; without it every datagram is received straight into a slot (no copy)
     but costs the kernel more per datagram.
+
+    An answer datagram the socket will not take (a full send buffer) is never waited for nor
+    dropped: it is copied aside and retried until sent, or until its request's deadline passes
+    (``answer_hold_ms`` after its first datagram for a request without one), when it is counted as
+    ``answers_expired``. Other clients' answers keep flowing meanwhile; ``held_answers`` (a gauge in
+    ``counters()``) is how many wait, at most ``answer_hold_bytes`` of them.
     """
 
     def __init__(self, pool: PacketPool, listen: Sequence[ListenAddr] = (("127.0.0.1", 0),), *,
                  timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64,
-                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True, gro: bool = True) -> None:
+                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True, gro: bool = True,
+                 answer_hold_ms: float = 1000.0, answer_hold_bytes: int = 32 << 20) -> None:
         if not listen:
             raise ValueError("listen needs at least one (host, port) address")
         specs = []
@@ -86,9 +93,13 @@ class Ingest:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         if not 1 <= batch <= 1024:
             raise ValueError(f"batch must be in 1..1024, got {batch}")
+        if not answer_hold_ms > 0:
+            raise ValueError(f"answer_hold_ms must be positive, got {answer_hold_ms}")
+        if answer_hold_bytes < 0:
+            raise ValueError(f"answer_hold_bytes must be >= 0, got {answer_hold_bytes}")
         self.pool = pool
         self._native = _native.Ingest(pool.native, specs, timeout_ms, dedup_window_ms, batch, rcvbuf_bytes,
-                                      answer_drops, gro)
+                                      answer_drops, gro, answer_hold_ms, answer_hold_bytes)
         self._finalizer = weakref.finalize(self, self._native.stop)
 
     @property
@@ -166,9 +177,17 @@ class Ingest:
     def local_port(self) -> LocalPort:
         """A port for placing requests in-process (:class:`LocalPort`); up to 16 are open at once."""
         return LocalPort(self)
+    def block_answers_to(self, port: int) -> None:
+        """Fault seam for tests: answers to clients whose UDP port is ``port`` fail to send as on a
+        full send buffer (loopback never fills one: the kernel drops for a slow receiver instead).
+        0 lifts it."""
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self._native.set_blocked_port(port)
 
     def counters(self) -> dict[str, int]:
-        """Every counter (packets, drops by reason, requests) plus free_slots/free_records gauges."""
+        """Every counter (packets, drops by reason, requests) plus the free_slots, free_records,
+        filling and held_answers gauges."""
         return {k: int(v) for k, v in self._native.counters().items()}
 
     def drops(self) -> dict[str, int]:

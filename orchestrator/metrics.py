@@ -605,6 +605,7 @@ _INGEST_TOTALS = {
 _INGEST_GAUGES = {
     "free_slots": ("gpuprims_ingest_free_slots", "Free packet slots in the pool"),
     "free_records": ("gpuprims_ingest_free_records", "Free request records in the pool"),
+    "held_answers": ("gpuprims_ingest_held_answers", "Answer datagrams waiting for a full send buffer"),
 }
 
 

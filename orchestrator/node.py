@@ -67,7 +67,7 @@ from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupErro
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
-from orchestrator.rundir import NodeRecord, RunDirBusy, claim, update_record
+from orchestrator.rundir import NodeRecord, RunDirBusy, claim, sweep_dead_segments, update_record
 from orchestrator.state import AppState, InstanceState
 from orchestrator.supervisor import Supervisor
 
@@ -163,6 +163,12 @@ class Node:
             raise StartError(str(e)) from None
         if removed is not None:
             log.warning("%s", removed.describe())
+        # What SIGKILLed nodes and programs left anywhere (a node of the Python API has no CLI to sweep
+        # for it): pools and Param-Share segments whose owning process is gone.
+        swept = sweep_dead_segments()
+        if swept:
+            log.warning("removed %d shared-memory object(s) of dead processes (%.1f MB): %s", len(swept),
+                        sum(b for _, b in swept) / 1e6, ", ".join(n for n, _ in swept))
         write_token(self.run_dir, self.token)
         self._link_current()
         if self.backend == "cuda":
@@ -594,7 +600,10 @@ class Node:
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
                      "errors": dict(self.errors)},
             "ingest": counters,
-            "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
+            # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
+            # buffer until their request's deadline passed.
+            "drops": {k[5:] if k.startswith("drop_") else k: v for k, v in counters.items()
+                      if (k.startswith("drop_") or k == "answers_expired") and v},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
             "changes": {"counts": dict(self.changes.counts),

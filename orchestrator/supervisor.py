@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuprims.cpushare import CpuShare
+from gpuprims.cuda.ipc import ENV_OWNER_PID
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from orchestrator.config import AppConfig, NodeConfig
@@ -126,6 +127,7 @@ class Supervisor:
         env[ENV_SPEC] = spec.to_json()
         env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
         env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
+        env[ENV_OWNER_PID] = str(os.getpid())  # Param-Share segments follow the node's life, not the exporter's
         if share is not None:
             env.update(share.env())
         env.pop(ENV_IMPORT_NICE, None)

@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/epoll.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/un.h>
 #include <netinet/udp.h>
@@ -24,6 +23,18 @@ namespace gpuprims {
 namespace {
 constexpr size_t kGroBuffer = 65536;
 constexpr size_t kAnswerBatch = 64;  // answer datagrams per sendmmsg
+// Would-block sends tried per flush or retry pass before the rest is held untried: a socket whose
+// buffer is full refuses them all, and trying each costs a system call.
+constexpr int kMaxBlockedTries = 4;
+constexpr uint64_t kRetryIntervalNs = 200000;  // held datagrams are retried at most this often
+constexpr size_t kHeldMax = 1u << 16;          // and at most this many are held
+
+bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS; }
+
+int dest_port(const msghdr& mh) {
+  // sin_port and sin6_port sit at the same offset.
+  return ntohs(static_cast<const sockaddr_in*>(mh.msg_name)->sin_port);
+}
 
 const char* kCounterNames[kCounterCount] = {
     "packets_received",
@@ -66,6 +77,7 @@ const char* kCounterNames[kCounterCount] = {
     "local_submitted",
     "local_answered",
     "local_dropped",
+    "answers_expired",
 };
 
 int open_socket(const ListenSpec& spec, int rcvbuf, bool gro, int* bound_port) {
@@ -159,6 +171,7 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
     out_iov_.resize(2 * kAnswerBatch);
     out_msgs_.resize(kAnswerBatch);
     out_addrs_.resize(kAnswerBatch);
+    out_expires_.resize(kAnswerBatch);
   } catch (...) {
     for (int fd : socks_) ::close(fd);
     if (epfd_ >= 0) ::close(epfd_);
@@ -563,9 +576,120 @@ void Ingest::send_status(int sock, const pool::Record& rec, uint16_t status) {
   h.request_id = rec.request_id;
   h.total_len = 0;
   h.client_ts_ns = rec.client_ts_ns;
-  ssize_t rc = sendto(socks_[size_t(sock)], &h, sizeof h, MSG_DONTWAIT,
-                      reinterpret_cast<const sockaddr*>(rec.addr), rec.addr_len);
-  bump(rc == ssize_t(sizeof h) ? kResponsesSent : kResponseSendErrors);
+  sockaddr_in6 to{};
+  std::memcpy(&to, rec.addr, std::min<size_t>(rec.addr_len, sizeof to));
+  iovec iov{&h, sizeof h};
+  mmsghdr m{};
+  m.msg_hdr.msg_name = &to;
+  m.msg_hdr.msg_namelen = rec.addr_len;
+  m.msg_hdr.msg_iov = &iov;
+  m.msg_hdr.msg_iovlen = 1;
+  int rc;
+  do {
+    rc = send_some(sock, &m, 1);
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 1)
+    bump(kResponsesSent);
+  else if (rc < 0 && would_block(errno))
+    hold(sock, m.msg_hdr, answer_expiry(rec));
+  else
+    bump(kResponseSendErrors);
+}
+
+uint64_t Ingest::answer_expiry(const pool::Record& rec) const {
+  // first_ns is 0 for a status about a request that never got a record (refused at its first datagram).
+  const uint64_t from = rec.first_ns ? rec.first_ns : clock_();
+  return from + (rec.deadline_us ? uint64_t(rec.deadline_us) * 1000 : opt_.answer_hold_ns);
+}
+
+int Ingest::send_some(int sock, mmsghdr* msgs, unsigned n) {
+  const int blocked = blocked_port_.load(std::memory_order_relaxed);
+  if (blocked) {
+    unsigned k = 0;
+    while (k < n && dest_port(msgs[k].msg_hdr) != blocked) ++k;
+    if (k == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    n = k;
+  }
+  return sendmmsg(socks_[size_t(sock)], msgs, n, MSG_DONTWAIT);
+}
+
+void Ingest::hold(int sock, const msghdr& mh, uint64_t expires_ns) {
+  size_t len = 0;
+  for (size_t i = 0; i < mh.msg_iovlen; ++i) len += mh.msg_iov[i].iov_len;
+  if (clock_() >= expires_ns) {
+    bump(kAnswersExpired);
+    return;
+  }
+  if (held_.size() >= kHeldMax || held_bytes_ + len > opt_.answer_hold_bytes) {
+    bump(kResponseSendErrors);  // the held store is full: counted as not sent
+    return;
+  }
+  Held h;
+  h.expires_ns = expires_ns;
+  h.sock = sock;
+  h.addr_len = mh.msg_namelen;
+  std::memcpy(&h.addr, mh.msg_name, std::min<size_t>(mh.msg_namelen, sizeof h.addr));
+  h.bytes.resize(len);
+  size_t off = 0;
+  for (size_t i = 0; i < mh.msg_iovlen; ++i) {
+    std::memcpy(h.bytes.data() + off, mh.msg_iov[i].iov_base, mh.msg_iov[i].iov_len);
+    off += mh.msg_iov[i].iov_len;
+  }
+  held_bytes_ += len;
+  held_.push_back(std::move(h));
+  held_pub_.store(held_.size(), std::memory_order_relaxed);
+}
+
+void Ingest::retry_held() {
+  if (held_.empty()) return;
+  const uint64_t now = clock_();
+  if (now < next_retry_ns_) return;
+  next_retry_ns_ = now + kRetryIntervalNs;
+  int blocked_tries = 0;
+  std::vector<int> blocked_ports;  // destinations that refused in this pass: their later datagrams wait
+  size_t keep = 0;
+  for (size_t i = 0; i < held_.size(); ++i) {
+    Held& h = held_[i];
+    bool done = false;
+    if (now >= h.expires_ns) {
+      bump(kAnswersExpired);
+      done = true;
+    } else if (blocked_tries < kMaxBlockedTries &&
+               std::find(blocked_ports.begin(), blocked_ports.end(), int(ntohs(h.addr.sin6_port))) ==
+                   blocked_ports.end()) {
+      iovec iov{h.bytes.data(), h.bytes.size()};
+      mmsghdr m{};
+      m.msg_hdr.msg_name = &h.addr;
+      m.msg_hdr.msg_namelen = h.addr_len;
+      m.msg_hdr.msg_iov = &iov;
+      m.msg_hdr.msg_iovlen = 1;
+      int rc;
+      do {
+        rc = send_some(h.sock, &m, 1);
+      } while (rc < 0 && errno == EINTR);
+      if (rc == 1) {
+        bump(kResponsesSent);
+        done = true;
+      } else if (rc < 0 && would_block(errno)) {
+        ++blocked_tries;
+        blocked_ports.push_back(ntohs(h.addr.sin6_port));
+      } else {
+        bump(kResponseSendErrors);
+        done = true;
+      }
+    }
+    if (done) {
+      held_bytes_ -= h.bytes.size();
+    } else {
+      if (keep != i) held_[keep] = std::move(h);
+      ++keep;
+    }
+  }
+  held_.resize(keep);
+  held_pub_.store(held_.size(), std::memory_order_relaxed);
 }
 
 void Ingest::free_record(uint32_t r, bool received_only) {
@@ -706,6 +830,7 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
     h.total_len = total;
     h.client_ts_ns = rec->client_ts_ns;
     std::memcpy(&out_addrs_[out_n_], rec->addr, std::min<size_t>(rec->addr_len, sizeof(sockaddr_in6)));
+    out_expires_[out_n_] = answer_expiry(*rec);
     out_iov_[2 * out_n_] = iovec{&h, sizeof h};
     out_iov_[2 * out_n_ + 1] = iovec{const_cast<uint8_t*>(body + size_t(k) * payload), len};
     msghdr& mh = out_msgs_[out_n_].msg_hdr;
@@ -721,24 +846,29 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
 }
 
 void Ingest::flush_answers() {
+  // Never waits: what the socket will not take now is copied out of the answer ring and held (the
+  // ring's room is given back after this returns), retried by the loop until sent or expired.
   size_t off = 0;
-  int waits = 0;
+  int blocked_tries = 0;
   while (off < out_n_) {
-    const int rc = sendmmsg(socks_[size_t(out_sock_)], out_msgs_.data() + off, unsigned(out_n_ - off), MSG_DONTWAIT);
+    if (blocked_tries >= kMaxBlockedTries) {
+      hold(out_sock_, out_msgs_[off].msg_hdr, out_expires_[off]);
+      ++off;
+      continue;
+    }
+    const int rc = send_some(out_sock_, out_msgs_.data() + off, unsigned(out_n_ - off));
     if (rc > 0) {
       off += size_t(rc);
       bump(kResponsesSent, uint64_t(rc));
       continue;
     }
     if (rc < 0 && errno == EINTR) continue;
-    if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && waits++ < 3) {
-      // A full send buffer drains in microseconds on a live link; never hold the ingest longer.
-      pollfd p{socks_[size_t(out_sock_)], POLLOUT, 0};
-      ::poll(&p, 1, 1);
-      continue;
+    if (rc < 0 && would_block(errno)) {
+      ++blocked_tries;
+      hold(out_sock_, out_msgs_[off].msg_hdr, out_expires_[off]);
+    } else {
+      bump(kResponseSendErrors);  // unreachable client, dead link: this datagram is lost, counted
     }
-    // Unreachable client, dead link or a buffer that stays full: this datagram is lost, counted.
-    bump(kResponseSendErrors);
     ++off;
   }
   out_n_ = 0;
@@ -836,6 +966,7 @@ void Ingest::housekeeping() {
   run_commands();
   drain_releases();
   drain_answers();
+  retry_held();
   signal_consumers();
   expire(clock_());
   publish_gauges();
@@ -1023,6 +1154,7 @@ void Ingest::run() {
     run_commands();
     drain_releases();
     drain_answers();
+    retry_held();
     size_t got_total = 0;
     for (size_t s = 0; s < socks_.size(); ++s) {
       // Without GRO, lend free slots to the kernel so datagrams land in the pool with no copy.
@@ -1105,6 +1237,13 @@ void Ingest::run() {
   run_commands();
   drain_releases();
   drain_answers();
+  next_retry_ns_ = 0;
+  retry_held();
+  // The node is stopping: what the sockets still refuse is counted as not sent.
+  bump(kResponseSendErrors, held_.size());
+  held_.clear();
+  held_bytes_ = 0;
+  held_pub_.store(0, std::memory_order_relaxed);
   publish_gauges();
 }
 

@@ -2,10 +2,12 @@
 // reassembles requests, and hands complete ones to consumer rings. One native thread; no Python.
 #pragma once
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -61,6 +63,7 @@ enum Counter : int {
   kLocalSubmitted,           // requests placed in the pool by submit() (the front door), not received
   kLocalAnswered,            // answers of submitted requests handed to their port (any status)
   kLocalDropped,             // answers of submitted requests whose port was closed
+  kAnswersExpired,           // answer datagrams held for a full send buffer until their request's deadline passed
   kCounterCount
 };
 
@@ -91,6 +94,11 @@ struct IngestOptions {
   // UDP_GRO: the kernel may hand over many equal-size datagrams of a flow in one buffer (loopback
   // GSO sends, NIC GRO). Each is then copied into a slot; without GRO they land in slots directly.
   bool gro = true;
+  // An answer datagram the socket will not take now (a full send buffer) is held and retried, never
+  // dropped, until its request's deadline (deadline_us from its first datagram) or, for a request
+  // without one, this long after its first datagram; then it is counted as answers_expired.
+  uint64_t answer_hold_ns = 1000000000ull;
+  size_t answer_hold_bytes = 32u << 20;  // held answers beyond this are counted as response_send_errors
 };
 
 class Ingest {
@@ -149,6 +157,10 @@ class Ingest {
   void feed(int sock, const uint8_t* data, size_t len, size_t gro_seg, const sockaddr_in6& from, socklen_t fromlen);
   void housekeeping();
   std::string check_invariants() const;
+  // Fault seam (tests, fuzz harness): while set, every answer datagram to a client with this UDP
+  // port fails to send as if the socket's send buffer were full (EAGAIN). 0 clears it.
+  void set_blocked_port(int port) { blocked_port_.store(port, std::memory_order_relaxed); }
+  uint64_t held_answers() const { return held_pub_.load(std::memory_order_relaxed); }
 
  private:
   struct Key {
@@ -190,6 +202,12 @@ class Ingest {
   void drain_answers();
   void queue_answer(uint32_t consumer, const pool::AnswerEntry& e, const uint8_t* body);
   void flush_answers();
+  // A datagram that would block: copied and held until it is sent or `expires_ns` passes.
+  void hold(int sock, const msghdr& mh, uint64_t expires_ns);
+  // Try the held datagrams again (in order per destination), count those past their deadline.
+  void retry_held();
+  int send_some(int sock, mmsghdr* msgs, unsigned n);
+  uint64_t answer_expiry(const pool::Record& rec) const;
   bool answers_pending() const;
   void expire(uint64_t now);
   // sock < 0: a submitted request, answered through the local queue (always, whatever answer_drops).
@@ -252,8 +270,21 @@ class Ingest {
   std::vector<iovec> out_iov_;
   std::vector<mmsghdr> out_msgs_;
   std::vector<sockaddr_in6> out_addrs_;
+  std::vector<uint64_t> out_expires_;
   size_t out_n_ = 0;
   int out_sock_ = -1;
+  struct Held {
+    uint64_t expires_ns;
+    int sock;
+    socklen_t addr_len;
+    sockaddr_in6 addr;
+    std::vector<uint8_t> bytes;  // the whole datagram: wire header and payload
+  };
+  std::vector<Held> held_;  // oldest first
+  size_t held_bytes_ = 0;
+  uint64_t next_retry_ns_ = 0;
+  std::atomic<uint64_t> held_pub_{0};
+  std::atomic<int> blocked_port_{0};
   std::unique_ptr<std::atomic<double>[]> cost_fixed_us_, cost_per_us_;  // per consumer; fixed < 0: none
   uint64_t next_expire_ns_ = 0;
   uint64_t next_gone_purge_ns_ = 0;

@@ -185,9 +185,10 @@ void bind_pool(nb::module_& m) {
           "__init__",
           [](Ingest* self, Pool& pool, const std::vector<std::tuple<std::string, int, int>>& listen,
              double timeout_ms, double dedup_window_ms, uint32_t batch, int rcvbuf_bytes, bool answer_drops,
-             bool gro) {
+             bool gro, double answer_hold_ms, size_t answer_hold_bytes) {
             if (!(timeout_ms > 0)) throw std::invalid_argument("timeout_ms must be positive");
             if (!(dedup_window_ms >= 0)) throw std::invalid_argument("dedup_window_ms must be >= 0");
+            if (!(answer_hold_ms > 0)) throw std::invalid_argument("answer_hold_ms must be positive");
             std::vector<ListenSpec> specs;
             for (const auto& [host, port, app] : listen) {
               if (port < 0 || port > 65535) throw std::invalid_argument("port must be in 0..65535");
@@ -200,11 +201,14 @@ void bind_pool(nb::module_& m) {
             o.rcvbuf_bytes = rcvbuf_bytes;
             o.answer_drops = answer_drops;
             o.gro = gro;
+            o.answer_hold_ns = uint64_t(answer_hold_ms * 1e6);
+            o.answer_hold_bytes = answer_hold_bytes;
             new (self) Ingest(&pool, specs, o);
           },
           nb::arg("pool"), nb::arg("listen"), nb::arg("timeout_ms") = 500.0, nb::arg("dedup_window_ms") = 2000.0,
           nb::arg("batch") = 64, nb::arg("rcvbuf_bytes") = 32 << 20, nb::arg("answer_drops") = true,
-          nb::arg("gro") = true, nb::keep_alive<1, 2>())
+          nb::arg("gro") = true, nb::arg("answer_hold_ms") = 1000.0, nb::arg("answer_hold_bytes") = size_t(32) << 20,
+          nb::keep_alive<1, 2>())
       .def("start", &Ingest::start)
       .def("stop", &Ingest::stop, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("running", &Ingest::running)
@@ -247,6 +251,8 @@ void bind_pool(nb::module_& m) {
           },
           nb::arg("port"),
           "Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.")
+      .def("set_blocked_port", &Ingest::set_blocked_port, nb::arg("port"),
+           "Fault seam: answers to clients with this UDP port fail as on a full send buffer (0 clears).")
       .def("counters",
            [](const Ingest& ing) {
              const auto c = ing.counters();
@@ -255,6 +261,7 @@ void bind_pool(nb::module_& m) {
              d["free_slots"] = ing.free_slots();
              d["free_records"] = ing.free_records();
              d["filling"] = ing.filling();
+             d["held_answers"] = ing.held_answers();
              return d;
            });
 }

@@ -24,7 +24,8 @@ from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
-HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
+HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,
+             "too_large": 413}
 
 #: Each wire status other than OK: the error kind it is answered with, and why.
 STATUS_ERRORS: dict[Status, tuple[str, str]] = {
@@ -36,9 +37,6 @@ STATUS_ERRORS: dict[Status, tuple[str, str]] = {
     Status.INTERNAL: ("internal", "the model failed on this batch"),
     Status.SHUTTING_DOWN: ("unavailable", "the node is stopping"),
 }
-#: The largest batch one inference may carry (each row is one request in the node's pool).
-MAX_ROWS = 256
-
 
 class OipError(Exception):
     """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
@@ -69,10 +67,19 @@ class Duration:
 
 @dataclass
 class ModelStats:
-    """Triton-style statistics of one model, counted at the front door."""
+    """Triton-style statistics of one model, counted at the front door.
+
+    As Triton's, ``queue`` and the three ``compute_*`` entries count one per successful inference
+    (perf_analyzer run without ``-x`` picks the model version whose ``queue`` count grew during its
+    measurement, and refuses compute counts that differ). The front door sees a request's time in
+    the node as one span, reported as ``compute_infer``; the node's own per-stage times (queue,
+    gather, model) are in ``status`` and the metrics, so ``queue``, ``compute_input`` and
+    ``compute_output`` carry 0 ns here.
+    """
 
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
+    node: Duration = field(default_factory=Duration)  # successful inferences' round trips through the node
     inference_count: int = 0  # rows answered OK
     execution_count: int = 0  # inferences answered OK
     last_inference_ms: int = 0
@@ -80,12 +87,13 @@ class ModelStats:
 
     def as_dict(self, name: str) -> dict[str, Any]:
         zero = Duration().as_dict()
+        counted = {"count": self.success.count, "ns": 0}
         return {
             "name": name, "version": "1", "last_inference": self.last_inference_ms,
             "inference_count": self.inference_count, "execution_count": self.execution_count,
             "inference_stats": {"success": self.success.as_dict(), "fail": self.fail.as_dict(),
-                                "queue": zero, "compute_input": zero, "compute_infer": zero,
-                                "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
+                                "queue": counted, "compute_input": counted, "compute_infer": self.node.as_dict(),
+                                "compute_output": counted, "cache_hit": zero, "cache_miss": zero},
             "batch_stats": [],
         }
 
@@ -159,8 +167,9 @@ class Core:
         if len(shape) != len(info.input_shape) + 1 or tuple(shape[1:]) != info.input_shape:
             raise OipError("invalid", f"input 'input' of model {info.name!r} has shape "
                                       f"[-1, {', '.join(map(str, info.input_shape))}], got {list(shape)}")
-        if not 1 <= shape[0] <= MAX_ROWS:
-            raise OipError("invalid", f"batch of {shape[0]} rows; send 1..{MAX_ROWS} rows per inference")
+        if not 1 <= shape[0] <= info.max_batch:  # as Triton: a batch is at most the model's max_batch_size
+            raise OipError("invalid", f"batch of {shape[0]} rows; model {info.name!r} takes 1..{info.max_batch} "
+                                      "rows per inference (its max_batch)")
 
     async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0,
                     marks: Marks | None = None) -> np.ndarray:
@@ -174,10 +183,12 @@ class Core:
         try:
             results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us,
                                                 timeout_s=self.row_timeout_s(info, deadline_us), marks=marks)
+            t_node = time.monotonic_ns()
             out = self._collect(info, results, st)
         except OipError:
             st.fail.add(time.monotonic_ns() - t0)
             raise
+        st.node.add(t_node - t0)
         st.success.add(time.monotonic_ns() - t0)
         st.inference_count += len(x)
         st.execution_count += 1

@@ -4,6 +4,10 @@ RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelI
 ``contents`` or ``raw_input_contents`` in; ``raw_output_contents`` out), and Triton's ModelConfig,
 ModelStatistics and RepositoryIndex. Others (streaming, shared memory, load/unload) answer
 UNIMPLEMENTED. Errors abort the call with the code of :data:`GRPC_CODE`.
+
+Messages are bounded by what the models can take (:attr:`ModelInfo.max_message_bytes`): gRPC itself
+refuses one larger than the largest model's bound with RESOURCE_EXHAUSTED before it is parsed, and
+ModelInfer refuses one larger than its own model's bound the same way.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from orchestrator.frontdoor.transport import Marks
 SERVICE = "inference.GRPCInferenceService"
 GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
              "unavailable": grpc.StatusCode.UNAVAILABLE, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-             "internal": grpc.StatusCode.INTERNAL}
-#: Message size limits of the server (gRPC's default receive limit is 4 MiB).
-MAX_MESSAGE_BYTES = 256 << 20
+             "internal": grpc.StatusCode.INTERNAL, "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED}
+#: Send limit of the server (an answer is max_batch x K floats; gRPC's default send limit is unbounded).
+MAX_SEND_BYTES = 256 << 20
 #: Typed contents field of each datatype.
 CONTENTS_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents", "FP16": None, "INT64": "int64_contents",
                   "FP64": "fp64_contents", "INT32": "int_contents", "INT8": "int_contents", "BOOL": "bool_contents"}
@@ -80,6 +84,10 @@ class Servicer:
             raise OipError("invalid", f"ModelInferRequest does not parse: {e}") from None
         marks.lap("parse")
         info = self.core.model(req.model_name, req.model_version)
+        size = req.ByteSize()
+        if size > info.max_message_bytes:
+            raise OipError("too_large", f"request of {size} bytes is larger than model {info.name!r} can take "
+                                        f"({info.max_message_bytes} bytes: max_batch {info.max_batch} x its input)")
         if len(req.inputs) != 1:
             raise OipError("invalid", f"model {info.name!r} takes exactly one input, 'input'")
         t = req.inputs[0]
@@ -152,9 +160,14 @@ def make_handler(core: Core) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
+def max_message_bytes(core: Core) -> int:
+    """gRPC's receive limit: the largest message any model can take (each ModelInfer has its own)."""
+    return max((m.max_message_bytes for m in core.models.values()), default=4 << 20)
+
+
 def make_server(core: Core) -> grpc.aio.Server:
     """A grpc.aio server with the service added (add a port, then ``await start()``)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes(core)),
+                                      ("grpc.max_send_message_length", MAX_SEND_BYTES)])
     server.add_generic_rpc_handlers((make_handler(core),))
     return server

@@ -38,7 +38,8 @@ class Node:
         self.pool = PacketPool.create(slot_count=slot_count, record_count=record_count, max_chunks=max_chunks,
                                       consumer_count=consumers, answer_ring_bytes=answer_ring_bytes)
         listen = [("127.0.0.1", 0)] if listen_app is None else [("127.0.0.1", 0, listen_app)]
-        self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms, gro=gro).start()
+        # Held answers of requests without a deadline outlive any stall of the test (see REACT_S).
+        self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms, gro=gro, answer_hold_ms=REACT_S * 1000).start()
         self.ingest.set_route(APP, [0])
         self.addr = ("127.0.0.1", self.ingest.ports[0])
         self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -967,3 +968,87 @@ def test_each_port_gets_its_own_answers_and_a_closed_one_none() -> None:
         assert cnt["local_submitted"] == 5 and cnt["local_answered"] == 4 and cnt["responses_sent"] == 0
     finally:
         n.close()
+
+
+def _answer_all(node: Node, n: int, floats: int) -> np.ndarray:
+    """Take n requests and answer each OK with a row of ``floats`` values marking its request id."""
+    recs = node.take(n)
+    info = node.pool.requests(recs)
+    rows = np.stack([np.arange(floats, dtype=np.float32) + int(r) for r in info["request_id"]])
+    node.pool.consumer(0).answer(recs, info, Status.OK, rows)
+    return info["request_id"]
+
+
+def test_answers_to_a_receiver_that_will_not_take_them_are_held_then_arrive_once() -> None:
+    """Answers the socket refuses (a full send buffer, played by the fault seam: loopback never
+    fills one, the kernel drops for a slow receiver instead) are held, not lost; another client's
+    answers keep flowing meanwhile; once the receiver takes them each arrives exactly once."""
+    node = Node()
+    other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        other.bind(("127.0.0.1", 0))
+        other.settimeout(REACT_S)
+        node.ingest.block_answers_to(node.client.getsockname()[1])
+        for rid in range(6):
+            node.send(wire.encode_request(APP, rid, _body(rid)))
+        _answer_all(node, 6, 3000)
+        held = 6 * -(-3000 * 4 // node.pool.layout["max_payload"])  # datagrams of six 12000-byte answers
+        c = node.wait(lambda c: c["held_answers"] == held)
+        assert c["requests_answered"] == 6 and c["answers_expired"] == 0 and c["response_send_errors"] == 0
+        # Another client is served while the first one's answers wait.
+        for rid in range(100, 103):
+            for d in wire.encode_request(APP, rid, _body(rid)):
+                other.sendto(d, node.addr)
+        _answer_all(node, 3, 10)
+        asm, theirs = wire.ResponseAssembler(), []
+        while len(theirs) < 3:
+            r = asm.feed(other.recv(65536))
+            if r is not None:
+                theirs.append(r)
+        assert sorted(r.request_id for r in theirs) == [100, 101, 102]
+        assert node.ingest.counters()["held_answers"] == held
+        node.ingest.block_answers_to(0)  # the receiver drains its buffer
+        got = _by_id(node.responses(6))
+        for rid in range(6):
+            assert got[rid].status == Status.OK
+            np.testing.assert_array_equal(got[rid].array(), np.arange(3000, dtype=np.float32) + rid)
+        c = node.wait(lambda c: c["held_answers"] == 0 and c["free_slots"] == 2048)
+        assert c["answers_expired"] == 0 and c["response_send_errors"] == 0
+        _no_more_datagrams(node)
+    finally:
+        other.close()
+        node.close()
+
+
+def test_held_answers_past_their_deadline_are_counted_expired_and_never_sent() -> None:
+    node = Node()
+    try:
+        node.ingest.block_answers_to(node.client.getsockname()[1])
+        for rid in range(4):
+            node.send(wire.encode_request(APP, rid, _body(rid), deadline_us=20_000))
+        _answer_all(node, 4, 3000)
+        held = 4 * -(-3000 * 4 // node.pool.layout["max_payload"])
+        c = node.wait(lambda c: c["answers_expired"] == held and c["held_answers"] == 0)
+        assert c["requests_answered"] == 4 and c["response_send_errors"] == 0 and c["responses_sent"] == 0
+        node.ingest.block_answers_to(0)
+        _no_more_datagrams(node)
+        # The ingest goes on: the next request is answered at once.
+        node.send(wire.encode_request(APP, 9, _body(9)))
+        _answer_all(node, 1, 4)
+        assert node.responses(1)[0].request_id == 9
+    finally:
+        node.close()
+
+
+def test_answer_hold_arguments_are_checked() -> None:
+    pool = PacketPool.create(slot_count=64, record_count=8, max_chunks=8, consumer_count=1)
+    try:
+        with pytest.raises(ValueError, match="answer_hold_ms"):
+            Ingest(pool, answer_hold_ms=0)
+        with pytest.raises(ValueError, match="answer_hold_bytes"):
+            Ingest(pool, answer_hold_bytes=-1)
+        ing = Ingest(pool)
+        with pytest.raises(ValueError, match="port"):
+            ing.block_answers_to(70000)
+    finally:
+        pool.close()
