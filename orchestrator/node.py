@@ -36,7 +36,7 @@ from gpuprims.backend import resolve_backend
 from gpuprims.cpushare import CpuShare
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from orchestrator.config import NodeConfig
+from orchestrator.config import NodeConfig, engine_problems
 from orchestrator.control import (
     ControlServer,
     Incoming,
@@ -155,6 +155,9 @@ class Node:
         why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
             if node.backend == "auto" else "requested"
         log.info("backend: %s (%s)", self.backend, why)
+        problems = engine_problems(self.cfg, self.backend)  # a GPU-only engine on the cpu backend, ...
+        if problems:
+            raise StartError("; ".join(f"{key}: {what}" for key, what in problems))
         self._own_run_dir = node.run_dir is None
         self.run_dir = make_run_dir(node.run_dir)
         try:
