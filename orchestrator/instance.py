@@ -193,6 +193,8 @@ class Instance:
                 self._prewarmed = built
                 self.prewarm_state = "warm"
                 self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
+                if isinstance(built.get("engines"), dict):  # what the pre-warm built (or found in the cache)
+                    self.prewarm_info["engine"] = {k: e.describe() for k, e in built["engines"].items()}
 
     def _take_prewarmed(self) -> dict[str, Any] | None:
         """The pre-warmed models if the pre-warm finished. If it is still running, its threads are
@@ -231,7 +233,7 @@ class Instance:
         self._last_beat = now
         snap = self.serving.snapshot()
         snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
-                    params=self.runner.params_mode, mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+                    params=self.runner.params_mode, engine=self.runner.describe(), mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
         with contextlib.suppress(Exception):
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 
@@ -243,7 +245,7 @@ class Instance:
             self.init_compute(msg.gpu_pct)
             self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
                                     info={"initialized": True, "gpu_pct": msg.gpu_pct, "measured": self.measured,
-                                          "prewarm": self.prewarm_state}))
+                                          "prewarm": self.prewarm_state, "engine": self.runner.describe()}))
         elif isinstance(msg, Finish):
             self.finishing = True
             drained = self.drain()
@@ -294,6 +296,7 @@ class Instance:
     def close(self) -> None:
         self.runner.close()
         self.serving.close()  # the gatherer, before the pool it registered goes
+        self.runner.close_stream()  # after the gatherer that ran on it
         self.pool.close()
 
 
@@ -319,7 +322,7 @@ def main(import_info: dict[str, Any] | None = None) -> int:
         elif spec.prewarm:
             inst.start_prewarm()
         info: dict[str, Any] = {"initialized": inst.initialized, "gpu_pct": spec.gpu_pct, "consumer": spec.consumer,
-                                "measured": inst.measured}
+                                "measured": inst.measured, "engine": inst.runner.describe()}
         if import_info is not None:
             info["import"] = inst.prewarm_info["import"] = import_info  # (the warm Ready says it again)
         control.send(Ready(instance=spec.name, pid=os.getpid(), info=info))
