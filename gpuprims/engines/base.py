@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 #: Every kind an app's ``engine:`` may name, and the module:class that implements it (imported on use).
 KINDS: dict[str, str] = {
     "eager": "gpuprims.engines.eager:EagerEngine",
+    "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
 BACKENDS = ("cpu", "cuda")

@@ -49,7 +49,9 @@ def default_root() -> Path:
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative path is invalid and ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "gpuprims" / "engines"
 
 
@@ -199,9 +201,11 @@ class EngineCache:
         """(True, "") when the entry exists and every file matches its manifest; else (False, why)."""
         path = self.root / key
         if not path.is_dir():
-            return False, "absent"
+            return (False, "not a directory") if os.path.lexists(path) else (False, "absent")
         try:
             manifest = json.loads((path / MANIFEST).read_text())
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+                return False, "manifest is not a mapping with a 'files' mapping"
             if manifest.get("version") != MANIFEST_VERSION or manifest.get("key") != key:
                 return False, "manifest of another version or key"
             for name, want in manifest["files"].items():
@@ -238,6 +242,9 @@ class EngineCache:
             if why != "absent":
                 log.warning("engine cache entry %s in %s is corrupt (%s): rebuilding it", key, self.root, why)
                 self._remove(self.root / key)
+            for dead in (self.root / "tmp").glob(f"{key}.*"):
+                # a builder of this key that died mid-build (we hold the key's lock, so none is running)
+                shutil.rmtree(dead, ignore_errors=True)
             tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
             tmp.mkdir(mode=0o700)
             try:
@@ -264,7 +271,10 @@ class EngineCache:
 
     def _remove(self, path: Path) -> None:
         """Remove a directory: renamed aside first, so a half-removed entry is never taken for one."""
-        if not path.exists():
+        if not os.path.lexists(path):
+            return
+        if not path.is_dir() or path.is_symlink():
+            path.unlink()
             return
         aside = self.root / "tmp" / f"dead.{path.name}.{uuid.uuid4().hex[:8]}"
         try:
@@ -287,3 +297,14 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def engine_key(engine: Any, module: Any = None, *, libraries: tuple[str, ...] = (),
+               extra: Mapping[str, Any] | None = None) -> str:
+    """The cache key of an engine's artefact: its kind and options, the model (``module`` for a user
+    model's weights), the device, and the versions of ``libraries``. The threads a share gives are not
+    in it (they change no artefact), so a change of share finds the same entry."""
+    parts = {"kind": engine.kind, "options": dict(engine.options), "model": model_identity(engine.source, module),
+             "device": device_identity(engine.target), "libraries": library_versions(*libraries),
+             "extra": dict(extra or {})}
+    return fingerprint(parts)
