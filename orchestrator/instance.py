@@ -194,7 +194,7 @@ class Instance:
                 self.prewarm_state = "warm"
                 self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
                 if isinstance(built.get("engines"), dict):  # what the pre-warm built (or found in the cache)
-                    self.prewarm_info["engine"] = {k: e.describe() for k, e in built["engines"].items()}
+                    self.prewarm_info["engine_prewarm"] = {k: e.describe() for k, e in built["engines"].items()}
 
     def _take_prewarmed(self) -> dict[str, Any] | None:
         """The pre-warmed models if the pre-warm finished. If it is still running, its threads are

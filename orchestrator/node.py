@@ -80,6 +80,14 @@ CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last no
 EVENTS_KEPT = 1000
 
 
+def _ready_engine(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine an instance's Ready described: its own, or (a shadow's warm Ready) the pre-warm's."""
+    if info.get("engine"):
+        return info["engine"]
+    warm = info.get("engine_prewarm") or {}
+    return warm.get("main") or ({"stages": warm} if warm else None)
+
+
 class Node:
     """One gpuprims node (see the module docstring)."""
 
@@ -565,7 +573,9 @@ class Node:
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **s})
+                              "prewarm": st.info.get("prewarm"), **s,
+                              # the heartbeat's; before the first one, what its (warm) Ready said
+                              "engine": s.get("engine") or _ready_engine(st.info)})
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
