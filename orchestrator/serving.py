@@ -157,6 +157,7 @@ class ServingLoop:
             if not self.stats.stages.running:
                 self.stats.stages.start()  # the next batch's clock starts when its first request is taken
             info = self.pool.requests(recs)
+            self.policy.note_arrivals((info["complete_ns"] / 1e6).tolist())  # whether waiting will pay
             self.stats.counts["received"] += int(recs.size)
             if not self.stats.first_request_ns:
                 self.stats.first_request_ns = int(info["first_ns"].min())
@@ -322,7 +323,7 @@ class ServingLoop:
         pulled = 0
         if self.queue:
             oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
-            decision = self.policy.decide(len(self.queue), oldest_age)
+            decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
             if decision.take == 0:
                 pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
         else:
@@ -336,8 +337,9 @@ class ServingLoop:
             self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
             return
         self._early_drop(time.monotonic_ns())
-        oldest_age = max(0.0, (time.monotonic_ns() - int(self.queue[0][1]["first_ns"])) / 1e6)
-        decision = self.policy.decide(len(self.queue), oldest_age)
+        now = time.monotonic_ns()
+        oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+        decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
         if decision.take:
             self._serve_batch(min(decision.take, len(self.queue)))
             self._last_served = time.monotonic()

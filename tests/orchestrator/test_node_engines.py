@@ -88,7 +88,7 @@ def _serve_and_check(node: Node, n: int, seed: int) -> None:
         r = client.responses[rid][0]
         assert r.status == Status.OK, (rid, r.status)
         got = r.array().reshape(-1)
-        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(reference(app, x)), rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(torch.from_numpy(got.copy()), torch.from_numpy(reference(app, x)), rtol=RTOL, atol=ATOL,
                                    msg=f"request {rid} of app {MODELS[app][0]}")
 
 
