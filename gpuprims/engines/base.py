@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 KINDS: dict[str, str] = {
     "eager": "gpuprims.engines.eager:EagerEngine",
     "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
+    "compile": "gpuprims.engines.compile:CompileEngine",
+    "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
 BACKENDS = ("cpu", "cuda")
