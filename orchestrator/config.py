@@ -31,16 +31,20 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gpuprims.engines import EngineError, check_engine, engine_class
+
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "AppConfig",
     "ConfigError",
+    "EngineChoice",
     "HostResources",
     "ListenConfig",
     "NodeConfig",
     "NodeSettings",
     "PoolConfig",
     "StageConfig",
+    "engine_problems",
     "load_config",
     "parse_config",
 ]
@@ -176,6 +180,42 @@ def _model_ref(v: Any) -> str:
     return v
 
 
+class EngineChoice(BaseModel):
+    """An app's (or stage's) ``engine:``: the kind (``gpuprims.engines.KINDS``) and its options. In YAML
+    either a name (``engine: onnxruntime``) or a mapping with ``kind`` and the options
+    (``engine: {kind: onnxruntime, provider: cpu}``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str = "eager"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    def to_yaml(self) -> str | dict[str, Any]:
+        """The form the file had: the name alone when there are no options."""
+        return {"kind": self.kind, **self.options} if self.options else self.kind
+
+
+def _engine_ref(v: Any) -> EngineChoice:
+    if isinstance(v, EngineChoice):
+        return v
+    if isinstance(v, str):
+        kind, options = v, {}
+    elif isinstance(v, dict):
+        if not isinstance(v.get("kind"), str):
+            raise ValueError(f"a mapping needs 'kind' (an engine name) beside its options, got {v!r}")
+        kind, options = v["kind"], {k: o for k, o in v.items() if k != "kind"}
+        if not all(isinstance(k, str) for k in options):
+            raise ValueError(f"option names must be strings, got {list(options)!r}")
+    else:
+        raise ValueError(f"must be an engine name such as 'eager' or 'onnxruntime', or a mapping "
+                         f"{{kind: NAME, option: value, ...}}, got {v!r}")
+    try:
+        engine_class(kind).validate_options(options)  # the kind and its option names; the backend later
+    except EngineError as e:
+        raise ValueError(str(e)) from None
+    return EngineChoice(kind=kind, options=options)
+
+
 def _plain(v: Any) -> Any:
     # Serialise validated tuples as lists (JSON arrays); a PlainValidator has no serialiser of its own.
     return list(v) if isinstance(v, tuple) else v
@@ -192,6 +232,8 @@ MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
 ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
+EngineRef = Annotated[EngineChoice, PlainValidator(_engine_ref),
+                      PlainSerializer(lambda v: v.to_yaml(), return_type=Any)]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
@@ -282,6 +324,8 @@ class NodeSettings(BaseModel):
     # directory of CPU profiles (gpuprims-profile MODEL --device cpu) of the overflowing apps' models.
     overflow_reserved_cores: int = Field(1, ge=0, le=1024)
     overflow_profiles: str | None = None
+    # Where engines (apps' ``engine:``) keep what they build; null: gpuprims.engines.default_root(), per user.
+    engine_cache: str | None = None
 
     @field_validator("mps", mode="before")
     @classmethod
@@ -289,7 +333,7 @@ class NodeSettings(BaseModel):
         # YAML reads a bare `off` as false: `mps: off` means what it says.
         return "off" if v is False else v
 
-    @field_validator("run_dir")
+    @field_validator("run_dir", "engine_cache")
     @classmethod
     def _run_dir(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
@@ -331,6 +375,7 @@ class StageConfig(BaseModel):
     model: ModelRef
     gpu_pct: PctOrAuto = "auto"
     routes: tuple[str, ...] = ()
+    engine: EngineRef | None = None  # this stage's engine; the app's when not given
 
     @field_validator("name")
     @classmethod
@@ -372,6 +417,11 @@ class AppConfig(BaseModel):
     overflow: Literal["none", "cpu"] = "none"
     overflow_cores: int | None = Field(None, ge=1, le=1024)
     overflow_alpha_ms: float = Field(0.1, ge=0, le=1000)
+    # The model runner (gpuprims.engines): eager (torch, the default), onnxruntime, compile, ... with
+    # its options; the CPU overflow instance's may differ (default: the app's where it runs on the cpu
+    # backend, else eager).
+    engine: EngineRef = EngineChoice()
+    overflow_engine: EngineRef | None = None
 
     @field_validator("name")
     @classmethod
@@ -398,6 +448,13 @@ class AppConfig(BaseModel):
             _check_dag(self.stages)
         if self.overflow == "none" and self.overflow_cores is not None:
             raise _problem("overflow_cores", "applies only with overflow: cpu")
+        if self.overflow == "none" and self.overflow_engine is not None:
+            raise _problem("overflow_engine", "applies only with overflow: cpu")
+        if self.overflow_engine is not None:
+            try:
+                check_engine(self.overflow_engine.kind, "cpu", self.overflow_engine.options)
+            except EngineError as e:
+                raise _problem("overflow_engine", f"app {self.name!r}: {e} (the overflow instance runs on the cpu)") from None
         if self.max_wait_ms >= self.slo_ms:
             raise _problem("max_wait_ms", f"{self.max_wait_ms} ms batching wait leaves no time within "
                                           f"slo_ms={self.slo_ms}; it must be less than slo_ms")
@@ -425,6 +482,29 @@ class AppConfig(BaseModel):
     def is_dag(self) -> bool:
         """True for a multi-stage app."""
         return self.stages is not None
+
+    def stage_engine(self, stage: StageConfig) -> EngineChoice:
+        """A DAG stage's engine: its own ``engine:``, else the app's."""
+        return stage.engine if stage.engine is not None else self.engine
+
+    @property
+    def cpu_overflow_engine(self) -> EngineChoice:
+        """The engine of the CPU overflow instance: ``overflow_engine``, else the app's engine where it
+        runs on the cpu backend, else eager."""
+        if self.overflow_engine is not None:
+            return self.overflow_engine
+        try:
+            check_engine(self.engine.kind, "cpu", self.engine.options)
+        except EngineError:
+            return EngineChoice()
+        return self.engine
+
+    def engines(self) -> list[tuple[str, EngineChoice]]:
+        """(key path within the app, engine) of every engine the app's instances run on its backend."""
+        if self.stages is None:
+            return [("engine", self.engine)]
+        return [(f"stages[{j}].engine" if st.engine is not None else "engine", self.stage_engine(st))
+                for j, st in enumerate(self.stages)]
 
     def fixed_pct_per_instance(self) -> int:
         """GPU% one instance claims when fixed in the file (sum over stages for a DAG); 0 if auto."""
@@ -552,6 +632,8 @@ class NodeConfig(BaseModel):
                        f"a request of {list(a.input_shape)} {a.dtype} is {a.input_nbytes} bytes, more than "
                        f"node.pool.max_chunks * node.pool.max_payload = {pool.max_chunks} * "
                        f"{pool.max_payload} = {pool.max_request_bytes} bytes")
+        if self.node.backend != "auto":
+            yield from engine_problems(self, self.node.backend)
         # Under a live scheduler (spatiotemporal, temporal) shares may add up to more than 100: the
         # scheduler keeps the GPU% of what runs at any instant within 100.
         if not self.node.allow_oversubscribe and self.node.scheduler == "spatial":
@@ -589,6 +671,22 @@ class NodeConfig(BaseModel):
     def chunks_for(self, app: AppConfig) -> int:
         """Datagrams one request of ``app`` takes with this node's pool payload size."""
         return app.chunk_count(self.node.pool.max_payload)
+
+
+def engine_problems(cfg: NodeConfig, backend: str) -> list[tuple[str, str]]:
+    """(key path, reason) for every app engine that cannot run on ``backend`` (the resolved one: a
+    node with ``backend: auto`` is checked at start, once the backend is known). Builds nothing."""
+    out: list[tuple[str, str]] = []
+    for i, a in enumerate(cfg.apps):
+        seen: set[str] = set()
+        for key, eng in a.engines():
+            try:
+                check_engine(eng.kind, backend, eng.options)
+            except EngineError as e:
+                if key not in seen:
+                    out.append((f"apps[{i}].{key}", f"app {a.name!r}: {e}"))
+                    seen.add(key)
+    return out
 
 
 # ---- loading and error formatting

@@ -773,6 +773,7 @@ class _Collector(Collector):
         yield from g.values()
         yield roles
         yield from ovf.values()
+        yield from _engine_families(st["apps"])
         yield from self._node_families(raw, st)
 
     @staticmethod
@@ -815,6 +816,30 @@ class _Collector(Collector):
 
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
+
+
+def _engine_families(apps: list[dict[str, Any]]) -> Iterator[Any]:
+    """Per instance and stage: its engine's build time (0 on a cache hit) and whether it came from the
+    engine cache (``engine`` in the instance's heartbeat, gpuprims.engines ``describe()``)."""
+    labels = ["app", "instance", "stage", "kind"]
+    build = GaugeMetricFamily("gpuprims_engine_build_seconds", "Time the instance's engine took to build (0 when "
+                              "it came from the engine cache)", labels=labels)
+    hit = GaugeMetricFamily("gpuprims_engine_cache_hit", "1 when the instance's engine came from the engine "
+                            "cache, 0 when it was built at start", labels=labels)
+    for a in apps:
+        for i in a["instances"]:
+            e = i.get("engine")
+            if not isinstance(e, Mapping) or not e:
+                continue
+            stages = e.get("stages")
+            for stage, d in (stages.items() if isinstance(stages, Mapping) else [("main", e)]):
+                if not isinstance(d, Mapping) or not d.get("kind"):
+                    continue
+                key = [str(a.get("name", "?")), str(i.get("name", "?")), str(stage), str(d["kind"])]
+                build.add_metric(key, (_num(d.get("build_ms")) or 0.0) / 1000)
+                hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
+    yield build
+    yield hit
 
 
 def _status_ready(status: Mapping[str, Any]) -> bool:

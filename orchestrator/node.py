@@ -36,7 +36,7 @@ from gpuprims.backend import resolve_backend
 from gpuprims.cpushare import CpuShare
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from orchestrator.config import NodeConfig
+from orchestrator.config import NodeConfig, engine_problems
 from orchestrator.control import (
     ControlServer,
     Incoming,
@@ -78,6 +78,14 @@ log = logging.getLogger("gpuprims.node")
 RATE_WINDOW_S = 5.0  # status rates are over about this many seconds of heartbeats
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
 EVENTS_KEPT = 1000
+
+
+def _ready_engine(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine an instance's Ready described: its own, or (a shadow's warm Ready) the pre-warm's."""
+    if info.get("engine"):
+        return info["engine"]
+    warm = info.get("engine_prewarm") or {}
+    return warm.get("main") or ({"stages": warm} if warm else None)
 
 
 class Node:
@@ -155,6 +163,9 @@ class Node:
         why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
             if node.backend == "auto" else "requested"
         log.info("backend: %s (%s)", self.backend, why)
+        problems = engine_problems(self.cfg, self.backend)  # a GPU-only engine on the cpu backend, ...
+        if problems:
+            raise StartError("; ".join(f"{key}: {what}" for key, what in problems))
         self._own_run_dir = node.run_dir is None
         self.run_dir = make_run_dir(node.run_dir)
         try:
@@ -569,7 +580,9 @@ class Node:
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **s})
+                              "prewarm": st.info.get("prewarm"), **s,
+                              # the heartbeat's; before the first one, what its (warm) Ready said
+                              "engine": s.get("engine") or _ready_engine(st.info)})
                 for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
                     totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
             served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)

@@ -87,6 +87,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             lines.append(f"overflow {a.get('name', '?')}: " + "  ".join(parts)
                          + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
+    lines.extend(_engine_lines(st["apps"]))
     drops = st["ingest_drops"]
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
@@ -123,4 +124,35 @@ def _changes_lines(status: Any, keep: int = 3) -> list[str]:
     for d in (status.get("decisions") or [])[-keep:]:
         if isinstance(d, Mapping):
             out.append(f"monitor: {d.get('app')} {d.get('verdict')} ({d.get('reason')}): {d.get('result')}")
+    return out
+
+
+def _engine_line(where: str, e: Mapping[str, Any]) -> str:
+    parts = [f"engine {where}: {e.get('kind', '?')}"]
+    if e.get("provider"):
+        parts.append(f"provider={e['provider']}")
+    if e.get("fallback"):
+        parts.append(f"FALLBACK to eager ({e['fallback']})")
+    if e.get("fingerprint"):
+        how = "cache hit" if e.get("cache_hit") else f"built in {_fmt(_num(e.get('build_ms')), '.0f')} ms"
+        parts.append(f"{how}, load {_fmt(_num(e.get('load_ms')), '.0f')} ms, {e['fingerprint']}")
+    if e.get("param_share") is False:
+        parts.append("Param-Share n/a (own weights)")
+    return "  ".join(parts)
+
+
+def _engine_lines(apps: list[dict[str, Any]]) -> list[str]:
+    """One line per instance running an engine other than eager (or one that fell back to eager):
+    kind, cache hit or build time, load time, fingerprint."""
+    out = []
+    for a in apps:
+        for i in a["instances"]:
+            e = i.get("engine")
+            if not isinstance(e, Mapping) or not e:
+                continue
+            stages = e.get("stages")
+            items = list(stages.items()) if isinstance(stages, Mapping) else [("", e)]
+            for stage, d in items:
+                if isinstance(d, Mapping) and (d.get("kind") != "eager" or d.get("fallback")):
+                    out.append(_engine_line(f"{i.get('name', '?')}{f' stage {stage}' if stage else ''}", d))
     return out

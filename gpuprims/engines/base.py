@@ -36,6 +36,8 @@ KINDS: dict[str, str] = {
     "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
     "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
+    "compile": "gpuprims.engines.compile:CompileEngine",
+    "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
 BACKENDS = ("cpu", "cuda")
