@@ -369,6 +369,15 @@ class ModelRunner:
             self.stream = self._own_stream = Stream(self.device)
         if self._event is None:
             self._event = Event(self.device)
+        handle = stream_handle(self.stream)
+        if getattr(model, "asynchronous", False):
+            # An engine that enqueues its own work (a CUDA graph replay, TensorRT's enqueue) is called on
+            # this thread, as on a GPU: a CUDA call inside a stream callback is not permitted.
+            with torch.inference_mode():
+                out = model(x)
+            self._event.record(handle)
+            self._event.wait(self.interval_us, timeout_s=self.timeout_s)
+            return out
         box: list[Any] = []
 
         def infer() -> None:
@@ -378,7 +387,6 @@ class ModelRunner:
             except Exception as e:  # raised on the host below, as torch raises a failed enqueue
                 box.append(e)
 
-        handle = stream_handle(self.stream)
         rt.launch_host_func(handle, infer)  # type: ignore[attr-defined]
         self._event.record(handle)
         self._event.wait(self.interval_us, timeout_s=self.timeout_s)
