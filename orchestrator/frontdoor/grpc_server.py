@@ -24,7 +24,7 @@ from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
 SERVICE = "inference.GRPCInferenceService"
 GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
              "unavailable": grpc.StatusCode.UNAVAILABLE, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-             "internal": grpc.StatusCode.INTERNAL}
+             "internal": grpc.StatusCode.INTERNAL, "unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 #: Message size limits of the server (gRPC's default receive limit is 4 MiB).
 MAX_MESSAGE_BYTES = 256 << 20
 #: Typed contents field of each datatype.

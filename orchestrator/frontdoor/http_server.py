@@ -23,6 +23,7 @@ from aiohttp import web
 from gpuprims import __version__
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+from orchestrator.frontdoor.repository import add_repository_routes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 #: Largest request body accepted (aiohttp's default is 1 MiB; a 224x224x3 float32 batch of 8 is 4.8 MB).
@@ -189,8 +190,9 @@ async def infer(request: web.Request) -> web.Response:
     return resp
 
 
-def make_app(core: Core) -> web.Application:
-    """The aiohttp application serving ``core``."""
+def make_app(core: Core, repository: Any = None, repository_token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``core``; with ``repository`` (orchestrator.repository.Repository)
+    also the model-repository load/unload routes, behind ``repository_token`` (frontdoor/repository.py)."""
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[CORE_KEY] = core
     r = app.router
@@ -205,4 +207,6 @@ def make_app(core: Core) -> web.Application:
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
         r.add_post(base + "/infer", infer)
+    if repository is not None:
+        add_repository_routes(app, repository, repository_token)
     return app
