@@ -69,9 +69,10 @@ class Agent:
         self.name = name
         self.host = host
         self.gpus = gpus
-        self.dir = Path(tempfile.mkdtemp(prefix=f"gpuprims-agent-{name[:12]}-", dir=base_dir))
+        # Short names: the run dir holds Unix sockets, whose paths may be at most 107 bytes.
+        self.dir = Path(tempfile.mkdtemp(prefix="gpa-", dir=base_dir))
         os.chmod(self.dir, 0o700)
-        self.run_dir = self.dir / "run"
+        self.run_dir = self.dir / "r"
         self.token = secrets.token_urlsafe(32)
         tok = self.dir / "repository.token"
         tok.write_text(self.token)
