@@ -118,6 +118,14 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
                     t_fault = now
                     w = next(w for w in workers if w.node_id == primary)
                     if fault == "kill":
+                        # The whole machine at once: its orchestrator (and instances, one process group),
+                        # the agent, then the raylet and the rest of the Ray node.
+                        info = st["nodes"][primary]
+                        for fn, pid in ((os.killpg, int(info["node_pid"])), (os.kill, int(info["pid"]))):
+                            try:
+                                fn(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
                         cluster.remove_node(w, allow_graceful=False)
                     else:
                         for pid in _pids_of(w, st["nodes"][primary]):
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         rs = [r for r in results if r["fault"] == f]
         for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
             vals = [r[key] for r in rs if r[key] is not None]
-            summary[f"{f}_{key.replace('_s', '')}_max_s"] = max(vals) if vals else None
+            summary[f"{f}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
         for key in ("sent", "ok", "errors", "unanswered", "duplicates_suppressed"):
             summary[f"{f}_{key}"] = sum(r[key] for r in rs)
     notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "

@@ -5,6 +5,8 @@ request is still answered exactly once."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,7 +70,10 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
         r = client.infer("cls", xs[0])
         assert r.status == Status.OK and client.failovers == 0
         np.testing.assert_allclose(r.output, want[0], rtol=1e-4, atol=1e-4)
-        # The primary's machine dies whole: raylet, agent, orchestrator and its instances.
+        # The primary's machine dies whole: orchestrator and its instances, agent, raylet.
+        info = st["nodes"][primary["node"]]
+        os.killpg(int(info["node_pid"]), signal.SIGKILL)
+        os.kill(int(info["pid"]), signal.SIGKILL)
         ray_fleet.cluster.remove_node(ray_fleet.node_of(primary["node"]), allow_graceful=False)
         results = [client.infer("cls", x) for x in xs[1:]]
         assert [r.status for r in results] == [Status.OK] * 5  # every request answered, once
