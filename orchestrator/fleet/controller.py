@@ -47,6 +47,8 @@ CONTROLLER_NAME = "gpuprims-fleet-controller"
 AGENT_PREFIX = "gpuprims-agent-"
 STATE_KEY = b"gpuprims-fleet/state"
 DECISIONS_KEPT = 200
+#: Decisions about machines (not apps), kept in their own list too.
+NODE_EVENTS = frozenset({"suspect", "unsuspect", "confirm_dead", "agent", "agent_failed", "drain", "restart"})
 
 
 def agent_name(node_id: str) -> str:
@@ -76,6 +78,7 @@ class Controller:
         self.version = 0
         self.draining: set[str] = set()
         self.decisions: list[dict[str, Any]] = []
+        self.node_events: list[dict[str, Any]] = []
         self._load_state()
         for name in sorted(self.demands):  # fleet-wide wire app ids: the same on every node
             if name not in self.app_ids:
@@ -89,6 +92,7 @@ class Controller:
         self.suspects: dict[str, float] = {}  # node id -> when suspected
         self.applies: dict[str, Any] = {}  # node id -> ObjectRef of apply()
         self.dirty: set[str] = set()
+        self.reapply: set[str] = set()  # nodes whose desired set changed while an apply was running
         self.pushed = -1
         self._stop = threading.Event()
         self._lock = threading.RLock()
@@ -117,6 +121,8 @@ class Controller:
     def _decide(self, action: str, app: str, reason: str, **extra: Any) -> None:
         d = {"t": time.time(), "action": action, "app": app, "reason": reason, **extra}
         self.decisions = [*self.decisions[-(DECISIONS_KEPT - 1):], d]
+        if action in NODE_EVENTS:  # kept apart: app decisions must not push them out of status
+            self.node_events = [*self.node_events[-(DECISIONS_KEPT - 1):], d]
         log.info("fleet: %s %s: %s", action, app, reason)
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -227,10 +233,13 @@ class Controller:
                           draining=nid in self.draining) for nid in self.info]
         plan = self.planner.plan(self.demands.values(), nodes, self.assignments)
         changed = plan.assignments != self.assignments
-        for r in plan.reasons:
-            self._decide(r["action"], r["app"], r["reason"], to=r.get("to"))
+        said = {(d["action"], d["app"], d["reason"]) for d in self.decisions[-50:]}
+        for r in plan.reasons:  # a reason already given (nothing changed since) is not repeated
+            if changed or (r["action"], r["app"], r["reason"]) not in said:
+                self._decide(r["action"], r["app"], r["reason"], to=r.get("to"))
         for app, why in plan.unplaced.items():
-            self._decide("unplaced", app, why)
+            if ("unplaced", app, why) not in said:
+                self._decide("unplaced", app, why)
         self.assignments = plan.assignments
         if changed:
             self.version += 1
@@ -249,8 +258,10 @@ class Controller:
         return out
 
     def _apply(self, nid: str) -> None:
+        if nid not in self.agents:
+            return
         if nid in self.applies:
-            self.dirty.add("*")  # again once this one is back
+            self.reapply.add(nid)  # again once this one is back, with the desired set of then
             return
         self.applies[nid] = self.agents[nid].apply.remote(self.desired(nid))
 
@@ -262,11 +273,14 @@ class Controller:
             del self.applies[nid]
             try:
                 res = ray.get(ref)
-            except Exception as e:
+            except Exception as e:  # the agent died: its machine's pings say so; nothing to apply there
                 self._decide("apply_failed", "", f"node {nid[:12]}: {e}", node=nid)
-                continue
+                res = {}
             for app, outcome in res.items():
                 self._decide("applied" if outcome == "ok" else "apply_failed", app, outcome, node=nid)
+            if nid in self.reapply:
+                self.reapply.discard(nid)
+                self._apply(nid)
 
     def routes(self) -> dict[str, Any]:
         """The routing table (see ``plan.route_table``)."""
@@ -292,7 +306,8 @@ class Controller:
                            "suspected": nid in self.suspects, "draining": nid in self.draining}
                      for nid, i in self.info.items()}
             return {"nodes": nodes, "apps": {k: a.to_dict() for k, a in self.assignments.items()},
-                    "routes": self.routes(), "decisions": self.decisions[-20:],
+                    "routes": self.routes(), "decisions": self.decisions[-50:],
+                    "node_events": self.node_events[-50:],
                     "pending": sorted(set(self.demands) - set(self.assignments))}
 
     def drain(self, node: str) -> str:

@@ -88,12 +88,25 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
             raise AssertionError(ray.get(ctl.status.remote(), timeout=30)["decisions"]) from None
     def confirmed() -> dict[str, Any] | None:
         s = ray.get(ctl.status.remote(), timeout=30)
-        return s if any(d["action"] == "confirm_dead" for d in s["decisions"]) else None
+        return s if any(d["action"] == "confirm_dead" for d in s["node_events"]) else None
 
     st = _wait("Ray confirms the death", confirmed, 120)
-    actions = [d["action"] for d in st["decisions"]]
-    assert actions.index("suspect") < actions.index("confirm_dead")
+    dead = [d for d in st["node_events"] if d.get("node") == primary["node"]]
+    actions = [d["action"] for d in dead]
+    assert "suspect" in actions and actions.index("suspect") < actions.index("confirm_dead"), dead
     assert st["apps"]["cls"]["primary"]["node"] == standby["node"]  # promoted, not moved back
+    # The controller is restartable: killed, Ray starts it again and it finds its state in the GCS store.
+    ray.kill(ctl, no_restart=False)
+
+    def restarted() -> dict[str, Any] | None:
+        try:
+            s = ray.get(ctl.status.remote(), timeout=30)
+        except Exception:  # still restarting
+            return None
+        return s if any(d["action"] == "restart" for d in s["node_events"]) else None
+
+    again = _wait("the controller restarts with its state", restarted, 120)
+    assert again["apps"]["cls"]["primary"] == st["apps"]["cls"]["primary"]
 
 
 def test_a_ray_client_without_the_token_is_refused(ray_fleet: RayFleet) -> None:
