@@ -103,6 +103,8 @@ def validate_entry(cfg: NodeConfig, apps: Mapping[str, AppState], name: str, ent
                      ("overflow", "CPU overflow pools are planned at start; put the app in apps.yaml")):
         if key in entry and entry[key] not in (None, "none"):
             raise RepositoryError("invalid", f"{source}: {key}: cannot be given in a load ({why})")
+    if name in apps and "app_id" not in entry:
+        entry["app_id"] = apps[name].cfg.app_id  # a running app keeps its wire id
     others = [a.cfg.model_dump() for n, a in apps.items() if n != name]
     data = {"node": cfg.node.model_dump(), "apps": [*others, entry]}
     try:

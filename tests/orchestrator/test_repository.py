@@ -45,6 +45,12 @@ def test_a_load_entry_is_validated_like_an_apps_yaml_entry() -> None:
     assert new.name == "det" and new.app_id == 2 and new.gpu_pct == 30  # the next free app id
 
 
+def test_a_running_app_keeps_its_app_id_when_the_entry_does_not_name_one() -> None:
+    cfg = _cfg()
+    again = validate_entry(cfg, _apps(cfg), "cls", {"model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 40})
+    assert again.app_id == 1 and again.gpu_pct == 40
+
+
 @pytest.mark.parametrize(("entry", "message"), [
     ({"model": "resnet18", "slo_ms": -1}, "config.slo_ms: Input should be greater than 0"),
     ({"model": "resnet18", "slo_ms": 50, "gpu_pcts": 3}, "unknown key 'gpu_pcts' (did you mean 'gpu_pct'?)"),
