@@ -204,9 +204,16 @@ def main(argv: list[str] | None = None) -> None:
     rate = 5.0 if args.quick else args.rate
     before_s, after_s = (3.0, 8.0) if args.quick else (10.0, 20.0)
     load_before = os.getloadavg()
-    results = [one_run(f, rate_rps=rate, before_s=before_s, after_s=after_s, seed=i)
-               for f in faults for i in range(runs)]
-    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs}
+    results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for f in faults:
+        for i in range(runs):
+            try:
+                results.append(one_run(f, rate_rps=rate, before_s=before_s, after_s=after_s, seed=i))
+            except Exception as e:  # e.g. Ray's head not starting on an overloaded machine: reported, not hidden
+                print(f"run {i} of fault {f} could not run: {e}")
+                failed.append({"fault": f, "run": i, "error": str(e)})
+    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed)}
     for f in faults:
         rs = [r for r in results if r["fault"] == f]
         for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
              "FleetClient with failover_s 0.5." + (" QUICK run: a smoke test, not figures." if args.quick else "")
              + load_note(load_before))
-    path = write_result("fleet", "cpu", summary, {"runs": results}, notes=notes, load_avg_before=load_before,
+    path = write_result("fleet", "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
                         large_samples=True)
     print(path)
     for k, v in summary.items():
