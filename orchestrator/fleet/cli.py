@@ -102,6 +102,9 @@ def _print_status(st: dict[str, Any]) -> None:
         click.echo(f"  {name}: primary {p['node'][:12]}/gpu{p['gpu']} {p['instances']}x{p['gpu_pct']}%  {sb}")
     for name in st.get("pending", []):
         click.echo(f"  {name}: not placed")
+    click.echo("machine events:")
+    for d in st.get("node_events", [])[-10:]:
+        click.echo(f"  {d['action']:<13} {str(d.get('node') or '-')[:12]:<12} {d['reason']}")
     click.echo("last decisions:")
     for d in st["decisions"][-10:]:
         click.echo(f"  {d['action']:<13} {d.get('app') or '-':<12} {d['reason']}")
