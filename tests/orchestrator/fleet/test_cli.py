@@ -43,3 +43,19 @@ def test_the_ray_token_is_kept_private(tmp_path: Path, monkeypatch: pytest.Monke
     assert os.environ["RAY_AUTH_TOKEN"] == token  # the other commands present the same token
     cli.secure_ray_env(str(tmp_path / "given.token"))
     assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "given.token")
+
+
+def test_status_shows_nodes_apps_routes_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    st = {"routes": {"version": 4, "apps": {}},
+          "nodes": {"a" * 40: {"host": "10.0.0.1", "udp_port": 9000, "http_port": 8000, "gpus": 2, "alive": True,
+                               "suspected": True, "draining": False}},
+          "apps": {"cls": {"primary": {"node": "a" * 40, "gpu": 1, "gpu_pct": 50, "instances": 1}, "standby": None}},
+          "pending": ["big"],
+          "node_events": [{"action": "suspect", "node": "a" * 40, "reason": "did not answer pings for 1.20 s"}],
+          "decisions": [{"action": "place", "app": "cls", "reason": "gpu_pct from its entry"}]}
+    monkeypatch.setattr(cli, "_call", lambda *a: st)
+    r = CliRunner().invoke(cli.main, ["status"])
+    assert r.exit_code == 0, r.output
+    for text in ("routing table version 4", "10.0.0.1:udp 9000", "suspected", "cls: primary aaaaaaaaaaaa/gpu1 1x50%",
+                 "no standby", "big: not placed", "did not answer pings", "gpu_pct from its entry"):
+        assert text in r.output
