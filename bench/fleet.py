@@ -52,7 +52,10 @@ PLACE_TIMEOUT_S = 300.0
 
 
 def _placed(ctl: Any) -> dict[str, Any] | None:
-    st = ray.get(ctl.status.remote(), timeout=30)
+    try:
+        st = ray.get(ctl.status.remote(), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError):  # starting, or restarting
+        return None
     a = st["apps"].get("cls")
     if a is None or a.get("standby") is None:
         return None

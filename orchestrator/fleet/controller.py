@@ -343,9 +343,12 @@ def controller_actor(cfg: FleetConfig) -> Any:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         pass
+    # On the machine that starts it (the head, normally), not on a gpuprims machine whose failure it
+    # must survive and report (soft: elsewhere if that machine is gone when Ray restarts it).
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0,
-        max_concurrency=4, get_if_exists=True,
+        max_concurrency=4, get_if_exists=True, scheduling_strategy=here,
     ).remote(cfg.model_dump())
 
 
