@@ -43,6 +43,7 @@ __all__ = [
     "NodeConfig",
     "NodeSettings",
     "PoolConfig",
+    "RepositoryConfig",
     "StageConfig",
     "engine_problems",
     "load_config",
@@ -287,6 +288,42 @@ class PoolConfig(BaseModel):
         return self.max_chunks * self.max_payload
 
 
+_LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class RepositoryConfig(BaseModel):
+    """``node.repository``: the OIP model-repository API (load/unload apps at run time) on the front door.
+
+    Off unless ``enabled``. A load can name a user model (``module:factory``), code the node imports,
+    so the API takes a bearer token (read from ``token_file`` or the environment variable
+    ``token_env``); without one it is refused on any address but loopback (docs/oip.md)."""
+
+    model_config = _STRICT
+
+    enabled: bool = False
+    token_file: str | None = None
+    token_env: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RepositoryConfig:
+        if self.token_file is not None and self.token_env is not None:
+            raise _problem("token_env", "give token_file or token_env, not both")
+        for key in ("token_file", "token_env"):
+            v = getattr(self, key)
+            if v is not None and not v.strip():
+                raise _problem(key, "must not be empty")
+        return self
+
+    @property
+    def has_token(self) -> bool:
+        return self.token_file is not None or self.token_env is not None
+
+
 class NodeSettings(BaseModel):
     """The ``node:`` section."""
 
@@ -326,6 +363,8 @@ class NodeSettings(BaseModel):
     overflow_profiles: str | None = None
     # Where engines (apps' ``engine:``) keep what they build; null: gpuprims.engines.default_root(), per user.
     engine_cache: str | None = None
+    # The model-repository API on the front door (load/unload apps at run time; docs/oip.md).
+    repository: RepositoryConfig = RepositoryConfig()
 
     @field_validator("mps", mode="before")
     @classmethod
@@ -348,6 +387,17 @@ class NodeSettings(BaseModel):
             if port and port in seen:
                 raise _problem(key, f"port {port} is also node.{seen[port]}; each TCP service needs its own port")
             seen.setdefault(port, key)
+        return self
+
+    @model_validator(mode="after")
+    def _repository_guarded(self) -> NodeSettings:
+        r = self.repository
+        if r.enabled and not self.http_port:
+            raise _problem("repository.enabled", "the repository API is served by the HTTP front door; set "
+                                                 "node.http_port")
+        if r.enabled and not r.has_token and not is_loopback(self.listen.host):
+            raise _problem("repository", f"the repository API loads code into the node; on "
+                                         f"{self.listen.host!r} (not loopback) it needs token_file or token_env")
         return self
 
     @property
@@ -595,13 +645,6 @@ class NodeConfig(BaseModel):
     def _apps_list(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
 
-    @field_validator("apps")
-    @classmethod
-    def _some_apps(cls, v: tuple[AppConfig, ...]) -> tuple[AppConfig, ...]:
-        if not v:
-            raise ValueError("must list at least one app")
-        return v
-
     @model_validator(mode="after")
     def _cross_check(self) -> NodeConfig:
         problems = list(self._cross_problems())
@@ -610,6 +653,9 @@ class NodeConfig(BaseModel):
         return self
 
     def _cross_problems(self) -> Iterator[tuple[str, str]]:
+        if not self.apps and not self.node.repository.enabled:
+            # A node whose apps come through the repository API (a fleet's agent) may start with none.
+            yield ("apps", "must list at least one app (or enable node.repository to load them at run time)")
         first: dict[tuple[str, Any], int] = {}
         listen_ports = set(self.node.listen.ports)
         for i, a in enumerate(self.apps):

@@ -711,6 +711,9 @@ class _Collector(Collector):
         }
         roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
                                   labels=["app", "role"])
+        device = GaugeMetricFamily("gpuprims_app_device_share_ratio", "The app's share (0-1, summed over its "
+                                   "serving instances) on each device it runs on (gpu: index, or cpu)",
+                                   labels=["app", "gpu"])
         ad = ["app", "device"]
         ovf = {  # CPU overflow (issue 18): only apps with `overflow: cpu`
             "routed": CounterMetricFamily("gpuprims_overflow_routed", "Requests of an app with CPU overflow routed to "
@@ -753,6 +756,12 @@ class _Collector(Collector):
                 g["slo"].add_metric([app], slo / 1000)
             for key in ("queue_len", "held"):
                 g[key].add_metric([app], float(_as_count(a.get(key))))
+            per_dev: dict[str, float] = {}
+            for i in insts:
+                if i.get("gpu") is not None and i.get("role", "active") == "active":
+                    per_dev[str(i["gpu"])] = per_dev.get(str(i["gpu"]), 0.0) + (_num(i.get("gpu_pct")) or 0.0)
+            for dev, v in sorted(per_dev.items()):
+                device.add_metric([app, dev], v / 100)
             counts: dict[str, int] = {}
             for i in insts:
                 role = str(i.get("role") or "active")
@@ -772,6 +781,7 @@ class _Collector(Collector):
         yield batch
         yield from g.values()
         yield roles
+        yield device
         yield from ovf.values()
         yield from _engine_families(st["apps"])
         yield from self._node_families(raw, st)

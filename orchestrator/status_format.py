@@ -48,25 +48,26 @@ def format_status(status: Mapping[str, Any]) -> str:
     if _num(node.get("uptime_s")) is not None:
         head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
     lines = ["node: " + ("  ".join(head) if head else "-")]
-    cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
+    cols = ["APP / INSTANCE", "ROLE", "DEVICE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
             "SLO att.", "ERRORS"]
     rows: list[list[str]] = []
     for a in st["apps"]:
         slo = _num(a.get("slo_ms"))
         name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
-        rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
+        rows.append([name, "app", _dev(a.get("gpu")), _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
                      _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
                      _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
                      "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
                      _counts(a.get("errors"))])
         for i in a["instances"]:
-            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
+            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _dev(i.get("gpu")),
+                         _fmt(i.get("gpu_pct"), "d"),
                          _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
                          _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
                          "", _pct(i.get("slo_attainment")), _counts(i.get("errors"))])
     if rows:
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-        left = {0, 1, len(cols) - 1}
+        left = {0, 1, 2, len(cols) - 1}
 
         def line(cells: list[str]) -> str:
             return "  ".join(c.ljust(w) if j in left else c.rjust(w)
@@ -156,3 +157,10 @@ def _engine_lines(apps: list[dict[str, Any]]) -> list[str]:
                 if isinstance(d, Mapping) and (d.get("kind") != "eager" or d.get("fallback")):
                     out.append(_engine_line(f"{i.get('name', '?')}{f' stage {stage}' if stage else ''}", d))
     return out
+
+
+def _dev(v: Any) -> str:
+    """A device as status names it: ``gpu 1`` for a GPU index, ``cpu``, or ``-`` when unknown."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"gpu {v}"
+    return str(v) if isinstance(v, str) and v else "-"

@@ -25,7 +25,7 @@ from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransp
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
 HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,
-             "too_large": 413}
+             "too_large": 413, "unauthenticated": 401}
 
 #: Each wire status other than OK: the error kind it is answered with, and why.
 STATUS_ERRORS: dict[Status, tuple[str, str]] = {

@@ -31,7 +31,8 @@ from orchestrator.frontdoor.transport import Marks
 SERVICE = "inference.GRPCInferenceService"
 GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
              "unavailable": grpc.StatusCode.UNAVAILABLE, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-             "internal": grpc.StatusCode.INTERNAL, "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED}
+             "internal": grpc.StatusCode.INTERNAL, "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+             "unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 #: Send limit of the server (an answer is max_batch x K floats; gRPC's default send limit is unbounded).
 MAX_SEND_BYTES = 256 << 20
 #: Typed contents field of each datatype.

@@ -28,6 +28,7 @@ from aiohttp import web
 from gpuprims import __version__
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+from orchestrator.frontdoor.repository import add_repository_routes
 from orchestrator.frontdoor.transport import Marks
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -251,13 +252,15 @@ async def infer(request: web.Request) -> web.Response:
 
 
 def max_body_bytes(core: Core) -> int:
-    """aiohttp's own bound on any body: the largest any model can take (each inference has its own)."""
+    """aiohttp's own bound on any body read whole (the repository's load bodies; an inference reads its
+    body itself, bounded by its model): the largest any model can take, at least 1 MiB."""
     return max((m.max_body_bytes(binary=False) for m in core.models.values()), default=1 << 20)
 
 
-def make_app(core: Core) -> web.Application:
-    """The aiohttp application serving ``core``."""
-    app = web.Application(middlewares=[_errors], client_max_size=max_body_bytes(core))
+def make_app(core: Core, repository: Any = None, repository_token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``core``; with ``repository`` (orchestrator.repository.Repository)
+    also the model-repository load/unload routes, behind ``repository_token`` (frontdoor/repository.py)."""
+    app = web.Application(middlewares=[_errors], client_max_size=max(max_body_bytes(core), 1 << 20))
     app[CORE_KEY] = core
     r = app.router
     r.add_get("/v2/health/live", live)
@@ -271,4 +274,6 @@ def make_app(core: Core) -> web.Application:
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
         r.add_post(base + "/infer", infer, expect_handler=infer_expect)
+    if repository is not None:
+        add_repository_routes(app, repository, repository_token)
     return app

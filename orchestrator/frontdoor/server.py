@@ -23,7 +23,7 @@ from aiohttp import web
 from gpuprims.client import AsyncClient
 from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
-from orchestrator.frontdoor.core import Core
+from orchestrator.frontdoor.core import Core, ModelStats
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
@@ -45,7 +45,8 @@ class FrontDoor:
 
     def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
-                 ready: Callable[[str], bool] | None, ingest: Ingest | None = None) -> None:
+                 ready: Callable[[str], bool] | None, ingest: Ingest | None = None, repository: Any = None,
+                 repository_token: str | None = None) -> None:
         self.models = infos
         self.udp_target = udp_target
         self.ingest = ingest
@@ -55,6 +56,7 @@ class FrontDoor:
         self.core: Core | None = None
         self._http_port, self._grpc_port = http_port, grpc_port
         self._timeout_s, self._ready = timeout_s, ready
+        self._repository, self._repository_token = repository, repository_token
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -84,7 +86,7 @@ class FrontDoor:
         try:
             host_url = f"[{self.host}]" if ":" in self.host else self.host
             if self._http_port is not None:
-                runner = web.AppRunner(make_app(self.core), access_log=None, handle_signals=False,
+                runner = web.AppRunner(make_app(self.core, self._repository, self._repository_token), access_log=None, handle_signals=False,
                                        shutdown_timeout=STOP_GRACE_S)
                 await runner.setup()
                 site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True)
@@ -140,6 +142,26 @@ class FrontDoor:
 
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout_s)
 
+    def add_model(self, app: AppConfig) -> None:
+        """Serve ``app`` from now on (a load; any thread): its model info is built here, the swap is done
+        in the front door's loop."""
+        info = model_info(app)
+        self._loop.call_soon_threadsafe(self._swap_model, app.name, info)
+
+    def remove_model(self, name: str) -> None:
+        """Stop serving the model ``name`` (an unload; any thread)."""
+        self._loop.call_soon_threadsafe(self._swap_model, name, None)
+
+    def _swap_model(self, name: str, info: ModelInfo | None) -> None:
+        core = self.core
+        if core is None:
+            return
+        if info is None:
+            core.models.pop(name, None)
+        else:
+            core.models[name] = info
+            core.stats.setdefault(name, ModelStats())
+
     def close(self) -> None:
         """Stop both servers (in-flight calls get a second to finish) and the loop thread."""
         self._fin()
@@ -166,7 +188,8 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: a
 
 def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http_port: int | None,
                     grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
-                    ready: Callable[[str], bool] | None = None, ingest: Ingest | None = None) -> FrontDoor:
+                    ready: Callable[[str], bool] | None = None, ingest: Ingest | None = None,
+                    repository: Any = None, repository_token: str | None = None) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
@@ -174,7 +197,8 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     app now (default: always). ``timeout_s`` bounds each request's wait for the node's answer
     (default: max(2 s, 3 x the app's SLO)). With ``ingest`` (the node's own, in this process) rows go
     straight into its packet pool and their answers come back in-process; ``udp_target`` is then only
-    shown in logs. Returns once both servers listen, or raises
+    shown in logs. ``repository`` (with its bearer ``repository_token``, or None for none) adds the
+    model-repository load/unload routes (docs/oip.md). Returns once both servers listen, or raises
     FrontDoorError; ``close()`` stops it.
     """
     if http_port is None and grpc_port is None:
@@ -184,4 +208,5 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
             raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
     infos = [model_info(a) for a in apps]
     return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
-                     timeout_s=timeout_s, ready=ready, ingest=ingest)._start()
+                     timeout_s=timeout_s, ready=ready, ingest=ingest, repository=repository,
+                     repository_token=repository_token)._start()
