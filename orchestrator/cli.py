@@ -25,7 +25,8 @@ from typing import Any
 import click
 
 from gpuprims import __version__
-from orchestrator.config import ConfigError, NodeConfig, load_config
+from gpuprims.backend import resolve_backend
+from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config
 from orchestrator.overflow import NodeOverflow, OverflowSetupError
 from orchestrator.rundir import (
     NodeEntry,
@@ -131,6 +132,20 @@ def _check_user_models(cfg: NodeConfig, source: str) -> None:
         if not found:
             raise click.ClickException(f"{source}: {key}: cannot import the user model {spec!r}: {why} "
                                        "(is it on PYTHONPATH?)")
+
+
+def _check_engines(cfg: NodeConfig, source: str) -> None:
+    """Every app's engine runs on the backend this node would use (``backend: auto`` resolved here the
+    way start resolves it; an explicit backend was checked when the file was read)."""
+    if cfg.node.backend != "auto" or all(eng.kind == "eager" for a in cfg.apps for _, eng in a.engines()):
+        return
+    try:
+        backend = resolve_backend("auto", isolated=True)
+    except (RuntimeError, ValueError) as e:
+        raise click.ClickException(f"{source}: node.backend: {e}") from e
+    problems = engine_problems(cfg, backend)
+    if problems:
+        raise click.ClickException(str(ConfigError(source, problems)))
 
 
 def _command(run_dir: str | None, msg: object, timeout_ms: float, *, name: str | None = None,
@@ -259,6 +274,7 @@ def validate(config: str) -> None:
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     _check_user_models(cfg, config)
+    _check_engines(cfg, config)
     try:  # CPU overflow: every pool fits the cores and has the CPU profile it routes by
         overflow = NodeOverflow.plan(cfg)
     except OverflowSetupError as e:

@@ -605,6 +605,7 @@ _INGEST_TOTALS = {
 _INGEST_GAUGES = {
     "free_slots": ("gpuprims_ingest_free_slots", "Free packet slots in the pool"),
     "free_records": ("gpuprims_ingest_free_records", "Free request records in the pool"),
+    "held_answers": ("gpuprims_ingest_held_answers", "Answer datagrams waiting for a full send buffer"),
 }
 
 
@@ -710,6 +711,9 @@ class _Collector(Collector):
         }
         roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
                                   labels=["app", "role"])
+        device = GaugeMetricFamily("gpuprims_app_device_share_ratio", "The app's share (0-1, summed over its "
+                                   "serving instances) on each device it runs on (gpu: index, or cpu)",
+                                   labels=["app", "gpu"])
         ad = ["app", "device"]
         ovf = {  # CPU overflow (issue 18): only apps with `overflow: cpu`
             "routed": CounterMetricFamily("gpuprims_overflow_routed", "Requests of an app with CPU overflow routed to "
@@ -752,6 +756,12 @@ class _Collector(Collector):
                 g["slo"].add_metric([app], slo / 1000)
             for key in ("queue_len", "held"):
                 g[key].add_metric([app], float(_as_count(a.get(key))))
+            per_dev: dict[str, float] = {}
+            for i in insts:
+                if i.get("gpu") is not None and i.get("role", "active") == "active":
+                    per_dev[str(i["gpu"])] = per_dev.get(str(i["gpu"]), 0.0) + (_num(i.get("gpu_pct")) or 0.0)
+            for dev, v in sorted(per_dev.items()):
+                device.add_metric([app, dev], v / 100)
             counts: dict[str, int] = {}
             for i in insts:
                 role = str(i.get("role") or "active")
@@ -771,7 +781,9 @@ class _Collector(Collector):
         yield batch
         yield from g.values()
         yield roles
+        yield device
         yield from ovf.values()
+        yield from _engine_families(st["apps"])
         yield from self._node_families(raw, st)
 
     @staticmethod
@@ -814,6 +826,30 @@ class _Collector(Collector):
 
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
+
+
+def _engine_families(apps: list[dict[str, Any]]) -> Iterator[Any]:
+    """Per instance and stage: its engine's build time (0 on a cache hit) and whether it came from the
+    engine cache (``engine`` in the instance's heartbeat, gpuprims.engines ``describe()``)."""
+    labels = ["app", "instance", "stage", "kind"]
+    build = GaugeMetricFamily("gpuprims_engine_build_seconds", "Time the instance's engine took to build (0 when "
+                              "it came from the engine cache)", labels=labels)
+    hit = GaugeMetricFamily("gpuprims_engine_cache_hit", "1 when the instance's engine came from the engine "
+                            "cache, 0 when it was built at start", labels=labels)
+    for a in apps:
+        for i in a["instances"]:
+            e = i.get("engine")
+            if not isinstance(e, Mapping) or not e:
+                continue
+            stages = e.get("stages")
+            for stage, d in (stages.items() if isinstance(stages, Mapping) else [("main", e)]):
+                if not isinstance(d, Mapping) or not d.get("kind"):
+                    continue
+                key = [str(a.get("name", "?")), str(i.get("name", "?")), str(stage), str(d["kind"])]
+                build.add_metric(key, (_num(d.get("build_ms")) or 0.0) / 1000)
+                hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
+    yield build
+    yield hit
 
 
 def _status_ready(status: Mapping[str, Any]) -> bool:

@@ -36,8 +36,10 @@ KINDS: dict[str, str] = {
     "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
     "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
+    "compile": "gpuprims.engines.compile:CompileEngine",
     "duet": "gpuprims.engines.duet:DuetEngine",
     "chrion": "gpuprims.engines.chrion:ChrionEngine",
+    "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
 BACKENDS = ("cpu", "cuda")
@@ -144,6 +146,9 @@ class Engine(abc.ABC):
     tolerance: ClassVar[tuple[float, float]] = (1e-4, 1e-4)
     #: Whether the engine runs on the torch module's own weights (so Param-Share applies to it).
     uses_torch_weights: ClassVar[bool] = False
+    #: Whether run() only enqueues on Target.stream and returns (a CUDA graph, TensorRT): the run seam
+    #: then calls it on the host thread and waits on an event recorded after it (Sync-lite).
+    asynchronous: ClassVar[bool] = False
 
     def __init__(self, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
                  cache: Any = None) -> None:

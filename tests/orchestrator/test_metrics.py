@@ -570,3 +570,37 @@ def test_format_status_shows_the_recent_changes_and_the_monitors_decisions() -> 
             "switch downtime 0.125 ms") in text
     assert "change 5: a 75% -> 50% overlap by set-gpu: draining, switch downtime ?" in text
     assert "monitor: a underused (busy 10% of the time < 30%, no queue): not made: at 25% it would be busy" in text
+
+
+def _engine_status() -> dict[str, Any]:
+    ort = {"kind": "onnxruntime", "provider": "cpu", "fingerprint": "f00d", "cache_hit": False, "build_ms": 1234.0,
+           "load_ms": 12.0, "param_share": False}
+    hit = {**ort, "cache_hit": True, "build_ms": 0.0}
+    fell = {"kind": "eager", "fallback": "ExportError: no ONNX symbolic", "param_share": True}
+    return {"apps": {"a": {"instances": [{"name": "a-0", "role": "active", "engine": ort},
+                                         {"name": "a-s1", "role": "shadow", "engine": hit}]},
+                     "d": {"instances": [{"name": "d-0", "role": "active",
+                                          "engine": {"stages": {"r": fell, "x": {"kind": "eager"}}}}]}}}
+
+
+def test_engine_build_time_and_cache_hit_are_metrics() -> None:
+    from orchestrator.metrics import _Collector
+
+    fams = {f.name: f for f in _Collector(_engine_status).collect()}
+    got = {(s.name, s.labels["instance"], s.labels["stage"], s.labels["kind"]): s.value
+           for name in ("gpuprims_engine_build_seconds", "gpuprims_engine_cache_hit") for s in fams[name].samples}
+    assert got[("gpuprims_engine_build_seconds", "a-0", "main", "onnxruntime")] == pytest.approx(1.234)
+    assert got[("gpuprims_engine_cache_hit", "a-0", "main", "onnxruntime")] == 0.0
+    assert got[("gpuprims_engine_cache_hit", "a-s1", "main", "onnxruntime")] == 1.0
+    assert got[("gpuprims_engine_build_seconds", "a-s1", "main", "onnxruntime")] == 0.0
+    assert got[("gpuprims_engine_cache_hit", "d-0", "r", "eager")] == 0.0
+
+
+def test_status_shows_engines_other_than_eager_and_fallbacks() -> None:
+    text = format_status(_engine_status())
+    lines = [x for x in text.splitlines() if x.startswith("engine ")]
+    assert lines == [
+        "engine a-0: onnxruntime  provider=cpu  built in 1234 ms, load 12 ms, f00d  Param-Share n/a (own weights)",
+        "engine a-s1: onnxruntime  provider=cpu  cache hit, load 12 ms, f00d  Param-Share n/a (own weights)",
+        "engine d-0 stage r: eager  FALLBACK to eager (ExportError: no ONNX symbolic)",
+    ]

@@ -343,3 +343,23 @@ def test_on_a_gpu_the_opara_capture_equals_eager_at_every_bucket() -> None:
             with torch.no_grad():
                 torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
         eng.close()
+
+
+def test_the_run_seam_runs_an_asynchronous_engine_on_the_host_thread(fake_cuda: Any) -> None:
+    """The instance's run seam (ModelRunner) calls a graph engine on its own thread (a CUDA call inside a
+    stream callback is not permitted) and waits on an event recorded after the replay: equal to eager."""
+    from gpuprims.gather import ModelRunner
+
+    stream = Stream(0)
+    eng = make_engine("cudagraph", SOURCE, Target("cuda", stream=stream))
+    eng.prepare()
+    seam = ModelRunner("cuda", 0, stream=stream)
+    x = torch.rand(3, 3, 8, 8)
+    eng.static_input()[:3].copy_(x)
+    out = seam.run(eng, eng.static_input()[:3])
+    torch.testing.assert_close(out, _eager(x), rtol=1e-4, atol=1e-5)
+    seam.close()
+    eng.close()
+    stream.close()
+    gc.collect()
+    assert fake_cuda.live("device") == []

@@ -88,3 +88,11 @@ def test_unbuildable_model_is_an_export_error(tmp_path: Path) -> None:
     src = ModelSource("no_such_zoo_model", (3, 8, 8), max_batch=1)
     with pytest.raises(ExportError, match="'no_such_zoo_model' cannot be built"):
         export_onnx(None, src, tmp_path / "x.onnx")
+
+
+def test_adaptive_pool_that_does_not_divide_is_refused_in_one_line(tmp_path: Path) -> None:
+    # AlexNet pools to 6x6 from 1x1 at a 32x32 input: the exporter has no ONNX form for that
+    src = ModelSource("alexnet", (3, 32, 32), max_batch=2, num_classes=10)
+    with pytest.raises(ExportError, match=r"'alexnet' does not export to ONNX: .*adaptive_avg_pool2d") as info:
+        export_onnx(None, src, tmp_path / "a.onnx")
+    assert "\n" not in str(info.value)
