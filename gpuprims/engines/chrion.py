@@ -57,8 +57,10 @@ class ChrionEngine(Engine):
 
     kind = "chrion"
     option_defaults: ClassVar[Mapping[str, Any]] = {"cores": None, "alpha": 0.0, "repeats": 20}
-    #: The same cells on the same tensors as eager; rounding may differ by the thread a cell runs on.
-    tolerance = (1e-5, 1e-6)
+    #: The same cells on the same tensors as eager; the last bits may differ with the intra-op thread
+    #: count of the thread a cell runs on (oneDNN blocks by it), as eager's own answers do between batch
+    #: sizes: the bound the node's eager oracle uses.
+    tolerance = (1e-4, 1e-5)
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:

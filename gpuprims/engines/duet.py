@@ -69,8 +69,10 @@ class DuetEngine(Engine):
 
     kind = "duet"
     option_defaults: ClassVar[Mapping[str, Any]] = {"repeats": 5}
-    #: The same operators on the same tensors as eager; rounding may differ by the thread a subgraph runs on.
-    tolerance = (1e-5, 1e-6)
+    #: The same operators on the same tensors as eager; the last bits may differ with the intra-op thread
+    #: count of the thread a subgraph runs on (oneDNN blocks by it), as eager's own answers do between batch
+    #: sizes: the bound the node's eager oracle uses.
+    tolerance = (1e-4, 1e-5)
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -94,4 +94,4 @@ def test_duet_and_chrion_apps_answer_every_request_once_equal_to_eager(node: Nod
             want = models[app](torch.from_numpy(x)[None])[0]
         rtol, atol = APPS[app][3]
         torch.testing.assert_close(torch.from_numpy(r.array().reshape(-1).copy()), want, rtol=rtol, atol=atol,
-                                   msg=f"request {rid} of app {APPS[app][0]}")
+                                   msg=lambda m, rid=rid, app=app: f"request {rid} of app {APPS[app][0]}: {m}")
