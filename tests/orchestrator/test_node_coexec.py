@@ -1,10 +1,12 @@
 """A node serving apps through the co-execution engines, end to end on loopback, CPU backend: GoogLeNet
 with ``engine: duet`` (DUET's subgraph placement) and the zoo's unrolled LSTM with ``engine: chrion``
 (Chrion's cell placement). Every request is answered exactly once, OK, equal to eager within the
-engine's tolerance, and status shows each instance's plan."""
+engine's tolerance, status shows each instance's plan, and a change of share starts an instance that
+plans again and answers every request."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,7 @@ from gpuprims.engines.duet import DuetEngine
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.node import Node
+from orchestrator.reconfig import change_gpu_pct
 from tests.orchestrator.test_node import Client
 
 pytestmark = pytest.mark.slow
@@ -40,6 +43,37 @@ apps:
 """
 #: app id -> (model, seed, input shape, the engine's tolerance against eager)
 APPS = {1: ("googlenet", 5, (3, 32, 32), DuetEngine.tolerance), 2: ("lstm", 6, (1, 5, 16), ChrionEngine.tolerance)}
+
+
+@functools.cache
+def _model(app: int) -> torch.nn.Module:
+    name, seed, shape, _ = APPS[app]
+    return load_model(name, seed=seed, num_classes=10, input_shape=shape).eval()
+
+
+def _serve_and_check(node: Node, n: int, seed: int) -> None:
+    """n requests over both apps: each answered once, OK, equal to eager within the engine's tolerance."""
+    client = Client(node.ingest.ports[0])
+    rng = np.random.default_rng(seed)
+    inputs: dict[int, tuple[int, np.ndarray]] = {}
+    try:
+        for rid in range(n):
+            app = 1 + rid % 2
+            inputs[rid] = (app, rng.random(APPS[app][2], dtype=np.float32))
+            client.send(app, rid, inputs[rid][1])
+        client.collect(n, node, timeout_s=180)
+    finally:
+        client.close()
+    assert sorted(client.responses) == list(range(n)), "every request answered"
+    assert all(len(v) == 1 for v in client.responses.values()), "none answered twice"
+    for rid, (app, x) in inputs.items():
+        r = client.responses[rid][0]
+        assert r.status == Status.OK, (rid, r.status)
+        with torch.inference_mode():
+            want = _model(app)(torch.from_numpy(x)[None])[0]
+        rtol, atol = APPS[app][3]
+        torch.testing.assert_close(torch.from_numpy(r.array().reshape(-1).copy()), want, rtol=rtol, atol=atol,
+                                   msg=lambda m, rid=rid, app=app: f"request {rid} of app {APPS[app][0]}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +105,15 @@ def test_duet_and_chrion_apps_answer_every_request_once_equal_to_eager(node: Nod
     plan = eng["branches"]["plan"]
     assert plan["subgraphs"] == len(plan["placement"]) > 1 and plan["same_cores"] is True
     assert eng["cells"]["plan"]["on_cpu"] + eng["cells"]["plan"]["on_accelerator"] == eng["cells"]["plan"]["cells"] + 1
-    client = Client(node.ingest.ports[0])
-    rng = np.random.default_rng(0)
-    inputs: dict[int, tuple[int, np.ndarray]] = {}
-    n = 16
-    try:
-        for rid in range(n):
-            app = 1 + rid % 2
-            inputs[rid] = (app, rng.random(APPS[app][2], dtype=np.float32))
-            client.send(app, rid, inputs[rid][1])
-        client.collect(n, node, timeout_s=180)
-    finally:
-        client.close()
-    assert sorted(client.responses) == list(range(n)), "every request answered"
-    assert all(len(v) == 1 for v in client.responses.values()), "none answered twice"
-    models = {app: load_model(name, seed=seed, num_classes=10, input_shape=shape).eval()
-              for app, (name, seed, shape, _) in APPS.items()}
-    for rid, (app, x) in inputs.items():
-        r = client.responses[rid][0]
-        assert r.status == Status.OK, (rid, r.status)
-        with torch.inference_mode():
-            want = models[app](torch.from_numpy(x)[None])[0]
-        rtol, atol = APPS[app][3]
-        torch.testing.assert_close(torch.from_numpy(r.array().reshape(-1).copy()), want, rtol=rtol, atol=atol,
-                                   msg=lambda m, rid=rid, app=app: f"request {rid} of app {APPS[app][0]}: {m}")
+    _serve_and_check(node, 16, seed=0)
+
+
+def test_a_change_of_share_replans_and_answers_every_request(node: Node) -> None:
+    old = {st.name for st in node.instances.values() if st.app == "branches" and st.role == "active"}
+    ok, msg = change_gpu_pct(node, "branches", 25)
+    assert ok, msg
+    new = [st for st in node.instances.values() if st.app == "branches" and st.role == "active"]
+    assert len(new) == 1 and new[0].name not in old
+    eng = new[0].info["engine"]  # the new active's Ready: its own plan, made at its start
+    assert eng["kind"] == "duet" and eng["plan"]["subgraphs"] == len(eng["plan"]["placement"])
+    _serve_and_check(node, 12, seed=1)
