@@ -8,9 +8,9 @@ sample at max_batch, so light load (latency) and full batches (throughput) weigh
 (pick, timings, why the others were dropped) is cached under a key of the model, device, candidates and
 library versions: a second prepare measures nothing, it loads the picked engine from its cache.
 
-Candidates by backend: cpu: eager, onnxruntime (cpu provider), compile; cuda: eager, onnxruntime (cuda
-and tensorrt providers), and tensorrt, cudagraph and compile where those kinds are registered. OpenVINO
-is not a candidate (docs/engines.md says why). The ``candidates`` option narrows the list by kind.
+Candidates by backend: cpu: eager, onnxruntime (cpu provider), openvino (where installed), compile; cuda:
+eager, onnxruntime (cuda and tensorrt providers), and tensorrt, cudagraph and compile where those kinds
+are registered. The ``candidates`` option narrows the list by kind.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gpuprims.gather import torch_device
 
 #: Every candidate (kind, options) per backend, in the order tried.
 CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
-    "cpu": (("eager", {}), ("onnxruntime", {"provider": "cpu"}), ("compile", {})),
+    "cpu": (("eager", {}), ("onnxruntime", {"provider": "cpu"}), ("openvino", {}), ("compile", {})),
     "cuda": (("eager", {}), ("onnxruntime", {"provider": "cuda"}), ("onnxruntime", {"provider": "tensorrt"}),
              ("tensorrt", {}), ("cudagraph", {}), ("compile", {})),
 }

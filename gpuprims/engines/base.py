@@ -35,6 +35,7 @@ KINDS: dict[str, str] = {
     "eager": "gpuprims.engines.eager:EagerEngine",
     "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
     "compile": "gpuprims.engines.compile:CompileEngine",
+    "openvino": "gpuprims.engines.openvino:OpenVinoEngine",
     "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).

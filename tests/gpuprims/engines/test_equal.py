@@ -15,8 +15,9 @@ import torch
 from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
 from tests.gpuprims.engines.tinynet import SPEC as TINY
 
-#: The CPU engines and the zoo models each supports (every one, for these two).
-ENGINES = ("onnxruntime",)
+#: The CPU engines compared here on every zoo model (compile: test_compile.py, on a small model: inductor
+#: takes minutes per model on this machine).
+ENGINES = ("onnxruntime", "openvino")
 MAX_BATCH = 4
 #: Image models at a small input, except AlexNet and the VGGs: their adaptive average pool exports to ONNX
 #: only where its output size divides its input's (so at 224x224, not at 32x32; test_onnx.py shows the
