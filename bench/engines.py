@@ -1,6 +1,6 @@
 """Engines against eager: latency, sustainable rate, build time (cold and cached) and memory (issue 23).
 
-    python -m bench.engines [--quick] [--engines eager,onnxruntime,compile] [--runs N]
+    python -m bench.engines [--quick] [--engines eager,onnxruntime,openvino,compile] [--runs N]
 
 For MobileNetV2 3x64x64 and 3x224x224 and ResNet-50 3x224x224, at batch 1 and max batch, with one and
 two threads, each engine in its own child process (pinned to as many cores as it has threads, so RSS and
@@ -38,7 +38,7 @@ CASES: dict[str, tuple[str, tuple[int, int, int], int]] = {
     "mobilenet_v2_224": ("mobilenet_v2", (3, 224, 224), 4),
     "resnet50_224": ("resnet50", (3, 224, 224), 4),
 }
-ENGINES = ("eager", "onnxruntime", "compile")
+ENGINES = ("eager", "onnxruntime", "openvino", "compile")
 THREADS = (1, 2)
 CHILD_TIMEOUT_S = 3600.0
 
