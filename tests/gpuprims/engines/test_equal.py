@@ -38,7 +38,8 @@ def _cases() -> list[object]:
     out: list[object] = []
     for kind in ENGINES:
         for name in SHAPES:
-            marks = () if name in DEFAULT_SUITE else (pytest.mark.slow,)
+            # the big ones write a 0.5 GB ONNX file and run 20 GFLOP samples: minutes on a loaded machine
+            marks = () if name in DEFAULT_SUITE else (pytest.mark.slow, pytest.mark.timeout(1200))
             out.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
     return out
 
