@@ -100,7 +100,7 @@ def test_auto_keeps_eager_when_nothing_else_qualifies(extra_kinds: None, tmp_pat
 @pytest.mark.parametrize(("options", "reason"), [
     ({"candidates": "onnxruntime"}, "candidates must be a non-empty list of engine kinds, got 'onnxruntime'"),
     ({"candidates": []}, "candidates must be a non-empty list"),
-    ({"candidates": ["eager", "openvino"]}, r"unknown candidate\(s\) \['openvino'\]"),
+    ({"candidates": ["eager", "tvm"]}, r"unknown candidate\(s\) \['tvm'\]"),
     ({"candidates": ["auto"]}, r"unknown candidate\(s\) \['auto'\]"),
     ({"runs": 0}, "runs must be an integer in 1..1000, got 0"),
 ])
