@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {
     "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
     "compile": "gpuprims.engines.compile:CompileEngine",
+    "openvino": "gpuprims.engines.openvino:OpenVinoEngine",
     "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
