@@ -38,6 +38,8 @@ KINDS: dict[str, str] = {
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
     "compile": "gpuprims.engines.compile:CompileEngine",
     "openvino": "gpuprims.engines.openvino:OpenVinoEngine",
+    "duet": "gpuprims.engines.duet:DuetEngine",
+    "chrion": "gpuprims.engines.chrion:ChrionEngine",
     "auto": "gpuprims.engines.auto:AutoEngine",
 }
 #: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).

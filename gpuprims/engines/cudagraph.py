@@ -25,10 +25,20 @@ On the fake CUDA runtime the same code runs through the fake's stream capture: t
 issued as a host launch on the capture stream, recorded into the graph, and run at each replay on the
 instance's fake stream (writing into a static output buffer).
 
-``streams: single`` (default) captures on one stream. ``streams: opara`` (Opara's operator-parallel
-capture, the plan of :mod:`gpuprims.opara`) is not available yet: :meth:`CudaGraphEngine.check` says so.
-The capture code is already multi-stream shaped (:class:`gpuprims.cuda.graph.Capture`: fork from the
-capture stream, per-stream launches with event waits, join back).
+``streams: single`` (default) captures the model's forward on one stream. ``streams: opara`` captures
+Opara's operator-parallel graph (docs/opara.md): per bucket, after the warm-up, the model is traced into
+its operator graph at that batch size (:func:`gpuprims.opara.op_graph`, which runs it once more) and
+planned (:func:`gpuprims.opara.plan_streams`: Algorithm 2's launch order, Algorithm 1's streams, capped
+at the option ``max_streams``, the minimal event waits); the capture then follows the plan
+(:func:`gpuprims.cuda.graph.capture_plan`): every side stream forks from the capture stream, each
+operator is launched on its stream after waiting for the events its plan lists, and every side stream
+joins back before the capture ends. The result is still one graph per bucket, replayed on the
+instance's stream exactly like ``single``: the streams exist only inside the graph. Every operator's
+intermediate tensors are held until the capture ends, so torch's allocator never hands memory one
+stream still reads to another stream during the capture. On the fake runtime each operator is one
+host launch on its stream, so the fake's capture checks the fork, the waits and the join, and a
+replay runs the operators in the graph's dependency order. ``describe()`` reports the plan per bucket
+(streams, events, waits, planning time).
 
 A captured graph holds this process's device addresses, so it is not cached on disk: ``prepare``
 captures each time (in the shadow's pre-warm, off the serving path); ``describe()`` says so.
@@ -46,12 +56,14 @@ from typing import Any, ClassVar
 from gpuprims.cuda import runtime
 from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, Stream, stream_handle
-from gpuprims.cuda.graph import CudaGraph
-from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, Progress
+from gpuprims.cuda.graph import CudaGraph, capture_plan
+from gpuprims.engines.base import Engine, EngineError, Progress
 
 log = logging.getLogger("gpuprims.engines")
 
 STREAM_MODES = ("single", "opara")
+#: The largest ``max_streams`` accepted: far above any plan of the zoo (GoogLeNet: 28, BERT: 25).
+MAX_STREAMS = 256
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -89,7 +101,7 @@ class CudaGraphEngine(Engine):
 
     kind = "cudagraph"
     backends = ("cuda",)
-    option_defaults: ClassVar[Mapping[str, Any]] = {"streams": "single", "warmup": 3}
+    option_defaults: ClassVar[Mapping[str, Any]] = {"streams": "single", "warmup": 3, "max_streams": None}
     #: A padded bucket may run other kernels (cuDNN picks per batch size) than eager at ``n`` rows.
     tolerance = (1e-4, 1e-5)
     uses_torch_weights = True
@@ -102,9 +114,14 @@ class CudaGraphEngine(Engine):
         if opts["streams"] not in STREAM_MODES:
             raise EngineError(f"engine 'cudagraph' option streams must be one of {STREAM_MODES}, "
                               f"got {opts['streams']!r}")
-        if opts["streams"] == "opara":
-            raise EngineUnavailable("engine 'cudagraph' streams: opara (Opara's multi-stream capture) is not "
-                                    "available yet; use streams: single")
+        cap = opts["max_streams"]
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_STREAMS:
+                raise EngineError(f"engine 'cudagraph' option max_streams must be an integer in 1..{MAX_STREAMS} "
+                                  f"or null, got {cap!r}")
+            if opts["streams"] != "opara":
+                raise EngineError(f"engine 'cudagraph' option max_streams={cap} applies only to streams: opara "
+                                  f"(streams is {opts['streams']!r})")
         w = opts["warmup"]
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 100:
             raise EngineError(f"engine 'cudagraph' option warmup must be an integer in 1..100, got {w!r}")
@@ -129,6 +146,9 @@ class CudaGraphEngine(Engine):
         self._event: Event | None = None
         self._keep: Any = None
         self.captures = 0
+        self.plans: dict[int, Any] = {}  # streams: opara: the StreamPlan of each bucket
+        self._envs: dict[int, dict[str, Any]] = {}  # fake + opara: each bucket's operator values
+        self._side: list[Any] = []  # streams: opara: the side streams the captures fork
         self.replays = 0
         self._mem, self._static = device_tensor((self.source.max_batch, *self.source.input_shape), dev)
         try:
@@ -140,6 +160,7 @@ class CudaGraphEngine(Engine):
         self.info.build_ms = (time.perf_counter() - t0) * 1e3
         self.info.extra.update({"buckets": list(self.buckets), "captures": self.captures,
                                 "streams": self.options["streams"], "runtime": "fake" if self.fake else "torch",
+                                **self._plan_summary(),
                                 "graph_nodes": {b: g.nodes for b, g in self.graphs.items()} if self.fake else None,
                                 "cached": "no: a CUDA graph holds this process's device addresses"})
 
@@ -182,10 +203,78 @@ class CudaGraphEngine(Engine):
             # threads (ingest, control, a serving loop while a shadow pre-warms) may use CUDA meanwhile.
             g = CudaGraph(self.target.device_index, mode="thread_local")
             self.graphs[b] = g  # closed by close() even if the capture fails
-            with g.capture(pool=pool) as cap:
-                cap.launch(self._forward(b))
+            if self.options["streams"] == "opara":
+                self._capture_opara(g, b, pool)
+            else:
+                with g.capture(pool=pool) as cap:
+                    cap.launch(self._forward(b))
             self.captures += 1
         self._say(progress, f"cudagraph: {len(order)} graph(s) captured", 1.0)
+
+    def _capture_opara(self, g: CudaGraph, b: int, pool: Any) -> None:
+        """Plan bucket ``b`` with Opara and capture the plan into ``g`` (module docstring)."""
+        import torch
+
+        from gpuprims.opara import op_graph, plan_streams
+        from gpuprims.opara.cpu_exec import _compile
+        from gpuprims.opara.graph import INPUT, OUTPUT
+
+        static = self._static[:b]
+        try:
+            graph = op_graph(self.module, static)
+        except ValueError as e:
+            raise EngineError(f"engine 'cudagraph' streams: opara cannot plan {self.source.model!r}: {e}") from e
+        plan = plan_streams(graph, max_streams=self.options["max_streams"])
+        self.plans[b] = plan
+        while len(self._side) < plan.num_streams - 1:
+            self._side.append(Stream(self.target.device_index) if self.fake
+                              else torch.cuda.Stream(self.target.device_index))
+        gm = graph.module
+        nodes = {n.name: n for n in gm.graph.nodes}
+        fns: dict[str, Any] = {}
+        output = ""
+        env: dict[str, Any] = {}
+        for name in plan.order:
+            kind = graph.op(name).kind
+            if kind == INPUT:
+                env[name] = static  # the model's one input: the static buffer's first b rows
+            else:
+                fns[name] = _compile(gm, nodes[name])
+            if kind == OUTPUT:
+                output = name
+        out = self._out if self.fake else None
+
+        def launch_op(name: str) -> None:
+            fn = fns.get(name)
+            if fn is None:  # the input: in place before the graph runs
+                return
+            # no_grad here, not around the capture: on the fake this runs on a stream's worker thread at
+            # each replay, and grad mode is per thread.
+            with torch.no_grad():
+                value = fn(env)
+                env[name] = value
+                if name == output and out is not None:
+                    out[:b].copy_(value)
+
+        with g.capture(pool=pool) as cap:
+            capture_plan(cap, plan, launch_op, [cap.stream, *self._side[:plan.num_streams - 1]])
+        if self.fake:
+            self._envs[b] = env  # the replays run launch_op again, on this env
+        else:
+            # The graph's pool keeps its memory; only the output tensor, which replays rewrite, is kept.
+            self._outs[b] = env[output]
+            env.clear()
+
+    def _plan_summary(self) -> dict[str, Any]:
+        """What describe() shows of the Opara plans (nothing for streams: single)."""
+        if not self.plans:
+            return {}
+        per = {b: p.describe() for b, p in sorted(self.plans.items())}
+        return {"opara": {"max_streams": self.options["max_streams"],
+                          "num_streams": max(p.num_streams for p in self.plans.values()),
+                          "num_events": max(p.num_events for p in self.plans.values()),
+                          "planning_ms": round(sum(p.planning_ms for p in self.plans.values()), 3),
+                          "buckets": per}}
 
     def _forward(self, b: int) -> Any:
         """The work one bucket's graph holds: the model on ``static[:b]``. On a GPU this runs once, inside
@@ -281,6 +370,11 @@ class CudaGraphEngine(Engine):
             g.close()
         graphs.clear()
         self._outs = {}
+        self.__dict__.get("_envs", {}).clear()
+        for s in self.__dict__.get("_side", []):
+            if isinstance(s, Stream):
+                s.close()
+        self._side = []
         self.__dict__.pop("_out", None)
         self.__dict__.pop("_static", None)
         self.__dict__.pop("module", None)

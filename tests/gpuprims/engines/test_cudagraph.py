@@ -1,7 +1,8 @@
 """``engine: cudagraph`` on the fake CUDA runtime: one graph per bucket captured at prepare (never on
 the serving path), equal to eager at batch 1, max/2 and max, the static input that GPU-DMA fills, the
 replay on the instance's stream that Sync-lite waits for, capture errors as CudaError, and close()
-destroying every graph."""
+destroying every graph; ``streams: opara`` on GoogLeNet and Inception-v3 (small variants): the capture
+follows the Opara plan (its streams, its waits, fork and join, read from the fake's records)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ def test_buckets_are_powers_of_two_and_max() -> None:
         bucket_of(13, buckets_for(12))
 
 
-def test_check_refuses_cpu_and_opara_and_bad_options() -> None:
+def test_check_refuses_cpu_and_bad_options() -> None:
     with pytest.raises(EngineUnavailable, match=r"'cudagraph' needs the cuda backend; this node runs on cpu"):
         check_engine("cudagraph", "cpu")
-    with pytest.raises(EngineUnavailable, match="streams: opara"):
-        check_engine("cudagraph", "cuda", {"streams": "opara"})
+    check_engine("cudagraph", "cuda", {"streams": "opara", "max_streams": 4})
+    with pytest.raises(EngineError, match=r"max_streams=4 applies only to streams: opara"):
+        check_engine("cudagraph", "cuda", {"max_streams": 4})
+    for bad in (0, -1, 1.5, True, "4", 10_000):
+        with pytest.raises(EngineError, match="max_streams must be an integer"):
+            check_engine("cudagraph", "cuda", {"streams": "opara", "max_streams": bad})
     with pytest.raises(EngineError, match="streams must be one of"):
         check_engine("cudagraph", "cuda", {"streams": "many"})
     with pytest.raises(EngineError, match="warmup"):
@@ -219,6 +224,125 @@ def test_a_request_goes_pool_to_kernel_to_graph_with_no_copy(fake_cuda: Any) -> 
     stream.close()
     gc.collect()
     assert fake_cuda.live("registered") == [] and fake_cuda.live("device") == [] and fake_cuda.unsafe_frees == []
+
+
+OPARA_MAX = 4
+OPARA_SOURCES = {
+    "googlenet": ModelSource("tests.gpuprims.engines.nets:googlenet_small", (3, 32, 32), max_batch=OPARA_MAX),
+    "inception_v3": ModelSource("tests.gpuprims.engines.nets:inception_v3_small", (3, 75, 75), max_batch=OPARA_MAX),
+}
+
+
+@pytest.mark.parametrize(("name", "cap"), [
+    ("googlenet", None), ("googlenet", 3),
+    pytest.param("inception_v3", None, marks=pytest.mark.slow),  # ~25 s at load 10: each bucket's first runs
+])
+def test_opara_capture_follows_the_plan_and_equals_eager(fake_cuda: Any, name: str, cap: int | None) -> None:
+    source = OPARA_SOURCES[name]
+    stream = Stream(0)
+    eng = make_engine("cudagraph", source, Target("cuda", stream=stream),
+                      {"streams": "opara", "warmup": 1, "max_streams": cap})
+    waits0 = fake_cuda.calls.get("cuda_stream_wait_event", 0)
+    eng.prepare()
+    assert sorted(eng.plans) == buckets_for(OPARA_MAX) == sorted(eng.graphs)
+    # What the fake recorded: per bucket one host node per operator, captured on the plan's streams, each
+    # node depending on the nodes of the ops its plan says it waits for; fork + plan waits + join as
+    # cudaStreamWaitEvent calls.
+    expected_waits = 0
+    for b, plan in eng.plans.items():
+        assert plan.num_streams > 1 and plan.num_waits > 0
+        if cap is None:
+            assert plan.num_streams == plan.chains
+        else:
+            assert plan.num_streams <= cap < plan.chains
+        nodes = fake_cuda.graph_nodes(eng.graphs[b]._graph)
+        assert len(nodes) == len(plan.order) == eng.graphs[b].nodes
+        assert len({n.stream for n in nodes}) == plan.num_streams
+        index = {op: i for i, op in enumerate(plan.order)}
+        handles: dict[int, int] = {}
+        for op, node in zip(plan.order, nodes):
+            assert handles.setdefault(plan.stream_of[op], node.stream) == node.stream  # one stream per plan stream
+            assert {index[u] for u in plan.waits[op]} <= set(node.deps)
+        assert len(set(handles.values())) == plan.num_streams
+        expected_waits += 2 * (plan.num_streams - 1) + plan.num_waits
+    assert fake_cuda.calls.get("cuda_stream_wait_event", 0) - waits0 == expected_waits
+    d = eng.describe()
+    assert d["streams"] == "opara" and d["opara"]["max_streams"] == cap
+    assert d["opara"]["num_streams"] == max(p.num_streams for p in eng.plans.values())
+    assert d["opara"]["buckets"][OPARA_MAX]["num_events"] == eng.plans[OPARA_MAX].num_events
+    assert d["opara"]["planning_ms"] > 0
+    # Replays on the instance's stream, as streams: single: equal to eager at batch 1, max/2, max.
+    module = source.build_module("cpu")
+    rng = torch.Generator().manual_seed(2)
+    rtol, atol = CudaGraphEngine.tolerance
+    begun = fake_cuda.captures_begun
+    for n in (1, OPARA_MAX // 2, OPARA_MAX, 3):
+        x = torch.rand((n, *source.input_shape), generator=rng)
+        out = eng.run(x)
+        eng.synchronize()
+        with torch.no_grad():
+            torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
+    assert fake_cuda.captures_begun == begun
+    eng.close()
+    stream.close()
+    gc.collect()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("graph_exec") == [] and fake_cuda.live("event") == []
+    assert fake_cuda.live("stream") == [] and fake_cuda.live("device") == [] and fake_cuda.unsafe_frees == []
+
+
+def test_opara_capture_with_an_unjoined_stream_is_a_cuda_error(fake_cuda: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that leaves work on a side stream that never joins back: the fake's cudaStreamEndCapture
+    refuses it as CUDA does (cudaErrorStreamCaptureUnjoined), prepare raises it, and nothing stays live."""
+    from gpuprims.engines import cudagraph as module
+
+    real = module.capture_plan
+
+    def leaves_a_stream_unjoined(cap: Any, plan: Any, launch_op: Any, streams: Any) -> None:
+        real(cap, plan, launch_op, streams)
+        cap.launch(lambda: None, streams[1])  # work forked into the capture after the join
+
+    monkeypatch.setattr(module, "capture_plan", leaves_a_stream_unjoined)
+    source = ModelSource("tests.gpuprims.engines.nets:googlenet_small", (3, 32, 32), max_batch=1)
+    eng = make_engine("cudagraph", source, Target("cuda"), {"streams": "opara", "warmup": 1})
+    with pytest.raises(CudaError) as ei:
+        eng.prepare()
+    assert ei.value.name == "cudaErrorStreamCaptureUnjoined" and not eng.prepared
+    gc.collect()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("graph_exec") == [] and fake_cuda.live("device") == []
+    assert fake_cuda.live("stream") == [] and fake_cuda.live("event") == []
+
+
+def test_opara_refuses_a_model_fx_cannot_trace(fake_cuda: Any) -> None:
+    source = ModelSource("tests.gpuprims.engines.nets:untraceable", (3, 8, 8), max_batch=2)
+    eng = make_engine("cudagraph", source, Target("cuda"), {"streams": "opara", "warmup": 1})
+    with pytest.raises(EngineError, match=r"streams: opara cannot plan 'tests.gpuprims.engines.nets:untraceable'"):
+        eng.prepare()
+    gc.collect()
+    assert fake_cuda.live("graph") == [] and fake_cuda.live("device") == [] and fake_cuda.live("stream") == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_opara_capture_equals_eager_at_every_bucket() -> None:
+    """The real path of streams: opara: torch's capture of the plan's forked streams, replayed on a torch
+    stream, against eager on the GPU (GoogLeNet and Inception-v3 at full width, batch 1, max/2, max)."""
+    for name, shape in (("googlenet", (3, 224, 224)), ("inception_v3", (3, 299, 299))):
+        source = ModelSource(name, shape, max_batch=MAX, num_classes=10)
+        stream = torch.cuda.Stream()
+        eng = make_engine("cudagraph", source, Target("cuda", stream=stream), {"streams": "opara"})
+        module = source.build_module("cuda")
+        eng.prepare(module)
+        assert eng.describe()["opara"]["num_streams"] > 1
+        gen = torch.Generator().manual_seed(0)
+        rtol, atol = CudaGraphEngine.tolerance
+        for n in (1, MAX // 2, MAX):
+            x = torch.rand((n, *shape), generator=gen).cuda()
+            torch.cuda.synchronize()
+            out = eng.run(x)
+            eng.synchronize()
+            with torch.no_grad():
+                torch.testing.assert_close(out, module(x), rtol=rtol, atol=atol)
+        eng.close()
 
 
 def test_the_run_seam_runs_an_asynchronous_engine_on_the_host_thread(fake_cuda: Any) -> None:
