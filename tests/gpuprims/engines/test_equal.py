@@ -2,7 +2,7 @@
 at batch 1, max_batch/2 and max_batch (float input, and uint8 input taken as float as an uint8 app's is).
 
 Small input shapes keep the default suite fast; a handful of models run by default, the rest are
-``slow``. The models whose shape is part of the architecture (wide_deep, siamese, mt_dnn, lstm) keep it.
+``heavy`` (``make test-heavy``: minutes each on two cores). The models whose shape is part of the architecture (wide_deep, siamese, mt_dnn, lstm) keep it.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def _cases() -> list[object]:
     for kind in ENGINES:
         for name in SHAPES:
             # the big ones write a 0.5 GB ONNX file and run 20 GFLOP samples: minutes on a loaded machine
-            marks = () if name in DEFAULT_SUITE else (pytest.mark.slow, pytest.mark.timeout(1200))
+            marks = () if name in DEFAULT_SUITE else (pytest.mark.heavy, pytest.mark.timeout(1200))
             out.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
     for name in COMPILE_MODELS:
-        out.append(pytest.param("compile", name, marks=(pytest.mark.slow, pytest.mark.timeout(1800)),
+        out.append(pytest.param("compile", name, marks=(pytest.mark.heavy, pytest.mark.timeout(1800)),
                                 id=f"compile-{name}"))
     return out
 
