@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
 
-.PHONY: setup test test-contended lint demo bench clean
+.PHONY: setup test test-contended test-heavy lint demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test-contended: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
 	scripts/contended.sh $(PY) -m pytest -q
+
+# The minutes-long verifications `make test` leaves out (marker `heavy`): every zoo model through every CPU
+# engine, inductor compiles.
+test-heavy: setup
+	$(PY) -m pytest -q -m heavy
 
 demo: setup
 	$(PY) -m orchestrator.demo

@@ -8,13 +8,15 @@ sample at max_batch, so light load (latency) and full batches (throughput) weigh
 (pick, timings, why the others were dropped) is cached under a key of the model, device, candidates and
 library versions: a second prepare measures nothing, it loads the picked engine from its cache.
 
-Candidates by backend: cpu: eager, onnxruntime (cpu provider), compile; cuda: eager, onnxruntime (cuda
-and tensorrt providers), and tensorrt, cudagraph and compile where those kinds are registered. OpenVINO
-is not a candidate (docs/engines.md says why). The ``candidates`` option narrows the list by kind.
+Candidates by backend: cpu: eager, onnxruntime (cpu provider), openvino (where installed), compile; cuda:
+eager, onnxruntime (cuda and tensorrt providers), and tensorrt, cudagraph and compile where those kinds
+are registered. The ``candidates`` option narrows the list by kind.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -26,11 +28,11 @@ from gpuprims.gather import torch_device
 
 #: Every candidate (kind, options) per backend, in the order tried.
 CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
-    "cpu": (("eager", {}), ("onnxruntime", {"provider": "cpu"}), ("compile", {})),
+    "cpu": (("eager", {}), ("onnxruntime", {"provider": "cpu"}), ("openvino", {}), ("compile", {})),
     "cuda": (("eager", {}), ("onnxruntime", {"provider": "cuda"}), ("onnxruntime", {"provider": "tensorrt"}),
              ("tensorrt", {}), ("cudagraph", {}), ("compile", {})),
 }
-DECISION_FILE = "decision.json"
+log = logging.getLogger("gpuprims.engines")
 
 
 def _label(kind: str, options: dict[str, Any]) -> str:
@@ -88,12 +90,20 @@ class AutoEngine(Engine):
         found = cache.lookup(key)
         if found is not None:
             meta = found.meta
-            self.inner = make_engine(meta["picked"], self.source, self.target, meta["picked_options"], cache=cache)
-            self.inner.prepare(module, progress)
-            self.decision = meta
-            self.info = BuildInfo(fingerprint=key, cache_hit=True, load_ms=(time.perf_counter() - t0) * 1e3,
-                                  artefact=str(found.path), extra={"picked": meta["picked"]})
-            return
+            try:
+                self.inner = make_engine(meta["picked"], self.source, self.target, meta["picked_options"],
+                                         cache=cache)
+                self.inner.prepare(module, progress)
+            except (EngineError, KeyError, TypeError) as e:
+                # the cached pick no longer loads (a library removed, a corrupt decision): decide again
+                log.warning("engine 'auto' for %s: the cached pick does not load (%s); measuring again",
+                            self.source.model, e)
+                self._remove_decision(cache, found.path)
+            else:
+                self.decision = meta
+                self.info = BuildInfo(fingerprint=key, cache_hit=True, load_ms=(time.perf_counter() - t0) * 1e3,
+                                      artefact=str(found.path), extra={"picked": meta["picked"]})
+                return
         decision = self._decide(module, cands, cache, progress)
 
         def build(tmp: Path) -> dict[str, Any]:
@@ -103,6 +113,10 @@ class AutoEngine(Engine):
         self.decision = decision
         self.info = BuildInfo(fingerprint=key, cache_hit=False, build_ms=(time.perf_counter() - t0) * 1e3,
                               artefact=str(entry.path), extra={"picked": decision["picked"]})
+
+    @staticmethod
+    def _remove_decision(cache: EngineCache, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
 
     def _decide(self, module: Any, cands: list[tuple[str, dict[str, Any]]], cache: EngineCache,
                 progress: Progress | None) -> dict[str, Any]:

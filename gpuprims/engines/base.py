@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {
     "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
     "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
     "compile": "gpuprims.engines.compile:CompileEngine",
+    "openvino": "gpuprims.engines.openvino:OpenVinoEngine",
     "duet": "gpuprims.engines.duet:DuetEngine",
     "chrion": "gpuprims.engines.chrion:ChrionEngine",
     "auto": "gpuprims.engines.auto:AutoEngine",

@@ -14,7 +14,7 @@ model and runs the graph with eager kernels: no compile time, no speed-up, for c
 padding, more compile time; ``max``: max_batch only, the least compile time and the most padding).
 
 Inductor's own cache (compiled kernels, FX graphs) lives inside the engine cache root
-(``<root>/inductor``, set through ``TORCHINDUCTOR_CACHE_DIR`` for this process), so a second start
+(``<root>/inductor``, set through ``TORCHINDUCTOR_CACHE_DIR`` while :meth:`prepare` compiles), so a second start
 compiles from cache; the entry itself records the buckets and the first build's time. The engine runs on
 the module's own weights (they are inputs of the compiled graph, not constants), so Param-Share applies.
 Threads: ``torch.set_num_threads(Target.threads)`` (the compiled C++ kernels use torch's OpenMP pool).
@@ -54,6 +54,20 @@ def buckets_for(max_batch: int, policy: str = "pow2") -> list[int]:
         out.append(b)
         b *= 2
     return [*out, max_batch]
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block (inductor reads its cache directory when it compiles)."""
+    was = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
 
 
 def _first_line(e: BaseException) -> str:
@@ -117,10 +131,12 @@ class CompileEngine(Engine):
         if self.target.threads:
             torch.set_num_threads(self.target.threads)
         cache = self.cache if self.cache is not None else EngineCache()
-        cache._ensure()
         inductor_dir = cache.root / INDUCTOR_DIR
-        inductor_dir.mkdir(mode=0o700, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+        try:
+            inductor_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise EngineError(f"engine 'compile': inductor cache directory {inductor_dir} cannot be created: "
+                              f"{e}") from e
         mode = self.options["mode"] if self.options["backend"] == "inductor" else None
         self.compiled = torch.compile(self.module, backend=self.options["backend"], mode=mode, dynamic=False)
         self._device = device
@@ -130,6 +146,26 @@ class CompileEngine(Engine):
         key = engine_key(self, module, libraries=())
         t0 = time.perf_counter()
         compile_ms: dict[int, float] = {}
+        with _env("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)):
+            self._compile_buckets(buckets, compile_ms, device, progress)
+        total_ms = (time.perf_counter() - t0) * 1e3
+
+        def build(tmp: Path) -> dict[str, Any]:
+            meta = {"buckets": buckets, "compile_ms": compile_ms, "mode": self.options["mode"]}
+            (tmp / "compile.json").write_text(json.dumps(meta))
+            return meta
+
+        entry = cache.get_or_build(key, build, progress=progress)
+        # a hit means inductor's cache (under the same root) already held these kernels when we compiled
+        self.info = BuildInfo(fingerprint=entry.key, cache_hit=entry.hit, build_ms=0.0 if entry.hit else total_ms,
+                              load_ms=total_ms if entry.hit else 0.0, artefact=str(inductor_dir),
+                              extra={"buckets": buckets, "compile_ms": compile_ms})
+
+    def _compile_buckets(self, buckets: list[int], compile_ms: dict[int, float], device: Any,
+                         progress: Progress | None) -> None:
+        """Run the compiled module once per bucket: dynamo traces and inductor compiles each shape now."""
+        import torch
+
         for i, b in enumerate(buckets):
             if progress is not None:
                 progress(f"compiling {self.source.model} for batch {b} ({i + 1}/{len(buckets)})",
@@ -143,18 +179,6 @@ class CompileEngine(Engine):
                 raise ExportError(f"engine 'compile': {self.source.model!r} does not compile for batch {b}: "
                                   f"{_first_line(e)}") from e
             compile_ms[b] = round((time.perf_counter() - t) * 1e3, 1)
-        total_ms = (time.perf_counter() - t0) * 1e3
-
-        def build(tmp: Path) -> dict[str, Any]:
-            meta = {"buckets": buckets, "compile_ms": compile_ms, "mode": self.options["mode"]}
-            (tmp / "compile.json").write_text(json.dumps(meta))
-            return meta
-
-        entry = cache.get_or_build(key, build, progress=progress)
-        # a hit means inductor's cache (under the same root) already held these kernels when we compiled
-        self.info = BuildInfo(fingerprint=entry.key, cache_hit=entry.hit, build_ms=0.0 if entry.hit else total_ms,
-                              load_ms=total_ms if entry.hit else 0.0, artefact=str(inductor_dir),
-                              extra={"buckets": buckets, "compile_ms": compile_ms})
 
     @contextlib.contextmanager
     def _no_recompile(self) -> Iterator[None]:

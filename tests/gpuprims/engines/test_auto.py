@@ -100,7 +100,7 @@ def test_auto_keeps_eager_when_nothing_else_qualifies(extra_kinds: None, tmp_pat
 @pytest.mark.parametrize(("options", "reason"), [
     ({"candidates": "onnxruntime"}, "candidates must be a non-empty list of engine kinds, got 'onnxruntime'"),
     ({"candidates": []}, "candidates must be a non-empty list"),
-    ({"candidates": ["eager", "openvino"]}, r"unknown candidate\(s\) \['openvino'\]"),
+    ({"candidates": ["eager", "tvm"]}, r"unknown candidate\(s\) \['tvm'\]"),
     ({"candidates": ["auto"]}, r"unknown candidate\(s\) \['auto'\]"),
     ({"runs": 0}, "runs must be an integer in 1..1000, got 0"),
 ])
@@ -114,3 +114,22 @@ def test_unprepared_run_is_refused(tmp_path: Path) -> None:
     assert eng.static_input() is None and "picked" not in eng.describe()
     with pytest.raises(EngineError, match="not prepared"):
         eng.run(torch.zeros(1, *SRC.input_shape))
+
+
+def test_a_cached_pick_that_no_longer_loads_is_measured_again(extra_kinds: None, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    import json
+
+    opts = {"candidates": ["eager"], "runs": 1}
+    first = make_engine("auto", SRC, Target("cpu", threads=1), opts, cache=EngineCache(tmp_path))
+    manifest = Path(first.prepare().artefact or "") / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["meta"]["picked"] = "missing"  # as if the picked engine's library had been uninstalled since
+    manifest.write_text(json.dumps(m))
+    again = make_engine("auto", SRC, Target("cpu", threads=1), opts, cache=EngineCache(tmp_path))
+    with caplog.at_level("WARNING", logger="gpuprims.engines"):
+        info = again.prepare()
+    assert not info.cache_hit and again.describe()["picked"] == "eager"
+    assert "the cached pick does not load (engine 'missing' needs the nosuchlib package)" in caplog.text
+    third = make_engine("auto", SRC, Target("cpu", threads=1), opts, cache=EngineCache(tmp_path))
+    assert third.prepare().cache_hit and third.describe()["picked"] == "eager"

@@ -2,7 +2,7 @@
 at batch 1, max_batch/2 and max_batch (float input, and uint8 input taken as float as an uint8 app's is).
 
 Small input shapes keep the default suite fast; a handful of models run by default, the rest are
-``slow``. The models whose shape is part of the architecture (wide_deep, siamese, mt_dnn, lstm) keep it.
+``heavy`` (``make test-heavy``: minutes each on two cores). The models whose shape is part of the architecture (wide_deep, siamese, mt_dnn, lstm) keep it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
 from tests.gpuprims.engines.tinynet import SPEC as TINY
 
-#: The CPU engines and the zoo models each supports (every one, for these two).
-ENGINES = ("onnxruntime",)
+#: The CPU engines compared here on every zoo model (compile on COMPILE_MODELS only).
+ENGINES = ("onnxruntime", "openvino")
 MAX_BATCH = 4
 #: Image models at a small input, except AlexNet and the VGGs: their adaptive average pool exports to ONNX
 #: only where its output size divides its input's (so at 224x224, not at 32x32; test_onnx.py shows the
@@ -33,12 +33,20 @@ MAX_BATCHES = {"vgg19": 2, "vgg_face": 2}
 DEFAULT_SUITE = {"mobilenet_v2", "resnet18", "siamese"}
 
 
+#: torch.compile on two zoo CNNs (inductor compiles 3 buckets each: minutes on a loaded 2-core machine).
+COMPILE_MODELS = ("mobilenet_v2", "resnet18")
+
+
 def _cases() -> list[object]:
     out: list[object] = []
     for kind in ENGINES:
         for name in SHAPES:
-            marks = () if name in DEFAULT_SUITE else (pytest.mark.slow,)
+            # the big ones write a 0.5 GB ONNX file and run 20 GFLOP samples: minutes on a loaded machine
+            marks = () if name in DEFAULT_SUITE else (pytest.mark.heavy, pytest.mark.timeout(1200))
             out.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
+    for name in COMPILE_MODELS:
+        out.append(pytest.param("compile", name, marks=(pytest.mark.heavy, pytest.mark.timeout(1800)),
+                                id=f"compile-{name}"))
     return out
 
 
