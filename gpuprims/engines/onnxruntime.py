@@ -78,9 +78,10 @@ class OnnxRuntimeEngine(Engine):
 
     kind = "onnxruntime"
     option_defaults: ClassVar[dict[str, Any]] = {"provider": "cpu", "optimization": "all", "precision": "fp32"}
-    #: float32, CPU provider, every zoo model tests/gpuprims/engines/test_equal.py covers: the largest
-    #: difference measured is a few 1e-6 relative; the bound leaves room for other CPUs' kernels.
-    tolerance = (1e-3, 1e-4)
+    #: float32, CPU provider, every zoo model tests/gpuprims/engines/test_equal.py covers. Most differ from
+    #: eager by a few 1e-6; the VGGs at 224x224 (16-19 conv layers, then a 25088-wide linear layer) by up
+    #: to 1.7e-4 absolute, from float32 sums taken in another order, hence atol 1e-3.
+    tolerance = (1e-3, 1e-3)
     #: With ``precision: fp16`` (TensorRT): half precision keeps about 3 significant digits.
     fp16_tolerance = (2e-2, 2e-2)
     uses_torch_weights = False

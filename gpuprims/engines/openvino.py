@@ -44,8 +44,9 @@ class OpenVinoEngine(Engine):
     kind = "openvino"
     backends = ("cpu",)
     option_defaults: ClassVar[dict[str, Any]] = {"hint": "latency"}
-    #: float32 (INFERENCE_PRECISION_HINT f32: no silent bf16 on CPUs that have it).
-    tolerance = (1e-3, 1e-4)
+    #: float32 (INFERENCE_PRECISION_HINT f32: no silent bf16 on CPUs that have it). The VGGs at 224x224
+    #: differ from eager by up to 2.6e-4 absolute (float32 sums in another order), hence atol 1e-3.
+    tolerance = (1e-3, 1e-3)
 
     @classmethod
     def validate_options(cls, options: Any) -> dict[str, Any]:
