@@ -75,7 +75,6 @@ __all__ = ["AppState", "InstanceState", "Node", "StartError", "install_signal_ha
 
 log = logging.getLogger("gpuprims.node")
 
-RATE_WINDOW_S = 5.0  # status rates are over about this many seconds of heartbeats
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
 EVENTS_KEPT = 1000
 
@@ -270,7 +269,8 @@ class Node:
             self.frontdoor = start_frontdoor(
                 self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
                 grpc_port=node.grpc_port or None, host=h,
-                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)))
+                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)),
+                statistics={name: a.stats for name, a in self.apps.items()})
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 
@@ -536,16 +536,7 @@ class Node:
 
     def _beat(self, st: InstanceState, stats: dict[str, Any]) -> None:
         now = time.monotonic()
-        # Rates over the last few seconds of heartbeats rather than since the process started.
-        st.history.append((now, float(stats.get("received") or 0),
-                           float((stats.get("ok") or 0) + (stats.get("deadline_missed") or 0)
-                                 + (stats.get("errors") or 0))))
-        while len(st.history) > 2 and now - st.history[1][0] >= RATE_WINDOW_S:
-            st.history.pop(0)
-        (t0, r0, s0), (t1, r1, s1) = st.history[0], st.history[-1]
-        if t1 - t0 > 0.2:
-            stats["arrival_rps"], stats["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
-        st.stats, st.last_beat = stats, now
+        st.stats, st.last_beat = self.apps[st.app].stats.beat(st.name, stats, now), now
 
     # -- status ---------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -554,27 +545,16 @@ class Node:
         apps: dict[str, Any] = {}
         for name, a in self.apps.items():
             insts = []
-            totals = dict(a.retired)
+            roles = {}
             for st in self.instances.values():
                 if st.app != name:
                     continue
-                s = st.stats
+                roles[st.name] = st.role
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **s})
-                for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
-                    totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
-            served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
-            live = [i for i in insts if i.get("role") in ("active", OVERFLOW_ROLE) and i.get("p50_ms") is not None]
-            weight = sum(max(1, int(i.get("ok") or 0)) for i in live)
-            # App-level latency from the instances' recent windows: p50 weighted by what each served,
-            # p99 the worst instance's (an upper bound of the app's p99).
-            totals["p50_ms"] = (sum(i["p50_ms"] * max(1, int(i.get("ok") or 0)) for i in live) / weight
-                                if live else None)
-            totals["p99_ms"] = max((i["p99_ms"] for i in live if i.get("p99_ms") is not None), default=None)
-            totals["arrival_rps"] = sum(float(i.get("arrival_rps") or 0) for i in insts)
-            totals["service_rps"] = sum(float(i.get("service_rps") or 0) for i in insts)
+                              "prewarm": st.info.get("prewarm"), **st.stats})
+            totals = a.stats.totals(roles)
             running = self.changes.running.get(name)
             apps[name] = {
                 "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
@@ -583,7 +563,6 @@ class Node:
                 "change": running.to_dict() if running is not None else None, **totals,
                 "overflow": self.overflow.split(name, self.instances.values())
                 if self.overflow is not None and name in self.overflow.pools else None,
-                "slo_attainment": (totals.get("within_slo", 0) / served) if served else None,
             }
         return {
             "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
@@ -594,6 +573,7 @@ class Node:
                      "errors": dict(self.errors)},
             "ingest": counters,
             "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
+            "control_rejected": dict(self.server.rejected) if self.server is not None else {},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
             "changes": {"counts": dict(self.changes.counts),

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
 from gpuprims.wire import Status
 from orchestrator.frontdoor.models import ModelInfo
+from orchestrator.metrics import AppStatistics
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
 HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
@@ -51,56 +50,24 @@ class OipError(Exception):
         return HTTP_CODE[self.kind]
 
 
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, ns: int) -> None:
-        self.count += 1
-        self.ns += ns
-
-    def as_dict(self) -> dict[str, int]:
-        return {"count": self.count, "ns": self.ns}
-
-
-@dataclass
-class ModelStats:
-    """Triton-style statistics of one model, counted at the front door."""
-
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
-    inference_count: int = 0  # rows answered OK
-    execution_count: int = 0  # inferences answered OK
-    last_inference_ms: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)  # answers by wire status name, per row
-
-    def as_dict(self, name: str) -> dict[str, Any]:
-        zero = Duration().as_dict()
-        return {
-            "name": name, "version": "1", "last_inference": self.last_inference_ms,
-            "inference_count": self.inference_count, "execution_count": self.execution_count,
-            "inference_stats": {"success": self.success.as_dict(), "fail": self.fail.as_dict(),
-                                "queue": zero, "compute_input": zero, "compute_infer": zero,
-                                "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
-            "batch_stats": [],
-        }
-
-
 class Core:
     """Models by name and inference over the UDP client; shared by the HTTP and gRPC servers.
 
     ``ready(name)`` says whether the node serves a model now (default: always); ``timeout_s`` is
     how long one row waits for its answer (default: the larger of 2 s and 3 x the app's SLO).
+    ``statistics`` maps each model to its app's `AppStatistics`, where every inference is counted
+    and the statistics extension reads (default: a record of the front door's own per model).
     """
 
     def __init__(self, infos: list[ModelInfo], client: AsyncClient, *, timeout_s: float | None = None,
-                 ready: Callable[[str], bool] | None = None) -> None:
+                 ready: Callable[[str], bool] | None = None,
+                 statistics: Mapping[str, AppStatistics] | None = None) -> None:
         self.models = {m.name: m for m in infos}
         self.client = client
         self.timeout_s = timeout_s
         self._ready = ready
-        self.stats = {m.name: ModelStats() for m in infos}
+        given = statistics or {}
+        self.stats = {m.name: given.get(m.name) or AppStatistics() for m in infos}
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         info = self.models.get(name)
@@ -140,34 +107,34 @@ class Core:
     async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0) -> np.ndarray:
         """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError."""
         t0 = time.monotonic_ns()
-        st = self.stats[info.name]
+        statuses: dict[str, int] = {}
         try:
             results = await asyncio.gather(
                 *(self.client.infer(info.app_id, row, deadline_us=deadline_us,
                                     timeout_s=self.row_timeout_s(info, deadline_us)) for row in x),
                 return_exceptions=True)
-            out = self._collect(info, results, st)
+            out = self._collect(info, results, statuses)
         except OipError:
-            st.fail.add(time.monotonic_ns() - t0)
+            self.stats[info.name].record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=False,
+                                                   statuses=statuses)
             raise
-        st.success.add(time.monotonic_ns() - t0)
-        st.inference_count += len(x)
-        st.execution_count += 1
-        st.last_inference_ms = int(time.time() * 1e3)
+        self.stats[info.name].record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=True,
+                                               statuses=statuses)
         return out
 
-    def _collect(self, info: ModelInfo, results: list[Result | BaseException], st: ModelStats) -> np.ndarray:
+    def _collect(self, info: ModelInfo, results: list[Result | BaseException],
+                 statuses: dict[str, int]) -> np.ndarray:
         first: OipError | None = None
         rows = []
         for r in results:
             if isinstance(r, RequestLost):
-                st.statuses["LOST"] = st.statuses.get("LOST", 0) + 1
+                statuses["LOST"] = statuses.get("LOST", 0) + 1
                 first = first or OipError("deadline", f"model {info.name!r}: no answer from the node within "
                                                       f"{r.timeout_s:g} s")
                 continue
             if isinstance(r, BaseException):
                 raise r
-            st.statuses[r.status.name] = st.statuses.get(r.status.name, 0) + 1
+            statuses[r.status.name] = statuses.get(r.status.name, 0) + 1
             if not r.ok:
                 kind, why = STATUS_ERRORS.get(r.status, ("internal", "unexpected status"))
                 first = first or OipError(kind, f"model {info.name!r}: {r.status.name}: {why}")

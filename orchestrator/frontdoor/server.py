@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from aiohttp import web
 
@@ -24,6 +24,7 @@ from orchestrator.frontdoor.core import Core
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
+from orchestrator.metrics import AppStatistics
 
 log = logging.getLogger("gpuprims.frontdoor")
 #: How long start_frontdoor waits for both servers to listen.
@@ -41,7 +42,7 @@ class FrontDoor:
 
     def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
-                 ready: Callable[[str], bool] | None) -> None:
+                 ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None) -> None:
         self.models = infos
         self.udp_target = udp_target
         self.host = host
@@ -49,7 +50,7 @@ class FrontDoor:
         self.grpc_target: str | None = None
         self.core: Core | None = None
         self._http_port, self._grpc_port = http_port, grpc_port
-        self._timeout_s, self._ready = timeout_s, ready
+        self._timeout_s, self._ready, self._statistics = timeout_s, ready, statistics
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -69,7 +70,8 @@ class FrontDoor:
 
     async def _serve(self) -> None:
         client = await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open()
-        self.core = Core(self.models, client, timeout_s=self._timeout_s, ready=self._ready)
+        self.core = Core(self.models, client, timeout_s=self._timeout_s, ready=self._ready,
+                         statistics=self._statistics)
         runner: web.AppRunner | None = None
         grpc_server = None
         try:
@@ -141,14 +143,17 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: a
 
 def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http_port: int | None,
                     grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
-                    ready: Callable[[str], bool] | None = None) -> FrontDoor:
+                    ready: Callable[[str], bool] | None = None,
+                    statistics: Mapping[str, AppStatistics] | None = None) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
     becomes None at the caller). ``ready(app_name)`` tells the servers whether the node serves an
     app now (default: always). ``timeout_s`` bounds each request's wait for the node's answer
     (default: max(2 s, 3 x the app's SLO)). Returns once both servers listen, or raises
-    FrontDoorError; ``close()`` stops it.
+    FrontDoorError; ``close()`` stops it. ``statistics`` holds each app's `AppStatistics` (the
+    node's), which the front door counts its inferences in and its statistics extension reads;
+    without it each app gets a record of its own.
     """
     if http_port is None and grpc_port is None:
         raise ValueError("start_frontdoor needs http_port or grpc_port (None means off)")
@@ -157,4 +162,4 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
             raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
     infos = [model_info(a) for a in apps]
     return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
-                     timeout_s=timeout_s, ready=ready)._start()
+                     timeout_s=timeout_s, ready=ready, statistics=statistics)._start()
