@@ -26,6 +26,7 @@ import click
 
 from apps.zoo.names import known_names
 from gpuprims import __version__
+from orchestrator import control
 from orchestrator.config import ConfigError, NodeConfig, load_config
 from orchestrator.control import (
     ControlError,
@@ -33,7 +34,6 @@ from orchestrator.control import (
     control_address,
     make_run_dir,
     read_token,
-    runtime_base,
 )
 from orchestrator.logs import setup_logging
 from orchestrator.messages import SetGpuRequest, StatusRequest, StopRequest
@@ -61,7 +61,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _runtime_base() -> Path:
-    return runtime_base()
+    return control.runtime_base()  # looked up at call time: tests point it at a private directory
 
 
 def _named_dir(name: str) -> Path:
