@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
 
-.PHONY: setup test test-contended lint demo bench clean
+.PHONY: setup test test-fast test-contended lint demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,12 @@ test: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The inner loop: every test not marked slow, gpu or tools (CONTRIBUTING.md, "The test tiers").
+# `make test` stays the full suite and what CI runs.
+test-fast: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow and not gpu and not tools"
 
 # The same run with two busy loops beside it: the tests must not assume a fast or idle machine.
 test-contended: setup

@@ -49,6 +49,7 @@ from orchestrator.control import (
 from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
+from orchestrator.launcher import Launcher, SubprocessLauncher
 from orchestrator.messages import (
     BatchDone,
     Ended,
@@ -84,13 +85,16 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, *, ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
                  python: str = sys.executable, control_kind: str = "zmq", heartbeat_ms: float = 500.0,
-                 warmup: bool = True, monitor: Any = None, share_params: bool = True) -> None:
+                 warmup: bool = True, monitor: Any = None, share_params: bool = True,
+                 launcher: Launcher | None = None) -> None:
         if ready_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("ready_timeout_s and stop_timeout_s must be positive")
         self.cfg = cfg
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.python = python
+        # How instances are started: python -m orchestrator.launch, or a test's double.
+        self.launcher: Launcher = launcher if launcher is not None else SubprocessLauncher(python)
         self.control_kind = control_kind
         self.heartbeat_ms = heartbeat_ms
         self.warmup = warmup
@@ -206,7 +210,7 @@ class Node:
         self.supervisor = Supervisor(
             self.cfg, self.apps, self.instances, pool=self.pool, ingest=self.ingest, server=self.server,
             token=self.token, run_dir=self.run_dir, placement=self.placement, params=self.params,
-            backend=self.backend, python=self.python, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
+            backend=self.backend, launcher=self.launcher, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
             consumers=consumers, mps=self.mps, record=self.record, on_lost=self._instance_lost, overflow=self.overflow)
 
         shares = self.placement.plan_shares()

@@ -6,12 +6,12 @@ them owns another, and only the node's one loop writes them.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import AppConfig
+from orchestrator.launcher import InstanceProcess
 from orchestrator.metrics import AppStatistics
 from orchestrator.spec import InstanceSpec
 
@@ -27,7 +27,7 @@ class InstanceState:
     name: str
     app: str
     spec: InstanceSpec
-    proc: subprocess.Popen[bytes]
+    proc: InstanceProcess
     role: str = "active"  # one of ROLES
     ready: bool = False
     initialized: bool = False
