@@ -3,7 +3,13 @@
 The libFuzzer harness ``native/fuzz/fuzz_ingest.cpp`` drives the ingest's per-datagram step
 (``Ingest::feed``/``housekeeping`` on a fake clock, no receive thread) with raw datagrams, plausible
 request chunks, coalesced GRO buffers, duplicates, releases (also double and foreign ones), dead
-consumers and route changes, and checks the slot/record/request accounting after every step. It is
+consumers and route changes, and from the consumers' side the answer rings: answers through
+``Pool::answer`` (right and stale generations), raw bytes and tails written into a ring, and answers
+a client refuses as a full send buffer would (held, then sent or expired). After every step it checks
+the slot/record/request accounting, that every delivered request ends once (released, answered or
+failed at a reclaim), that each published answer is counted once (sent or refused), that a request
+a consumer holds ends only through that consumer's answer, and at the end of an input that nothing
+is left held. It is
 built with clang, ``-fsanitize=fuzzer,address,undefined`` (leak checking on; UBSan aborts on the
 first finding) by ``scripts/build-fuzz.sh``.
 
@@ -156,7 +162,8 @@ def main() -> int:
                "coverage_features": end["features"], "coverage_edges_seed_corpus": start["edges"],
                "corpus_files_start": seeds, "corpus_files_end": found, "jobs": args.jobs, "wall_s": round(wall_s, 1),
                "inputs_per_s": round(inputs / wall_s), "target": "native/fuzz/fuzz_ingest.cpp (Ingest::feed, "
-               "housekeeping, reclaim, set_route; wire::check_request)",
+               "housekeeping, reclaim, set_route; wire::check_request; answer rings: Pool::answer, raw ring "
+               "bytes and tails, held answers)",
                "clang": subprocess.run(["clang++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]}
     print(f"fuzz: {inputs:,} inputs in {wall_s:.0f} s ({summary['inputs_per_s']:,}/s), {crashes} crashed job(s), "
           f"{end['edges']} edges covered ({start['edges']} by the seeds)", flush=True)

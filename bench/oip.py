@@ -20,7 +20,12 @@ control loop and, for http/grpc, the front door) and of the driver. ``added_ms_p
 front door is measured in a *paired* run: one driver sends one request per path in turn (udp, http,
 grpc, rotating the order), one at a time with 20 ms gaps, so the three requests of a triple meet the
 same node and background load; it is the median over triples of (front-door latency - UDP
-latency), with its 90th percentile beside it (``paired.*`` keys). ``added_p50_ms``/``added_p99_ms``
+latency), with its 90th percentile beside it (``paired.*`` keys). During the paired run the front
+door times each inference per stage (orchestrator/frontdoor/transport.py ``STAGES``: parse, decode,
+submit, node, back, collect, encode; ``stages.<http|grpc>.<stage>.p50_ms``/``p99_ms``/``mean_ms``),
+beside the instance's own stages (reassembly ... respond, ``instance_stages.*``), so the report says
+where a front-door request's time goes. ``--door pool`` (the node's way, default) places each row
+into the packet pool; ``--door udp`` sends it to the UDP ingest as datagrams (the way before). ``added_p50_ms``/``added_p99_ms``
 of the blocked open-loop runs are given at every rate too (they move with the machine's background
 load between blocks), and ``added_node_cpu_ms_per_request``: the node process's CPU per request
 over UDP's.
@@ -250,6 +255,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=12.0, help="measured seconds per path and rate")
     ap.add_argument("--blocks", type=int, default=4, help="turns each path takes at each rate")
     ap.add_argument("--paired", type=int, default=300, help="request triples of the paired run")
+    ap.add_argument("--door", choices=("pool", "udp"), default="pool",
+                    help="how the front door hands rows to the node: into the packet pool (the node's "
+                         "way) or as datagrams to its UDP ingest (the way before)")
+    ap.add_argument("--name", default="oip", help="stem of the result file (bench/results/<machine>/<name>.json)")
     args = ap.parse_args()
     duration, warmup = (2.0, 0.5) if args.quick else (args.duration, 0.5)
     blocks = 1 if args.quick else args.blocks
@@ -263,7 +272,8 @@ def main() -> None:
     samples: dict[str, Any] = {}
     with sv.running_node(cfg) as node:
         port = sv.port_of(node)
-        door = start_frontdoor(cfg.apps, ("127.0.0.1", port), http_port=0, grpc_port=0)
+        door = start_frontdoor(cfg.apps, ("127.0.0.1", port), http_port=0, grpc_port=0,
+                               ingest=node.ingest if args.door == "pool" else None)
         try:
             assert door.http_url is not None and door.grpc_target is not None
             targets = {"udp": f"127.0.0.1:{port}", "http": door.http_url.removeprefix("http://"),
@@ -302,11 +312,13 @@ def main() -> None:
                                         "status": run["status"]}
                         print(f"{key}: {json.dumps(s)}", flush=True)
                 # Paired: the three paths in turn, one request at a time, from one driver process.
+                door.stages(reset=True)  # the stage times below are the paired run's alone
                 out = ctx.Queue()
                 proc = ctx.Process(target=_paired, args=(targets, paired_n, 0.02, out), daemon=True)
                 proc.start()
                 paired = _take(node, (proc, None, out), paired_n * 3 * (CLIENT_TIMEOUT_S + 1) + 120)
                 proc.join(timeout=10)
+                stages = door.stages()
             finally:
                 for _proc, cmds, _ in drivers.values():
                     cmds.put(("stop",))
@@ -326,6 +338,17 @@ def main() -> None:
         summary[f"paired.{path}.p50_ms"] = round(float(np.median(v)), 3) if v.size else None
         summary[f"paired.{path}.p99_ms"] = round(float(np.percentile(v, 99)), 3) if v.size else None
     summary["paired.requests_per_path"] = paired_n
+    summary["door"] = args.door
+    for protocol, st in stages.items():
+        for stage, v in st.items():
+            if isinstance(v, dict):
+                for k, ms in v.items():
+                    summary[f"stages.{protocol}.{stage}.{k}"] = ms
+        summary[f"stages.{protocol}.inferences"] = st["inferences"]
+    for inst in instance["instances"]:
+        for stage, v in (inst.get("stages") or {}).items():
+            if isinstance(v, dict) and inst.get("role") == "active":
+                summary[f"instance_stages.{stage}.p50_ms"] = v.get("p50_ms")
     summary["paired.failed"] = paired["failed"]
     for key, s in results.items():
         for k in ("throughput_rps", "p50_ms", "p99_ms", "slo_attainment", "node_process_cpu_ms_per_request",
@@ -352,11 +375,12 @@ def main() -> None:
                     "gpu_pct": 50, "max_batch": 8, "rates_rps": rates, "duration_s": duration, "blocks": blocks,
                     "load_avg_before": [round(v, 2) for v in load_before],
                     "load_avg_after": [round(v, 2) for v in load_after]})
-    notes = ("CPU backend (no GPU). At each rate the paths take turns in short blocks (order rotated); each "
+    notes = (f"CPU backend (no GPU). Front door over {args.door}. At each rate the paths take turns in short blocks (order rotated); each "
              "path's driver is a process of its own. added_ms_per_request = median over the paired run's "
              "triples (one request per path in turn, one at a time) of front-door latency - UDP latency.")
     samples["paired"] = {p: [round(v, 3) for v in paired["latency_ms"][p]] for p in PATHS}
-    path = write_result("oip", "cpu", summary, {"runs": samples, "instance": instance}, notes=notes)
+    path = write_result("oip", "cpu", summary, {"runs": samples, "instance": instance, "stages": stages},
+                        notes=notes, name=args.name)
     doc = json.loads(path.read_text())
     doc["machine"]["load_avg_before"] = summary["load_avg_before"]
     doc["machine"]["load_avg_after"] = summary["load_avg_after"]

@@ -1,7 +1,7 @@
 """Run every benchmark in turn (``make bench``), each in its own process, and say which failed.
 
 ``python -m bench.run_all [--quick] [--only a,b] [--list]``. Every experiment of bench/README.md is
-here; one whose prerequisite is missing (an optional extra, a compiler) or that runs for an hour is
+here; one whose prerequisite is missing (an optional extra, a compiler, a GPU) or that runs for an hour is
 skipped with the reason printed, and ``--only`` runs it anyway. Benchmarks report; this only runs them.
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-def _missing_modules(*names: str) -> str | None:
+def _missing_modules(*names: str, extra: str = "peer") -> str | None:
     gone = [n for n in names if importlib.util.find_spec(n) is None]
-    return f"needs {', '.join(gone)} (pip install -e '.[peer]')" if gone else None
+    return f"needs {', '.join(gone)} (pip install -e '.[{extra}]')" if gone else None
 
 
 def _missing_clang() -> str | None:
@@ -39,7 +39,11 @@ EXPERIMENTS = (
     Experiment("footprint"), Experiment("stage_cost"), Experiment("e2e"), Experiment("model_inside"),
     Experiment("dma"), Experiment("sync"), Experiment("share"), Experiment("overlap"), Experiment("monitor"),
     Experiment("multi"), Experiment("css"), Experiment("knee"), Experiment("sched"), Experiment("sched_live"),
-    Experiment("coexec"), Experiment("oip"), Experiment("chaos"),
+    Experiment("coexec"), Experiment("opara"), Experiment("oip"), Experiment("chaos"),
+    Experiment("engines", lambda: _missing_modules("onnxruntime", extra="onnx")),
+    Experiment("engines_gpu", lambda: "needs a GPU: run it on a GPU host (scripts/gpu-engines.sh); "
+               "python -m bench.engines_gpu --quick --fake checks the script here"),
+    Experiment("fleet", lambda: _missing_modules("ray", extra="fleet")),
     Experiment("fuzz", _missing_clang),
     Experiment("peer", lambda: _missing_modules("ray", "litserve")),
     Experiment("soak", lambda: "runs for an hour; run it alone: python -m bench.soak (smoke: --duration 60 --sample-s 5)"),

@@ -87,7 +87,7 @@ class Pool:
         """
 
 class Ingest:
-    def __init__(self, pool: Pool, listen: Sequence[tuple[str, int, int]], timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64, rcvbuf_bytes: int = 33554432, answer_drops: bool = True, gro: bool = True) -> None: ...
+    def __init__(self, pool: Pool, listen: Sequence[tuple[str, int, int]], timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64, rcvbuf_bytes: int = 33554432, answer_drops: bool = True, gro: bool = True, answer_hold_ms: float = 1000.0, answer_hold_bytes: int = 33554432) -> None: ...
 
     def start(self) -> None: ...
 
@@ -104,6 +104,34 @@ class Ingest:
     def route(self, app_id: int) -> list[int]: ...
 
     def reclaim(self, consumer: int, requeue: bool, timeout_ms: int = 5000) -> tuple[int, int]: ...
+
+    def local_open(self) -> int:
+        """
+        Open a local port (answer queue + eventfd) for submit(); returns its index.
+        """
+
+    def local_close(self, port: int) -> None:
+        """
+        Close a local port; answers still coming to it are dropped (local_dropped).
+        """
+
+    def local_fd(self, port: int) -> int:
+        """The port's eventfd: readable while answers wait."""
+
+    def submit(self, port: int, app_id: int, rows: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], dtype: int, deadline_us: int, token0: int) -> None:
+        """
+        Place each row (uint8 [n, row_bytes]) in the pool as a complete request of app_id and route it; row i is answered at the local port with token token0 + i.
+        """
+
+    def take_local(self, port: int) -> list:
+        """
+        Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.
+        """
+
+    def set_blocked_port(self, port: int) -> None:
+        """
+        Fault seam: answers to clients with this UDP port fail as on a full send buffer (0 clears).
+        """
 
     def counters(self) -> dict: ...
 

@@ -216,6 +216,40 @@ class BatchDecision(NamedTuple):
     wait_ms: float
 
 
+class ArrivalGaps:
+    """The recent gap between arrivals (ms), from the last ``window`` arrival times: what tells the
+    batching policy whether waiting for a bigger batch will be rewarded by another request."""
+
+    def __init__(self, window: int = 16) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window must be an integer >= 2, got {window!r}")
+        self.times_ms: deque[float] = deque(maxlen=window)
+
+    def note(self, times_ms: Sequence[float]) -> None:
+        """Arrival times (ms, one monotonic clock) of requests just taken, in any order."""
+        for t in sorted(float(t) for t in times_ms):
+            if not math.isfinite(t):
+                raise ValueError(f"arrival times must be finite milliseconds, got {t!r}")
+            if self.times_ms and t < self.times_ms[-1]:
+                t = self.times_ms[-1]  # taken late, arrived earlier than the last one noted: no gap
+            self.times_ms.append(t)
+
+    def mean_gap_ms(self, now_ms: float | None = None) -> float | None:
+        """Mean gap over the window, None with fewer than two arrivals. With ``now_ms``, the time since
+        the last arrival counts as a gap still open, so a stream that stopped is seen as slow at once."""
+        n = len(self.times_ms)
+        if n < 2:
+            return None
+        span = self.times_ms[-1] - self.times_ms[0]
+        gaps = n - 1
+        if now_ms is not None and now_ms > self.times_ms[-1]:
+            open_gap = now_ms - self.times_ms[-1]
+            if open_gap > span / gaps:
+                span += open_gap
+                gaps += 1
+        return span / gaps
+
+
 class BatchPolicy:
     """Deadline-aware adaptive batch size for one instance.
 
@@ -242,6 +276,12 @@ class BatchPolicy:
         if model is not None and not isinstance(model, LatencyModel):
             raise ValueError(f"model must be a LatencyModel, got {type(model).__name__}")
         self.model = model if model is not None else LatencyModel()
+        self.arrivals = ArrivalGaps()
+
+    def note_arrivals(self, times_ms: Sequence[float]) -> None:
+        """Arrival times (ms, monotonic) of requests just queued: rule 4 of `decide` waits for a bigger
+        batch only while the arrival rate says another request is likely to come within the wait."""
+        self.arrivals.note(times_ms)
 
     def observe(self, batch_size: int, latency_ms: float) -> None:
         """Record a measured batch latency (see `LatencyModel.observe`)."""
@@ -251,7 +291,8 @@ class BatchPolicy:
         """Predicted time (ms) from starting a batch of `batch_size` to its responses, margin included."""
         return self.model.predict(batch_size) + self.margin_ms
 
-    def decide(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None) -> BatchDecision:
+    def decide(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None,
+               now_ms: float | None = None) -> BatchDecision:
         """Decide how many of `queue_len` queued requests to start now.
 
         `oldest_age_ms` is how long the oldest queued request has waited; its time left is
@@ -264,7 +305,10 @@ class BatchPolicy:
         4. But if all queued requests fit, the queue is shorter than `max_batch`, the oldest has waited
            less than `max_wait_ms` and even one more request would still fit, take nothing yet and
            re-decide within ``wait_ms`` = the smaller of the wait left and the slack over that larger
-           batch (or sooner, when a request arrives).
+           batch (or sooner, when a request arrives). Once arrivals have been noted
+           (`note_arrivals`), it waits only while the mean gap between arrivals (the gap still open at
+           `now_ms` counted) is shorter than that wait: under light load no request would come in
+           time, and the wait would only add to every request's latency.
         5. If not even one request fits (its deadline is lost anyway), take min(queue_len, max_batch)
            to drain the backlog fastest; `expired` tells which requests to answer as missed instead.
         """
@@ -290,8 +334,10 @@ class BatchPolicy:
             return BatchDecision(cap, 0.0)
         if fit == cap and cap < self.max_batch and age < self.max_wait_ms:
             room_ms = left_ms - self.predict(cap + 1)
-            if room_ms > 0:
-                return BatchDecision(0, min(self.max_wait_ms - age, room_ms))
+            wait_ms = min(self.max_wait_ms - age, room_ms)
+            gap_ms = self.arrivals.mean_gap_ms(now_ms)
+            if room_ms > 0 and (gap_ms is None or gap_ms < wait_ms):
+                return BatchDecision(0, wait_ms)
         return BatchDecision(fit, 0.0)
 
     def early_drop(self, ages_ms: Sequence[float], deadlines_ms: Sequence[float | None] | None = None) -> int:

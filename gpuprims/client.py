@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import random
 import select
 import socket
 import threading
 import time
+import urllib.request
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,6 +183,7 @@ class _Pending:
     expires_ns: int = 0
     attempts: int = 0
     future: concurrent.futures.Future[Result] | None = None
+    to: Address | None = None  # where to send (default: the client's node)
 
 
 class Client:
@@ -220,9 +223,10 @@ class Client:
         """Answers that matched no pending request (late, after a retry or timeout)."""
         return self._book.stray
 
-    def submit(self, app_id: int, tensor: Any, *, deadline_us: int = 0,
-               timeout_s: float | None = None) -> concurrent.futures.Future[Result]:
-        """Send one request now; the Future resolves to its Result or raises RequestLost."""
+    def submit(self, app_id: int, tensor: Any, *, deadline_us: int = 0, timeout_s: float | None = None,
+               to: Address | None = None) -> concurrent.futures.Future[Result]:
+        """Send one request now (to ``to``, default the client's node); the Future resolves to its
+        Result or raises RequestLost."""
         if not self._thread.is_alive():
             raise RuntimeError("client is closed")
         arr = as_request_tensor(tensor)
@@ -230,7 +234,8 @@ class Client:
         _check_args(t, self.retries, self._book.chunk_payload)
         _check_request(app_id, deadline_us)
         p = _Pending(app_id=int(app_id), arr=arr, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
-                     attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future())
+                     attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future(),
+                     to=None if to is None else (str(to[0]), int(to[1])))
         self._send(p)
         assert p.future is not None
         return p.future
@@ -255,7 +260,7 @@ class Client:
             self._pending[(p.app_id, rid)] = p
         try:
             for d in dgrams:
-                self._sock.sendto(d, self.node)
+                self._sock.sendto(d, p.to or self.node)
         except OSError:
             with self._lock:
                 self._pending.pop((p.app_id, rid), None)
@@ -469,4 +474,138 @@ class AsyncClient:
         return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- fleet mode -------------------------------------------------------------------------------------
+
+#: Statuses after which a fleet client sends the request again to the app's other copy.
+FAILOVER_STATUSES = frozenset({Status.UNKNOWN_APP, Status.INSTANCE_FAILED, Status.SHUTTING_DOWN})
+
+
+class FleetClient:
+    """A client of a fleet of nodes (docs/fleet.md): it sends each request straight to the node that
+    owns the app, by a versioned routing table fetched from any node's agent (``GET /fleet/routes``).
+
+    When no answer comes within ``failover_s`` (or the owner answers that it lost the app), the
+    client refreshes the table and sends the request again, under a new request id, to the app's
+    new owner or its standby; the request stays open on both, the first answer wins and a later one
+    is counted in :attr:`duplicates`, never returned. ``timeout_s`` bounds the whole request.
+    """
+
+    def __init__(self, seeds: Sequence[str], *, failover_s: float = 0.5, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 bind_host: str | None = None, fetch_timeout_s: float = 1.0) -> None:
+        if not seeds:
+            raise ValueError("give at least one seed URL (http://host:routes_port of any node's agent)")
+        if not 0 < failover_s < timeout_s:
+            raise ValueError(f"need 0 < failover_s < timeout_s, got {failover_s} and {timeout_s}")
+        self.seeds = list(seeds)
+        self.failover_s, self.timeout_s, self.fetch_timeout_s = failover_s, timeout_s, fetch_timeout_s
+        self.table: dict[str, Any] = {"version": -1, "apps": {}}
+        self.duplicates = 0  # answers that came after the request was already answered
+        self.failovers = 0  # requests sent a second time
+        self.refreshes = 0
+        self._lock = threading.Lock()
+        self._client = Client(("127.0.0.1", 9), timeout_s=timeout_s, bind_host=bind_host)
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Fetch the newest routing table from the first seed that answers; returns its version (an
+        older table than the one held is ignored). Raises ConnectionError when no seed answers."""
+        errors = []
+        best: dict[str, Any] | None = None
+        for url in self.seeds:
+            try:
+                with urllib.request.urlopen(url.rstrip("/") + "/fleet/routes", timeout=self.fetch_timeout_s) as r:
+                    t = json.loads(r.read())
+            except (OSError, ValueError) as e:
+                errors.append(f"{url}: {e}")
+                continue
+            if best is None or int(t.get("version", -1)) > int(best.get("version", -1)):
+                best = t
+            if int(best.get("version", -1)) > 0:
+                break
+        if best is None:
+            raise ConnectionError("no node served the fleet's routing table: " + "; ".join(errors))
+        with self._lock:
+            self.refreshes += 1
+            if int(best.get("version", -1)) >= int(self.table.get("version", -1)):
+                self.table = best
+            return int(self.table["version"])
+
+    def _route(self, app: str) -> dict[str, Any]:
+        r = self.table.get("apps", {}).get(app)
+        if r is None:
+            raise KeyError(f"the fleet's routing table (version {self.table.get('version')}) has no app {app!r}; "
+                           f"apps: {', '.join(sorted(self.table.get('apps', {}))) or 'none'}")
+        return r
+
+    def infer(self, app: str, tensor: Any, *, deadline_us: int = 0) -> Result:
+        """Send one request of ``app`` and return its first answer (raises RequestLost when neither
+        copy answers within ``timeout_s``)."""
+        route = self._route(app)
+        t0 = time.monotonic()
+        first = self._client.submit(route["app_id"], tensor, deadline_us=deadline_us, timeout_s=self.timeout_s,
+                                    to=(route["primary"]["host"], route["primary"]["udp_port"]))
+        futs = [first]
+        done, _ = concurrent.futures.wait(futs, timeout=self.failover_s)
+        winner = self._settled(done)
+        if winner is None:
+            target = self._second(app, route)
+            if target is not None:
+                left = max(0.05, self.timeout_s - (time.monotonic() - t0))
+                self.failovers += 1
+                futs.append(self._client.submit(route["app_id"], tensor, deadline_us=deadline_us, timeout_s=left,
+                                                to=target))
+            winner = self._first_answer(futs, t0)
+        for f in futs:
+            if f is not winner:
+                f.add_done_callback(self._count_late)
+        return winner.result()
+
+    def _settled(self, done: set[concurrent.futures.Future[Result]]) -> concurrent.futures.Future[Result] | None:
+        for f in done:
+            if f.exception() is None and f.result().status not in FAILOVER_STATUSES:
+                return f
+        return None
+
+    def _second(self, app: str, route: dict[str, Any]) -> Address | None:
+        """Where to send again: the refreshed table's primary if it moved, else the standby."""
+        try:
+            self.refresh()
+            new = self._route(app)
+        except (ConnectionError, KeyError):
+            new = route
+        old = (route["primary"]["host"], route["primary"]["udp_port"])
+        for cand in (new.get("primary"), new.get("standby"), route.get("standby")):
+            if cand and (cand["host"], cand["udp_port"]) != old:
+                return (cand["host"], cand["udp_port"])
+        return None
+
+    def _first_answer(self, futs: list[concurrent.futures.Future[Result]], t0: float) -> concurrent.futures.Future[Result]:
+        pending = set(futs)
+        last: concurrent.futures.Future[Result] = futs[-1]
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=max(0.0, self.timeout_s - (time.monotonic() - t0)),
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            if not done:
+                break
+            f = self._settled(done)
+            if f is not None:
+                return f
+            last = next(iter(done))
+        return last
+
+    def _count_late(self, f: concurrent.futures.Future[Result]) -> None:
+        if f.exception() is None:
+            with self._lock:
+                self.duplicates += 1
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.close()

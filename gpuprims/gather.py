@@ -152,12 +152,35 @@ class HostGatherer:
         """Nothing to release (the host tensor goes with the object)."""
 
 
-class _DeviceBatch:
-    """A device buffer of max_batch rows, as DeviceRows for the kernels and as a torch tensor."""
+def _check_out(out: Any, max_batch: int, input_shape: tuple[int, ...]) -> None:
+    """Refuse an ``out`` buffer the GPU-DMA kernel cannot write as a batch, naming what is wrong."""
+    import torch
 
-    def __init__(self, device: int, max_batch: int, input_shape: tuple[int, ...], elem: Any) -> None:
+    want = (max_batch, *input_shape)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch tensor of shape {want}, got {type(out).__name__}")
+    if tuple(out.shape) != want or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {want}, got "
+                         f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if runtime.is_fake() != (out.device.type == "cpu"):
+        raise ValueError(f"out must live on {'the host (fake runtime)' if runtime.is_fake() else 'the GPU'}, "
+                         f"got a tensor on {out.device}")
+
+
+class _DeviceBatch:
+    """A device buffer of max_batch rows, as DeviceRows for the kernels and as a torch tensor: allocated
+    here, or (``out``) a float32 tensor someone else owns (an engine's static input), written in place."""
+
+    def __init__(self, device: int, max_batch: int, input_shape: tuple[int, ...], elem: Any,
+                 out: Any = None) -> None:
         import torch
 
+        self.mem: Any = None
+        if out is not None:
+            _check_out(out, max_batch, input_shape)
+            self.tensor = out
+            self.rows = DeviceRows(out.data_ptr(), out.numel() * 4, max_batch, device, True, out)
+            return
         row = math.prod(input_shape) * torch.tensor([], dtype=elem).element_size()
         self.mem = runtime.DeviceMemory(row * max_batch, device)
         if runtime.is_fake():  # "device" memory is host memory: a CPU tensor views it
@@ -170,7 +193,8 @@ class _DeviceBatch:
 
     def close(self) -> None:
         self.tensor = None
-        self.mem.close()
+        if self.mem is not None:  # (an ``out`` tensor is its owner's to free)
+            self.mem.close()
 
 
 class _CudaGatherer:
@@ -220,11 +244,14 @@ class GpuDmaGatherer(_CudaGatherer):
     method = "gpu_dma"
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
-                 stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 out: Any = None) -> None:
         import torch
 
+        if out is not None:
+            _check_out(out, max_batch, input_shape)  # before the pool is registered
         super().__init__(pool, input_shape, dtype, max_batch, device, stream, interval_us, timeout_s)
-        self.batch = _DeviceBatch(device, max_batch, input_shape, torch.float32)
+        self.batch = _DeviceBatch(device, max_batch, input_shape, torch.float32, out)
         self._batches.append(self.batch)
         self.normalize = UNIT if dtype == "uint8" else None
 
@@ -274,7 +301,7 @@ class CudaCopyGatherer(_CudaGatherer):
 
 def make_gatherer(backend: str, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int,
                   device: int = 0, method: Method | None = None, *, stream: Any = None, interval_us: float = 20,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Gatherer:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, out: Any = None) -> Gatherer:
     """The gather step for one instance (see the module docstring).
 
     `backend` is the resolved backend (``cpu`` or ``cuda``); `pool` the instance's PacketPool;
@@ -282,15 +309,20 @@ def make_gatherer(backend: str, pool: Any, input_shape: tuple[int, ...], dtype: 
     largest batch (<= 512); `device` the GPU index; `method` defaults to :func:`default_method`.
     `stream` (cuda) is where the gather runs, torch's current stream by default (so the model that
     follows on it is ordered after the gather); `interval_us` the Sync-lite polling interval;
-    `timeout_s` how long a gather may take before it raises TimeoutError.
+    `timeout_s` how long a gather may take before it raises TimeoutError. `out` (``gpu_dma`` only): a
+    contiguous float32 device tensor ``(max_batch, *input_shape)`` to gather into instead of a buffer of
+    the gatherer's own, such as an engine's static input (``gpuprims.engines.Engine.static_input``), so a
+    request goes pool -> kernel -> engine with no copy; the caller keeps it alive and frees it.
     """
     method = default_method(backend) if method is None else method
     shape = tuple(input_shape)
     _check_args(backend, shape, dtype, max_batch, method)
+    if out is not None and method != "gpu_dma":
+        raise ValueError(f"out= is taken by the gpu_dma method only (the GPU-DMA kernel writes it), not {method!r}")
     if method == "host":
         return HostGatherer(pool, shape, dtype, max_batch)
     if method == "gpu_dma":
-        return GpuDmaGatherer(pool, shape, dtype, max_batch, device, stream, interval_us, timeout_s)
+        return GpuDmaGatherer(pool, shape, dtype, max_batch, device, stream, interval_us, timeout_s, out)
     return CudaCopyGatherer(pool, shape, dtype, max_batch, device, stream, interval_us, timeout_s)
 
 
@@ -337,6 +369,15 @@ class ModelRunner:
             self.stream = self._own_stream = Stream(self.device)
         if self._event is None:
             self._event = Event(self.device)
+        handle = stream_handle(self.stream)
+        if getattr(model, "asynchronous", False):
+            # An engine that enqueues its own work (a CUDA graph replay, TensorRT's enqueue) is called on
+            # this thread, as on a GPU: a CUDA call inside a stream callback is not permitted.
+            with torch.inference_mode():
+                out = model(x)
+            self._event.record(handle)
+            self._event.wait(self.interval_us, timeout_s=self.timeout_s)
+            return out
         box: list[Any] = []
 
         def infer() -> None:
@@ -346,7 +387,6 @@ class ModelRunner:
             except Exception as e:  # raised on the host below, as torch raises a failed enqueue
                 box.append(e)
 
-        handle = stream_handle(self.stream)
         rt.launch_host_func(handle, infer)  # type: ignore[attr-defined]
         self._event.record(handle)
         self._event.wait(self.interval_us, timeout_s=self.timeout_s)

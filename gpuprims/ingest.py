@@ -14,6 +14,12 @@ while incomplete, or held by a consumer that died are answered with an explicit 
 for an app no instance serves (UNKNOWN_APP) and one too large for the pool (BAD_REQUEST): once per
 request, its key remembered for the dedup window so its other datagrams are dropped (and counted)
 without another answer.
+
+An in-process caller (the Open Inference Protocol front door) places requests straight into the pool
+through a :class:`LocalPort` (``ingest.local_port()``): each row becomes a complete request, routed
+like a reassembled one, and its answer comes back to that port (``take``; ``fd`` is readable while
+answers wait) instead of as a datagram: exactly one answer per row, whatever its instance does, with
+no datagram, no socket and no reassembly on the way in or out.
 """
 
 from __future__ import annotations
@@ -21,12 +27,31 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from gpuprims import _native
 from gpuprims.pool import PacketPool
+from gpuprims.wire import DType, Status
 
 ListenAddr = tuple[str, int] | tuple[str, int, int]
+_STATUS = {int(s): s for s in Status}
+
+
+class LocalAnswer(NamedTuple):
+    """The answer of one request placed with :meth:`LocalPort.submit`.
+
+    ``output`` is the result row (OK only, of the dtype the instance answered with); ``placed_ns`` is
+    when the ingest put the request into the pool (0 if it was refused before), ``answered_ns`` when
+    it took the answer, both CLOCK_MONOTONIC (``time.monotonic_ns``).
+    """
+
+    token: int
+    status: Status
+    output: np.ndarray | None
+    placed_ns: int
+    answered_ns: int
 
 
 class Ingest:
@@ -39,11 +64,18 @@ class Ingest:
     default) the kernel may deliver a run of datagrams of one flow in one buffer, and each datagram
     is copied into its slot; without it every datagram is received straight into a slot (no copy)
     but costs the kernel more per datagram.
+
+    An answer datagram the socket will not take (a full send buffer) is never waited for nor
+    dropped: it is copied aside and retried until sent, or until its request's deadline passes
+    (``answer_hold_ms`` after its first datagram for a request without one), when it is counted as
+    ``answers_expired``. Other clients' answers keep flowing meanwhile; ``held_answers`` (a gauge in
+    ``counters()``) is how many wait, at most ``answer_hold_bytes`` of them.
     """
 
     def __init__(self, pool: PacketPool, listen: Sequence[ListenAddr] = (("127.0.0.1", 0),), *,
                  timeout_ms: float = 500.0, dedup_window_ms: float = 2000.0, batch: int = 64,
-                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True, gro: bool = True) -> None:
+                 rcvbuf_bytes: int = 32 << 20, answer_drops: bool = True, gro: bool = True,
+                 answer_hold_ms: float = 1000.0, answer_hold_bytes: int = 32 << 20) -> None:
         if not listen:
             raise ValueError("listen needs at least one (host, port) address")
         specs = []
@@ -61,9 +93,13 @@ class Ingest:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         if not 1 <= batch <= 1024:
             raise ValueError(f"batch must be in 1..1024, got {batch}")
+        if not answer_hold_ms > 0:
+            raise ValueError(f"answer_hold_ms must be positive, got {answer_hold_ms}")
+        if answer_hold_bytes < 0:
+            raise ValueError(f"answer_hold_bytes must be >= 0, got {answer_hold_bytes}")
         self.pool = pool
         self._native = _native.Ingest(pool.native, specs, timeout_ms, dedup_window_ms, batch, rcvbuf_bytes,
-                                      answer_drops, gro)
+                                      answer_drops, gro, answer_hold_ms, answer_hold_bytes)
         self._finalizer = weakref.finalize(self, self._native.stop)
 
     @property
@@ -138,8 +174,20 @@ class Ingest:
         failed, requeued = self._native.reclaim(consumer, requeue, timeout_ms)
         return int(failed), int(requeued)
 
+    def local_port(self) -> LocalPort:
+        """A port for placing requests in-process (:class:`LocalPort`); up to 16 are open at once."""
+        return LocalPort(self)
+    def block_answers_to(self, port: int) -> None:
+        """Fault seam for tests: answers to clients whose UDP port is ``port`` fail to send as on a
+        full send buffer (loopback never fills one: the kernel drops for a slow receiver instead).
+        0 lifts it."""
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self._native.set_blocked_port(port)
+
     def counters(self) -> dict[str, int]:
-        """Every counter (packets, drops by reason, requests) plus free_slots/free_records gauges."""
+        """Every counter (packets, drops by reason, requests) plus the free_slots, free_records,
+        filling and held_answers gauges."""
         return {k: int(v) for k, v in self._native.counters().items()}
 
     def drops(self) -> dict[str, int]:
@@ -154,6 +202,63 @@ class Ingest:
 
     def __repr__(self) -> str:
         return f"Ingest(ports={self.ports}, running={self.running})"
+
+
+class LocalPort:
+    """Where an in-process caller places requests into the pool and takes their answers back.
+
+    Every row given to :meth:`submit` gets exactly one :class:`LocalAnswer` at this port: its
+    instance's (OK with the result, or its status), OVERLOADED when the pool, the request table or
+    every queue of the app is full, UNKNOWN_APP when no instance serves the app, BAD_REQUEST when a
+    row is larger than the pool takes, INSTANCE_FAILED when its instance died and no other took it,
+    INTERNAL when an instance gave it back unanswered. Answers still coming after :meth:`close` are
+    dropped (the ingest counts them as ``local_dropped``).
+    """
+
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
+        self.index = int(ingest._native.local_open())
+        self.fd = int(ingest._native.local_fd(self.index))
+        self._finalizer = weakref.finalize(self, ingest._native.local_close, self.index)
+
+    def submit(self, app_id: int, rows: np.ndarray, *, token0: int, deadline_us: int = 0) -> None:
+        """Place each row of ``rows`` (``[n, ...]``, a wire dtype) into the pool as one complete request
+        of ``app_id``; row i is answered with token ``token0 + i``. The rows are copied before this
+        returns; ``deadline_us`` is the requests' deadline as in the wire header (0: the app's SLO).
+        """
+        if not 0 <= app_id <= 0xFFFF:
+            raise ValueError(f"app_id must be in 0..65535, got {app_id}")
+        if not 0 <= deadline_us < 2**32:
+            raise ValueError(f"deadline_us must be in 0..2**32-1, got {deadline_us}")
+        if not 0 <= token0 <= 2**64 - len(rows):
+            raise ValueError(f"token0 must leave room for {len(rows)} u64 tokens, got {token0}")
+        arr = np.ascontiguousarray(rows)
+        if arr.ndim < 1 or arr.shape[0] == 0 or arr.nbytes == 0:
+            raise ValueError(f"rows must be a non-empty [n, ...] array, got shape {arr.shape}")
+        dtype = DType.from_numpy(arr.dtype)
+        self.ingest._native.submit(self.index, app_id, arr.reshape(arr.shape[0], -1).view(np.uint8), int(dtype),
+                                   int(deadline_us), int(token0))
+
+    def take(self) -> list[LocalAnswer]:
+        """Every answer waiting at this port, oldest first (and ``fd`` reset)."""
+        out = []
+        for token, status, dtype, placed_ns, answered_ns, body in self.ingest._native.take_local(self.index):
+            st = _STATUS.get(status, Status.INTERNAL)
+            arr = None
+            if st == Status.OK:
+                arr = np.frombuffer(body, dtype=DType(dtype).numpy if dtype <= max(DType) else np.uint8)
+            out.append(LocalAnswer(int(token), st, arr, int(placed_ns), int(answered_ns)))
+        return out
+
+    def close(self) -> None:
+        """Close the port (idempotent); answers still coming to it are dropped."""
+        self._finalizer()
+
+    def __enter__(self) -> LocalPort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def packet_balance(counters: dict[str, Any]) -> int:

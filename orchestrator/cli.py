@@ -26,8 +26,9 @@ import click
 
 from apps.zoo.names import known_names
 from gpuprims import __version__
+from gpuprims.backend import resolve_backend
 from orchestrator import control
-from orchestrator.config import ConfigError, NodeConfig, load_config
+from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config
 from orchestrator.control import (
     ControlError,
     connect_command,
@@ -137,6 +138,20 @@ def _check_user_models(cfg: NodeConfig, source: str) -> None:
         if not found:
             raise click.ClickException(f"{source}: {key}: cannot import the user model {spec!r}: {why} "
                                        "(is it on PYTHONPATH?)")
+
+
+def _check_engines(cfg: NodeConfig, source: str) -> None:
+    """Every app's engine runs on the backend this node would use (``backend: auto`` resolved here the
+    way start resolves it; an explicit backend was checked when the file was read)."""
+    if cfg.node.backend != "auto" or all(eng.kind == "eager" for a in cfg.apps for _, eng in a.engines()):
+        return
+    try:
+        backend = resolve_backend("auto", isolated=True)
+    except (RuntimeError, ValueError) as e:
+        raise click.ClickException(f"{source}: node.backend: {e}") from e
+    problems = engine_problems(cfg, backend)
+    if problems:
+        raise click.ClickException(str(ConfigError(source, problems)))
 
 
 def _command(run_dir: str | None, msg: object, timeout_ms: float, *, name: str | None = None,
@@ -257,6 +272,7 @@ def validate(config: str) -> None:
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     _check_user_models(cfg, config)
+    _check_engines(cfg, config)
     try:  # CPU overflow: every pool fits the cores and has the CPU profile it routes by
         overflow = NodeOverflow.plan(cfg)
     except OverflowSetupError as e:

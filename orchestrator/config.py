@@ -31,16 +31,21 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gpuprims.engines import EngineError, check_engine, engine_class
+
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "AppConfig",
     "ConfigError",
+    "EngineChoice",
     "HostResources",
     "ListenConfig",
     "NodeConfig",
     "NodeSettings",
     "PoolConfig",
+    "RepositoryConfig",
     "StageConfig",
+    "engine_problems",
     "load_config",
     "parse_config",
 ]
@@ -176,6 +181,42 @@ def _model_ref(v: Any) -> str:
     return v
 
 
+class EngineChoice(BaseModel):
+    """An app's (or stage's) ``engine:``: the kind (``gpuprims.engines.KINDS``) and its options. In YAML
+    either a name (``engine: onnxruntime``) or a mapping with ``kind`` and the options
+    (``engine: {kind: onnxruntime, provider: cpu}``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str = "eager"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    def to_yaml(self) -> str | dict[str, Any]:
+        """The form the file had: the name alone when there are no options."""
+        return {"kind": self.kind, **self.options} if self.options else self.kind
+
+
+def _engine_ref(v: Any) -> EngineChoice:
+    if isinstance(v, EngineChoice):
+        return v
+    if isinstance(v, str):
+        kind, options = v, {}
+    elif isinstance(v, dict):
+        if not isinstance(v.get("kind"), str):
+            raise ValueError(f"a mapping needs 'kind' (an engine name) beside its options, got {v!r}")
+        kind, options = v["kind"], {k: o for k, o in v.items() if k != "kind"}
+        if not all(isinstance(k, str) for k in options):
+            raise ValueError(f"option names must be strings, got {list(options)!r}")
+    else:
+        raise ValueError(f"must be an engine name such as 'eager' or 'onnxruntime', or a mapping "
+                         f"{{kind: NAME, option: value, ...}}, got {v!r}")
+    try:
+        engine_class(kind).validate_options(options)  # the kind and its option names; the backend later
+    except EngineError as e:
+        raise ValueError(str(e)) from None
+    return EngineChoice(kind=kind, options=options)
+
+
 def _plain(v: Any) -> Any:
     # Serialise validated tuples as lists (JSON arrays); a PlainValidator has no serialiser of its own.
     return list(v) if isinstance(v, tuple) else v
@@ -192,6 +233,8 @@ MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
 ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
+EngineRef = Annotated[EngineChoice, PlainValidator(_engine_ref),
+                      PlainSerializer(lambda v: v.to_yaml(), return_type=Any)]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
@@ -245,6 +288,42 @@ class PoolConfig(BaseModel):
         return self.max_chunks * self.max_payload
 
 
+_LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class RepositoryConfig(BaseModel):
+    """``node.repository``: the OIP model-repository API (load/unload apps at run time) on the front door.
+
+    Off unless ``enabled``. A load can name a user model (``module:factory``), code the node imports,
+    so the API takes a bearer token (read from ``token_file`` or the environment variable
+    ``token_env``); without one it is refused on any address but loopback (docs/oip.md)."""
+
+    model_config = _STRICT
+
+    enabled: bool = False
+    token_file: str | None = None
+    token_env: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RepositoryConfig:
+        if self.token_file is not None and self.token_env is not None:
+            raise _problem("token_env", "give token_file or token_env, not both")
+        for key in ("token_file", "token_env"):
+            v = getattr(self, key)
+            if v is not None and not v.strip():
+                raise _problem(key, "must not be empty")
+        return self
+
+    @property
+    def has_token(self) -> bool:
+        return self.token_file is not None or self.token_env is not None
+
+
 class NodeSettings(BaseModel):
     """The ``node:`` section."""
 
@@ -282,6 +361,10 @@ class NodeSettings(BaseModel):
     # directory of CPU profiles (gpuprims-profile MODEL --device cpu) of the overflowing apps' models.
     overflow_reserved_cores: int = Field(1, ge=0, le=1024)
     overflow_profiles: str | None = None
+    # Where engines (apps' ``engine:``) keep what they build; null: gpuprims.engines.default_root(), per user.
+    engine_cache: str | None = None
+    # The model-repository API on the front door (load/unload apps at run time; docs/oip.md).
+    repository: RepositoryConfig = RepositoryConfig()
 
     @field_validator("mps", mode="before")
     @classmethod
@@ -289,7 +372,7 @@ class NodeSettings(BaseModel):
         # YAML reads a bare `off` as false: `mps: off` means what it says.
         return "off" if v is False else v
 
-    @field_validator("run_dir")
+    @field_validator("run_dir", "engine_cache")
     @classmethod
     def _run_dir(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
@@ -304,6 +387,17 @@ class NodeSettings(BaseModel):
             if port and port in seen:
                 raise _problem(key, f"port {port} is also node.{seen[port]}; each TCP service needs its own port")
             seen.setdefault(port, key)
+        return self
+
+    @model_validator(mode="after")
+    def _repository_guarded(self) -> NodeSettings:
+        r = self.repository
+        if r.enabled and not self.http_port:
+            raise _problem("repository.enabled", "the repository API is served by the HTTP front door; set "
+                                                 "node.http_port")
+        if r.enabled and not r.has_token and not is_loopback(self.listen.host):
+            raise _problem("repository", f"the repository API loads code into the node; on "
+                                         f"{self.listen.host!r} (not loopback) it needs token_file or token_env")
         return self
 
     @property
@@ -331,6 +425,7 @@ class StageConfig(BaseModel):
     model: ModelRef
     gpu_pct: PctOrAuto = "auto"
     routes: tuple[str, ...] = ()
+    engine: EngineRef | None = None  # this stage's engine; the app's when not given
 
     @field_validator("name")
     @classmethod
@@ -372,6 +467,11 @@ class AppConfig(BaseModel):
     overflow: Literal["none", "cpu"] = "none"
     overflow_cores: int | None = Field(None, ge=1, le=1024)
     overflow_alpha_ms: float = Field(0.1, ge=0, le=1000)
+    # The model runner (gpuprims.engines): eager (torch, the default), onnxruntime, compile, ... with
+    # its options; the CPU overflow instance's may differ (default: the app's where it runs on the cpu
+    # backend, else eager).
+    engine: EngineRef = EngineChoice()
+    overflow_engine: EngineRef | None = None
 
     @field_validator("name")
     @classmethod
@@ -398,6 +498,13 @@ class AppConfig(BaseModel):
             _check_dag(self.stages)
         if self.overflow == "none" and self.overflow_cores is not None:
             raise _problem("overflow_cores", "applies only with overflow: cpu")
+        if self.overflow == "none" and self.overflow_engine is not None:
+            raise _problem("overflow_engine", "applies only with overflow: cpu")
+        if self.overflow_engine is not None:
+            try:
+                check_engine(self.overflow_engine.kind, "cpu", self.overflow_engine.options)
+            except EngineError as e:
+                raise _problem("overflow_engine", f"app {self.name!r}: {e} (the overflow instance runs on the cpu)") from None
         if self.max_wait_ms >= self.slo_ms:
             raise _problem("max_wait_ms", f"{self.max_wait_ms} ms batching wait leaves no time within "
                                           f"slo_ms={self.slo_ms}; it must be less than slo_ms")
@@ -425,6 +532,29 @@ class AppConfig(BaseModel):
     def is_dag(self) -> bool:
         """True for a multi-stage app."""
         return self.stages is not None
+
+    def stage_engine(self, stage: StageConfig) -> EngineChoice:
+        """A DAG stage's engine: its own ``engine:``, else the app's."""
+        return stage.engine if stage.engine is not None else self.engine
+
+    @property
+    def cpu_overflow_engine(self) -> EngineChoice:
+        """The engine of the CPU overflow instance: ``overflow_engine``, else the app's engine where it
+        runs on the cpu backend, else eager."""
+        if self.overflow_engine is not None:
+            return self.overflow_engine
+        try:
+            check_engine(self.engine.kind, "cpu", self.engine.options)
+        except EngineError:
+            return EngineChoice()
+        return self.engine
+
+    def engines(self) -> list[tuple[str, EngineChoice]]:
+        """(key path within the app, engine) of every engine the app's instances run on its backend."""
+        if self.stages is None:
+            return [("engine", self.engine)]
+        return [(f"stages[{j}].engine" if st.engine is not None else "engine", self.stage_engine(st))
+                for j, st in enumerate(self.stages)]
 
     def fixed_pct_per_instance(self) -> int:
         """GPU% one instance claims when fixed in the file (sum over stages for a DAG); 0 if auto."""
@@ -515,13 +645,6 @@ class NodeConfig(BaseModel):
     def _apps_list(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
 
-    @field_validator("apps")
-    @classmethod
-    def _some_apps(cls, v: tuple[AppConfig, ...]) -> tuple[AppConfig, ...]:
-        if not v:
-            raise ValueError("must list at least one app")
-        return v
-
     @model_validator(mode="after")
     def _cross_check(self) -> NodeConfig:
         problems = list(self._cross_problems())
@@ -530,6 +653,9 @@ class NodeConfig(BaseModel):
         return self
 
     def _cross_problems(self) -> Iterator[tuple[str, str]]:
+        if not self.apps and not self.node.repository.enabled:
+            # A node whose apps come through the repository API (a fleet's agent) may start with none.
+            yield ("apps", "must list at least one app (or enable node.repository to load them at run time)")
         first: dict[tuple[str, Any], int] = {}
         listen_ports = set(self.node.listen.ports)
         for i, a in enumerate(self.apps):
@@ -552,6 +678,8 @@ class NodeConfig(BaseModel):
                        f"a request of {list(a.input_shape)} {a.dtype} is {a.input_nbytes} bytes, more than "
                        f"node.pool.max_chunks * node.pool.max_payload = {pool.max_chunks} * "
                        f"{pool.max_payload} = {pool.max_request_bytes} bytes")
+        if self.node.backend != "auto":
+            yield from engine_problems(self, self.node.backend)
         # Under a live scheduler (spatiotemporal, temporal) shares may add up to more than 100: the
         # scheduler keeps the GPU% of what runs at any instant within 100.
         if not self.node.allow_oversubscribe and self.node.scheduler == "spatial":
@@ -589,6 +717,22 @@ class NodeConfig(BaseModel):
     def chunks_for(self, app: AppConfig) -> int:
         """Datagrams one request of ``app`` takes with this node's pool payload size."""
         return app.chunk_count(self.node.pool.max_payload)
+
+
+def engine_problems(cfg: NodeConfig, backend: str) -> list[tuple[str, str]]:
+    """(key path, reason) for every app engine that cannot run on ``backend`` (the resolved one: a
+    node with ``backend: auto`` is checked at start, once the backend is known). Builds nothing."""
+    out: list[tuple[str, str]] = []
+    for i, a in enumerate(cfg.apps):
+        seen: set[str] = set()
+        for key, eng in a.engines():
+            try:
+                check_engine(eng.kind, backend, eng.options)
+            except EngineError as e:
+                if key not in seen:
+                    out.append((f"apps[{i}].{key}", f"app {a.name!r}: {e}"))
+                    seen.add(key)
+    return out
 
 
 # ---- loading and error formatting

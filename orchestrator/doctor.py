@@ -16,6 +16,9 @@ Each check says whether it passed, its figures, and what it proves:
 * ``gpu_dma``: GPU-DMA and CUDA-Copy gathers of a scattered pool, bit-exact against the expected
   rows, with the CPU time per batch of each.
 * ``sync_lite``: a small model completed by Sync-lite against the blocking wait and the callback.
+* ``engines``: the GPU engines (``cudagraph``; ``tensorrt`` where the package is installed) built for a
+  small model, replayed on a stream and equal to eager at batch 1 and 4; ``scripts/gpu-engines.sh``
+  then times every GPU engine on the zoo models (docs/engines-gpu.md).
 
 Without a GPU it says so and runs what it can (the extension); ``--fake`` runs every check on the
 fake CUDA runtime (gpuprims.cuda.fake), which proves the Python paths, not the device. Results go to
@@ -26,12 +29,14 @@ status 1 if any check failed.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -43,6 +48,8 @@ import numpy as np
 
 from gpuprims import backend
 from gpuprims.cuda import fake, runtime
+from gpuprims.cuda.event import Stream
+from gpuprims.engines import EngineCache, EngineUnavailable, ModelSource, Target, make_engine
 from orchestrator.mps import probe_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,6 +274,60 @@ def check_sync_lite() -> dict[str, Any]:
     return out
 
 
+def probe_model(num_classes: int = 10, seed: int = 0) -> Any:
+    """The engines check's model (``orchestrator.doctor:probe_model``): conv, batch norm, pooling, linear."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(16, num_classes)).eval()
+
+
+def check_engines() -> dict[str, Any]:
+    import torch
+
+    from gpuprims.gather import torch_device
+
+    _need_cuda()
+    source = ModelSource("orchestrator.doctor:probe_model", (3, 32, 32), max_batch=4)
+    dev = torch_device("cuda", 0)
+    module = source.build_module(dev)
+    gen = torch.Generator().manual_seed(0)
+    xs = {n: torch.rand((n, 3, 32, 32), generator=gen).to(dev) for n in (1, 4)}
+    with torch.no_grad():
+        refs = {n: module(x).cpu() for n, x in xs.items()}
+    kinds = ["cudagraph"]
+    out: dict[str, Any] = {"full_run": "scripts/gpu-engines.sh times every GPU engine on the zoo models"}
+    if "tensorrt" in sys.modules or importlib.util.find_spec("tensorrt") is not None:
+        kinds.append("tensorrt")
+    else:
+        out["tensorrt"] = "not installed (pip install 'gpuprims[gpu-engines]' for engine: tensorrt)"
+    with tempfile.TemporaryDirectory(prefix="gpuprims-doctor-engines-") as tmp:
+        for kind in kinds:
+            stream: Any = Stream(0) if runtime.is_fake() else torch.cuda.Stream(0)
+            eng = make_engine(kind, source, Target("cuda", stream=stream), cache=EngineCache(tmp))
+            try:
+                t0 = time.perf_counter()
+                eng.prepare(module)
+                out[f"{kind}_build_s"] = round(time.perf_counter() - t0, 3)
+                rtol, atol = eng.tolerance
+                for n, x in xs.items():
+                    got = eng.run(x)
+                    eng.synchronize()  # type: ignore[attr-defined]
+                    got = got.cpu()
+                    out[f"{kind}_max_abs_diff_b{n}"] = float((got - refs[n]).abs().max())
+                    out[f"{kind}_matches_eager_b{n}"] = bool(torch.allclose(got, refs[n], rtol=rtol, atol=atol))
+            except EngineUnavailable as e:
+                out[kind] = f"unavailable: {e}"
+            finally:
+                eng.close()
+                if hasattr(stream, "close"):
+                    stream.close()
+    out["ok"] = all(v for k, v in out.items() if "_matches_eager_" in k)
+    return out
+
+
 PROVES = {
     "extension": "the native extension imports; whether it carries CUDA kernels",
     "runtime_driver": "the extension's CUDA runtime works with this driver and its GPU-DMA kernels load on "
@@ -278,6 +339,7 @@ PROVES = {
     "mps": "the MPS daemon answers and the named instances are its clients (their GPU% is enforced)",
     "gpu_dma": "GPU-DMA and CUDA-Copy place a scattered batch bit-exactly; CPU time of each",
     "sync_lite": "Sync-lite returns the model's exact output; its cost against the blocking and callback waits",
+    "engines": "the GPU engines (CUDA graphs; TensorRT where installed) build, replay on a stream and equal eager",
 }
 
 
@@ -299,7 +361,8 @@ def run_checks(instances: dict[int, int]) -> list[dict[str, Any]]:
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("extension", check_extension), ("runtime_driver", check_runtime_driver), ("torch", check_torch),
         ("pinned_mapped", check_pinned_mapped), ("events", check_events), ("ipc", check_ipc),
-        ("mps", lambda: check_mps(instances)), ("gpu_dma", check_gpu_dma), ("sync_lite", check_sync_lite)]
+        ("mps", lambda: check_mps(instances)), ("gpu_dma", check_gpu_dma), ("sync_lite", check_sync_lite),
+        ("engines", check_engines)]
     return [_check(name, PROVES[name], fn) for name, fn in steps]
 
 

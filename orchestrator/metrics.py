@@ -9,7 +9,8 @@ of an instance that has gone (`AppStatistics.retire`) and the front door's infer
   (`orchestrator.status_format`);
 - `MetricsServer` renders that status dict as Prometheus metrics at scrape time, on a private
   `CollectorRegistry` (never the global one), and answers the health probes;
-- the front door's statistics extension answers `AppStatistics.model_statistics`.
+- the front door's statistics extension answers `AppStatistics.model_statistics` (Triton's counting:
+  ``queue`` and ``compute_*`` one per successful inference, as perf_analyzer needs).
 
 Counters are cumulative since an instance started, so a lost heartbeat loses nothing; an app's
 counters add the banked counts of its gone instances to its live ones', so they never go backwards.
@@ -84,13 +85,14 @@ class FrontDoorCounts:
 
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
+    node: Duration = field(default_factory=Duration)  # successful inferences' round trips through the node
     inference_count: int = 0  # rows answered OK
     execution_count: int = 0  # inferences answered OK
     last_inference_ms: int = 0  # Unix time of the last inference answered OK
     statuses: dict[str, int] = field(default_factory=dict)  # row answers by wire status name (LOST: none)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"success": self.success.as_dict(), "fail": self.fail.as_dict(),
+        return {"success": self.success.as_dict(), "fail": self.fail.as_dict(), "node": self.node.as_dict(),
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
                 "last_inference_ms": self.last_inference_ms, "statuses": dict(self.statuses)}
 
@@ -165,13 +167,16 @@ class AppStatistics:
             for gone in [n for n in self._live if n not in names]:
                 del self._live[gone]
 
-    def record_inference(self, *, rows: int, duration_ns: int, ok: bool, statuses: Mapping[str, int]) -> None:
-        """One front-door inference of ``rows`` rows took ``duration_ns``; ``statuses`` counts its rows'
+    def record_inference(self, *, rows: int, duration_ns: int, ok: bool, statuses: Mapping[str, int],
+                         node_ns: int | None = None) -> None:
+        """One front-door inference of ``rows`` rows took ``duration_ns`` (``node_ns`` of it in the node:
+        from its rows' submit to their answers, default the whole); ``statuses`` counts its rows'
         answers by wire status name (``LOST`` for a row that got none)."""
         with self._lock:
             d = self._door
             (d.success if ok else d.fail).add(duration_ns)
             if ok:
+                d.node.add(duration_ns if node_ns is None else node_ns)
                 d.inference_count += rows
                 d.execution_count += 1
                 d.last_inference_ms = int(time.time() * 1e3)
@@ -234,31 +239,32 @@ class AppStatistics:
         return totals
 
     def model_statistics(self, name: str) -> dict[str, Any]:
-        """The Triton ``ModelStatistics`` of the app as model ``name``: success/fail, inference and
-        execution counts and the last inference as the front door counted them; ``queue`` and
-        ``compute_infer`` are the app's queue and compute duration histograms (every request of the
-        app, from any client: the same figures as ``gpuprims_queue_duration_seconds`` and
-        ``gpuprims_compute_duration_seconds``), their count and total in ns."""
+        """The Triton ``ModelStatistics`` of the app as model ``name``, version ``1``: success/fail,
+        inference and execution counts and the last inference as the front door counted them.
+
+        As Triton's, ``queue`` and the three ``compute_*`` entries count one per successful inference
+        (perf_analyzer run without ``-x`` picks the model version whose ``queue`` count grew during its
+        measurement, and refuses compute counts that differ). The front door sees an inference's time in
+        the node as one span, reported as ``compute_infer``; ``queue``, ``compute_input`` and
+        ``compute_output`` carry 0 ns. The node's own queue and compute durations (every request of the
+        app, from any client) are in the same record's ``hist``: ``status`` and
+        ``gpuprims_queue_duration_seconds`` / ``gpuprims_compute_duration_seconds``."""
         with self._lock:
-            _, _, hist = self._merged()
             d = self._door
-            door = (d.success.as_dict(), d.fail.as_dict(), d.inference_count, d.execution_count,
-                    d.last_inference_ms)
+            door = (d.success.as_dict(), d.fail.as_dict(), d.node.as_dict(), d.inference_count,
+                    d.execution_count, d.last_inference_ms)
         zero = Duration().as_dict()
-        success, fail, inferences, executions, last_ms = door
+        success, fail, node, inferences, executions, last_ms = door
+        counted = {"count": success["count"], "ns": 0}
         return {
             "name": name, "version": "1", "last_inference": last_ms,
             "inference_count": inferences, "execution_count": executions,
             "inference_stats": {"success": success, "fail": fail,
-                                "queue": _duration(hist.queue), "compute_input": zero,
-                                "compute_infer": _duration(hist.compute), "compute_output": zero,
+                                "queue": counted, "compute_input": counted,
+                                "compute_infer": node, "compute_output": counted,
                                 "cache_hit": zero, "cache_miss": zero},
             "batch_stats": [],
         }
-
-
-def _duration(h: DurationHistogram) -> dict[str, int]:
-    return {"count": h.count, "ns": round(h.sum_s * 1e9)}
 
 
 def _add_sizes(into: dict[str, int], raw: Any) -> None:
@@ -286,6 +292,7 @@ _INGEST_TOTALS = {
 _INGEST_GAUGES = {
     "free_slots": ("gpuprims_ingest_free_slots", "Free packet slots in the pool"),
     "free_records": ("gpuprims_ingest_free_records", "Free request records in the pool"),
+    "held_answers": ("gpuprims_ingest_held_answers", "Answer datagrams waiting for a full send buffer"),
 }
 
 def _batch_counts(*sources: Any) -> dict[int, int]:
@@ -371,6 +378,9 @@ class _Collector(Collector):
         }
         roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
                                   labels=["app", "role"])
+        device = GaugeMetricFamily("gpuprims_app_device_share_ratio", "The app's share (0-1, summed over its "
+                                   "serving instances) on each device it runs on (gpu: index, or cpu)",
+                                   labels=["app", "gpu"])
         ad = ["app", "device"]
         ovf = {  # CPU overflow (issue 18): only apps with `overflow: cpu`
             "routed": CounterMetricFamily("gpuprims_overflow_routed", "Requests of an app with CPU overflow routed to "
@@ -413,6 +423,12 @@ class _Collector(Collector):
                 g["slo"].add_metric([app], slo / 1000)
             for key in ("queue_len", "held"):
                 g[key].add_metric([app], float(_as_count(a.get(key))))
+            per_dev: dict[str, float] = {}
+            for i in insts:
+                if i.get("gpu") is not None and i.get("role", "active") == "active":
+                    per_dev[str(i["gpu"])] = per_dev.get(str(i["gpu"]), 0.0) + (_num(i.get("gpu_pct")) or 0.0)
+            for dev, v in sorted(per_dev.items()):
+                device.add_metric([app, dev], v / 100)
             counts: dict[str, int] = {}
             for i in insts:
                 role = str(i.get("role") or "active")
@@ -432,7 +448,9 @@ class _Collector(Collector):
         yield batch
         yield from g.values()
         yield roles
+        yield device
         yield from ovf.values()
+        yield from _engine_families(apps)
         yield from self._node_families(st)
 
     @staticmethod
@@ -441,6 +459,9 @@ class _Collector(Collector):
         drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams the ingest dropped, by reason",
                                     labels=["reason"])
         reasons = {k[5:]: v for k, v in ingest.items() if k.startswith("drop_")}
+        status_drops = st.get("drops")  # also answers_expired: answers held for a full send buffer, expired
+        for r, n in (status_drops.items() if isinstance(status_drops, Mapping) else ()):
+            reasons.setdefault(str(r), n)
         for r, n in sorted(reasons.items()):
             drops.add_metric([r], float(_as_count(n)))
         yield drops
@@ -475,6 +496,32 @@ class _Collector(Collector):
 
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
+
+
+def _engine_families(apps: Mapping[str, Any]) -> Iterator[Any]:
+    """Per instance and stage: its engine's build time (0 on a cache hit) and whether it came from the
+    engine cache (``engine`` in the instance's heartbeat, gpuprims.engines ``describe()``)."""
+    labels = ["app", "instance", "stage", "kind"]
+    build = GaugeMetricFamily("gpuprims_engine_build_seconds", "Time the instance's engine took to build (0 when "
+                              "it came from the engine cache)", labels=labels)
+    hit = GaugeMetricFamily("gpuprims_engine_cache_hit", "1 when the instance's engine came from the engine "
+                            "cache, 0 when it was built at start", labels=labels)
+    for name, a in apps.items():
+        if not isinstance(a, Mapping):
+            continue
+        for i in a.get("instances") or ():
+            e = i.get("engine") if isinstance(i, Mapping) else None
+            if not isinstance(e, Mapping) or not e:
+                continue
+            stages = e.get("stages")
+            for stage, d in (stages.items() if isinstance(stages, Mapping) else [("main", e)]):
+                if not isinstance(d, Mapping) or not d.get("kind"):
+                    continue
+                key = [str(name), str(i.get("name", "?")), str(stage), str(d["kind"])]
+                build.add_metric(key, (_num(d.get("build_ms")) or 0.0) / 1000)
+                hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
+    yield build
+    yield hit
 
 
 def _status_ready(status: Mapping[str, Any]) -> bool:

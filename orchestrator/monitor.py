@@ -175,7 +175,8 @@ class Monitor:
                 continue
             pct = int(a.get("gpu_pct") or 0)
             n = max(1, len([i for i in a.get("instances") or [] if i.get("role") == "active"]))
-            free = 100 - sum(v for k, v in used.items() if k != name)
+            # Only the apps on the same device compete for its share (status gives each app's "gpu").
+            free = 100 - sum(v for k, v in used.items() if k != name and apps[k].get("gpu") == a.get("gpu"))
             need = self.needed_pct(name, w.arrival_rps) if self.needed_pct else None
             if verdict == "overloaded":
                 target = need if need is not None and need > pct else pct + p.step_pct

@@ -36,7 +36,7 @@ from gpuprims.backend import resolve_backend
 from gpuprims.cpushare import CpuShare
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from orchestrator.config import NodeConfig
+from orchestrator.config import AppConfig, NodeConfig, engine_problems
 from orchestrator.control import (
     ControlServer,
     Incoming,
@@ -68,7 +68,8 @@ from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupErro
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
-from orchestrator.rundir import NodeRecord, RunDirBusy, claim, update_record
+from orchestrator.repository import LOADING_ROLE, Repository
+from orchestrator.rundir import NodeRecord, RunDirBusy, claim, sweep_dead_segments, update_record
 from orchestrator.state import AppState, InstanceState
 from orchestrator.supervisor import Supervisor
 
@@ -78,6 +79,39 @@ log = logging.getLogger("gpuprims.node")
 
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
 EVENTS_KEPT = 1000
+#: Pool consumer endpoints kept for apps loaded at run time (each takes instances, a shadow, replacements).
+REPOSITORY_CONSUMERS = 32
+
+
+def read_repository_token(rc: Any) -> str | None:
+    """The repository API's bearer token from ``node.repository`` (token_file or token_env), or None when
+    none is configured; StartError when the configured source is missing, unreadable or empty."""
+    if rc.token_file is not None:
+        try:
+            token = Path(rc.token_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise StartError(f"node.repository.token_file {rc.token_file!r} cannot be read: {e.strerror or e}") \
+                from None
+        where = f"node.repository.token_file {rc.token_file!r}"
+    elif rc.token_env is not None:
+        token = os.environ.get(rc.token_env, "").strip()
+        where = f"node.repository.token_env: the environment variable {rc.token_env}"
+    else:
+        log.warning("node.repository is on without a token: anyone who reaches the loopback front door can load "
+                    "apps (and user code) into this node")
+        return None
+    if len(token) < 16:
+        raise StartError(f"{where} holds {'no' if not token else 'a too short'} token; use at least 16 "
+                         "characters (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
+    return token
+
+
+def _ready_engine(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine an instance's Ready described: its own, or (a shadow's warm Ready) the pre-warm's."""
+    if info.get("engine"):
+        return info["engine"]
+    warm = info.get("engine_prewarm") or {}
+    return warm.get("main") or ({"stages": warm} if warm else None)
 
 
 class Node:
@@ -129,6 +163,9 @@ class Node:
         self.dispatcher: LiveScheduler | None = None
         self.frontdoor: FrontDoor | None = None  # Open Inference Protocol over HTTP/gRPC (node.http_port/grpc_port)
         self.overflow: NodeOverflow | None = None  # CPU overflow of apps with `overflow: cpu` (issue 18)
+        self.repository: Repository | None = None  # load/unload at run time (node.repository; docs/oip.md)
+        self.repository_token: str | None = None
+        self.last_errors: dict[str, str] = {}  # instance -> the last Error it reported
 
     @property
     def changing(self) -> set[str]:
@@ -158,6 +195,9 @@ class Node:
         why = "CUDA device found" if self.backend == "cuda" else "no CUDA device with a driver" \
             if node.backend == "auto" else "requested"
         log.info("backend: %s (%s)", self.backend, why)
+        problems = engine_problems(self.cfg, self.backend)  # a GPU-only engine on the cpu backend, ...
+        if problems:
+            raise StartError("; ".join(f"{key}: {what}" for key, what in problems))
         self._own_run_dir = node.run_dir is None
         self.run_dir = make_run_dir(node.run_dir)
         try:
@@ -166,6 +206,12 @@ class Node:
             raise StartError(str(e)) from None
         if removed is not None:
             log.warning("%s", removed.describe())
+        # What SIGKILLed nodes and programs left anywhere (a node of the Python API has no CLI to sweep
+        # for it): pools and Param-Share segments whose owning process is gone.
+        swept = sweep_dead_segments()
+        if swept:
+            log.warning("removed %d shared-memory object(s) of dead processes (%.1f MB): %s", len(swept),
+                        sum(b for _, b in swept) / 1e6, ", ".join(n for n, _ in swept))
         write_token(self.run_dir, self.token)
         self._link_current()
         if self.backend == "cuda":
@@ -193,7 +239,8 @@ class Node:
         total = sum(a.instances for a in self.apps.values())
         # Room for a shadow per app, replacements and restarts, so a consumer index is never reused
         # while a dead instance's requests are being reclaimed.
-        consumers = min(1024, 2 * total + 2 * len(self.apps) + 4 + 2 * len(self.overflow.pools if self.overflow else {}))
+        consumers = min(1024, 2 * total + 2 * len(self.apps) + 4 + 2 * len(self.overflow.pools if self.overflow else {})
+                        + (REPOSITORY_CONSUMERS if node.repository.enabled else 0))
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
                                       max_chunks=p.max_chunks, consumer_count=consumers,
@@ -244,6 +291,9 @@ class Node:
                 self.supervisor.spawn_shadow(app.name)
         if self.overflow is not None:
             self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
+        if node.repository.enabled:
+            self.repository_token = read_repository_token(node.repository)
+            self.repository = Repository(self)
         if node.frontdoor_enabled:
             self._start_frontdoor()
         self.started_at = time.monotonic()
@@ -262,8 +312,9 @@ class Node:
                      ov.pools[name].alpha_ms)
 
     def _start_frontdoor(self) -> None:
-        """The Open Inference Protocol front door: HTTP/gRPC requests enter through the node's own UDP
-        ingest on loopback, so they share the pool, the instances, batching, statuses and metrics."""
+        """The Open Inference Protocol front door: its requests are placed straight into the node's
+        packet pool by the ingest (and answered back in-process), so they share the pool, the
+        instances, batching, statuses and metrics with UDP requests."""
         assert self.ingest is not None
         node = self.cfg.node
         h = node.listen.host
@@ -273,8 +324,9 @@ class Node:
             self.frontdoor = start_frontdoor(
                 self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
                 grpc_port=node.grpc_port or None, host=h,
-                ready=lambda name: bool(ingest.route(self.apps[name].cfg.app_id)),
-                statistics={name: a.stats for name, a in self.apps.items()})
+                ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
+                statistics={name: a.stats for name, a in self.apps.items()},
+                ingest=ingest, repository=self.repository, repository_token=self.repository_token)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 
@@ -361,6 +413,40 @@ class Node:
     def kill(self, st: InstanceState, role: str = "stopping") -> None:
         self._sup().kill(st, role)
 
+    # -- what the repository asks of the node (repository.RepositoryHost) --------------------------------
+    def spawn_loading(self, app: AppConfig, index: int, gpu_pct: int) -> InstanceState:
+        """Start instance ``index`` of an app being loaded: not routed to, not replaced, until activated."""
+        sup = self._sup()
+        share = self.placement.share_for(app.name, gpu_pct, index)
+        st = sup.spawn(app, sup.next_name(app.name, "l"), share, gpu_pct=gpu_pct)
+        st.role = LOADING_ROLE
+        return st
+
+    def activate(self, app_name: str, instances: list[InstanceState]) -> None:
+        """A loaded app's instances are all READY: serve them, route to them, start its shadow."""
+        for st in instances:
+            st.role = "active"
+        sup = self._sup()
+        sup.route(app_name)
+        if self.apps[app_name].cfg.shadow and not self.scheduled:
+            sup.spawn_shadow(app_name)
+
+    def unroute(self, app_name: str) -> None:
+        """No new request reaches the app (its requests are dropped as for an unknown app)."""
+        assert self.ingest is not None
+        self.ingest.set_route(self.apps[app_name].cfg.app_id, [])
+
+    def publish_model(self, app: AppConfig) -> None:
+        """The front door serves ``app`` (its model metadata is rebuilt), counting its inferences in the
+        app's statistics record."""
+        if self.frontdoor is not None:
+            state = self.apps.get(app.name)
+            self.frontdoor.add_model(app, statistics=state.stats if state is not None else None)
+
+    def withdraw_model(self, name: str) -> None:
+        if self.frontdoor is not None:
+            self.frontdoor.remove_model(name)
+
     def record(self, event: dict[str, Any]) -> None:
         """Keep an event (with its time) for status and tests."""
         self.events.append({"t": time.monotonic(), **event})
@@ -415,6 +501,9 @@ class Node:
         self._guard("supervision", self.supervisor.check_hangs, now, self.cfg.node.hang_timeout_s)
         self._guard("changes", self.changes.advance)
         settling = self.changes.settling(now, self.cfg.node.shadow_settle_s)
+        if self.repository is not None:
+            self._guard("repository", self.repository.advance)
+            settling |= self.repository.busy
         self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running) | settling)
         if self.overflow is not None:
             self._guard("overflow", self.supervisor.refill_overflow, now)
@@ -449,8 +538,7 @@ class Node:
                 continue  # its change is still running; the monitor asks again if it still holds
             # A change that does not change what the instances get (on the CPU backend: whole cores)
             # costs a shadow start and buys nothing: take the next share that does, or none.
-            others = sum(a.gpu_pct * a.instances for name, a in self.apps.items()
-                         if name != d.app and self.cfg.gpu_of(a.cfg) == self.cfg.gpu_of(self.apps[d.app].cfg))
+            others = self.placement.held_beside(d.app)  # on the app's own device
             n = max(1, self.apps[d.app].instances)
             hi = 100 if self.cfg.node.allow_oversubscribe else (100 - others) // n
             target = self.placement.effective_target(d.from_pct, d.to_pct, self.monitor.policy.min_pct, hi)
@@ -518,6 +606,10 @@ class Node:
             st = self.instances.get(msg.instance)
             if st is not None:
                 st.error = f"{msg.kind}: {msg.message}"
+            # Kept after the instance is gone: its Error can trail its exit (a failed repository load).
+            self.last_errors[msg.instance] = f"{msg.kind}: {msg.message}"
+            while len(self.last_errors) > 64:
+                del self.last_errors[next(iter(self.last_errors))]
             log.error("instance %s reported %s: %s", msg.instance, msg.kind, msg.message)
         elif isinstance(msg, StatusRequest):
             self._reply(item, StatusReply(status=self.status()))
@@ -555,13 +647,17 @@ class Node:
                     continue
                 roles[st.name] = st.role
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
-                              "gpu_pct": st.spec.gpu_pct, "consumer": st.spec.consumer,
+                              "gpu_pct": st.spec.gpu_pct, "gpu": self._device_label(st.spec.gpu),
+                              "consumer": st.spec.consumer,
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **st.stats})
+                              "prewarm": st.info.get("prewarm"), **st.stats,
+                              # the heartbeat's; before the first one, what its (warm) Ready said
+                              "engine": st.stats.get("engine") or _ready_engine(st.info)})
             totals = a.stats.totals(roles)
             running = self.changes.running.get(name)
             apps[name] = {
                 "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
+                "gpu": self._device_label(self.placement.device_of(name)),
                 "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
                 "requeued_by_crash": a.requeued_by_crash, "hangs": a.hangs, "shadow_restarts": a.shadow_restarts,
                 "change": running.to_dict() if running is not None else None, **totals,
@@ -573,17 +669,30 @@ class Node:
                      "mps": None if self.mps is None else {"active": self.mps.active, "started": self.mps.started,
                                                            "reason": self.mps.reason},
                      "ports": self.ingest.ports if self.ingest else [],
+                     # GPU% held on each device (cuda: by GPU index; cpu: the one CPU device)
+                     "gpus": {str(self._device_label(dev)): pct for dev, pct in
+                              sorted(self.placement.device_load().items())},
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
                      "errors": dict(self.errors)},
             "ingest": counters,
-            "drops": {k[5:]: v for k, v in counters.items() if k.startswith("drop_") and v},
+            # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
+            # buffer until their request's deadline passed.
+            "drops": {k[5:] if k.startswith("drop_") else k: v for k, v in counters.items()
+                      if (k.startswith("drop_") or k == "answers_expired") and v},
             "control_rejected": dict(self.server.rejected) if self.server is not None else {},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
             "changes": {"counts": dict(self.changes.counts),
                         "recent": [ch.to_dict() for ch in list(self.changes)[-10:]]},
             "scheduler": self.dispatcher.status() if self.dispatcher is not None else {"name": "spatial"},
+            "repository": None if self.repository is None else {
+                "running": {n: op.phase for n, op in self.repository.running.items()},
+                "recent": list(self.repository.recent)},
         }
+
+    def _device_label(self, dev: int) -> int | str:
+        """How status names a device: the GPU index on cuda, ``"cpu"`` on the CPU backend."""
+        return dev if self.backend == "cuda" else "cpu"
 
     # -- stop -----------------------------------------------------------------------------------------
     def stop(self, drain: bool = True) -> None:
@@ -603,6 +712,8 @@ class Node:
                 return
             self._stopped = True
             self._stop.set()
+            if self.repository is not None:
+                self.repository.close()
             if self.frontdoor is not None:
                 with contextlib.suppress(Exception):
                     self.frontdoor.close()

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from gpuprims.cuda.ipc import ParameterHandles
+from gpuprims.engines import engine_class
 from orchestrator.config import AppConfig
 
 log = logging.getLogger("gpuprims.node")
@@ -30,6 +31,8 @@ class ParamShare:
         """Instances with the same key have identical weights and share one copy."""
         if not self.enabled or app.is_dag or not app.model:
             return None
+        if not engine_class(app.engine.kind).uses_torch_weights:
+            return None  # the engine runs its own copy of the weights (an ONNX session, a plan...)
         return f"{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}"
 
     def exported(self, app: AppConfig) -> bool:

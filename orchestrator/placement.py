@@ -68,16 +68,46 @@ class Placement:
             raise PlacementError(f"node.scheduler {self.cfg.node.scheduler!r} runs one instance per app (the "
                                  f"scheduler batches and times its runs); set instances: 1 for {', '.join(many)}")
 
+    # -- devices -------------------------------------------------------------------------------------
+    def device_of(self, name: str) -> int:
+        """The device whose share the app's instances hold: its GPU on cuda (``gpu``, else the node's
+        default); on the CPU backend every app shares the one CPU device (index 0)."""
+        if self.backend != "cuda":
+            return 0
+        return self.cfg.gpu_of(self.apps[name].cfg)
+
+    def device_load(self) -> dict[int, int]:
+        """GPU% held on each device (sum of share x instances of the apps placed there)."""
+        out: dict[int, int] = {}
+        for name, a in self.apps.items():
+            dev = self.device_of(name)
+            out[dev] = out.get(dev, 0) + a.gpu_pct * a.instances
+        return out
+
+    def held_beside(self, app_name: str) -> int:
+        """GPU% the other apps hold on the device of ``app_name``."""
+        dev = self.device_of(app_name)
+        return sum(a.gpu_pct * a.instances for name, a in self.apps.items()
+                   if name != app_name and self.device_of(name) == dev)
+
     def size_auto_apps(self) -> None:
         """Multi-Model: apps with ``instances: auto`` get the instance count (and, with ``gpu_pct: auto``,
-        the share each) that ``multi_model`` finds best within their SLO on their model's profile."""
+        the share each) that ``multi_model`` finds best within their SLO on their model's profile. The
+        budget is per device: what the fixed apps on the same GPU leave, split between its auto apps."""
         autos = [a for a in self.apps.values() if a.cfg.instances == "auto" and not a.cfg.is_dag]
         if not autos:
             return
-        fixed = sum(a.cfg.gpu_pct * a.instances for a in self.apps.values()
-                    if isinstance(a.cfg.gpu_pct, int) and a.cfg.instances != "auto")
-        available = max(1, (100 - fixed) // len(autos))
+        fixed: dict[int, int] = {}
+        n_autos: dict[int, int] = {}
+        for name, a in self.apps.items():
+            dev = self.device_of(name)
+            if a.cfg.instances == "auto" and not a.cfg.is_dag:
+                n_autos[dev] = n_autos.get(dev, 0) + 1
+            elif isinstance(a.cfg.gpu_pct, int):
+                fixed[dev] = fixed.get(dev, 0) + a.cfg.gpu_pct * a.instances
         for a in autos:
+            dev = self.device_of(a.cfg.name)
+            available = max(1, (100 - fixed.get(dev, 0)) // n_autos[dev])
             prof = self.profile_of(a.cfg.model or "")
             if prof is None:
                 log.warning("%s: instances is auto but there is no profile of %s in node.profiles; running 1 "
@@ -94,12 +124,13 @@ class Placement:
             a.instances = n
             if not isinstance(a.cfg.gpu_pct, int):
                 a.gpu_pct = pct
-            log.info("%s: Multi-Model sizing from its profile: %d instance(s) x %d%% (budget %d%%, SLO %.0f ms)",
-                     a.cfg.name, n, pct, budget, a.cfg.slo_ms)
+            log.info("%s: Multi-Model sizing from its profile on device %d: %d instance(s) x %d%% (budget %d%%, "
+                     "SLO %.0f ms)", a.cfg.name, dev, n, pct, budget, a.cfg.slo_ms)
 
     def assign_pcts(self) -> None:
         """Every app's GPU% per instance: as configured; a DAG app the sum of its stages' shares;
-        what Multi-Model sized; the rest of ``auto`` apps split what is left evenly."""
+        what Multi-Model sized; the rest of ``auto`` apps split what their device has left evenly. The
+        shares on each device must add up to at most 100 (unless oversubscription is allowed)."""
         for a in self.apps.values():
             if a.gpu_pct:
                 continue  # sized by Multi-Model
@@ -108,16 +139,27 @@ class Placement:
             elif a.cfg.is_dag and a.cfg.fixed_pct_per_instance():
                 # A DAG app runs its stages in one process, with the sum of their shares.
                 a.gpu_pct = min(100, a.cfg.fixed_pct_per_instance())
-        taken = sum(a.gpu_pct * a.instances for a in self.apps.values() if a.gpu_pct)
-        autos = [a for a in self.apps.values() if not a.gpu_pct]
-        auto_instances = sum(a.instances for a in autos)
-        each = max(1, (100 - taken) // auto_instances) if auto_instances else 0
-        for a in autos:
-            a.gpu_pct = each
-        total = sum(a.gpu_pct * a.instances for a in self.apps.values())
-        if total > 100 and not self.cfg.node.allow_oversubscribe and not self.scheduled:
-            raise PlacementError(f"the apps' shares add up to {total}% (> 100) after sizing; set "
-                                 "node.allow_oversubscribe or lower gpu_pct")
+        taken: dict[int, int] = {}
+        auto_instances: dict[int, int] = {}
+        for name, a in self.apps.items():
+            dev = self.device_of(name)
+            if a.gpu_pct:
+                taken[dev] = taken.get(dev, 0) + a.gpu_pct * a.instances
+            else:
+                auto_instances[dev] = auto_instances.get(dev, 0) + a.instances
+        for name, a in self.apps.items():
+            if not a.gpu_pct:
+                dev = self.device_of(name)
+                a.gpu_pct = max(1, (100 - taken.get(dev, 0)) // auto_instances[dev])
+        if self.cfg.node.allow_oversubscribe or self.scheduled:
+            return
+        for dev, total in sorted(self.device_load().items()):
+            if total > 100:
+                parts = ", ".join(f"{name} {a.gpu_pct}% x {a.instances}" for name, a in self.apps.items()
+                                  if self.device_of(name) == dev)
+                where = f"GPU {dev}" if self.backend == "cuda" else "the CPU device"
+                raise PlacementError(f"the apps' shares on {where} add up to {total}% (> 100) after sizing "
+                                     f"({parts}); set node.allow_oversubscribe or lower gpu_pct")
 
     def stage_pcts(self, name: str) -> dict[str, int]:
         a = self.apps[name]
@@ -146,12 +188,12 @@ class Placement:
         if isinstance(new_pct, bool) or not isinstance(new_pct, int) or not 1 <= new_pct <= 100:
             raise ValueError(f"gpu_pct must be an integer in 1..100, got {new_pct!r}")
         app = self.apps[app_name]
-        gpu = self.cfg.gpu_of(app.cfg)
-        others = sum(a.gpu_pct * a.instances for name, a in self.apps.items()
-                     if name != app_name and self.cfg.gpu_of(a.cfg) == gpu)
+        gpu = self.device_of(app_name)
+        others = self.held_beside(app_name)
         total = others + new_pct * app.instances
         if total > 100 and not self.cfg.node.allow_oversubscribe:
-            raise ValueError(f"refused: {app_name} at {new_pct}% x {app.instances} instance(s) would put GPU {gpu} "
+            where = f"GPU {gpu}" if self.backend == "cuda" else "the CPU device"
+            raise ValueError(f"refused: {app_name} at {new_pct}% x {app.instances} instance(s) would put {where} "
                              f"at {total}% (other apps hold {others}%); the sum must stay <= 100 unless "
                              "node.allow_oversubscribe is true")
 

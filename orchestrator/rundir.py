@@ -9,7 +9,9 @@ accepts a connection. `reap` removes what a dead node left: the packet pool (``/
 <pid>-*``, the name `gpuprims.pool.PacketPool.create` gives), the CPU Param-Share segments named in
 its ``params-*.bin`` handle files, its sockets, token and record, and the run directory itself when
 nothing else is in it. `claim` is what a starting node calls on its run directory: it refuses a live
-node's, clears a dead node's, and writes the new record.
+node's, clears a dead node's, and writes the new record. `sweep_dead_segments` is what every node does
+at start, wherever its run directory: it removes this user's pools and CPU Param-Share segments whose
+owning process is gone (a node or program SIGKILLed anywhere), which no run directory may name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -36,6 +39,11 @@ SHM_DIR = Path("/dev/shm")
 #: Files a node creates in its run directory (besides params-*.bin), removed by `reap`.
 NODE_FILES = ("token", "control.sock", "command.sock", "measure.lock", RECORD_FILE)
 CURRENT_LINK = "current"
+#: Shared-memory objects named after the process whose lifetime they follow: packet pools
+#: (``gpuprims-<pid>-*``, `gpuprims.pool.PacketPool.create`) and CPU Param-Share segments
+#: (``gpuprims-params-<pid>-*``, `gpuprims.cuda.ipc.export_parameters`: the node's pid for its
+#: instances' exports, which importers use while the node runs even after their exporter died).
+SEGMENT_NAME = re.compile(r"gpuprims-(?:params-)?(\d+)-[^/]+")
 
 
 class RunDirBusy(RuntimeError):
@@ -226,6 +234,42 @@ def _kill(pids: list[int], grace_s: float = 2.0) -> list[int]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     return alive
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def sweep_dead_segments(shm_dir: str | os.PathLike[str] = SHM_DIR) -> list[tuple[str, int]]:
+    """Remove this user's pools and Param-Share segments whose owning process is gone; returns each
+    removed ``(name, bytes)``. A segment of a live process (or of a recycled pid) is kept."""
+    out: list[tuple[str, int]] = []
+    d = Path(shm_dir)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return out
+    uid = os.getuid()
+    for name in names:
+        m = SEGMENT_NAME.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        p = d / name
+        try:
+            st = p.stat()
+            if st.st_uid != uid:
+                continue
+            p.unlink()
+        except OSError:
+            continue
+        out.append((name, st.st_size))
+    return out
 
 
 def reap(run_dir: str | os.PathLike[str]) -> Removed:

@@ -60,6 +60,7 @@ class InstanceSpec:
     # and its options (apps.yaml ``engine:``), validated by the node before it starts the instance.
     engine: str = "eager"
     engine_options: dict[str, Any] | None = None
+    engine_cache: str | None = None  # the engine cache's directory (node.engine_cache); None: the default
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -65,14 +65,14 @@ def format_status(status: Mapping[str, Any]) -> str:
     if _num(node.get("uptime_s")) is not None:
         head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
     lines = ["node: " + ("  ".join(head) if head else "-")]
-    cols = ["APP / INSTANCE", "ROLE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
+    cols = ["APP / INSTANCE", "ROLE", "DEVICE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
             "SLO att.", "ERRORS"]
     rows: list[list[str]] = []
     apps = {str(k): a for k, a in _mapping(status.get("apps")).items() if isinstance(a, Mapping)}
     for app_name, a in apps.items():
         slo = _num(a.get("slo_ms"))
         name = f"{app_name} (id {_fmt(a.get('app_id'), 'd')})"
-        rows.append([name, "app", _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
+        rows.append([name, "app", _dev(a.get("gpu")), _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
                      _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
                      _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
                      "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
@@ -81,13 +81,14 @@ def format_status(status: Mapping[str, Any]) -> str:
         for i in insts if isinstance(insts, list) else ():
             if not isinstance(i, Mapping):
                 continue
-            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _fmt(i.get("gpu_pct"), "d"),
+            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _dev(i.get("gpu")),
+                         _fmt(i.get("gpu_pct"), "d"),
                          _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
                          _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
                          "", _pct(i.get("slo_attainment")), _counts(_errors(i))])
     if rows:
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-        left = {0, 1, len(cols) - 1}
+        left = {0, 1, 2, len(cols) - 1}
 
         def line(cells: list[str]) -> str:
             return "  ".join(c.ljust(w) if j in left else c.rjust(w)
@@ -108,6 +109,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             lines.append(f"overflow {app_name}: " + "  ".join(parts)
                          + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
+    lines.extend(_engine_lines(apps))
     drops = dict(_mapping(status.get("drops")))
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
@@ -146,3 +148,42 @@ def _changes_lines(status: Any, keep: int = 3) -> list[str]:
         if isinstance(d, Mapping):
             out.append(f"monitor: {d.get('app')} {d.get('verdict')} ({d.get('reason')}): {d.get('result')}")
     return out
+
+
+def _engine_line(where: str, e: Mapping[str, Any]) -> str:
+    parts = [f"engine {where}: {e.get('kind', '?')}"]
+    if e.get("provider"):
+        parts.append(f"provider={e['provider']}")
+    if e.get("fallback"):
+        parts.append(f"FALLBACK to eager ({e['fallback']})")
+    if e.get("fingerprint"):
+        how = "cache hit" if e.get("cache_hit") else f"built in {_fmt(_num(e.get('build_ms')), '.0f')} ms"
+        parts.append(f"{how}, load {_fmt(_num(e.get('load_ms')), '.0f')} ms, {e['fingerprint']}")
+    if e.get("param_share") is False:
+        parts.append("Param-Share n/a (own weights)")
+    return "  ".join(parts)
+
+
+def _engine_lines(apps: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per instance running an engine other than eager (or one that fell back to eager):
+    kind, cache hit or build time, load time, fingerprint."""
+    out = []
+    for a in apps.values():
+        insts = a.get("instances")
+        for i in insts if isinstance(insts, list) else ():
+            e = i.get("engine") if isinstance(i, Mapping) else None
+            if not isinstance(e, Mapping) or not e:
+                continue
+            stages = e.get("stages")
+            items = list(stages.items()) if isinstance(stages, Mapping) else [("", e)]
+            for stage, d in items:
+                if isinstance(d, Mapping) and (d.get("kind") != "eager" or d.get("fallback")):
+                    out.append(_engine_line(f"{i.get('name', '?')}{f' stage {stage}' if stage else ''}", d))
+    return out
+
+
+def _dev(v: Any) -> str:
+    """A device as status names it: ``gpu 1`` for a GPU index, ``cpu``, or ``-`` when unknown."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"gpu {v}"
+    return str(v) if isinstance(v, str) and v else "-"

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuprims.cpushare import CpuShare
+from gpuprims.cuda.ipc import ENV_OWNER_PID
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from orchestrator.config import AppConfig, NodeConfig
@@ -105,6 +106,7 @@ class Supervisor:
         scheduled = self.placement.scheduled
         on_cpu = role == OVERFLOW_ROLE
         backend = "cpu" if on_cpu else self.backend
+        engine = app.cpu_overflow_engine if on_cpu else app.engine
         spec = InstanceSpec(
             name=name, app=app.name, app_id=app.app_id, model=app.model or "", pool=self.pool.name, consumer=consumer,
             input_shape=tuple(app.input_shape), dtype=app.dtype, seed=app.seed, num_classes=app.num_classes,
@@ -113,7 +115,9 @@ class Supervisor:
             cores=list(share.cores) if share is not None else None,
             threads=share.threads if share is not None else None, defer_init=defer_init,
             heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
-            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes)} for st in app.stages]
+            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes),
+                     "engine": app.stage_engine(st).kind, "engine_options": dict(app.stage_engine(st).options)}
+                    for st in app.stages]
             if app.stages else None,
             entry=app.entry_stages()[0] if app.stages else None,
             share_params=None if on_cpu else self.params.mode_for(app, name),
@@ -122,12 +126,15 @@ class Supervisor:
             stage_pcts=self.placement.stage_pcts(app.name) if scheduled else None,
             # cpu backend: a shadow loads and warms its model at nice 19 before it is needed.
             prewarm=defer_init and self.backend == "cpu" and not scheduled,
+            engine=engine.kind, engine_options=dict(engine.options) or None,
+            engine_cache=self.cfg.node.engine_cache,
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))
         env[ENV_SPEC] = spec.to_json()
         env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
         env["GPUPRIMS_LOG_FORMAT"] = self.cfg.node.log_format
+        env[ENV_OWNER_PID] = str(os.getpid())  # Param-Share segments follow the node's life, not the exporter's
         if share is not None:
             env.update(share.env())
         env.pop(ENV_IMPORT_NICE, None)

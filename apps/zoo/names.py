@@ -81,6 +81,26 @@ _NAMES = (
         RESNET_CAR_LABELS,
     ),
     ZooName(
+        "googlenet",
+        1000,
+        "GoogLeNet (Szegedy et al. 2015) without its training-only auxiliary heads, 6.6M parameters; "
+        "nine 4-branch Inception blocks (Opara's model)",
+    ),
+    ZooName(
+        "inception_v3",
+        1000,
+        "Inception-v3 (Szegedy et al. 2016) without its training-only auxiliary head, 23.8M parameters; "
+        "Inception blocks of 2 to 6 parallel branches (Opara's model)",
+        input_shape=(3, 299, 299),
+    ),
+    ZooName(
+        "bert",
+        2,
+        "BERT-base-like encoder (Devlin et al. 2019) over 32 token embeddings of 768: 12 layers with separate "
+        "query/key/value projections, pooler and a 2-way classifier, 85.6M parameters (Opara's model)",
+        input_shape=(1, 32, 768),
+    ),
+    ZooName(
         "wide_deep",
         2,
         "Wide&Deep (Cheng et al. 2016) as in DUET: wide linear, deep FFN, 2-layer LSTM and ResNet-18 "
@@ -114,7 +134,8 @@ NAMES: Mapping[str, ZooName] = MappingProxyType({n.name: n for n in _NAMES})
 
 #: Other accepted names and the canonical name each stands for.
 ALIASES: Mapping[str, str] = MappingProxyType(
-    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50"}
+    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50",
+     "inception": "inception_v3", "inceptionv3": "inception_v3"}
 )
 
 

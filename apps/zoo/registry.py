@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from apps.zoo.inception import Bert, GoogLeNet, InceptionV3
 from apps.zoo.init import init_weights
 from apps.zoo.names import (
     DEFAULT_INPUT_SHAPE,
@@ -83,6 +84,9 @@ _BUILDERS: Mapping[str, Builder] = {
     "recog_router": MobileNetV2,
     "vgg_face": _vgg("vgg16"),
     "resnet_car": _resnet(Bottleneck, (3, 4, 6, 3)),
+    "googlenet": GoogLeNet,
+    "inception_v3": InceptionV3,
+    "bert": Bert,
     "wide_deep": WideDeep,
     "siamese": Siamese,
     "mt_dnn": MTDNN,

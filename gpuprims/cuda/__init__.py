@@ -18,6 +18,8 @@ _EXPORTS: dict[str, str] = {
     "set_schedule": "runtime", "get_schedule": "runtime", "mem_get_info": "runtime", "kernels_built": "runtime",
     # events and streams
     "Event": "event", "Stream": "event", "CpuEvent": "event", "CpuStream": "event", "stream_handle": "event",
+    # CUDA graphs
+    "CudaGraph": "graph", "capture_plan": "graph",
     # GPU-DMA
     "gpu_dma": "dma", "gpu_dma_async": "dma", "cuda_copy_gather": "dma", "DmaJob": "dma", "DmaStatus": "dma",
     "Normalize": "dma", "IMAGENET": "dma", "UNIT": "dma", "DeviceRows": "dma", "Packets": "dma", "PinnedPool": "dma", "PoolLayout": "dma",

@@ -63,3 +63,36 @@ def check_status(status: int, call: str = "") -> None:
     from gpuprims import _native
 
     raise CudaError(status, _native.cuda_error_name(status), _native.cuda_error_string(status), call)
+
+
+#: The statuses of stream capture and graphs that a CUDA library may report only as text (torch raises
+#: ``RuntimeError("CUDA error: <cudaGetErrorString>")``): cudaGetErrorString's text -> (status, name).
+#: Used by :func:`raise_from_message` so those errors, too, reach callers as :class:`CudaError`.
+CAPTURE_STATUSES: dict[str, tuple[int, str]] = {
+    "operation not permitted when stream is capturing": (900, "cudaErrorStreamCaptureUnsupported"),
+    "operation failed due to a previous error during capture": (901, "cudaErrorStreamCaptureInvalidated"),
+    "operation would result in a merge of two independent captures": (902, "cudaErrorStreamCaptureMerge"),
+    "capture was not initiated in this stream": (903, "cudaErrorStreamCaptureUnmatched"),
+    "capturing stream has unjoined work": (904, "cudaErrorStreamCaptureUnjoined"),
+    "dependency created on uncaptured work in another stream": (905, "cudaErrorStreamCaptureIsolation"),
+    "operation would make the legacy stream depend on a capturing blocking stream":
+        (906, "cudaErrorStreamCaptureImplicit"),
+    "operation not permitted on an event last recorded in a capturing stream": (907, "cudaErrorCapturedEvent"),
+    "attempt to terminate a thread-local capture sequence from another thread":
+        (908, "cudaErrorStreamCaptureWrongThread"),
+    "out of memory": (CUDA_ERROR_MEMORY_ALLOCATION, "cudaErrorMemoryAllocation"),
+    "operation not permitted": (800, "cudaErrorNotPermitted"),
+}
+
+
+def raise_from_message(exc: BaseException, call: str) -> None:
+    """Re-raise ``exc`` (an error a CUDA library reported as text, such as torch's ``CUDA error: ...``)
+    as :class:`CudaError` when its message carries a known cudaGetErrorString text; otherwise raise
+    ``exc`` itself. Always raises. A CudaError passes through unchanged."""
+    if isinstance(exc, CudaError):
+        raise exc
+    text = str(exc)
+    for message, (status, name) in sorted(CAPTURE_STATUSES.items(), key=lambda kv: -len(kv[0])):
+        if message in text:
+            raise CudaError(status, name, message, call) from exc
+    raise exc

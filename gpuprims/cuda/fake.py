@@ -61,6 +61,24 @@ ILLEGAL_ADDRESS = 700
 LAUNCH_FAILURE = 719
 HOST_MEMORY_ALREADY_REGISTERED = 712
 HOST_MEMORY_NOT_REGISTERED = 713
+ILLEGAL_STATE = 401
+NOT_PERMITTED = 800
+CAPTURE_UNSUPPORTED = 900
+CAPTURE_INVALIDATED = 901
+CAPTURE_UNMATCHED = 903
+CAPTURE_UNJOINED = 904
+CAPTURE_ISOLATION = 905
+CAPTURE_IMPLICIT = 906
+CAPTURED_EVENT = 907
+CAPTURE_WRONG_THREAD = 908
+
+# cudaStreamCaptureMode and cudaStreamCaptureStatus (driver_types.h).
+CAPTURE_MODE_GLOBAL = 0
+CAPTURE_MODE_THREAD_LOCAL = 1
+CAPTURE_MODE_RELAXED = 2
+CAPTURE_STATUS_NONE = 0
+CAPTURE_STATUS_ACTIVE = 1
+CAPTURE_STATUS_INVALIDATED = 2
 
 _NAMES = {
     INVALID_VALUE: ("cudaErrorInvalidValue", "invalid argument"),
@@ -77,6 +95,21 @@ _NAMES = {
                                      "part or all of the requested memory range is already mapped"),
     HOST_MEMORY_NOT_REGISTERED: ("cudaErrorHostMemoryNotRegistered",
                                  "pointer does not correspond to a registered memory region"),
+    ILLEGAL_STATE: ("cudaErrorIllegalState", "the operation cannot be performed in the present state"),
+    NOT_PERMITTED: ("cudaErrorNotPermitted", "operation not permitted"),
+    CAPTURE_UNSUPPORTED: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    CAPTURE_INVALIDATED: ("cudaErrorStreamCaptureInvalidated",
+                          "operation failed due to a previous error during capture"),
+    CAPTURE_UNMATCHED: ("cudaErrorStreamCaptureUnmatched", "capture was not initiated in this stream"),
+    CAPTURE_UNJOINED: ("cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work"),
+    CAPTURE_ISOLATION: ("cudaErrorStreamCaptureIsolation",
+                        "dependency created on uncaptured work in another stream"),
+    CAPTURE_IMPLICIT: ("cudaErrorStreamCaptureImplicit",
+                       "operation would make the legacy stream depend on a capturing blocking stream"),
+    CAPTURED_EVENT: ("cudaErrorCapturedEvent",
+                     "operation not permitted on an event last recorded in a capturing stream"),
+    CAPTURE_WRONG_THREAD: ("cudaErrorStreamCaptureWrongThread",
+                           "attempt to terminate a thread-local capture sequence from another thread"),
 }
 #: Statuses that corrupt the context: once one happens, every later call returns it (sticky).
 STICKY = STICKY_STATUSES
@@ -111,6 +144,47 @@ class _Op:
     touches: tuple[tuple[int, int], ...] = ()  # (address, nbytes) ranges the op reads or writes
     is_host_func: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    label: str = ""
+
+
+#: Set on a stream worker while it runs a host function: CUDA calls from there are refused.
+_worker = threading.local()
+
+
+@dataclass
+class GraphNode:
+    """One captured operation: what it runs, the nodes it depends on (indices into the graph's node
+    list, always earlier ones), and the stream it was captured from (for inspection by tests)."""
+
+    index: int
+    kind: str  # "host" (cudaLaunchHostFunc), "memcpy", "kernel", "graph" (a child graph launch)
+    fn: Callable[[], None]
+    deps: tuple[int, ...]
+    stream: int
+    label: str = ""
+    is_host_func: bool = False
+
+
+@dataclass
+class _Capture:
+    """A capture sequence: begun on ``origin``, joined by the streams that waited on its events."""
+
+    id: int
+    origin: int
+    mode: int
+    thread: int
+    nodes: list[GraphNode] = field(default_factory=list)
+    streams: set[int] = field(default_factory=set)
+    invalid: bool = False
+    ended: bool = False
+
+
+def _run_host_func(fn: Callable[[], None]) -> None:
+    _worker.in_host_func = True
+    try:
+        fn()
+    finally:
+        _worker.in_host_func = False
 
 
 class _FakeStream:
@@ -120,6 +194,11 @@ class _FakeStream:
         self.q: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self.pending: list[_Op] = []
         self.lock = threading.Lock()
+        # Stream capture state: the capture this stream belongs to and its frontier (the nodes the next
+        # captured operation on this stream depends on).
+        self.capture: _Capture | None = None
+        self.frontier: tuple[int, ...] = ()
+        self.non_blocking = False  # created with cudaStreamNonBlocking (set by cuda_stream_create)
         self.thread = threading.Thread(target=self._run, name=f"fake-cuda-stream-{handle:x}", daemon=True)
         self.thread.start()
 
@@ -136,7 +215,10 @@ class _FakeStream:
                 return
             try:
                 if self.rt.sticky == SUCCESS:
-                    op.fn()
+                    if op.is_host_func:
+                        _run_host_func(op.fn)
+                    else:
+                        op.fn()
             except CudaError as e:
                 self.rt.fault(e.status)
             finally:
@@ -179,6 +261,11 @@ class FakeRuntime:
         self._inject: dict[str, list[int]] = {}
         self._ids = itertools.count(0x1000)
         self._streams: dict[int, _FakeStream] = {0: _FakeStream(self, 0)}
+        self._captures: dict[int, _Capture] = {}
+        self._graphs: dict[int, list[GraphNode]] = {}
+        self._execs: dict[int, dict[str, Any]] = {}
+        #: Every capture begun (cudaStreamBeginCapture that succeeded), for tests that count them.
+        self.captures_begun = 0
         self._events: dict[int, dict[str, Any]] = {}
         self._device = 0
         self._flags: dict[int, int] = {}
@@ -225,6 +312,10 @@ class FakeRuntime:
     def _enter(self, call: str) -> None:
         with self.lock:
             self.calls[call] = self.calls.get(call, 0) + 1
+            if getattr(_worker, "in_host_func", False):
+                # cudaLaunchHostFunc: "The host function must not make any CUDA API calls. Attempting
+                # to use a CUDA API may result in cudaErrorNotPermitted" (and a deadlock on a GPU).
+                raise error(NOT_PERMITTED, f"{call} (from inside a host function)")
             if os.getpid() != self.pid:
                 raise error(3, call)  # cudaErrorInitializationError: the context does not survive fork
             inj = self._inject.get(call)
@@ -333,6 +424,17 @@ class FakeRuntime:
     def cuda_device_synchronize(self, dev: int) -> None:
         self._enter("cuda_device_synchronize")
         self._dev(dev, "cudaDeviceSynchronize")
+        with self.lock:
+            me = threading.get_ident()
+            active = [c for c in self._captures.values() if not c.ended and (
+                c.mode == CAPTURE_MODE_GLOBAL or (c.mode == CAPTURE_MODE_THREAD_LOCAL and c.thread == me))]
+            for c in active:
+                # A device-wide synchronize is a "potentially unsafe API call": refused while a global
+                # capture is under way anywhere, or a thread-local one in this thread, and the capture
+                # is invalidated (cudaStreamCaptureMode's rules).
+                self._invalidate(c)
+            if active:
+                raise error(CAPTURE_UNSUPPORTED, "cudaDeviceSynchronize")
         for s in list(self._streams.values()):
             last = s.last()
             if last is not None:
@@ -366,21 +468,29 @@ class FakeRuntime:
         with self.lock:
             h = next(self._ids) << 4
             self._streams[h] = _FakeStream(self, h)
+            self._streams[h].non_blocking = bool(flags & 0x01)  # cudaStreamNonBlocking
             self.resources[("stream", h)] = Resource("stream", h, info={"device": dev})
         return h
 
     def cuda_stream_destroy(self, s: int) -> None:
         self._enter("cuda_stream_destroy")
         with self.lock:
-            st = self._streams.pop(s, None)
+            st = self._streams.get(s)
             if st is None or s == 0:
                 raise error(INVALID_RESOURCE_HANDLE, "cudaStreamDestroy")
+            if st.capture is not None:  # destroying a stream mid-capture ruins the capture
+                self._invalidate(st.capture)
+                st.capture.streams.discard(s)
+                st.capture = None
+            del self._streams[s]
             del self.resources[("stream", s)]
         st.stop()  # cudaStreamDestroy lets queued work finish, then releases the stream
 
     def cuda_stream_synchronize(self, s: int) -> None:
         self._enter("cuda_stream_synchronize")
-        last = self._stream(s, "cudaStreamSynchronize").last()
+        st = self._stream(s, "cudaStreamSynchronize")
+        self._refuse_sync_while_capturing(st, "cudaStreamSynchronize")
+        last = st.last()
         if last is not None:
             last.done.wait()
         if self.sticky:
@@ -388,14 +498,219 @@ class FakeRuntime:
 
     def cuda_stream_query(self, s: int) -> bool:
         self._enter("cuda_stream_query")
-        return self._stream(s, "cudaStreamQuery").idle()
+        st = self._stream(s, "cudaStreamQuery")
+        self._refuse_sync_while_capturing(st, "cudaStreamQuery")
+        return st.idle()
 
     def cuda_stream_wait_event(self, s: int, e: int) -> None:
         self._enter("cuda_stream_wait_event")
         st = self._stream(s, "cudaStreamWaitEvent")
         ev = self._event(e, "cudaStreamWaitEvent")
+        with self.lock:
+            cap: _Capture | None = ev.get("capture")
+            if cap is not None and not cap.ended:
+                # An event recorded in a capture: the waiting stream joins that capture (the CUDA
+                # programming guide's cross-stream dependencies: "cudaStreamWaitEvent ... pulls the
+                # stream into the capture"); its next operations depend on the event's nodes.
+                if st.capture is None:
+                    self._check_implicit(st, "cudaStreamWaitEvent")
+                    st.capture, st.frontier = cap, tuple(ev["frontier"])
+                    cap.streams.add(st.handle)
+                    return
+                if st.capture is cap:
+                    self._check_valid(st, "cudaStreamWaitEvent")
+                    st.frontier = tuple(dict.fromkeys(st.frontier + tuple(ev["frontier"])))
+                    return
+                # "It is invalid to merge two separate capture graphs by waiting on a captured event from
+                # a stream which is being captured and is associated with a different capture graph."
+                self._invalidate(st.capture)
+                raise error(CAPTURE_ISOLATION, "cudaStreamWaitEvent")
+            if st.capture is not None:
+                # "It is invalid to wait on a non-captured event from a stream which is being captured
+                # without specifying the cudaEventWaitExternal flag."
+                self._check_valid(st, "cudaStreamWaitEvent")
+                self._invalidate(st.capture)
+                raise error(CAPTURE_ISOLATION, "cudaStreamWaitEvent")
         marker: _Op | None = ev.get("op")
-        st.submit(_Op(lambda: marker.done.wait() if marker is not None else None))
+        self._enqueue(st, _Op(lambda: marker.done.wait() if marker is not None else None), "cudaStreamWaitEvent")
+
+    # -- stream capture and graphs -------------------------------------------------------------------
+    # Emulates the CUDA runtime's stream capture (cudaStreamBeginCapture / cudaStreamEndCapture /
+    # cudaStreamIsCapturing) and executable graphs (cudaGraphInstantiate / cudaGraphLaunch /
+    # cudaGraphExecDestroy / cudaGraphDestroy), with the rules of the CUDA programming guide's "Stream
+    # Capture" section: work issued to a capturing stream is recorded, not run; an event recorded in a
+    # capture and waited on by another stream pulls that stream into the capture (fork), and its work
+    # must be joined back (the origin waits on an event recorded after it) before the capture ends; an
+    # operation that would synchronize with captured work is refused and invalidates the capture.
+
+    def _enqueue(self, st: _FakeStream, op: _Op, call: str, kind: str = "") -> _Op | None:
+        """Queue ``op`` on ``st``, or record it as a graph node if ``st`` is capturing (then nothing
+        runs now and None is returned). Bookkeeping ops (``kind`` empty) are never recorded."""
+        with self.lock:
+            cap = st.capture
+            if cap is None:
+                self._check_implicit(st, call)
+                return st.submit(op)
+            self._check_valid(st, call)
+            if kind:
+                node = GraphNode(len(cap.nodes), kind, op.fn, st.frontier, st.handle, op.label or call,
+                                 op.is_host_func)
+                cap.nodes.append(node)
+                st.frontier = (node.index,)
+            return None
+
+    def _check_valid(self, st: _FakeStream, call: str) -> None:
+        """Work on a stream whose capture was invalidated fails until the capture is ended."""
+        if st.capture is not None and st.capture.invalid:
+            raise error(CAPTURE_INVALIDATED, call)
+
+    def _check_implicit(self, st: _FakeStream, call: str) -> None:
+        """The legacy stream (0) synchronizes implicitly with every blocking stream. The programming guide:
+        "When any stream in the same context is being captured, and it was not created with
+        cudaStreamNonBlocking, any attempted use of the legacy stream is invalid": refused
+        (cudaErrorStreamCaptureImplicit), and those captures are invalidated."""
+        if st.handle != 0:
+            return
+        blocking = [c for c in self._captures.values() if not c.ended and any(
+            not self._streams[h].non_blocking for h in c.streams if h in self._streams)]
+        for c in blocking:
+            self._invalidate(c)
+        if blocking:
+            raise error(CAPTURE_IMPLICIT, call)
+
+    def _invalidate(self, cap: _Capture) -> None:
+        """A violation of the capture rules: the sequence stays open, but everything issued to its
+        streams fails with cudaErrorStreamCaptureInvalidated and cudaStreamEndCapture returns no graph."""
+        cap.invalid = True
+
+    def _refuse_sync_while_capturing(self, st: _FakeStream, call: str) -> None:
+        """"Synchronizing or querying the execution status of a stream which is being captured ... is
+        invalid": cudaErrorStreamCaptureUnsupported, and the capture is invalidated."""
+        with self.lock:
+            if st.capture is not None:
+                self._check_valid(st, call)
+                self._invalidate(st.capture)
+                raise error(CAPTURE_UNSUPPORTED, call)
+
+    def cuda_stream_begin_capture(self, s: int, mode: int = CAPTURE_MODE_GLOBAL) -> None:
+        """cudaStreamBeginCapture: later work on ``s`` is recorded into a new graph."""
+        self._enter("cuda_stream_begin_capture")
+        if mode not in (CAPTURE_MODE_GLOBAL, CAPTURE_MODE_THREAD_LOCAL, CAPTURE_MODE_RELAXED):
+            raise error(INVALID_VALUE, "cudaStreamBeginCapture")
+        with self.lock:
+            if s == 0:  # "Capture may not be initiated if stream is cudaStreamLegacy."
+                raise error(CAPTURE_UNSUPPORTED, "cudaStreamBeginCapture (the legacy default stream)")
+            st = self._stream(s, "cudaStreamBeginCapture")
+            if st.capture is not None:
+                raise error(ILLEGAL_STATE, "cudaStreamBeginCapture (the stream is already capturing)")
+            cap = _Capture(next(self._ids), s, mode, threading.get_ident(), streams={s})
+            self._captures[cap.id] = cap
+            st.capture, st.frontier = cap, ()
+            self.captures_begun += 1
+
+    def cuda_stream_is_capturing(self, s: int) -> int:
+        """cudaStreamIsCapturing: 0 none, 1 active, 2 invalidated (cudaStreamCaptureStatus)."""
+        self._enter("cuda_stream_is_capturing")
+        with self.lock:
+            st = self._stream(s, "cudaStreamIsCapturing")
+            if st.capture is None:
+                return CAPTURE_STATUS_NONE
+            return CAPTURE_STATUS_INVALIDATED if st.capture.invalid else CAPTURE_STATUS_ACTIVE
+
+    def cuda_stream_end_capture(self, s: int) -> int:
+        """cudaStreamEndCapture: the captured graph's handle. Every stream leaves the capture whatever
+        happens; an invalidated capture gives cudaErrorStreamCaptureInvalidated (the real call returns
+        a NULL graph with it), a fork not joined back cudaErrorStreamCaptureUnjoined."""
+        self._enter("cuda_stream_end_capture")
+        with self.lock:
+            st = self._stream(s, "cudaStreamEndCapture")
+            cap = st.capture
+            if cap is None:
+                raise error(ILLEGAL_STATE, "cudaStreamEndCapture (the stream is not capturing)")
+            if cap.origin != s:  # the capture must be ended on the stream that began it
+                raise error(CAPTURE_UNMATCHED, "cudaStreamEndCapture")
+            if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
+                raise error(CAPTURE_WRONG_THREAD, "cudaStreamEndCapture")
+            cap.ended = True
+            self._captures.pop(cap.id, None)
+            members = [self._streams[h] for h in cap.streams if h in self._streams]
+            tails = {h: m.frontier for m in members for h in (m.handle,)}
+            for m in members:
+                m.capture, m.frontier = None, ()
+            if cap.invalid:
+                raise error(CAPTURE_INVALIDATED, "cudaStreamEndCapture")
+            joined = _ancestors(cap.nodes, tails.get(s, ()))
+            for h, tail in tails.items():
+                if h != s and not set(tail) <= joined:
+                    raise error(CAPTURE_UNJOINED, f"cudaStreamEndCapture (stream 0x{h:x} was not joined back)")
+            g = next(self._ids) << 4 | 0x4
+            self._graphs[g] = list(cap.nodes)
+            self.resources[("graph", g)] = Resource("graph", g, info={"nodes": len(cap.nodes)})
+            return g
+
+    def graph_nodes(self, g: int) -> list[GraphNode]:
+        """The nodes of a captured graph, in capture order (inspection for tests; not a CUDA call)."""
+        with self.lock:
+            nodes = self._graphs.get(g)
+            if nodes is None:
+                raise error(INVALID_VALUE, "cudaGraphGetNodes")
+            return list(nodes)
+
+    def cuda_graph_instantiate(self, g: int) -> int:
+        """cudaGraphInstantiate: an executable graph (a snapshot: later changes to ``g`` do not reach it)."""
+        self._enter("cuda_graph_instantiate")
+        with self.lock:
+            nodes = self._graphs.get(g)
+            if nodes is None:
+                raise error(INVALID_VALUE, "cudaGraphInstantiate")
+            x = next(self._ids) << 4 | 0xc
+            self._execs[x] = {"nodes": tuple(nodes), "last": None, "launches": 0}
+            self.resources[("graph_exec", x)] = Resource("graph_exec", x, info={"nodes": len(nodes)})
+            return x
+
+    def cuda_graph_launch(self, x: int, s: int) -> None:
+        """cudaGraphLaunch: run the graph's nodes on ``s`` in dependency order (a legal schedule of the
+        graph; a GPU may overlap independent nodes). "Each launch is ordered behind both any previous
+        work in stream and any previous launches of graphExec"; a destroyed or unknown executable graph
+        is cudaErrorInvalidValue (the documented return codes of cudaGraphLaunch)."""
+        self._enter("cuda_graph_launch")
+        st = self._stream(s, "cudaGraphLaunch")
+        with self.lock:
+            ex = self._execs.get(x)
+            if ex is None:
+                raise error(INVALID_VALUE, "cudaGraphLaunch (the executable graph does not exist or was destroyed)")
+            nodes: tuple[GraphNode, ...] = ex["nodes"]
+            prev: _Op | None = ex["last"]
+
+            def replay() -> None:
+                if prev is not None:
+                    prev.done.wait()
+                for node in nodes:
+                    if node.is_host_func:
+                        _run_host_func(node.fn)
+                    else:
+                        node.fn()
+
+            op = self._enqueue(st, _Op(replay, label=f"graph 0x{x:x}"), "cudaGraphLaunch", kind="graph")
+            if op is not None:
+                ex["last"] = op
+                ex["launches"] += 1
+
+    def cuda_graph_exec_destroy(self, x: int) -> None:
+        """cudaGraphExecDestroy (a launch already queued still completes: it holds its nodes)."""
+        self._enter("cuda_graph_exec_destroy")
+        with self.lock:
+            if self._execs.pop(x, None) is None:
+                raise error(INVALID_VALUE, "cudaGraphExecDestroy")
+            del self.resources[("graph_exec", x)]
+
+    def cuda_graph_destroy(self, g: int) -> None:
+        """cudaGraphDestroy."""
+        self._enter("cuda_graph_destroy")
+        with self.lock:
+            if self._graphs.pop(g, None) is None:
+                raise error(INVALID_VALUE, "cudaGraphDestroy")
+            del self.resources[("graph", g)]
 
     # -- events -------------------------------------------------------------------------------------
     def _event(self, e: int, call: str) -> dict[str, Any]:
@@ -409,7 +724,7 @@ class FakeRuntime:
         self._dev(dev, "cudaEventCreateWithFlags")
         with self.lock:
             h = next(self._ids) << 4 | 0x8
-            self._events[h] = {"op": None, "flags": flags, "t_ns": 0}
+            self._events[h] = {"op": None, "flags": flags, "t_ns": 0, "capture": None, "frontier": ()}
             self.resources[("event", h)] = Resource("event", h, info={"device": dev, "flags": flags})
         return h
 
@@ -424,23 +739,45 @@ class FakeRuntime:
         self._enter("cuda_event_record")
         ev = self._event(e, "cudaEventRecord")
         st = self._stream(s, "cudaEventRecord")
+        with self.lock:
+            if st.capture is not None:
+                # Recorded in a capture: the event stands for the stream's captured frontier (what a
+                # later cudaStreamWaitEvent depends on), not for work scheduled for execution.
+                self._check_valid(st, "cudaEventRecord")
+                ev["op"], ev["capture"], ev["frontier"] = None, st.capture, st.frontier
+                return
+            ev["capture"] = None
 
         def mark() -> None:
             ev["t_ns"] = time.perf_counter_ns()
 
-        ev["op"] = st.submit(_Op(mark))
+        ev["op"] = self._enqueue(st, _Op(mark), "cudaEventRecord")
 
     def _event_done(self, e: int, call: str) -> bool:
         self._enter(call)
-        op = self._event(e, call).get("op")
+        ev = self._event(e, call)
+        self._check_captured_event(ev, "cudaEventQuery")
+        op = ev.get("op")
         return op is None or op.done.is_set()
+
+    def _check_captured_event(self, ev: dict[str, Any], call: str) -> None:
+        """The programming guide: "It is invalid to query the execution status of or synchronize on a
+        captured event, because it does not represent items scheduled for execution"; the capture it
+        belongs to is invalidated."""
+        with self.lock:
+            cap: _Capture | None = ev.get("capture")
+            if cap is not None and not cap.ended:
+                self._invalidate(cap)
+                raise error(CAPTURED_EVENT, call)
 
     def cuda_event_query(self, e: int) -> bool:
         return self._event_done(e, "cuda_event_query")
 
     def cuda_event_synchronize(self, e: int) -> None:
         self._enter("cuda_event_synchronize")
-        op = self._event(e, "cudaEventSynchronize").get("op")
+        ev = self._event(e, "cudaEventSynchronize")
+        self._check_captured_event(ev, "cudaEventSynchronize")
+        op = ev.get("op")
         if op is not None:
             while not op.done.wait(0.01):
                 if self.sticky:
@@ -477,7 +814,9 @@ class FakeRuntime:
         the stream for a fault (a faulted context never runs host functions)."""
         self._enter("cuda_launch_host_func")
         fired = threading.Event()
-        self._stream(s, "cudaLaunchHostFunc").submit(_Op(fired.set, is_host_func=True))
+        st = self._stream(s, "cudaLaunchHostFunc")
+        self._refuse_sync_while_capturing(st, "cudaStreamQuery (callback wait)")
+        self._enqueue(st, _Op(fired.set, is_host_func=True), "cudaLaunchHostFunc")
         deadline = None if timeout_us < 0 else time.monotonic() + timeout_us / 1e6
         while True:
             left = 0.01 if deadline is None else min(0.01, deadline - time.monotonic())
@@ -500,7 +839,8 @@ class FakeRuntime:
                 self.fault(LAUNCH_FAILURE)
                 raise
 
-        self._stream(s, "cudaLaunchHostFunc").submit(_Op(call, is_host_func=True))
+        self._enqueue(self._stream(s, "cudaLaunchHostFunc"), _Op(call, is_host_func=True, label=_name_of(fn)),
+                      "cudaLaunchHostFunc", kind="host")
 
     # -- memory -------------------------------------------------------------------------------------
     def cuda_host_register(self, p: int, n: int, flags: int) -> None:
@@ -569,7 +909,7 @@ class FakeRuntime:
                 raise error(ILLEGAL_ADDRESS, "cudaMemcpyAsync")
             ctypes.memmove(dst, src, n)
 
-        st.submit(_Op(copy, ((dst, n), (src, n))))
+        self._enqueue(st, _Op(copy, ((dst, n), (src, n)), label=f"memcpy {n} B"), "cudaMemcpyAsync", kind="memcpy")
 
     def _host_ok(self, addr: int) -> bool:
         return addr > 0  # a pageable host source is allowed for cudaMemcpyAsync (staged by the driver)
@@ -656,7 +996,7 @@ class FakeRuntime:
         # The native layer validates the same arguments before launching (check_rows).
         _native.dma_gather_cpu(0, geometry, recs[:0], out, out_nbytes, row_stride, row_src_bytes, expect_dtype, mode,
                                channels, a, b, d, np.zeros(1, np.int32))
-        st.submit(_Op(kernel, touches))
+        self._enqueue(st, _Op(kernel, touches, label="gather_kernel"), "launch_gather", kind="kernel")
 
     # -- error names (as the native layer's) ---------------------------------------------------------
     def cuda_error_name(self, s: int) -> str:
@@ -671,6 +1011,22 @@ class FakeRuntime:
 
     def monotonic_ns(self) -> int:
         return time.monotonic_ns()
+
+
+def _ancestors(nodes: list[GraphNode], tail: tuple[int, ...]) -> set[int]:
+    """The nodes ``tail`` depends on, directly or not, and ``tail`` itself."""
+    seen: set[int] = set()
+    todo = list(tail)
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo.extend(nodes[i].deps)
+    return seen
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

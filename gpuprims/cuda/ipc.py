@@ -38,6 +38,10 @@ from gpuprims.cuda import runtime
 _MAGIC = b"GPPARAMS1\n"
 _ALIGN = 256
 _SHM_DIR = Path("/dev/shm")
+#: The pid a CPU export's segment is named after (``gpuprims-params-<pid>-*``): the process whose
+#: death makes it stale. A node sets it to its own pid for its instances, whose exports importers use
+#: for as long as the node runs; by default the exporting process.
+ENV_OWNER_PID = "GPUPRIMS_SHM_OWNER_PID"
 #: Tokens of the exports made by this process; importing one of them here is refused.
 _exported_tokens: set[str] = set()
 
@@ -278,7 +282,8 @@ def export_parameters(model: Any) -> ExportedParameters:
     else:
         if not _SHM_DIR.is_dir():
             raise OSError(f"CPU parameter sharing needs POSIX shared memory at {_SHM_DIR}")
-        name = f"gpuprims-params-{os.getpid()}-{token[:12]}"
+        owner = os.environ.get(ENV_OWNER_PID, "")
+        name = f"gpuprims-params-{owner if owner.isdigit() else os.getpid()}-{token[:12]}"
         fd = os.open(_SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, total)

@@ -52,9 +52,16 @@ def _ints(label: str, lo: int = 1, hi: int | None = None, ordered: bool = False)
               help="--device cpu: size of the CPU pool in cores (default: every core this process may use).")
 @click.option("--stages", is_flag=True, help="Also time each DUET subgraph (torch.fx branches) alone on the device.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--engine", default="eager", show_default=True,
+              help="The engine (apps.yaml engine:) to measure, so Multi-Model sizes an app from what it runs.")
+@click.option("--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+              help="An option of --engine (repeatable), e.g. provider=cpu.")
+@click.option("--engine-cache", default=None, type=click.Path(file_okay=False),
+              help="The engine cache (default: the per-user one, as node.engine_cache).")
 def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: str, input_shape: list[int],
          repeats: int, warmup: int, width: float, timeout_s: float, plot: str | None, device_kind: str | None,
-         cores: int | None, stages: bool, no_progress: bool) -> None:
+         cores: int | None, stages: bool, no_progress: bool, engine: str, engine_option: tuple[str, ...],
+         engine_cache: str | None) -> None:
     """Measure MODEL (a zoo name or module:factory) at every --batch x --gpu-pct point.
 
     Each point runs in a fresh process with its share applied before torch initialises (MPS thread
@@ -62,6 +69,12 @@ def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: st
     """
     if cores is not None and device_kind != "cpu":
         raise click.UsageError("--cores applies to --device cpu only")
+    options: dict[str, str] = {}
+    for item in engine_option:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.UsageError(f"--engine-option takes KEY=VALUE, got {item!r}")
+        options[key] = value
     try:
         pool = None
         if cores is not None:
@@ -73,7 +86,8 @@ def main(model: str, batch: list[int], gpu_pct: list[int], out: str, backend: st
             prof = measure_profile(model, batch_sizes=batch, gpu_pcts=gpu_pct, backend=backend,
                                    input_shape=input_shape, repeats=repeats, warmup=warmup, width=width,
                                    timeout_s=timeout_s, progress=not no_progress, device_kind=device_kind,
-                                   cores=pool, stages=stages)
+                                   cores=pool, stages=stages, engine=engine, engine_options=options,
+                                   engine_cache=engine_cache)
     except (ValueError, RuntimeError) as e:
         click.echo(f"gpuprims-profile: {e}", err=True)
         sys.exit(2)

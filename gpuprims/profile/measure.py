@@ -49,6 +49,12 @@ class PointSpec:
     width: float
     seed: int
     cores: tuple[int, ...] | None
+    # The model runner measured (gpuprims.engines; apps.yaml ``engine:``), so Multi-Model sizes an app
+    # from what its engine does; ``max_batch`` is the engine's (the largest batch profiled).
+    engine: str = "eager"
+    engine_options: tuple[tuple[str, Any], ...] = ()
+    engine_cache: str | None = None
+    max_batch: int = 1
 
 
 def _rss_mb() -> float:
@@ -85,8 +91,13 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
     from apps.zoo import load_model
 
     device = torch.device("cuda" if spec.backend == "cuda" else "cpu")
-    model = load_model(spec.model, seed=spec.seed, input_shape=tuple(spec.input_shape), width=spec.width,
-                       device=device)
+    engine = None
+    if spec.engine == "eager":
+        model = load_model(spec.model, seed=spec.seed, input_shape=tuple(spec.input_shape), width=spec.width,
+                           device=device)
+    else:  # built or taken from the cache before anything is timed, as an instance does at start
+        engine = _prepared_engine(spec, torch.get_num_threads())
+        model = engine
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.rand((spec.batch_size, *spec.input_shape), generator=gen).to(device)
     times_ms: list[float] = []
@@ -121,11 +132,44 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
             # What the child actually got, not what was asked for: affinity set and torch threads.
             dev = (f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores; this share: "
                    f"{len(os.sched_getaffinity(0))} cores, {torch.get_num_threads()} threads)")
+    if engine is not None:
+        dev += f"; engine {spec.engine}" + "".join(f" {k}={v}" for k, v in spec.engine_options)
+        engine.close()
     a = np.asarray(times_ms)
     p50 = float(np.percentile(a, 50))
     return {"batch_size": spec.batch_size, "gpu_pct": spec.gpu_pct, "latency_p50_ms": p50,
             "latency_p99_ms": float(np.percentile(a, 99)), "peak_mem_mb": float(peak_mb),
             "throughput_rps": spec.batch_size * 1000.0 / p50, "device": dev, "torch": torch.__version__}
+
+
+def _prepared_engine(spec: PointSpec, threads: int) -> Any:
+    """The point's engine (``spec.engine``), prepared: built, or taken from the engine cache."""
+    from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
+
+    shape = tuple(spec.input_shape)
+    source = ModelSource(spec.model, (shape[0], shape[1], shape[2]), max(spec.max_batch, spec.batch_size),
+                         seed=spec.seed)
+    engine = make_engine(spec.engine, source, Target(spec.backend, 0, threads), dict(spec.engine_options),
+                         cache=EngineCache(spec.engine_cache))
+    engine.prepare()
+    return engine
+
+
+def check_engine_args(engine: str, options: dict[str, Any], backend: str, input_shape: Sequence[int],
+                      width: float) -> None:
+    """Refuse an engine this backend cannot run, or a profile an engine cannot take, with the reason."""
+    from gpuprims.engines import EngineError, check_engine
+
+    if engine == "eager" and not options:
+        return
+    try:
+        check_engine(engine, backend, options)
+    except EngineError as e:
+        raise ValueError(f"--engine {engine}: {e}") from None
+    if len(tuple(input_shape)) != 3:
+        raise ValueError(f"--engine {engine} needs a 3-dimensional --input-shape (C,H,W), got {list(input_shape)}")
+    if width != 1.0 and engine != "eager":
+        raise ValueError(f"--engine {engine} builds the model at width 1 (as a node does); drop --width {width}")
 
 
 def measure_stages(spec: PointSpec) -> list[dict[str, Any]]:
@@ -174,14 +218,17 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
                     width: float = 1.0, seed: int = 0, cores: Sequence[int] | None = None,
                     timeout_s: float = 600.0, progress: bool = True,
                     on_point: Callable[[dict[str, Any]], None] | None = None, device_kind: str | None = None,
-                    stages: bool = False) -> Profile:
+                    stages: bool = False, engine: str = "eager", engine_options: dict[str, Any] | None = None,
+                    engine_cache: str | None = None) -> Profile:
     """Measure ``model`` (a zoo name or ``module:factory``) at every (batch, GPU%) and return the profile.
 
     Each point runs in its own spawn process (module docstring). ``device_kind="cpu"`` measures the
     CPU overflow pool of a co-executing node: the CPU backend over ``cores`` (default: every core this
     process may use), recorded with ``device_kind`` and ``cpu_cores`` (format version 2);
     ``"accelerator"`` the accelerator (the auto/cuda backend). ``stages`` also times each DUET
-    subgraph alone at the smallest batch and full share, in one more process. Raises ValueError for
+    subgraph alone at the smallest batch and full share, in one more process. ``engine`` (with
+    ``engine_options``) measures that model runner (gpuprims.engines) instead of eager torch, built once
+    into ``engine_cache`` (each point's process then loads it from there). Raises ValueError for
     bad arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
     """
     from gpuprims.backend import resolve_backend
@@ -214,8 +261,13 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
     be = resolve_backend(backend)
     if device_kind == "accelerator" and be != "cuda":
         raise ValueError("device_kind 'accelerator' needs a GPU (the cuda backend); none is usable here")
+    options = dict(engine_options or {})
+    check_engine_args(engine, options, be, shape, width)
+    if stages and engine != "eager":
+        raise ValueError(f"--stages times torch.fx subgraphs of the eager model; not with --engine {engine}")
     specs = [PointSpec(model, b, g, be, shape, repeats, warmup, float(width), seed,
-                       tuple(cores) if cores is not None else None) for b in bs for g in gs]
+                       tuple(cores) if cores is not None else None, engine, tuple(sorted(options.items())),
+                       engine_cache, bs[-1]) for b in bs for g in gs]
     from tqdm import tqdm
 
     points: list[dict[str, Any]] = []

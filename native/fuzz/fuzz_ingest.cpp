@@ -3,9 +3,19 @@
 // thread through Ingest::feed/housekeeping on a fake clock. After every step it checks
 // Ingest::check_invariants (every slot free or held by exactly one request, reservations equal the
 // chunks still awaited, every datagram accepted or dropped for one reason) and that each request a
-// consumer pops is complete and assembled only from its own chunks. At the end of an input every
+// consumer pops is complete and assembled only from its own chunks. Rows placed in-process through a
+// local port (Ingest::submit, the front door's way in) are requests like any other, and each gets
+// exactly one answer at its port: one never submitted or answered twice aborts at once, one never
+// answered by the end of the input aborts then. At the end of an input every
 // consumer hands back what it holds and the clock jumps past the reassembly timeout and the dedup
 // window, after which the pool must be entirely free again: each input starts from a clean state.
+//
+// Consumers also answer through their answer rings (Pool::answer, with right or stale generations),
+// and write raw fuzz bytes into them (entries, fillers, lengths, a tail anywhere); answers to one
+// client may be refused as by a full send buffer (Ingest::set_blocked_port) and held until sent or
+// expired. With the same invariants: each answer or refused entry is counted, the ingest goes on, a
+// held request ends only through its consumer's answer or release (once: afterwards a stale answer
+// is refused), and at the end of an input nothing is held or waiting to be sent.
 //
 // An input is a list of operations (see `run_op`). Build and run: bench/fuzz.py, or
 // scripts/build-fuzz.sh then `build/fuzz/fuzz_ingest tests/fuzz/corpus`.
@@ -18,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,7 +42,8 @@ namespace w = gpuprims::wire;
 
 // Small on purpose: a few requests fill the pool, the request table and the consumer rings.
 constexpr uint32_t kSlots = 40, kPayload = 64, kRecords = 6, kMaxChunks = 12, kConsumers = 3;
-constexpr uint64_t kTimeoutNs = 5000000, kDedupNs = 20000000;
+constexpr uint64_t kTimeoutNs = 5000000, kDedupNs = 20000000, kAnswerHoldNs = 8000000;
+constexpr uint32_t kAnswerRing = 4096;  // bytes per consumer (the least a pool takes): a few answers fill it
 constexpr int kSources = 4;
 
 uint64_t g_now = 1000000000ull;
@@ -46,6 +58,10 @@ struct Side {  // one pool + ingest (with and without UDP GRO)
   Pool* pool = nullptr;
   Ingest* ingest = nullptr;
   std::vector<uint32_t> held[kConsumers];  // records each consumer popped and has not released
+  int port = -1;                           // the local port rows are submitted through
+  uint64_t next_token = 1;
+  std::set<uint64_t> outstanding;          // tokens submitted and not answered yet
+  std::vector<uint32_t> gen[kConsumers];   // and their generations when popped
 };
 
 struct World {
@@ -86,6 +102,7 @@ World* make_world() {
     pp.record_count = kRecords;
     pp.max_chunks = kMaxChunks;
     pp.consumer_count = kConsumers;
+    pp.answer_ring_bytes = kAnswerRing;
     const std::string name = "/gpuprims-fuzz-" + std::to_string(getpid()) + "-" + std::to_string(g);
     wd->side[g].pool = Pool::create(name, pp);
     gpuprims::IngestOptions o;
@@ -93,10 +110,13 @@ World* make_world() {
     o.dedup_window_ns = kDedupNs;
     o.rcvbuf_bytes = 1 << 16;
     o.gro = g == 1;
+    o.answer_hold_ns = kAnswerHoldNs;
+    o.answer_hold_bytes = 4096;  // a few held datagrams fill it: the overflow path is reached too
     // Socket 0 serves every app, socket 1 only app 2.
     std::vector<gpuprims::ListenSpec> listen{{"127.0.0.1", 0, -1}, {"127.0.0.1", 0, 2}};
     wd->side[g].ingest = new Ingest(wd->side[g].pool, listen, o);
     wd->side[g].ingest->set_clock(fake_clock);
+    wd->side[g].port = wd->side[g].ingest->local_open();
   }
   return wd;
 }
@@ -215,6 +235,7 @@ void pop(Side& s, uint32_t c, size_t n) {
   for (size_t i = 0; i < got; ++i) {
     check_delivered(s, c, out[i]);
     s.held[c].push_back(out[i]);
+    s.gen[c].push_back(s.pool->view().record(out[i])->generation);
   }
 }
 
@@ -223,12 +244,50 @@ void release(Side& s, uint32_t c, size_t n) {
   n = std::min(n, h.size());
   const size_t done = s.pool->release(c, h.data(), n);
   h.erase(h.begin(), h.begin() + long(done));
+  s.gen[c].erase(s.gen[c].begin(), s.gen[c].begin() + long(done));
 }
+
+// Every answer at the local port must be of a row submitted and not answered yet.
+void take_local(Side& s) {
+  for (const auto& a : s.ingest->take_local(s.port)) {
+    if (!s.outstanding.erase(a.token)) die("token " + std::to_string(a.token) + " answered twice or never submitted");
+  }
+}
+
+// What consumer c holds is still delivered to it with the generation it popped; a record that is not
+// has ended, which only an answer of c may do (`may_end`): it is dropped from the held list then, so
+// it can never be answered or released a second time by this consumer's book-keeping.
+void sync_held(Side& s, uint32_t c, bool may_end) {
+  const gpuprims::pool::View& v = s.pool->view();
+  size_t keep = 0;
+  for (size_t i = 0; i < s.held[c].size(); ++i) {
+    const gpuprims::pool::Record* rec = v.record(s.held[c][i]);
+    const bool mine = rec->state.load() == gpuprims::pool::kRecDelivered && rec->owner == c &&
+                      rec->generation == s.gen[c][i];
+    if (!mine && !may_end) die("record " + std::to_string(s.held[c][i]) + " held by consumer " + std::to_string(c) +
+                               " ended without its answer or release");
+    if (mine) {
+      s.held[c][keep] = s.held[c][i];
+      s.gen[c][keep] = s.gen[c][i];
+      ++keep;
+    }
+  }
+  s.held[c].resize(keep);
+  s.gen[c].resize(keep);
+}
+
+bool ring_corrupt(Side& s, uint32_t c) {
+  const gpuprims::pool::AnswerCtl& a = s.pool->view().consumer(c)->answer;
+  const uint64_t tail = a.tail.load(), head = a.head.load();
+  return tail % gpuprims::pool::kAnswerAlign || tail - head > kAnswerRing;
+}
+
+uint64_t counter(Side& s, int c) { return s.ingest->counters()[size_t(c)]; }
 
 void run_op(Side& s, Reader& in) {
   const uint8_t op = in.u8();
   const uint8_t a = in.u8();
-  switch (op % 12) {
+  switch (op % 16) {
     case 0: {  // a raw datagram (the header checks), maybe a coalesced GRO buffer
       const size_t len = in.u16() % 1400;
       std::vector<uint8_t> d(len);
@@ -290,6 +349,7 @@ void run_op(Side& s, Reader& in) {
       if ((a & 4) && !s.held[c].empty()) {
         const uint32_t r = s.held[c].back();
         s.held[c].pop_back();
+        s.gen[c].pop_back();
         const uint32_t twice[2] = {r, r};
         s.pool->release(c, twice, 2);
       } else {
@@ -304,6 +364,7 @@ void run_op(Side& s, Reader& in) {
       const uint32_t c = a % kConsumers;
       s.ingest->reclaim(c, (a >> 2) & 1, 1000);
       s.held[c].clear();
+      s.gen[c].clear();
       break;
     }
     case 10: {  // routes change
@@ -317,7 +378,78 @@ void run_op(Side& s, Reader& in) {
     case 11:  // the last datagram again (a duplicate), maybe from another client
       if (!g_last.empty()) feed(s, (a & 1) ? g_last_src : a % kSources, g_last_sock, g_last, 0);
       break;
+    case 12: {  // a consumer answers some of what it holds (OK with a result, or an error status)
+      const uint32_t c = a % kConsumers;
+      const size_t n = std::min<size_t>(1 + (a >> 2) % 3, s.held[c].size());
+      const uint8_t b = in.u8(), blen = in.u8();
+      std::vector<uint32_t> gens(s.gen[c].begin(), s.gen[c].begin() + long(n));
+      if (a & 0x80)
+        for (auto& g : gens) g -= 1;  // stale: the ingest must refuse these and keep the records held
+      std::vector<uint16_t> statuses(n, uint16_t(b & 1 ? w::kStatusOk : 1 + b % 8));
+      std::vector<uint8_t> body(size_t(blen) * std::max<size_t>(n, 1), uint8_t(b));
+      const uint64_t answered0 = counter(s, gpuprims::kRequestsAnswered), bad0 = counter(s, gpuprims::kBadAnswers);
+      size_t published = 0;
+      try {
+        published = s.pool->answer(c, s.held[c].data(), gens.data(), n, statuses.data(), body.data(), blen,
+                                   w::kDTypeBytes, 0);
+      } catch (const std::runtime_error&) {  // its ring's control words are corrupt (case 13): it gives up
+        if (!ring_corrupt(s, c)) die("Pool::answer refused a sound ring");
+      }
+      s.ingest->housekeeping();
+      sync_held(s, c, !(a & 0x80));
+      const uint64_t answered = counter(s, gpuprims::kRequestsAnswered) - answered0;
+      const uint64_t bad = counter(s, gpuprims::kBadAnswers) - bad0;
+      // Every published answer is counted once: sent (its record ended) or refused.
+      if (answered + bad != published)
+        die("published " + std::to_string(published) + " answers, " + std::to_string(answered) + " answered and " +
+            std::to_string(bad) + " refused");
+      if ((a & 0x80) && answered) die("a stale answer was taken");
+      break;
+    }
+    case 13: {  // raw bytes into a consumer's answer ring, and a tail published anywhere
+      const uint32_t c = a % kConsumers;
+      gpuprims::pool::AnswerCtl& actl = s.pool->view().consumer(c)->answer;
+      uint8_t* data = s.pool->view().answer_data(c);
+      const uint64_t tail = actl.tail.load();
+      const size_t n = in.u8() % 96;
+      for (size_t k = 0; k < n; ++k) data[(tail + k) % kAnswerRing] = in.u8();
+      if (a & 0x40 && !s.held[c].empty()) {  // now and then a well-formed entry naming a held record
+        gpuprims::pool::AnswerEntry e{};
+        e.record = s.held[c][a % s.held[c].size()];
+        e.generation = s.gen[c][a % s.held[c].size()] + ((a & 0x20) ? 1 : 0);
+        e.entry_len = gpuprims::pool::kAnswerAlign * (1 + in.u8() % 3);
+        e.body_len = in.u8() % 48;
+        e.status = uint16_t(in.u8() % 10);
+        if (tail % gpuprims::pool::kAnswerAlign == 0 && kAnswerRing - tail % kAnswerRing >= sizeof e)
+          std::memcpy(data + tail % kAnswerRing, &e, sizeof e);
+      }
+      const uint16_t adv = in.u16();
+      actl.tail.store(tail + ((a & 0x10) ? adv : (adv % 8) * gpuprims::pool::kAnswerAlign));
+      s.ingest->housekeeping();
+      sync_held(s, c, true);
+      break;
+    }
+    case 14: {  // answers to one client are refused as by a full send buffer, or no longer; time passes
+      World& wd = world();
+      const int src = a % (kSources + 1);
+      s.ingest->set_blocked_port(src < kSources ? ntohs(wd.src[src].sin6_port) : 0);
+      g_now += uint64_t(a >> 4) * 1000000;
+      s.ingest->housekeeping();
+      break;
+    }
+    case 15: {  // rows placed in-process (some too large for a record, some of apps without a route)
+      const size_t n = 1 + a % 3;
+      const size_t row = 1 + in.u16() % (kPayload * (kMaxChunks + 4));
+      std::vector<uint8_t> rows(n * row);
+      for (size_t k = 0; k < rows.size(); ++k) rows[k] = uint8_t(k * 13 + a);
+      s.ingest->submit(s.port, uint16_t(1 + (a >> 2) % 5), rows.data(), n, row, uint8_t((a >> 5) % 3), a, s.next_token);
+      for (size_t i = 0; i < n; ++i) s.outstanding.insert(s.next_token + i);
+      s.next_token += n;
+      break;
+    }
   }
+  take_local(s);
+  for (uint32_t c = 0; c < kConsumers; ++c) sync_held(s, c, false);
   check(s);
 }
 
@@ -336,10 +468,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     release(s, c, s.held[c].size());
     if (!s.held[c].empty()) die("a release ring refused records it must hold");
   }
+  s.ingest->set_blocked_port(0);
   s.ingest->housekeeping();
-  g_now += kTimeoutNs + kDedupNs + 1;
+  g_now += kTimeoutNs + kDedupNs + kAnswerHoldNs + 1;
   s.ingest->housekeeping();
   check(s);
+  if (s.ingest->held_answers() != 0)
+    die(std::to_string(s.ingest->held_answers()) + " answers still held after their deadline");
+  // A consumer that scribbled over its ring's control words is taken back, as the node would, so the
+  // next input starts with sound rings.
+  for (uint32_t c = 0; c < kConsumers; ++c)
+    if (ring_corrupt(s, c)) s.ingest->reclaim(c, false, 1000);
+  take_local(s);
+  if (!s.outstanding.empty())
+    die(std::to_string(s.outstanding.size()) + " submitted rows never answered, first token " +
+        std::to_string(*s.outstanding.begin()));
   const auto free_slots = s.ingest->free_slots();
   const auto free_recs = s.ingest->free_records();
   if (free_slots != kSlots || free_recs != kRecords || s.ingest->filling() != 0)

@@ -3,7 +3,6 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/epoll.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/un.h>
 #include <netinet/udp.h>
@@ -24,6 +23,18 @@ namespace gpuprims {
 namespace {
 constexpr size_t kGroBuffer = 65536;
 constexpr size_t kAnswerBatch = 64;  // answer datagrams per sendmmsg
+// Would-block sends tried per flush or retry pass before the rest is held untried: a socket whose
+// buffer is full refuses them all, and trying each costs a system call.
+constexpr int kMaxBlockedTries = 4;
+constexpr uint64_t kRetryIntervalNs = 200000;  // held datagrams are retried at most this often
+constexpr size_t kHeldMax = 1u << 16;          // and at most this many are held
+
+bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS; }
+
+int dest_port(const msghdr& mh) {
+  // sin_port and sin6_port sit at the same offset.
+  return ntohs(static_cast<const sockaddr_in*>(mh.msg_name)->sin_port);
+}
 
 const char* kCounterNames[kCounterCount] = {
     "packets_received",
@@ -63,6 +74,10 @@ const char* kCounterNames[kCounterCount] = {
     "gro_buffers",
     "requests_answered",
     "bad_answers",
+    "local_submitted",
+    "local_answered",
+    "local_dropped",
+    "answers_expired",
 };
 
 int open_socket(const ListenSpec& spec, int rcvbuf, bool gro, int* bound_port) {
@@ -156,6 +171,7 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
     out_iov_.resize(2 * kAnswerBatch);
     out_msgs_.resize(kAnswerBatch);
     out_addrs_.resize(kAnswerBatch);
+    out_expires_.resize(kAnswerBatch);
   } catch (...) {
     for (int fd : socks_) ::close(fd);
     if (epfd_ >= 0) ::close(epfd_);
@@ -194,6 +210,8 @@ Ingest::~Ingest() {
   for (int fd : socks_) ::close(fd);
   if (epfd_ >= 0) ::close(epfd_);
   if (wakefd_ >= 0) ::close(wakefd_);
+  for (auto& lp : local_)
+    if (lp.fd >= 0) ::close(lp.fd);
   if (answer_wake_fd_ >= 0) ::close(answer_wake_fd_);
   if (!pool_->closed()) v_.hdr->wake_len = 0;
 }
@@ -212,6 +230,8 @@ void Ingest::stop() {
   (void)!write(wakefd_, &one, sizeof one);
   if (thread_.joinable()) thread_.join();
   running_.store(false);
+  // A submit that saw the thread running but queued its command after the loop's last look.
+  run_commands();
   v_.hdr->ingest_pid.store(0);
 }
 
@@ -328,7 +348,7 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
       } else {
         ++failed;
         bump(kRequestsReclaimedFailed);
-        if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusInstanceFailed);
+        if (opt_.answer_drops || rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusInstanceFailed);
         free_record(r, false);
       }
     }
@@ -358,6 +378,169 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
   return fut.get();
 }
 
+Ingest::LocalPort& Ingest::local_port(int port) {
+  if (port < 0 || port >= kLocalPorts) throw std::out_of_range("no local port " + std::to_string(port));
+  return local_[size_t(port)];
+}
+
+int Ingest::local_open() {
+  std::lock_guard<std::mutex> g(local_open_mu_);
+  for (int p = 0; p < kLocalPorts; ++p) {
+    LocalPort& lp = local_[size_t(p)];
+    std::lock_guard<std::mutex> q(lp.mu);
+    if (lp.open) continue;
+    lp.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (lp.fd < 0) throw std::runtime_error(std::string("local port eventfd: ") + std::strerror(errno));
+    lp.answers.clear();
+    lp.open = true;
+    return p;
+  }
+  throw std::runtime_error("all " + std::to_string(kLocalPorts) + " local ports of the ingest are open");
+}
+
+void Ingest::local_close(int port) {
+  LocalPort& lp = local_port(port);
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) return;
+  lp.open = false;
+  ::close(lp.fd);
+  lp.fd = -1;
+  bump(kLocalDropped, lp.answers.size());
+  lp.answers.clear();
+}
+
+int Ingest::local_fd(int port) {
+  LocalPort& lp = local_port(port);
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) throw std::runtime_error("local port " + std::to_string(port) + " is closed");
+  return lp.fd;
+}
+
+void Ingest::push_local(int port, LocalAnswer&& a) {
+  LocalPort& lp = local_[size_t(port) % kLocalPorts];
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) {
+    bump(kLocalDropped);
+    return;
+  }
+  const bool was_empty = lp.answers.empty();
+  lp.answers.push_back(std::move(a));
+  bump(kLocalAnswered);
+  if (was_empty) {
+    uint64_t one = 1;
+    (void)!write(lp.fd, &one, sizeof one);
+  }
+}
+
+std::vector<LocalAnswer> Ingest::take_local(int port) {
+  LocalPort& lp = local_port(port);
+  std::vector<LocalAnswer> out;
+  std::lock_guard<std::mutex> q(lp.mu);
+  if (!lp.open) throw std::runtime_error("local port " + std::to_string(port) + " is closed");
+  // Under the lock a push cannot come between the reset and the swap: whatever is pushed after the
+  // swap finds the queue empty and signals again.
+  uint64_t v;
+  (void)!read(lp.fd, &v, sizeof v);
+  out.swap(lp.answers);
+  return out;
+}
+
+void Ingest::place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
+                         uint32_t deadline_us, uint64_t token, uint64_t now) {
+  bump(kLocalSubmitted);
+  auto refuse = [&](uint16_t status) {
+    push_local(port, LocalAnswer{token, status, uint8_t(wire::kDTypeBytes), 0, clock_(), {}});
+  };
+  if (routes_[app_id].empty()) return refuse(wire::kStatusUnknownApp);
+  const uint32_t stride = v_.hdr->max_payload;
+  const uint64_t chunks = (uint64_t(row_bytes) + stride - 1) / stride;
+  if (row_bytes == 0 || row_bytes > 0xFFFFFFFFull || chunks > v_.hdr->max_chunks)
+    return refuse(wire::kStatusBadRequest);
+  // The same admission as a received request: all its slots or nothing.
+  if (free_count_ - reserved_ < chunks) {
+    bump(kRequestsRejectedPoolFull);
+    return refuse(wire::kStatusOverloaded);
+  }
+  if (free_records_.empty()) {
+    bump(kRequestsRejectedNoRecord);
+    return refuse(wire::kStatusOverloaded);
+  }
+  const uint32_t r = free_records_.back();
+  free_records_.pop_back();
+  pool::Record* rec = v_.record(r);
+  rec->owner = UINT32_MAX;
+  rec->app_id = app_id;
+  rec->dtype = dtype;
+  rec->chunk_count = uint32_t(chunks);
+  rec->chunks_received = uint32_t(chunks);
+  rec->stride = stride;
+  rec->total_len = uint32_t(row_bytes);
+  rec->deadline_us = deadline_us;
+  rec->request_id = token;
+  rec->client_ts_ns = 0;
+  rec->first_ns = now;
+  rec->complete_ns = now;
+  std::memset(rec->addr, 0, sizeof rec->addr);
+  rec->addr_len = 0;
+  rec_sock_[r] = -(port + 1);
+  // Each chunk is a slot as the receive loop would have left it (a valid request header, then the
+  // payload), so every reader of the pool (CPU gather, the GPU-DMA kernel) sees no difference.
+  uint32_t* map = v_.chunkmap(r);
+  for (uint32_t c = 0; c < chunks; ++c) {
+    const uint32_t s = free_slots_.back();
+    free_slots_.pop_back();
+    const uint32_t len = uint32_t(std::min<uint64_t>(stride, row_bytes - uint64_t(c) * stride));
+    wire::Header h{};
+    h.magic = wire::kMagic;
+    h.version = wire::kVersion;
+    h.kind = wire::kKindRequest;
+    h.app_id = app_id;
+    h.dtype = dtype;
+    h.chunk_index = c;
+    h.chunk_count = uint32_t(chunks);
+    h.payload_len = len;
+    h.request_id = token;
+    h.total_len = uint32_t(row_bytes);
+    h.deadline_us = deadline_us;
+    uint8_t* slot = v_.slot(s);
+    std::memcpy(slot, &h, sizeof h);
+    std::memcpy(slot + wire::kHeaderSize, row + size_t(c) * stride, len);
+    map[c] = s;
+  }
+  free_count_ -= chunks;
+  bump(kRequestsStarted);
+  bump(kRequestsCompleted);
+  deliver(r);
+}
+
+void Ingest::submit(int port, uint16_t app_id, const uint8_t* data, size_t n, size_t row_bytes, uint8_t dtype,
+                    uint32_t deadline_us, uint64_t token0) {
+  local_fd(port);  // throws for a port that is not open
+  if (dtype > wire::kDTypeMax) throw std::invalid_argument("submit: dtype " + std::to_string(dtype) + " is no wire dtype");
+  if (n == 0) return;
+  // The rows are copied here, in the caller's thread, so the caller's buffer is free when this returns.
+  auto rows = std::make_shared<std::vector<uint8_t>>(data, data + n * row_bytes);
+  auto work = [this, port, rows, app_id, n, row_bytes, dtype, deadline_us, token0] {
+    apply_routes();
+    const uint64_t now = clock_();
+    for (size_t i = 0; i < n; ++i)
+      place_local(port, app_id, rows->data() + i * row_bytes, row_bytes, dtype, deadline_us, token0 + i, now);
+    signal_consumers();
+    publish_gauges();
+  };
+  if (!running_.load()) {
+    work();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    commands_.push_back(Command{work});
+    has_commands_.store(true, std::memory_order_release);
+  }
+  uint64_t one = 1;
+  (void)!write(wakefd_, &one, sizeof one);
+}
+
 uint64_t Ingest::src_key(const sockaddr_in6& a, socklen_t len) {
   if (a.sin6_family == AF_INET) {
     const auto& a4 = reinterpret_cast<const sockaddr_in&>(a);
@@ -376,6 +559,10 @@ void Ingest::remember(const Key& k, int reason, uint64_t now) {
 }
 
 void Ingest::send_status(int sock, const pool::Record& rec, uint16_t status) {
+  if (sock < 0) {
+    push_local(-sock - 1, LocalAnswer{rec.request_id, status, uint8_t(wire::kDTypeBytes), rec.first_ns, clock_(), {}});
+    return;
+  }
   wire::Header h{};
   h.magic = wire::kMagic;
   h.version = wire::kVersion;
@@ -389,9 +576,120 @@ void Ingest::send_status(int sock, const pool::Record& rec, uint16_t status) {
   h.request_id = rec.request_id;
   h.total_len = 0;
   h.client_ts_ns = rec.client_ts_ns;
-  ssize_t rc = sendto(socks_[size_t(sock)], &h, sizeof h, MSG_DONTWAIT,
-                      reinterpret_cast<const sockaddr*>(rec.addr), rec.addr_len);
-  bump(rc == ssize_t(sizeof h) ? kResponsesSent : kResponseSendErrors);
+  sockaddr_in6 to{};
+  std::memcpy(&to, rec.addr, std::min<size_t>(rec.addr_len, sizeof to));
+  iovec iov{&h, sizeof h};
+  mmsghdr m{};
+  m.msg_hdr.msg_name = &to;
+  m.msg_hdr.msg_namelen = rec.addr_len;
+  m.msg_hdr.msg_iov = &iov;
+  m.msg_hdr.msg_iovlen = 1;
+  int rc;
+  do {
+    rc = send_some(sock, &m, 1);
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 1)
+    bump(kResponsesSent);
+  else if (rc < 0 && would_block(errno))
+    hold(sock, m.msg_hdr, answer_expiry(rec));
+  else
+    bump(kResponseSendErrors);
+}
+
+uint64_t Ingest::answer_expiry(const pool::Record& rec) const {
+  // first_ns is 0 for a status about a request that never got a record (refused at its first datagram).
+  const uint64_t from = rec.first_ns ? rec.first_ns : clock_();
+  return from + (rec.deadline_us ? uint64_t(rec.deadline_us) * 1000 : opt_.answer_hold_ns);
+}
+
+int Ingest::send_some(int sock, mmsghdr* msgs, unsigned n) {
+  const int blocked = blocked_port_.load(std::memory_order_relaxed);
+  if (blocked) {
+    unsigned k = 0;
+    while (k < n && dest_port(msgs[k].msg_hdr) != blocked) ++k;
+    if (k == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    n = k;
+  }
+  return sendmmsg(socks_[size_t(sock)], msgs, n, MSG_DONTWAIT);
+}
+
+void Ingest::hold(int sock, const msghdr& mh, uint64_t expires_ns) {
+  size_t len = 0;
+  for (size_t i = 0; i < mh.msg_iovlen; ++i) len += mh.msg_iov[i].iov_len;
+  if (clock_() >= expires_ns) {
+    bump(kAnswersExpired);
+    return;
+  }
+  if (held_.size() >= kHeldMax || held_bytes_ + len > opt_.answer_hold_bytes) {
+    bump(kResponseSendErrors);  // the held store is full: counted as not sent
+    return;
+  }
+  Held h;
+  h.expires_ns = expires_ns;
+  h.sock = sock;
+  h.addr_len = mh.msg_namelen;
+  std::memcpy(&h.addr, mh.msg_name, std::min<size_t>(mh.msg_namelen, sizeof h.addr));
+  h.bytes.resize(len);
+  size_t off = 0;
+  for (size_t i = 0; i < mh.msg_iovlen; ++i) {
+    std::memcpy(h.bytes.data() + off, mh.msg_iov[i].iov_base, mh.msg_iov[i].iov_len);
+    off += mh.msg_iov[i].iov_len;
+  }
+  held_bytes_ += len;
+  held_.push_back(std::move(h));
+  held_pub_.store(held_.size(), std::memory_order_relaxed);
+}
+
+void Ingest::retry_held() {
+  if (held_.empty()) return;
+  const uint64_t now = clock_();
+  if (now < next_retry_ns_) return;
+  next_retry_ns_ = now + kRetryIntervalNs;
+  int blocked_tries = 0;
+  std::vector<int> blocked_ports;  // destinations that refused in this pass: their later datagrams wait
+  size_t keep = 0;
+  for (size_t i = 0; i < held_.size(); ++i) {
+    Held& h = held_[i];
+    bool done = false;
+    if (now >= h.expires_ns) {
+      bump(kAnswersExpired);
+      done = true;
+    } else if (blocked_tries < kMaxBlockedTries &&
+               std::find(blocked_ports.begin(), blocked_ports.end(), int(ntohs(h.addr.sin6_port))) ==
+                   blocked_ports.end()) {
+      iovec iov{h.bytes.data(), h.bytes.size()};
+      mmsghdr m{};
+      m.msg_hdr.msg_name = &h.addr;
+      m.msg_hdr.msg_namelen = h.addr_len;
+      m.msg_hdr.msg_iov = &iov;
+      m.msg_hdr.msg_iovlen = 1;
+      int rc;
+      do {
+        rc = send_some(h.sock, &m, 1);
+      } while (rc < 0 && errno == EINTR);
+      if (rc == 1) {
+        bump(kResponsesSent);
+        done = true;
+      } else if (rc < 0 && would_block(errno)) {
+        ++blocked_tries;
+        blocked_ports.push_back(ntohs(h.addr.sin6_port));
+      } else {
+        bump(kResponseSendErrors);
+        done = true;
+      }
+    }
+    if (done) {
+      held_bytes_ -= h.bytes.size();
+    } else {
+      if (keep != i) held_[keep] = std::move(h);
+      ++keep;
+    }
+  }
+  held_.resize(keep);
+  held_pub_.store(held_.size(), std::memory_order_relaxed);
 }
 
 void Ingest::free_record(uint32_t r, bool received_only) {
@@ -436,6 +734,8 @@ void Ingest::drain_releases() {
           bump(kBadReleases);
           continue;
         }
+        // A submitted request is answered whatever happens: given back unanswered is an error.
+        if (rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusInternal);
         free_record(r, false);
         bump(kRequestsReleased);
       }
@@ -499,6 +799,15 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
     return;
   }
   const int sock = rec_sock_[e.record];
+  if (sock < 0) {
+    // A submitted request: its answer goes back in-process, with the result bytes copied out of the ring.
+    const bool ok = e.status == wire::kStatusOk;
+    push_local(-sock - 1, LocalAnswer{rec->request_id, e.status, ok ? e.dtype : uint8_t(wire::kDTypeBytes), rec->first_ns,
+                           clock_(), ok ? std::string(reinterpret_cast<const char*>(body), e.body_len) : std::string()});
+    free_record(e.record, false);
+    bump(kRequestsAnswered);
+    return;
+  }
   const uint32_t payload = std::min<uint32_t>(v_.hdr->max_payload, 65507 - uint32_t(wire::kHeaderSize));
   const uint32_t total = e.status == wire::kStatusOk ? e.body_len : 0;
   const uint32_t chunks = total ? (total + payload - 1) / payload : 1;
@@ -521,6 +830,7 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
     h.total_len = total;
     h.client_ts_ns = rec->client_ts_ns;
     std::memcpy(&out_addrs_[out_n_], rec->addr, std::min<size_t>(rec->addr_len, sizeof(sockaddr_in6)));
+    out_expires_[out_n_] = answer_expiry(*rec);
     out_iov_[2 * out_n_] = iovec{&h, sizeof h};
     out_iov_[2 * out_n_ + 1] = iovec{const_cast<uint8_t*>(body + size_t(k) * payload), len};
     msghdr& mh = out_msgs_[out_n_].msg_hdr;
@@ -536,24 +846,29 @@ void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t*
 }
 
 void Ingest::flush_answers() {
+  // Never waits: what the socket will not take now is copied out of the answer ring and held (the
+  // ring's room is given back after this returns), retried by the loop until sent or expired.
   size_t off = 0;
-  int waits = 0;
+  int blocked_tries = 0;
   while (off < out_n_) {
-    const int rc = sendmmsg(socks_[size_t(out_sock_)], out_msgs_.data() + off, unsigned(out_n_ - off), MSG_DONTWAIT);
+    if (blocked_tries >= kMaxBlockedTries) {
+      hold(out_sock_, out_msgs_[off].msg_hdr, out_expires_[off]);
+      ++off;
+      continue;
+    }
+    const int rc = send_some(out_sock_, out_msgs_.data() + off, unsigned(out_n_ - off));
     if (rc > 0) {
       off += size_t(rc);
       bump(kResponsesSent, uint64_t(rc));
       continue;
     }
     if (rc < 0 && errno == EINTR) continue;
-    if (rc < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && waits++ < 3) {
-      // A full send buffer drains in microseconds on a live link; never hold the ingest longer.
-      pollfd p{socks_[size_t(out_sock_)], POLLOUT, 0};
-      ::poll(&p, 1, 1);
-      continue;
+    if (rc < 0 && would_block(errno)) {
+      ++blocked_tries;
+      hold(out_sock_, out_msgs_[off].msg_hdr, out_expires_[off]);
+    } else {
+      bump(kResponseSendErrors);  // unreachable client, dead link: this datagram is lost, counted
     }
-    // Unreachable client, dead link or a buffer that stays full: this datagram is lost, counted.
-    bump(kResponseSendErrors);
     ++off;
   }
   out_n_ = 0;
@@ -600,7 +915,7 @@ void Ingest::deliver(uint32_t r) {
     }
   }
   bump(kRequestsRejectedQueueFull);
-  if (opt_.answer_drops) send_status(rec_sock_[r], *rec, wire::kStatusOverloaded);
+  if (opt_.answer_drops || rec_sock_[r] < 0) send_status(rec_sock_[r], *rec, wire::kStatusOverloaded);
   free_record(r, false);
 }
 
@@ -651,6 +966,7 @@ void Ingest::housekeeping() {
   run_commands();
   drain_releases();
   drain_answers();
+  retry_held();
   signal_consumers();
   expire(clock_());
   publish_gauges();
@@ -838,6 +1154,7 @@ void Ingest::run() {
     run_commands();
     drain_releases();
     drain_answers();
+    retry_held();
     size_t got_total = 0;
     for (size_t s = 0; s < socks_.size(); ++s) {
       // Without GRO, lend free slots to the kernel so datagrams land in the pool with no copy.
@@ -920,6 +1237,13 @@ void Ingest::run() {
   run_commands();
   drain_releases();
   drain_answers();
+  next_retry_ns_ = 0;
+  retry_held();
+  // The node is stopping: what the sockets still refuse is counted as not sent.
+  bump(kResponseSendErrors, held_.size());
+  held_.clear();
+  held_bytes_ = 0;
+  held_pub_.store(0, std::memory_order_relaxed);
   publish_gauges();
 }
 

@@ -2,10 +2,12 @@
 // reassembles requests, and hands complete ones to consumer rings. One native thread; no Python.
 #pragma once
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -58,10 +60,24 @@ enum Counter : int {
   kGroBuffers,               // receive buffers that held more than one datagram (UDP GRO)
   kRequestsAnswered,         // answered by a consumer through its answer ring; the ingest sent it
   kBadAnswers,               // answers refused: record not held by that consumer (taken back), or a corrupt entry
+  kLocalSubmitted,           // requests placed in the pool by submit() (the front door), not received
+  kLocalAnswered,            // answers of submitted requests handed to their port (any status)
+  kLocalDropped,             // answers of submitted requests whose port was closed
+  kAnswersExpired,           // answer datagrams held for a full send buffer until their request's deadline passed
   kCounterCount
 };
 
 const char* counter_name(int c);
+
+// The answer of a request placed with Ingest::submit(), handed back in-process instead of as datagrams.
+struct LocalAnswer {
+  uint64_t token;        // the request's token (submit's token0 + row)
+  uint16_t status;       // wire::Status
+  uint8_t dtype;         // wire::DType of body (OK only)
+  uint64_t placed_ns;    // CLOCK_MONOTONIC when the ingest placed it in the pool (0: refused before)
+  uint64_t answered_ns;  // CLOCK_MONOTONIC when the ingest took its answer
+  std::string body;      // result bytes (OK only)
+};
 
 struct ListenSpec {
   std::string host;
@@ -78,6 +94,11 @@ struct IngestOptions {
   // UDP_GRO: the kernel may hand over many equal-size datagrams of a flow in one buffer (loopback
   // GSO sends, NIC GRO). Each is then copied into a slot; without GRO they land in slots directly.
   bool gro = true;
+  // An answer datagram the socket will not take now (a full send buffer) is held and retried, never
+  // dropped, until its request's deadline (deadline_us from its first datagram) or, for a request
+  // without one, this long after its first datagram; then it is counted as answers_expired.
+  uint64_t answer_hold_ns = 1000000000ull;
+  size_t answer_hold_bytes = 32u << 20;  // held answers beyond this are counted as response_send_errors
 };
 
 class Ingest {
@@ -107,6 +128,25 @@ class Ingest {
   // with INSTANCE_FAILED and freed. Runs on the ingest thread; blocks until done.
   std::pair<uint64_t, uint64_t> reclaim(uint32_t consumer, bool requeue, int timeout_ms);
 
+  // In-process requests (the Open Inference Protocol front door). A submitter opens a local port
+  // (an answer queue and its eventfd; up to kLocalPorts at once) and places n requests of row_bytes
+  // each (rows back to back at data, copied before submit returns) for app_id into the pool, already
+  // complete, routed like reassembled ones. Row i's answer comes back to that port as a LocalAnswer
+  // with token token0 + i, never as a datagram: exactly one per row, whatever happens (OK or an
+  // instance's status, OVERLOADED when refused at admission, UNKNOWN_APP without a route, BAD_REQUEST
+  // when too large for the pool, INSTANCE_FAILED when its instance died and no other took it,
+  // INTERNAL when an instance released it unanswered). Placement runs on the ingest thread (directly
+  // when it is not running). Answers for a closed port are dropped (counted in local_dropped).
+  static constexpr int kLocalPorts = 16;
+  int local_open();
+  void local_close(int port);
+  void submit(int port, uint16_t app_id, const uint8_t* data, size_t n, size_t row_bytes, uint8_t dtype,
+              uint32_t deadline_us, uint64_t token0);
+  // Every answer waiting at the port, oldest first; local_fd(port) (an eventfd) is readable while
+  // answers wait. take_local() resets it before it takes them, so none is left unsignalled.
+  std::vector<LocalAnswer> take_local(int port);
+  int local_fd(int port);
+
   // Seams for driving the per-datagram step without the thread or a socket receive (the fuzz harness
   // in native/fuzz/ uses them; only while the thread is not running). feed() handles one received
   // buffer as the receive loop does: `gro_seg` > 0 splits a coalesced buffer of `gro_seg`-byte
@@ -117,6 +157,10 @@ class Ingest {
   void feed(int sock, const uint8_t* data, size_t len, size_t gro_seg, const sockaddr_in6& from, socklen_t fromlen);
   void housekeeping();
   std::string check_invariants() const;
+  // Fault seam (tests, fuzz harness): while set, every answer datagram to a client with this UDP
+  // port fails to send as if the socket's send buffer were full (EAGAIN). 0 clears it.
+  void set_blocked_port(int port) { blocked_port_.store(port, std::memory_order_relaxed); }
+  uint64_t held_answers() const { return held_pub_.load(std::memory_order_relaxed); }
 
  private:
   struct Key {
@@ -158,9 +202,27 @@ class Ingest {
   void drain_answers();
   void queue_answer(uint32_t consumer, const pool::AnswerEntry& e, const uint8_t* body);
   void flush_answers();
+  // A datagram that would block: copied and held until it is sent or `expires_ns` passes.
+  void hold(int sock, const msghdr& mh, uint64_t expires_ns);
+  // Try the held datagrams again (in order per destination), count those past their deadline.
+  void retry_held();
+  int send_some(int sock, mmsghdr* msgs, unsigned n);
+  uint64_t answer_expiry(const pool::Record& rec) const;
   bool answers_pending() const;
   void expire(uint64_t now);
+  // sock < 0: a submitted request, answered through the local queue (always, whatever answer_drops).
   void send_status(int sock, const pool::Record& rec, uint16_t status);
+  // A submitted request's rec_sock_ is -(port + 1).
+  void place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
+                   uint32_t deadline_us, uint64_t token, uint64_t now);
+  void push_local(int port, LocalAnswer&& a);
+  struct LocalPort {
+    std::mutex mu;
+    bool open = false;
+    int fd = -1;                      // eventfd: readable while answers is not empty
+    std::vector<LocalAnswer> answers;  // waiting for take_local()
+  };
+  LocalPort& local_port(int port);
   void remember(const Key& k, int reason, uint64_t now);
   void apply_routes();
   void run_commands();
@@ -208,8 +270,21 @@ class Ingest {
   std::vector<iovec> out_iov_;
   std::vector<mmsghdr> out_msgs_;
   std::vector<sockaddr_in6> out_addrs_;
+  std::vector<uint64_t> out_expires_;
   size_t out_n_ = 0;
   int out_sock_ = -1;
+  struct Held {
+    uint64_t expires_ns;
+    int sock;
+    socklen_t addr_len;
+    sockaddr_in6 addr;
+    std::vector<uint8_t> bytes;  // the whole datagram: wire header and payload
+  };
+  std::vector<Held> held_;  // oldest first
+  size_t held_bytes_ = 0;
+  uint64_t next_retry_ns_ = 0;
+  std::atomic<uint64_t> held_pub_{0};
+  std::atomic<int> blocked_port_{0};
   std::unique_ptr<std::atomic<double>[]> cost_fixed_us_, cost_per_us_;  // per consumer; fixed < 0: none
   uint64_t next_expire_ns_ = 0;
   uint64_t next_gone_purge_ns_ = 0;
@@ -223,6 +298,8 @@ class Ingest {
   uint64_t routes_seen_ = 0;
   std::vector<Command> commands_;
   std::atomic<bool> has_commands_{false};
+  std::array<LocalPort, kLocalPorts> local_;
+  std::mutex local_open_mu_;
 };
 
 }  // namespace gpuprims

@@ -74,6 +74,19 @@ std::string Ingest::check_invariants() const {
   if (reserved != reserved_) return ("reserved " + std::to_string(reserved_) + " != unreceived chunks " +
                                          std::to_string(reserved));
   if (reserved_ > free_count_) return ("more slots reserved than free");
+  // Every delivered request ends once: released, answered through its consumer's ring, or failed at a
+  // reclaim (a requeued one stays delivered), or it is still delivered.
+  uint64_t delivered_now = 0;
+  for (uint32_t r = 0; r < nrec; ++r)
+    if (v_.record(r)->state.load(std::memory_order_relaxed) == pool::kRecDelivered) ++delivered_now;
+  const uint64_t ended = cnt_[kRequestsReleased].load() + cnt_[kRequestsAnswered].load() +
+                         cnt_[kRequestsReclaimedFailed].load();
+  if (cnt_[kRequestsDelivered].load() != ended + delivered_now)
+    return ("delivered " + std::to_string(cnt_[kRequestsDelivered].load()) + " != ended " + std::to_string(ended) +
+            " + still delivered " + std::to_string(delivered_now));
+  size_t held_bytes = 0;
+  for (const Held& h : held_) held_bytes += h.bytes.size();
+  if (held_bytes != held_bytes_ || held_pub_.load() != held_.size()) return ("held answer book-keeping broken");
   // Every received datagram is accepted or dropped for exactly one reason.
   uint64_t drops = 0;
   for (int c = kDropTruncated; c <= kDropNoRecord; ++c) drops += cnt_[c].load(std::memory_order_relaxed);

@@ -185,9 +185,10 @@ void bind_pool(nb::module_& m) {
           "__init__",
           [](Ingest* self, Pool& pool, const std::vector<std::tuple<std::string, int, int>>& listen,
              double timeout_ms, double dedup_window_ms, uint32_t batch, int rcvbuf_bytes, bool answer_drops,
-             bool gro) {
+             bool gro, double answer_hold_ms, size_t answer_hold_bytes) {
             if (!(timeout_ms > 0)) throw std::invalid_argument("timeout_ms must be positive");
             if (!(dedup_window_ms >= 0)) throw std::invalid_argument("dedup_window_ms must be >= 0");
+            if (!(answer_hold_ms > 0)) throw std::invalid_argument("answer_hold_ms must be positive");
             std::vector<ListenSpec> specs;
             for (const auto& [host, port, app] : listen) {
               if (port < 0 || port > 65535) throw std::invalid_argument("port must be in 0..65535");
@@ -200,11 +201,14 @@ void bind_pool(nb::module_& m) {
             o.rcvbuf_bytes = rcvbuf_bytes;
             o.answer_drops = answer_drops;
             o.gro = gro;
+            o.answer_hold_ns = uint64_t(answer_hold_ms * 1e6);
+            o.answer_hold_bytes = answer_hold_bytes;
             new (self) Ingest(&pool, specs, o);
           },
           nb::arg("pool"), nb::arg("listen"), nb::arg("timeout_ms") = 500.0, nb::arg("dedup_window_ms") = 2000.0,
           nb::arg("batch") = 64, nb::arg("rcvbuf_bytes") = 32 << 20, nb::arg("answer_drops") = true,
-          nb::arg("gro") = true, nb::keep_alive<1, 2>())
+          nb::arg("gro") = true, nb::arg("answer_hold_ms") = 1000.0, nb::arg("answer_hold_bytes") = size_t(32) << 20,
+          nb::keep_alive<1, 2>())
       .def("start", &Ingest::start)
       .def("stop", &Ingest::stop, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("running", &Ingest::running)
@@ -213,6 +217,42 @@ void bind_pool(nb::module_& m) {
       .def("route", &Ingest::route, nb::arg("app_id"))
       .def("reclaim", &Ingest::reclaim, nb::arg("consumer"), nb::arg("requeue"), nb::arg("timeout_ms") = 5000,
            nb::call_guard<nb::gil_scoped_release>())
+      .def("local_open", &Ingest::local_open,
+           "Open a local port (answer queue + eventfd) for submit(); returns its index.")
+      .def("local_close", &Ingest::local_close, nb::arg("port"),
+           "Close a local port; answers still coming to it are dropped (local_dropped).")
+      .def("local_fd", &Ingest::local_fd, nb::arg("port"), "The port's eventfd: readable while answers wait.")
+      .def(
+          "submit",
+          [](Ingest& ing, int port, uint16_t app_id, ByteArray2 rows, uint8_t dtype, uint32_t deadline_us,
+             uint64_t token0) {
+            const size_t n = rows.shape(0), row_bytes = rows.shape(1);
+            const uint8_t* data = rows.data();
+            nb::gil_scoped_release nogil;
+            ing.submit(port, app_id, data, n, row_bytes, dtype, deadline_us, token0);
+          },
+          nb::arg("port"), nb::arg("app_id"), nb::arg("rows"), nb::arg("dtype"), nb::arg("deadline_us"),
+          nb::arg("token0"),
+          "Place each row (uint8 [n, row_bytes]) in the pool as a complete request of app_id and route it; "
+          "row i is answered at the local port with token token0 + i.")
+      .def(
+          "take_local",
+          [](Ingest& ing, int port) {
+            std::vector<LocalAnswer> got;
+            {
+              nb::gil_scoped_release nogil;
+              got = ing.take_local(port);
+            }
+            nb::list out;
+            for (auto& a : got)
+              out.append(nb::make_tuple(a.token, a.status, a.dtype, a.placed_ns, a.answered_ns,
+                                        nb::bytes(a.body.data(), a.body.size())));
+            return out;
+          },
+          nb::arg("port"),
+          "Answers waiting at the local port: [(token, status, dtype, placed_ns, answered_ns, body)], oldest first.")
+      .def("set_blocked_port", &Ingest::set_blocked_port, nb::arg("port"),
+           "Fault seam: answers to clients with this UDP port fail as on a full send buffer (0 clears).")
       .def("counters",
            [](const Ingest& ing) {
              const auto c = ing.counters();
@@ -221,6 +261,7 @@ void bind_pool(nb::module_& m) {
              d["free_slots"] = ing.free_slots();
              d["free_records"] = ing.free_records();
              d["filling"] = ing.filling();
+             d["held_answers"] = ing.held_answers();
              return d;
            });
 }

@@ -1,12 +1,15 @@
 """Open Inference Protocol (KServe v2) front door: HTTP/REST and gRPC in front of the UDP ingest.
 
->>> door = start_frontdoor(cfg.apps, ("127.0.0.1", 9000), http_port=8000, grpc_port=8001)  # doctest: +SKIP
+>>> door = start_frontdoor(cfg.apps, ("127.0.0.1", 9000), http_port=8000, grpc_port=8001,
+...                        ingest=node.ingest)  # doctest: +SKIP
 >>> door.http_url, door.grpc_target  # doctest: +SKIP
 ('http://127.0.0.1:8000', '127.0.0.1:8001')
 >>> door.close()  # doctest: +SKIP
 
-Every inference is forwarded as wire-format requests to the node's own UDP ingest (``udp_target``),
-so it shares the packet pool, instances, batching, SLO accounting and metrics with UDP clients.
+Given the node's ``ingest``, every inference's rows are placed straight into its packet pool and
+answered back in-process (``transport.PoolTransport``); without it they are sent as wire-format
+requests to the UDP ingest at ``udp_target``. Either way they share the packet pool, instances,
+batching, SLO accounting and metrics with UDP clients.
 docs/oip.md lists the endpoints and how statuses map to HTTP and gRPC codes.
 """
 

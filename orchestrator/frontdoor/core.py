@@ -1,26 +1,31 @@
 """The protocol-independent half of the front door: models, one inference, errors, statistics.
 
-An inference of ``[N, *input_shape]`` becomes N wire requests (one per row) sent together to the
-node's own UDP ingest with the asyncio UDP client, so they enter the same packet pool, queues,
+An inference of ``[N, *input_shape]`` becomes N requests (one per row) handed together to the node
+by a transport (orchestrator/frontdoor/transport.py: placed straight into the node's packet pool by
+its ingest, or sent as wire datagrams to a UDP ingest), so they enter the same packet pool, queues,
 batches, SLO accounting and metrics as any UDP client's requests. The N answers are stacked into
 ``[N, K]``. The first row that is not answered OK decides the error (:data:`STATUS_ERRORS`).
+Each inference's time is split by stage (:data:`transport.STAGES`) per protocol: ``stages()``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
+from gpuprims.stats import StageClock
 from gpuprims.wire import Status
 from orchestrator.frontdoor.models import ModelInfo
+from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
 from orchestrator.metrics import AppStatistics
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
-HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500}
+HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,
+             "too_large": 413, "unauthenticated": 401}
 
 #: Each wire status other than OK: the error kind it is answered with, and why.
 STATUS_ERRORS: dict[Status, tuple[str, str]] = {
@@ -32,9 +37,6 @@ STATUS_ERRORS: dict[Status, tuple[str, str]] = {
     Status.INTERNAL: ("internal", "the model failed on this batch"),
     Status.SHUTTING_DOWN: ("unavailable", "the node is stopping"),
 }
-#: The largest batch one inference may carry (each row is one request in the node's pool).
-MAX_ROWS = 256
-
 
 class OipError(Exception):
     """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
@@ -51,23 +53,45 @@ class OipError(Exception):
 
 
 class Core:
-    """Models by name and inference over the UDP client; shared by the HTTP and gRPC servers.
+    """Models by name and inference through a transport; shared by the HTTP and gRPC servers.
 
-    ``ready(name)`` says whether the node serves a model now (default: always); ``timeout_s`` is
-    how long one row waits for its answer (default: the larger of 2 s and 3 x the app's SLO).
-    ``statistics`` maps each model to its app's `AppStatistics`, where every inference is counted
-    and the statistics extension reads (default: a record of the front door's own per model).
+    ``client`` is the transport (an AsyncClient is wrapped in a UdpTransport). ``ready(name)`` says
+    whether the node serves a model now (default: always); ``timeout_s`` is how long one row waits
+    for its answer (default: the larger of 2 s and 3 x the app's SLO). ``statistics`` maps each model
+    to its app's `AppStatistics`, where every inference is counted and the statistics extension reads
+    (default: a record of the front door's own per model).
     """
 
-    def __init__(self, infos: list[ModelInfo], client: AsyncClient, *, timeout_s: float | None = None,
+    def __init__(self, infos: list[ModelInfo], client: Transport | AsyncClient, *, timeout_s: float | None = None,
                  ready: Callable[[str], bool] | None = None,
                  statistics: Mapping[str, AppStatistics] | None = None) -> None:
         self.models = {m.name: m for m in infos}
-        self.client = client
+        self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
         self._ready = ready
         given = statistics or {}
         self.stats = {m.name: given.get(m.name) or AppStatistics() for m in infos}
+        #: Stage durations of the last 1024 inferences answered OK, per protocol (http, grpc).
+        self.clocks: dict[str, StageClock] = {}
+
+    def commit(self, protocol: str, marks: Marks) -> None:
+        """Add one answered inference's stage durations to ``protocol``'s clock."""
+        clock = self.clocks.get(protocol)
+        if clock is None:
+            clock = self.clocks[protocol] = StageClock(STAGES)
+        clock.start()
+        for stage, ns in marks.ns.items():
+            clock.observe(stage, ns)
+        clock.end()
+
+    def stages(self) -> dict[str, Any]:
+        """Per protocol: ``{"transport", "inferences", <stage>: {"p50_ms", "p99_ms", "mean_ms"}}``."""
+        out: dict[str, Any] = {}
+        for protocol, clock in self.clocks.items():
+            snap = clock.snapshot()
+            snap["inferences"] = snap.pop("batches")
+            out[protocol] = {"transport": self.transport.name, **snap}
+        return out
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         info = self.models.get(name)
@@ -101,25 +125,31 @@ class Core:
         if len(shape) != len(info.input_shape) + 1 or tuple(shape[1:]) != info.input_shape:
             raise OipError("invalid", f"input 'input' of model {info.name!r} has shape "
                                       f"[-1, {', '.join(map(str, info.input_shape))}], got {list(shape)}")
-        if not 1 <= shape[0] <= MAX_ROWS:
-            raise OipError("invalid", f"batch of {shape[0]} rows; send 1..{MAX_ROWS} rows per inference")
+        if not 1 <= shape[0] <= info.max_batch:  # as Triton: a batch is at most the model's max_batch_size
+            raise OipError("invalid", f"batch of {shape[0]} rows; model {info.name!r} takes 1..{info.max_batch} "
+                                      "rows per inference (its max_batch)")
 
-    async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0) -> np.ndarray:
-        """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError."""
+    async def infer(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int = 0,
+                    marks: Marks | None = None) -> np.ndarray:
+        """Run ``x`` ([N, *input_shape]) through the node; [N, K] float32, or OipError.
+
+        ``marks`` (the request's stage durations so far) gets the submit, node, back and collect stages.
+        """
         t0 = time.monotonic_ns()
+        st = self.stats[info.name]
+        marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:
-            results = await asyncio.gather(
-                *(self.client.infer(info.app_id, row, deadline_us=deadline_us,
-                                    timeout_s=self.row_timeout_s(info, deadline_us)) for row in x),
-                return_exceptions=True)
+            results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us,
+                                                timeout_s=self.row_timeout_s(info, deadline_us), marks=marks)
+            t_node = time.monotonic_ns()
             out = self._collect(info, results, statuses)
         except OipError:
-            self.stats[info.name].record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=False,
-                                                   statuses=statuses)
+            st.record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=False, statuses=statuses)
             raise
-        self.stats[info.name].record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=True,
-                                               statuses=statuses)
+        st.record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=True, statuses=statuses,
+                            node_ns=t_node - t0)
+        marks.lap("collect")
         return out
 
     def _collect(self, info: ModelInfo, results: list[Result | BaseException],

@@ -10,11 +10,16 @@ Routes (``/versions/<v>`` may follow a model name; only version ``1`` exists):
   and statistics; ``POST /v2/repository/index``: the model repository index
 
 Errors are ``{"error": "<message>"}`` with the code of :data:`core.HTTP_CODE`.
+
+An inference body is bounded by what its model can take (:meth:`ModelInfo.max_body_bytes`): a
+declared ``Content-Length`` above it is answered 413 before any of the body is read (and before
+``100 Continue`` when the client asks for it); a chunked or compressed body is read only up to it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -23,10 +28,10 @@ from aiohttp import web
 from gpuprims import __version__
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
+from orchestrator.frontdoor.repository import add_repository_routes
+from orchestrator.frontdoor.transport import Marks
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-#: Largest request body accepted (aiohttp's default is 1 MiB; a 224x224x3 float32 batch of 8 is 4.8 MB).
-MAX_BODY_BYTES = 256 << 20
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 
 CORE_KEY: web.AppKey[Core] = web.AppKey("core", Core)
@@ -125,7 +130,7 @@ def _input_array(core: Core, info: Any, req: dict[str, Any], binary: memoryview)
         raise OipError("invalid", "input 'shape' must be a list of integers")
     core.check_input(info, str(t.get("name")), str(t.get("datatype")), shape)
     dtype = NUMPY_OF[info.datatype]
-    want = int(np.prod(shape)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize  # not np.prod: tens of µs on a list, on every request
     params = t.get("parameters") or {}
     if "binary_data_size" in params:
         size = params["binary_data_size"]
@@ -141,8 +146,8 @@ def _input_array(core: Core, info: Any, req: dict[str, Any], binary: memoryview)
         arr = np.asarray(t["data"], dtype=dtype)
     except (ValueError, TypeError, OverflowError) as e:
         raise OipError("invalid", f"input 'input' data is not {info.datatype}: {e}") from None
-    if arr.size != int(np.prod(shape)):
-        raise OipError("invalid", f"input 'input' has {arr.size} elements, shape {shape} needs {int(np.prod(shape))}")
+    if arr.size != math.prod(shape):
+        raise OipError("invalid", f"input 'input' has {arr.size} elements, shape {shape} needs {math.prod(shape)}")
     return arr.reshape(shape)
 
 
@@ -159,16 +164,71 @@ def _wants_binary(req: dict[str, Any]) -> bool:
     return bool((req.get("parameters") or {}).get("binary_data_output", False))
 
 
+def _too_large(info: Any, request: web.Request, size: str) -> OipError:
+    limit = info.max_body_bytes(HEADER_LENGTH in request.headers)
+    return OipError("too_large", f"request body of {size} is larger than model {info.name!r} can take "
+                                 f"({limit} bytes: max_batch {info.max_batch} x its input, and the "
+                                 f"{'JSON header' if HEADER_LENGTH in request.headers else 'JSON text'})")
+
+
+def _check_length(info: Any, request: web.Request) -> int:
+    """The body bound of this request's model; OipError too_large when Content-Length exceeds it."""
+    limit = int(info.max_body_bytes(HEADER_LENGTH in request.headers))
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise _too_large(info, request, f"{declared} bytes")
+    return limit
+
+
+async def _read_bounded(request: web.Request, limit: int, info: Any) -> bytes:
+    """The body, read (and decompressed) only up to ``limit`` bytes; OipError too_large past it."""
+    body = bytearray()
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return bytes(body)
+        if len(body) + len(chunk) > limit:
+            raise _too_large(info, request, f"more than {limit} bytes")
+        body += chunk
+
+
+async def infer_expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: refuse an unknown model or an oversized body before the client sends it."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    try:
+        _check_length(_model(request), request)
+    except OipError as e:
+        resp = _error(e)
+        resp.force_close()
+        return resp
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own handler: the answer's body has not begun
+    return None
+
+
 async def infer(request: web.Request) -> web.Response:
     core = _core(request)
+    marks = Marks()
     info = _model(request)
-    req, binary = _parse_body(await request.read(), request.headers.get(HEADER_LENGTH))
+    try:
+        limit = _check_length(info, request)
+        body = await _read_bounded(request, limit, info)
+    except OipError as e:
+        resp = _error(e)
+        resp.force_close()  # the rest of the body is not read: the connection cannot carry another request
+        return resp
+    req, binary = _parse_body(body, request.headers.get(HEADER_LENGTH))
+    marks.lap("parse")
     x = _input_array(core, info, req, binary)
     binary_out = _wants_binary(req)
     timeout_us = (req.get("parameters") or {}).get("timeout", 0)
     if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or not 0 <= timeout_us < 2**32:
         raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout_us!r}")
-    out = await core.infer(info, x, deadline_us=timeout_us)
+    marks.lap("decode")
+    out = await core.infer(info, x, deadline_us=timeout_us, marks=marks)
     head: dict[str, Any] = {"model_name": info.name, "model_version": "1"}
     if "id" in req:
         head["id"] = req["id"]
@@ -186,12 +246,21 @@ async def infer(request: web.Request) -> web.Response:
                             headers={HEADER_LENGTH: str(len(js))})
     if request.headers.get("Accept-Encoding"):
         resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    marks.lap("encode")
+    core.commit("http", marks)
     return resp
 
 
-def make_app(core: Core) -> web.Application:
-    """The aiohttp application serving ``core``."""
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+def max_body_bytes(core: Core) -> int:
+    """aiohttp's own bound on any body read whole (the repository's load bodies; an inference reads its
+    body itself, bounded by its model): the largest any model can take, at least 1 MiB."""
+    return max((m.max_body_bytes(binary=False) for m in core.models.values()), default=1 << 20)
+
+
+def make_app(core: Core, repository: Any = None, repository_token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``core``; with ``repository`` (orchestrator.repository.Repository)
+    also the model-repository load/unload routes, behind ``repository_token`` (frontdoor/repository.py)."""
+    app = web.Application(middlewares=[_errors], client_max_size=max(max_body_bytes(core), 1 << 20))
     app[CORE_KEY] = core
     r = app.router
     r.add_get("/v2/health/live", live)
@@ -204,5 +273,7 @@ def make_app(core: Core) -> web.Application:
         r.add_get(base + "/ready", model_ready)
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
-        r.add_post(base + "/infer", infer)
+        r.add_post(base + "/infer", infer, expect_handler=infer_expect)
+    if repository is not None:
+        add_repository_routes(app, repository, repository_token)
     return app

@@ -25,6 +25,13 @@ NUMPY_OF = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1"), "FP16": np.dtype("
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 PLATFORM = "gpuprims"
+#: Room for everything in a request but its tensor data: the JSON header, names, parameters, id.
+HEAD_BYTES = 64 << 10
+#: Most bytes one element takes in JSON text: a float64 repr ("-1.2345678901234567e-308") and ", ".
+JSON_BYTES_PER_ELEMENT = 25
+#: Most bytes one element takes in a gRPC typed ``contents`` field: packed fixed32 for FP32, a varint
+#: of at most 2 bytes for a UINT8 value in ``uint_contents``.
+TYPED_BYTES_PER_ELEMENT = {"FP32": 4, "UINT8": 2}
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,23 @@ class ModelInfo:
     @property
     def row_bytes(self) -> int:
         return math.prod(self.input_shape) * self.numpy_dtype.itemsize
+
+    @property
+    def row_elements(self) -> int:
+        return math.prod(self.input_shape)
+
+    def max_body_bytes(self, binary: bool) -> int:
+        """Largest HTTP request body the model can take: ``max_batch`` rows, as binary tensor data
+        after a JSON header (``binary``) or as JSON numbers, plus :data:`HEAD_BYTES`."""
+        per_row = self.row_bytes if binary else self.row_elements * JSON_BYTES_PER_ELEMENT
+        return self.max_batch * per_row + HEAD_BYTES
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest gRPC ModelInfer message the model can take: ``max_batch`` rows as raw or typed
+        contents, whichever is larger, plus :data:`HEAD_BYTES`."""
+        typed = self.row_elements * TYPED_BYTES_PER_ELEMENT.get(self.datatype, 8)
+        return self.max_batch * max(self.row_bytes, typed) + HEAD_BYTES
 
     def metadata(self) -> dict[str, Any]:
         """The OIP model metadata (GET /v2/models/<name>)."""

@@ -2,9 +2,10 @@
 
 Why a thread and not a process: the node process's own Python work is its control loop (ticks of a
 few milliseconds) while the ingest, the part on every request's path, is native and holds no GIL;
-a thread needs no supervision, no IPC and no second copy of the config, and its requests still
-reach the node through the UDP ingest on loopback like any client's. Moving it to a process of its
-own later takes nothing but ``udp_target``.
+a thread needs no supervision, no IPC and no second copy of the config. Given the node's ``ingest``,
+its requests go straight into the packet pool (``PoolTransport``: no datagrams, no loopback, answers
+back in-process); without it they reach the node through the UDP ingest at ``udp_target`` like any
+client's (``UdpTransport``), which is all a front door in a process of its own would need.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
 from gpuprims.client import AsyncClient
+from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor.core import Core
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
+from orchestrator.frontdoor.transport import PoolTransport, Transport, UdpTransport
 from orchestrator.metrics import AppStatistics
 
 log = logging.getLogger("gpuprims.frontdoor")
@@ -42,15 +46,18 @@ class FrontDoor:
 
     def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
-                 ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None) -> None:
+                 ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None = None,
+                 ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None) -> None:
         self.models = infos
         self.udp_target = udp_target
+        self.ingest = ingest
         self.host = host
         self.http_url: str | None = None
         self.grpc_target: str | None = None
         self.core: Core | None = None
         self._http_port, self._grpc_port = http_port, grpc_port
         self._timeout_s, self._ready, self._statistics = timeout_s, ready, statistics
+        self._repository, self._repository_token = repository, repository_token
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -69,15 +76,19 @@ class FrontDoor:
             self._loop.close()
 
     async def _serve(self) -> None:
-        client = await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open()
-        self.core = Core(self.models, client, timeout_s=self._timeout_s, ready=self._ready,
+        transport: Transport
+        if self.ingest is not None:
+            transport = PoolTransport(self.ingest).open()
+        else:
+            transport = UdpTransport(await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open())
+        self.core = Core(self.models, transport, timeout_s=self._timeout_s, ready=self._ready,
                          statistics=self._statistics)
         runner: web.AppRunner | None = None
         grpc_server = None
         try:
             host_url = f"[{self.host}]" if ":" in self.host else self.host
             if self._http_port is not None:
-                runner = web.AppRunner(make_app(self.core), access_log=None, handle_signals=False,
+                runner = web.AppRunner(make_app(self.core, self._repository, self._repository_token), access_log=None, handle_signals=False,
                                        shutdown_timeout=STOP_GRACE_S)
                 await runner.setup()
                 site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True)
@@ -97,8 +108,8 @@ class FrontDoor:
                                          "pick another node.grpc_port") from None
                 await grpc_server.start()
                 self.grpc_target = f"{host_url}:{port}"
-            log.info("front door: HTTP %s, gRPC %s -> UDP %s:%d", self.http_url or "off",
-                     self.grpc_target or "off", *self.udp_target)
+            log.info("front door: HTTP %s, gRPC %s -> %s", self.http_url or "off", self.grpc_target or "off",
+                     "the packet pool" if self.ingest is not None else "UDP {}:{}".format(*self.udp_target))
             self._started.set()
             await self._stop.wait()
         finally:
@@ -106,7 +117,7 @@ class FrontDoor:
                 await grpc_server.stop(grace=STOP_GRACE_S)
             if runner is not None:
                 await runner.cleanup()
-            client.close()
+            transport.close()
 
     def _start(self) -> FrontDoor:
         self._thread.start()
@@ -117,6 +128,45 @@ class FrontDoor:
             self._thread.join()
             raise self._error
         return self
+
+    def stages(self, *, reset: bool = False, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Where each protocol's inferences spent their time: ``Core.stages()``, read on the loop
+        (``reset``: and start counting afresh)."""
+        core = self.core
+        if core is None or not self._thread.is_alive():
+            return {}
+
+        async def read() -> dict[str, Any]:
+            out = core.stages()
+            if reset:
+                core.clocks.clear()
+            return out
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout_s)
+
+    def add_model(self, app: AppConfig, statistics: AppStatistics | None = None) -> None:
+        """Serve ``app`` from now on (a load; any thread): its model info is built here, the swap is done
+        in the front door's loop. Its inferences are counted in ``statistics`` (the node's record of the
+        app); without it the model keeps the record it had, or gets one of its own."""
+        info = model_info(app)
+        self._loop.call_soon_threadsafe(self._swap_model, app.name, info, statistics)
+
+    def remove_model(self, name: str) -> None:
+        """Stop serving the model ``name`` (an unload; any thread)."""
+        self._loop.call_soon_threadsafe(self._swap_model, name, None, None)
+
+    def _swap_model(self, name: str, info: ModelInfo | None, statistics: AppStatistics | None) -> None:
+        core = self.core
+        if core is None:
+            return
+        if info is None:
+            core.models.pop(name, None)
+        else:
+            core.models[name] = info
+            if statistics is not None:
+                core.stats[name] = statistics
+            else:
+                core.stats.setdefault(name, AppStatistics())
 
     def close(self) -> None:
         """Stop both servers (in-flight calls get a second to finish) and the loop thread."""
@@ -129,7 +179,8 @@ class FrontDoor:
         self.close()
 
     def __repr__(self) -> str:
-        return f"FrontDoor(http={self.http_url}, grpc={self.grpc_target}, udp={self.udp_target})"
+        via = "pool" if self.ingest is not None else f"udp={self.udp_target}"
+        return f"FrontDoor(http={self.http_url}, grpc={self.grpc_target}, {via})"
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: asyncio.Event) -> None:
@@ -144,16 +195,20 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: a
 def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http_port: int | None,
                     grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
                     ready: Callable[[str], bool] | None = None,
-                    statistics: Mapping[str, AppStatistics] | None = None) -> FrontDoor:
+                    statistics: Mapping[str, AppStatistics] | None = None, ingest: Ingest | None = None,
+                    repository: Any = None, repository_token: str | None = None) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
     becomes None at the caller). ``ready(app_name)`` tells the servers whether the node serves an
     app now (default: always). ``timeout_s`` bounds each request's wait for the node's answer
-    (default: max(2 s, 3 x the app's SLO)). Returns once both servers listen, or raises
-    FrontDoorError; ``close()`` stops it. ``statistics`` holds each app's `AppStatistics` (the
+    (default: max(2 s, 3 x the app's SLO)). ``statistics`` holds each app's `AppStatistics` (the
     node's), which the front door counts its inferences in and its statistics extension reads;
-    without it each app gets a record of its own.
+    without it each app gets a record of its own. With ``ingest`` (the node's own, in this process) rows go
+    straight into its packet pool and their answers come back in-process; ``udp_target`` is then only
+    shown in logs. ``repository`` (with its bearer ``repository_token``, or None for none) adds the
+    model-repository load/unload routes (docs/oip.md). Returns once both servers listen, or raises
+    FrontDoorError; ``close()`` stops it.
     """
     if http_port is None and grpc_port is None:
         raise ValueError("start_frontdoor needs http_port or grpc_port (None means off)")
@@ -162,4 +217,5 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
             raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
     infos = [model_info(a) for a in apps]
     return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
-                     timeout_s=timeout_s, ready=ready, statistics=statistics)._start()
+                     timeout_s=timeout_s, ready=ready, statistics=statistics, ingest=ingest,
+                     repository=repository, repository_token=repository_token)._start()

@@ -67,10 +67,12 @@ def _input(batch: int, shape: tuple[int, int, int] = SMALL, seed: int = 1) -> to
 
 #: The co-execution papers' models (tested in test_zoo_seqnets.py): they take their own input shapes.
 SEQ_MODELS = {"wide_deep", "siamese", "mt_dnn", "lstm"}
+#: The multi-branch models of Opara (tested in test_zoo_inception.py).
+BRANCH_MODELS = {"googlenet", "inception_v3", "bert"}
 
 
 def test_models_lists_every_required_name() -> None:
-    assert set(MODELS) == set(TINY_WIDTH) | SEQ_MODELS
+    assert set(MODELS) == set(TINY_WIDTH) | SEQ_MODELS | BRANCH_MODELS
     for name, spec in MODELS.items():
         assert spec.name == name
         assert spec.num_classes >= 1

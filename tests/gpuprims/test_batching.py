@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuprims.batching import BatchDecision, BatchPolicy, LatencyModel
+from gpuprims.batching import ArrivalGaps, BatchDecision, BatchPolicy, LatencyModel
 
 
 def linear_model(fixed_ms: float = 2.0, per_item_ms: float = 1.0, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LatencyModel:
@@ -391,3 +391,38 @@ def test_early_drop_uses_each_requests_own_deadline() -> None:
     ages = [92.0, 90.0] + [60.0] * 10
     deadlines: list[float | None] = [100.0, 100.0, 70.0] + [None] * 9  # index 2 has only 10 ms left
     assert p.early_drop(ages, deadlines) == 3
+
+
+# --- light load: waiting only for requests that will come -----------------------------------------------
+
+
+def test_arrival_gaps() -> None:
+    g = ArrivalGaps(window=4)
+    assert g.mean_gap_ms() is None
+    g.note([10.0])
+    assert g.mean_gap_ms() is None
+    g.note([30.0, 20.0])  # taken in any order
+    assert g.mean_gap_ms() == 10.0
+    assert g.mean_gap_ms(now_ms=35.0) == 10.0  # a gap still open, shorter than the mean: not counted
+    assert g.mean_gap_ms(now_ms=70.0) == pytest.approx((20.0 + 40.0) / 3)  # a stream that stopped looks slow
+    g.note([25.0])  # arrived before the last one noted: no negative gap
+    g.note([40.0, 50.0])  # the window keeps the last 4
+    assert list(g.times_ms) == [30.0, 30.0, 40.0, 50.0] and g.mean_gap_ms() == pytest.approx(20.0 / 3)
+    with pytest.raises(ValueError, match="finite"):
+        g.note([math.nan])
+    with pytest.raises(ValueError, match="window"):
+        ArrivalGaps(window=1)
+
+
+def test_light_load_serves_at_once_instead_of_waiting_for_a_batch_that_will_not_come() -> None:
+    p = policy()  # max_wait_ms 5, a batch of 2 fits: before any arrival is noted it waits (rule 4)
+    assert p.decide(1, 0.0) == BatchDecision(0, 5.0)
+    p.note_arrivals([0.0, 33.3, 66.7, 100.0])  # 30 req/s: the next request comes in ~33 ms, not within 5
+    assert p.decide(1, 0.0, now_ms=100.0) == BatchDecision(1, 0.0)
+    busy = policy()
+    busy.note_arrivals([100.0 + i for i in range(8)])  # 1000 req/s: another request comes within the wait
+    assert busy.decide(1, 0.0, now_ms=107.5) == BatchDecision(0, 5.0)
+    # The same stream gone quiet: the open gap makes waiting pointless again.
+    assert busy.decide(1, 0.0, now_ms=200.0) == BatchDecision(1, 0.0)
+    # The rest of the rules do not change: a deadline still takes what fits, a backlog a full batch.
+    assert p.decide(10, 0.0, now_ms=100.0) == BatchDecision(8, 0.0)

@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from gpuprims import wire
-from gpuprims.client import AsyncClient, Client, RequestError, RequestLost, Result
+from gpuprims.client import AsyncClient, Client, FleetClient, RequestError, RequestLost, Result
 from gpuprims.ingest import packet_balance
 from gpuprims.traffic import EchoServer
 from gpuprims.wire import Status
@@ -179,3 +183,114 @@ def test_overloaded_is_retried_only_when_asked() -> None:
 
         r = asyncio.run(main())
         assert r.status is Status.OVERLOADED and r.attempts == 2
+
+
+# ---- fleet mode ---------------------------------------------------------------------------------------
+
+
+class _Routes:
+    """The agents' GET /fleet/routes, serving whatever table the test sets."""
+
+    def __init__(self, table: dict) -> None:
+        self.table = table
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(outer.table).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                return
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+
+    def close(self) -> None:
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def _table(version: int, primary: EchoServer, standby: EchoServer | None) -> dict:
+    def at(e: EchoServer, node: str) -> dict:
+        return {"host": "127.0.0.1", "udp_port": e.port, "http_port": 0, "node": node, "gpu": 0}
+    return {"version": version, "apps": {"cls": {"app_id": 1, "slo_ms": 100, "primary": at(primary, "n1"),
+                                                 "standby": at(standby, "n2") if standby else None}}}
+
+
+def _wait_for(cond: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_fleet_client_sends_to_the_owner() -> None:
+    with EchoServer() as p, EchoServer() as s:
+        routes = _Routes(_table(1, p, s))
+        try:
+            with FleetClient([routes.url], failover_s=0.5, timeout_s=5) as c:
+                r = c.infer("cls", _input(0))
+                assert r.ok and c.failovers == 0
+                assert (p.counters.requests, s.counters.requests) == (1, 0)
+        finally:
+            routes.close()
+
+
+def test_fleet_client_fails_over_to_the_standby_when_the_owner_is_silent() -> None:
+    with EchoServer(drop_every=1) as p, EchoServer() as s:
+        routes = _Routes(_table(1, p, s))
+        try:
+            with FleetClient(["http://127.0.0.1:9", routes.url], failover_s=0.2, timeout_s=5) as c:
+                routes.table = _table(2, s, None)  # the controller flipped the route meanwhile
+                r = c.infer("cls", _input(1))
+                assert r.ok and c.failovers == 1 and c.table["version"] == 2
+                assert s.counters.requests == 1
+                # The next request goes straight to the new owner.
+                assert c.infer("cls", _input(2)).ok and c.failovers == 1 and s.counters.requests == 2
+        finally:
+            routes.close()
+
+
+def test_fleet_client_returns_the_first_answer_once_and_counts_the_late_one() -> None:
+    with EchoServer(delay_s=1.0) as p, EchoServer() as s:
+        routes = _Routes(_table(1, p, s))
+        try:
+            with FleetClient([routes.url], failover_s=0.2, timeout_s=5) as c:
+                r = c.infer("cls", _input(3))
+                assert r.ok and r.attempts == 1 and c.failovers == 1
+                assert _wait_for(lambda: c.duplicates == 1, 10)  # the owner's late answer: counted, not returned
+        finally:
+            routes.close()
+
+
+def test_fleet_client_fails_over_when_the_owner_lost_the_app() -> None:
+    with EchoServer(status=Status.UNKNOWN_APP) as p, EchoServer() as s:
+        routes = _Routes(_table(1, p, s))
+        try:
+            with FleetClient([routes.url], failover_s=1.0, timeout_s=5) as c:
+                assert c.infer("cls", _input(4)).ok and c.failovers == 1
+        finally:
+            routes.close()
+
+
+def test_fleet_client_bad_input_gets_clear_errors() -> None:
+    with pytest.raises(ValueError, match="at least one seed"):
+        FleetClient([])
+    with pytest.raises(ValueError, match="failover_s < timeout_s"):
+        FleetClient(["http://127.0.0.1:9"], failover_s=3, timeout_s=2)
+    with pytest.raises(ConnectionError, match="no node served the fleet's routing table"):
+        FleetClient(["http://127.0.0.1:9"], fetch_timeout_s=0.5)
+    with EchoServer() as p:
+        routes = _Routes(_table(1, p, None))
+        try:
+            with FleetClient([routes.url]) as c, pytest.raises(KeyError, match="has no app 'nope'; apps: cls"):
+                c.infer("nope", _input(5))
+        finally:
+            routes.close()

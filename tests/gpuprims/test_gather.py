@@ -5,6 +5,8 @@ end to end (gather, model, respond) on the fake runtime with the outputs torch g
 
 from __future__ import annotations
 
+import ctypes
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from gpuprims import wire
+from gpuprims.cuda import runtime
 from gpuprims.gather import ModelRunner, make_gatherer, preprocess, torch_device
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
@@ -130,6 +133,45 @@ def test_cuda_methods_match_host_bits_on_fake_runtime(loop: Loopback, fake_cuda:
         g.close()
     assert fake_cuda.live("registered") == [] and fake_cuda.live("device") == []  # type: ignore[attr-defined]
     assert fake_cuda.unsafe_frees == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_gpu_dma_gathers_into_a_given_out_buffer_on_fake_runtime(loop: Loopback, fake_cuda: object,
+                                                                 dtype: str) -> None:
+    # An engine's static input: the kernel writes it in place, and the gatherer never frees it.
+    loop.send(_bodies(dtype, 5, seed=4))
+    recs = loop.take(5)
+    mem = runtime.DeviceMemory(8 * math.prod(SHAPE) * 4, 0)  # the engine's buffer (fake device memory)
+    out = torch.frombuffer((ctypes.c_char * mem.nbytes).from_address(mem.ptr), dtype=torch.float32).view(8, *SHAPE)
+    out.fill_(-1.0)
+    g = make_gatherer("cuda", loop.pool, SHAPE, dtype, 8, 0, "gpu_dma", out=out)
+    try:
+        for sub in (recs, recs[::-1][:2]):
+            x = g.gather(sub)
+            assert x.data_ptr() == out.data_ptr()
+            assert _same_bits(x, _today(loop.pool, sub, dtype)) and _same_bits(out[:sub.size], x)
+        assert (out[5:] == -1.0).all()  # rows past the largest batch are untouched
+    finally:
+        g.close()
+    assert fake_cuda.live("registered") == []  # type: ignore[attr-defined]
+    # The buffer is its owner's to free: the gatherer did not.
+    assert [r.handle for r in fake_cuda.live("device")] == [mem.ptr]  # type: ignore[attr-defined]
+    del x, out
+    mem.close()
+
+
+def test_an_out_buffer_that_does_not_fit_is_refused_by_name(loop: Loopback, fake_cuda: object) -> None:
+    with pytest.raises(ValueError, match=r"shape \(8, 3, 8, 10\)"):
+        make_gatherer("cuda", loop.pool, SHAPE, "float32", 8, 0, "gpu_dma", out=torch.zeros(4, *SHAPE))
+    with pytest.raises(ValueError, match="float32"):
+        make_gatherer("cuda", loop.pool, SHAPE, "float32", 8, 0, "gpu_dma", out=torch.zeros(8, *SHAPE,
+                                                                                             dtype=torch.float16))
+    with pytest.raises(ValueError, match="not contiguous"):
+        make_gatherer("cuda", loop.pool, SHAPE, "float32", 8, 0, "gpu_dma",
+                      out=torch.zeros(8, 3, 10, 8).transpose(2, 3))
+    with pytest.raises(ValueError, match="gpu_dma method only"):
+        make_gatherer("cuda", loop.pool, SHAPE, "float32", 8, 0, "cuda_copy", out=torch.zeros(8, *SHAPE))
+    assert fake_cuda.live("registered") == []  # type: ignore[attr-defined]  # refused before registering
 
 
 def test_make_gatherer_validates() -> None:

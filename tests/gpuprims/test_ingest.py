@@ -3,17 +3,19 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpuprims import wire
-from gpuprims.ingest import Ingest, packet_balance
+from gpuprims.ingest import Ingest, LocalPort, packet_balance
 from gpuprims.pool import PacketPool
 from gpuprims.wire import Status
 
@@ -36,7 +38,8 @@ class Node:
         self.pool = PacketPool.create(slot_count=slot_count, record_count=record_count, max_chunks=max_chunks,
                                       consumer_count=consumers, answer_ring_bytes=answer_ring_bytes)
         listen = [("127.0.0.1", 0)] if listen_app is None else [("127.0.0.1", 0, listen_app)]
-        self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms, gro=gro).start()
+        # Held answers of requests without a deadline outlive any stall of the test (see REACT_S).
+        self.ingest = Ingest(self.pool, listen, timeout_ms=timeout_ms, gro=gro, answer_hold_ms=REACT_S * 1000).start()
         self.ingest.set_route(APP, [0])
         self.addr = ("127.0.0.1", self.ingest.ports[0])
         self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -750,3 +753,302 @@ def test_a_datagram_sent_after_set_route_returns_is_routed_by_it() -> None:
         stop.set()
         t.join(REACT_S)
         n.close()
+
+
+# In-process requests (Ingest.submit, the front door's way in): placed in the pool, answered back in-process.
+
+
+def _local(port: LocalPort, n: int, timeout_s: float = REACT_S) -> dict[int, Any]:
+    """Wait (on the port's fd, as the front door does) until n answers came; each token at most once."""
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        select.select([port.fd], [], [], max(0.0, deadline - time.monotonic()))
+        for a in port.take():
+            assert a.token not in out, f"token {a.token} answered twice"
+            out[a.token] = a
+    assert len(out) == n, f"got {len(out)} of {n} answers"
+    return out
+
+
+def _no_more_local(port: LocalPort) -> None:
+    assert select.select([port.fd], [], [], 0.3)[0] == [] or port.take() == []
+
+
+def test_submitted_rows_are_gathered_and_answered_in_process(node: Node) -> None:
+    port = node.ingest.local_port()
+    rows = np.random.default_rng(0).standard_normal((3, 1250)).astype(np.float32)  # 5000 bytes: 5 chunks each
+    port.submit(APP, rows, token0=100, deadline_us=7000)
+    recs = node.take(3)
+    info = node.pool.requests(recs)
+    assert sorted(info["request_id"].tolist()) == [100, 101, 102]
+    assert (info["deadline_us"] == 7000).all() and (info["total_len"] == 5000).all()
+    x = np.empty((3, 1250), np.float32)
+    node.pool.gather(recs, x)
+    np.testing.assert_array_equal(x, rows[info["request_id"] - 100])
+    cons = node.pool.consumer(0)
+    cons.answer(recs[:2], info[:2], Status.OK, x[:2] * 2)
+    cons.answer_status(recs[2:], info[2:], Status.DEADLINE_MISSED)
+    got = _local(port, 3)
+    by_rec = dict(zip(info["request_id"].tolist(), range(3), strict=True))
+    for tok in info["request_id"][:2].tolist():
+        assert got[tok].status == Status.OK
+        np.testing.assert_array_equal(got[tok].output, rows[tok - 100] * 2)
+        assert 0 < got[tok].placed_ns <= got[tok].answered_ns <= time.monotonic_ns()
+    last = int(info["request_id"][2])
+    assert got[last].status == Status.DEADLINE_MISSED and got[last].output is None and by_rec[last] == 2
+    c = node.wait(lambda c: c["free_slots"] == 2048)
+    assert c["local_submitted"] == c["local_answered"] == 3 and c["requests_answered"] == 3
+    assert c["responses_sent"] == 0 and c["packets_received"] == 0 and c["bad_answers"] == 0
+    _no_more_local(port)
+    _no_more_datagrams(node)
+
+
+def test_submitted_rows_refused_at_admission_get_one_answer_each() -> None:
+    n = Node(slot_count=16, record_count=8, max_chunks=8)
+    try:
+        port = n.ingest.local_port()
+        port.submit(APP + 1, np.zeros((2, 100), np.uint8), token0=1)  # no route
+        port.submit(APP, np.zeros((1, 9 * 1100), np.uint8), token0=3)  # more chunks than a record maps
+        got = _local(port, 3)
+        assert [got[t].status for t in (1, 2, 3)] == [Status.UNKNOWN_APP] * 2 + [Status.BAD_REQUEST]
+        assert got[1].placed_ns == 0
+        # 3 slots a row, 16 slots: five rows fit, the sixth is refused whole (OVERLOADED).
+        port.submit(APP, np.zeros((6, 3000), np.uint8), token0=10)
+        got = _local(port, 1)
+        assert got[15].status == Status.OVERLOADED
+        recs = n.take(5)
+        n.pool.consumer(0).answer_status(recs, n.pool.requests(recs), Status.INTERNAL)
+        got = _local(port, 5)
+        assert sorted(got) == [10, 11, 12, 13, 14] and {a.status for a in got.values()} == {Status.INTERNAL}
+        c = n.wait(lambda c: c["free_slots"] == 16)
+        assert c["local_submitted"] == c["local_answered"] == 9 and c["requests_rejected_pool_full"] == 1
+        _no_more_local(port)
+    finally:
+        n.close()
+
+
+def test_submitted_rows_held_by_a_dead_consumer_are_requeued_or_fail_once() -> None:
+    """answer_drops=False silences refusals to UDP clients, never an in-process answer."""
+    pool = PacketPool.create(slot_count=256, record_count=16, max_chunks=8, consumer_count=2)
+    ing = Ingest(pool, [("127.0.0.1", 0)], timeout_ms=REACT_S * 1000, answer_drops=False).start()
+    port = ing.local_port()
+    try:
+        ing.set_route(APP, [0])
+        port.submit(APP, np.arange(4 * 2000, dtype=np.uint8).reshape(4, 2000) % 251, token0=1)
+        held = pool.consumer(0).poll(2, int(REACT_S * 1000))  # holds two, two stay queued, then dies
+        assert held.size == 2
+        ing.set_route(APP, [0, 1])
+        assert ing.reclaim(0, requeue=True) == (0, 4)
+        deadline, got = time.monotonic() + REACT_S, []
+        while len(got) < 4 and time.monotonic() < deadline:
+            got += pool.consumer(1).poll(8, 100).tolist()
+        recs = np.array(got[:2], np.uint32)
+        pool.consumer(1).answer(recs, pool.requests(recs), Status.OK, np.ones((2, 10), np.float32))
+        assert ing.reclaim(1, requeue=True) == (2, 0)  # nowhere left to go
+        ans = _local(port, 4)
+        assert sorted(a.status for a in ans.values()) == [Status.OK] * 2 + [Status.INSTANCE_FAILED] * 2
+        # A submitted request given back unanswered (release) is answered too: as an error.
+        ing.set_route(APP, [0])
+        port.submit(APP, np.zeros((1, 10), np.uint8), token0=50)
+        deadline, rel = time.monotonic() + REACT_S, np.zeros(0, np.uint32)
+        while not rel.size and time.monotonic() < deadline:
+            rel = pool.consumer(0).poll(1, 100)
+        pool.consumer(0).release(rel)
+        assert _local(port, 1)[50].status == Status.INTERNAL
+        c = ing.counters()
+        assert c["local_submitted"] == c["local_answered"] == 5 and c["responses_sent"] == 0
+        _no_more_local(port)
+    finally:
+        ing.stop()
+        pool.close()
+
+
+def _child_take_then_die(pool_name: str, n_answer: int, n_hold: int) -> None:
+    """An instance that answers part of the front door's requests it holds and is killed (no clean-up)."""
+    pool = PacketPool.attach(pool_name)
+    cons = pool.consumer(1)
+    got: list[int] = []
+    deadline = time.monotonic() + REACT_S
+    while len(got) < n_hold and time.monotonic() < deadline:
+        got += cons.poll(16, 100).tolist()
+    recs = np.array(got, np.uint32)
+    info = pool.requests(recs)
+    cons.answer(recs[:n_answer], info[:n_answer], Status.OK, np.ones((n_answer, 300), np.float32))
+    os._exit(0)
+
+
+def test_a_consumer_process_killed_holding_submitted_rows_answers_each_once() -> None:
+    n = Node()
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_child_take_then_die, args=(n.pool.name, 2, 6))
+    try:
+        n.ingest.set_route(APP, [1])
+        p.start()
+        port = n.ingest.local_port()
+        port.submit(APP, np.ones((6, 4000), np.float32), token0=1)
+        p.join(timeout=REACT_S + 60)
+        assert p.exitcode == 0
+        n.ingest.reclaim(1, requeue=False)
+        got = _local(port, 6)
+        assert sorted(got) == list(range(1, 7))
+        assert sorted(a.status for a in got.values()) == [Status.OK] * 2 + [Status.INSTANCE_FAILED] * 4
+        _no_more_local(port)
+        _no_more_datagrams(n)
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join()
+        n.close()
+
+
+def test_submit_refuses_bad_arguments_with_the_value() -> None:
+    n = Node()
+    try:
+        rows = np.zeros((1, 8), np.float32)
+        port = n.ingest.local_port()
+        with pytest.raises(ValueError, match="70000"):
+            port.submit(70000, rows, token0=1)
+        with pytest.raises(ValueError, match="deadline_us"):
+            port.submit(APP, rows, token0=1, deadline_us=-1)
+        with pytest.raises(ValueError, match="token0"):
+            port.submit(APP, rows, token0=-1)
+        with pytest.raises(ValueError, match="non-empty"):
+            port.submit(APP, np.zeros((0, 8), np.float32), token0=1)
+        with pytest.raises(ValueError, match="float64"):
+            port.submit(APP, np.zeros((1, 8)), token0=1)
+        assert n.ingest.counters()["local_submitted"] == 0
+    finally:
+        n.close()
+
+
+def test_submit_without_the_receive_thread_places_at_once() -> None:
+    pool = PacketPool.create(slot_count=64, record_count=8, max_chunks=8, consumer_count=1)
+    ing = Ingest(pool, [("127.0.0.1", 0)])
+    port = ing.local_port()
+    try:
+        ing.set_route(APP, [0])
+        port.submit(APP, np.full((2, 1500), 3, np.uint8), token0=1)
+        recs = pool.consumer(0).poll(4, 0)
+        assert recs.size == 2
+        x = np.empty((2, 1500), np.uint8)
+        pool.gather(recs, x)
+        assert (x == 3).all()
+    finally:
+        ing.stop()
+        pool.close()
+
+
+def test_each_port_gets_its_own_answers_and_a_closed_one_none() -> None:
+    n = Node()
+    try:
+        a, b = n.ingest.local_port(), n.ingest.local_port()
+        assert a.index != b.index and a.fd != b.fd
+        a.submit(APP, np.zeros((2, 100), np.uint8), token0=1)
+        b.submit(APP, np.ones((1, 100), np.uint8), token0=1)  # the same token at another port
+        recs = n.take(3)
+        info = n.pool.requests(recs)
+        cons = n.pool.consumer(0)
+        cons.answer(recs, info, Status.OK, n.pool.requests(recs)["total_len"].reshape(3, 1).astype(np.float32))
+        assert sorted(_local(a, 2)) == [1, 2] and sorted(_local(b, 1)) == [1]
+        b.close()
+        a.submit(APP, np.zeros((1, 100), np.uint8), token0=9)
+        c = n.ingest.local_port()  # takes b's place
+        b.close()  # closing twice does nothing
+        recs = n.take(1)
+        cons.answer_status(recs, n.pool.requests(recs), Status.INTERNAL)
+        assert _local(a, 1)[9].status == Status.INTERNAL
+        _no_more_local(c)
+        a.close()
+        c.submit(APP, np.zeros((1, 100), np.uint8), token0=5)
+        c.close()  # closed while its request is held: the answer is dropped and counted
+        recs = n.take(1)
+        cons.answer_status(recs, n.pool.requests(recs), Status.INTERNAL)
+        cnt = n.wait(lambda k: k["local_dropped"] == 1)
+        assert cnt["local_submitted"] == 5 and cnt["local_answered"] == 4 and cnt["responses_sent"] == 0
+    finally:
+        n.close()
+
+
+def _answer_all(node: Node, n: int, floats: int) -> np.ndarray:
+    """Take n requests and answer each OK with a row of ``floats`` values marking its request id."""
+    recs = node.take(n)
+    info = node.pool.requests(recs)
+    rows = np.stack([np.arange(floats, dtype=np.float32) + int(r) for r in info["request_id"]])
+    node.pool.consumer(0).answer(recs, info, Status.OK, rows)
+    return info["request_id"]
+
+
+def test_answers_to_a_receiver_that_will_not_take_them_are_held_then_arrive_once() -> None:
+    """Answers the socket refuses (a full send buffer, played by the fault seam: loopback never
+    fills one, the kernel drops for a slow receiver instead) are held, not lost; another client's
+    answers keep flowing meanwhile; once the receiver takes them each arrives exactly once."""
+    node = Node()
+    other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        other.bind(("127.0.0.1", 0))
+        other.settimeout(REACT_S)
+        node.ingest.block_answers_to(node.client.getsockname()[1])
+        for rid in range(6):
+            node.send(wire.encode_request(APP, rid, _body(rid)))
+        _answer_all(node, 6, 3000)
+        held = 6 * -(-3000 * 4 // node.pool.layout["max_payload"])  # datagrams of six 12000-byte answers
+        c = node.wait(lambda c: c["held_answers"] == held)
+        assert c["requests_answered"] == 6 and c["answers_expired"] == 0 and c["response_send_errors"] == 0
+        # Another client is served while the first one's answers wait.
+        for rid in range(100, 103):
+            for d in wire.encode_request(APP, rid, _body(rid)):
+                other.sendto(d, node.addr)
+        _answer_all(node, 3, 10)
+        asm, theirs = wire.ResponseAssembler(), []
+        while len(theirs) < 3:
+            r = asm.feed(other.recv(65536))
+            if r is not None:
+                theirs.append(r)
+        assert sorted(r.request_id for r in theirs) == [100, 101, 102]
+        assert node.ingest.counters()["held_answers"] == held
+        node.ingest.block_answers_to(0)  # the receiver drains its buffer
+        got = _by_id(node.responses(6))
+        for rid in range(6):
+            assert got[rid].status == Status.OK
+            np.testing.assert_array_equal(got[rid].array(), np.arange(3000, dtype=np.float32) + rid)
+        c = node.wait(lambda c: c["held_answers"] == 0 and c["free_slots"] == 2048)
+        assert c["answers_expired"] == 0 and c["response_send_errors"] == 0
+        _no_more_datagrams(node)
+    finally:
+        other.close()
+        node.close()
+
+
+def test_held_answers_past_their_deadline_are_counted_expired_and_never_sent() -> None:
+    node = Node()
+    try:
+        node.ingest.block_answers_to(node.client.getsockname()[1])
+        for rid in range(4):
+            node.send(wire.encode_request(APP, rid, _body(rid), deadline_us=20_000))
+        _answer_all(node, 4, 3000)
+        held = 4 * -(-3000 * 4 // node.pool.layout["max_payload"])
+        c = node.wait(lambda c: c["answers_expired"] == held and c["held_answers"] == 0)
+        assert c["requests_answered"] == 4 and c["response_send_errors"] == 0 and c["responses_sent"] == 0
+        node.ingest.block_answers_to(0)
+        _no_more_datagrams(node)
+        # The ingest goes on: the next request is answered at once.
+        node.send(wire.encode_request(APP, 9, _body(9)))
+        _answer_all(node, 1, 4)
+        assert node.responses(1)[0].request_id == 9
+    finally:
+        node.close()
+
+
+def test_answer_hold_arguments_are_checked() -> None:
+    pool = PacketPool.create(slot_count=64, record_count=8, max_chunks=8, consumer_count=1)
+    try:
+        with pytest.raises(ValueError, match="answer_hold_ms"):
+            Ingest(pool, answer_hold_ms=0)
+        with pytest.raises(ValueError, match="answer_hold_bytes"):
+            Ingest(pool, answer_hold_bytes=-1)
+        ing = Ingest(pool)
+        with pytest.raises(ValueError, match="port"):
+            ing.block_answers_to(70000)
+    finally:
+        pool.close()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apps.zoo.names import known_names
-from orchestrator.config import AppConfig, ConfigError, NodeConfig, load_config, parse_config
+from gpuprims.engines import KINDS, Engine
+from orchestrator.config import AppConfig, ConfigError, NodeConfig, engine_problems, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -384,3 +385,86 @@ def test_overflow_cores_without_overflow_is_refused(tmp_path: Path) -> None:
 def test_host_probe_reads_this_machine() -> None:
     h = HostResources.probe()
     assert h.cores >= 1 and h.mem_available_mb > 0
+
+
+# -- engine: (gpuprims.engines) -------------------------------------------------------------------------------
+
+class GpuOnlyEngine(Engine):
+    """A kind that runs only on cuda, with one option (registered for these tests only)."""
+
+    kind = "gpuonly"
+    backends = ("cuda",)
+    option_defaults: ClassVar[dict[str, Any]] = {"precision": "fp32"}
+
+    def _prepare(self, module: Any, progress: Any) -> None:
+        raise AssertionError("validation builds nothing")
+
+    def run(self, x: Any) -> Any:
+        raise AssertionError("validation runs nothing")
+
+
+@pytest.fixture
+def gpuonly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(KINDS, "gpuonly", f"{__name__}:GpuOnlyEngine")
+
+
+def test_engine_by_name_or_mapping(tmp_path: Path, gpuonly: None) -> None:
+    cfg = load_config(_write(tmp_path, {"node": {"backend": "cuda"}, "apps": [
+        _app(), _app(name="b", engine="gpuonly"), _app(name="c", engine={"kind": "gpuonly", "precision": "fp16"})]}))
+    assert [(a.engine.kind, a.engine.options) for a in cfg.apps] == [
+        ("eager", {}), ("gpuonly", {}), ("gpuonly", {"precision": "fp16"})]
+    assert cfg.apps[2].model_dump()["engine"] == {"kind": "gpuonly", "precision": "fp16"}
+    assert NodeConfig.model_validate_json(cfg.model_dump_json()) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_a_gpu_only_engine_on_the_cpu_backend_is_refused_naming_the_app_and_key(tmp_path: Path,
+                                                                                gpuonly: None) -> None:
+    e = _refused(tmp_path, {"node": {"backend": "cpu"}, "apps": [_app(), _app(name="fast", engine="gpuonly")]},
+                 "apps[1].engine: app 'fast': engine 'gpuonly' needs the cuda backend; this node runs on cpu")
+    assert len(e.problems) == 1 and "\n" not in str(e)
+    # with backend: auto the file loads; validate and start check it once the backend is known
+    cfg = load_config(_write(tmp_path, {"apps": [_app(name="fast", engine="gpuonly")]}))
+    assert engine_problems(cfg, "cpu") == [("apps[0].engine", "app 'fast': engine 'gpuonly' needs the cuda "
+                                                              "backend; this node runs on cpu")]
+    assert engine_problems(cfg, "cuda") == []
+
+
+@pytest.mark.parametrize(("engine", "fragments"), [
+    ("tensorrt-x", ("apps[0].engine", "unknown engine 'tensorrt-x'", "known engines: eager")),
+    ({"kind": "eager", "threads": 2}, ("apps[0].engine", "engine 'eager' has no option(s) ['threads']")),
+    ({"provider": "cpu"}, ("apps[0].engine", "needs 'kind'")),
+    (3, ("apps[0].engine", "must be an engine name")),
+])
+def test_bad_engines_are_refused_by_name(tmp_path: Path, engine: Any, fragments: tuple[str, ...]) -> None:
+    _refused(tmp_path, {"apps": [_app(engine=engine)]}, *fragments)
+
+
+def test_dag_stage_engines(tmp_path: Path, gpuonly: None) -> None:
+    stages = [{"name": "r", "model": "recog_router", "routes": ["f"]},
+              {"name": "f", "model": "vgg_face", "engine": "gpuonly"}]
+    cfg = load_config(_write(tmp_path, {"node": {"backend": "cuda"}, "apps": [
+        {"name": "d", "slo_ms": 100, "stages": stages}]}))
+    assert [e.kind for _, e in cfg.apps[0].engines()] == ["eager", "gpuonly"]
+    _refused(tmp_path, {"node": {"backend": "cpu"}, "apps": [{"name": "d", "slo_ms": 100, "stages": stages}]},
+             "apps[0].stages[1].engine: app 'd': engine 'gpuonly' needs the cuda backend")
+
+
+def test_overflow_engine(tmp_path: Path, gpuonly: None) -> None:
+    cfg = load_config(_write(tmp_path, {"node": {"backend": "cuda"}, "apps": [
+        _app(engine="gpuonly", overflow="cpu"), _app(name="b", overflow="cpu", overflow_engine="eager")]}),
+        host=HostResources(cores=64, mem_available_mb=1e6))
+    assert cfg.apps[0].cpu_overflow_engine.kind == "eager"  # the app's engine does not run on the cpu
+    assert cfg.apps[1].cpu_overflow_engine.kind == "eager"
+    _refused(tmp_path, {"apps": [_app(overflow="cpu", overflow_engine="gpuonly")]},
+             "apps[0].overflow_engine: app 'a': engine 'gpuonly' needs the cuda backend",
+             host=HostResources(cores=64, mem_available_mb=1e6))
+    _refused(tmp_path, {"apps": [_app(overflow_engine="eager")]}, "apps[0].overflow_engine: applies only with "
+                                                                  "overflow: cpu")
+
+
+def test_engine_cache_setting(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, {"apps": [_app()]})).node.engine_cache is None
+    cfg = load_config(_write(tmp_path, {"node": {"engine_cache": str(tmp_path / "c")}, "apps": [_app()]}))
+    assert cfg.node.engine_cache == str(tmp_path / "c")
+    _refused(tmp_path, {"node": {"engine_cache": " "}, "apps": [_app()]}, "node.engine_cache: must be a directory")

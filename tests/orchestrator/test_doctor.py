@@ -34,8 +34,9 @@ def test_on_the_fake_runtime_every_gpu_check_runs(tmp_path: Path, fake_cuda: obj
     r = CliRunner().invoke(doctor.main, ["doctor", "--fake", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     s = json.loads((tmp_path / "doctor-fake.json").read_text())["summary"]
-    for k in ("runtime_driver", "pinned_mapped", "events", "ipc", "gpu_dma", "sync_lite"):
+    for k in ("runtime_driver", "pinned_mapped", "events", "ipc", "gpu_dma", "sync_lite", "engines"):
         assert s[k]["ok"] is True, (k, s[k])
+    assert s["engines"]["cudagraph_matches_eager_b1"] and s["engines"]["cudagraph_matches_eager_b4"]
     assert s["gpu_dma"]["gpu_dma_exact"] and s["gpu_dma"]["cuda_copy_exact"]
     assert s["events"]["achieved_interval_us"] >= 0
     assert json.loads((tmp_path / "doctor-fake.json").read_text())["machine"]["fake_runtime"] is True
@@ -74,3 +75,14 @@ def test_instances_not_served_by_mps_fail_the_check(tmp_path: Path, monkeypatch:
 def test_instance_option_is_validated(tmp_path: Path) -> None:
     r = CliRunner().invoke(doctor.main, ["doctor", "--instance", "12", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "PID:PCT" in r.output
+
+
+def test_the_engines_check_builds_tensorrt_where_installed(fake_cuda: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from tests.gpuprims.engines import trt_standin
+
+    monkeypatch.setitem(sys.modules, "tensorrt", trt_standin.make())
+    out = doctor.check_engines()
+    assert out["ok"] is True, out
+    assert out["tensorrt_matches_eager_b1"] and out["tensorrt_matches_eager_b4"] and out["cudagraph_matches_eager_b4"]

@@ -111,7 +111,7 @@ def test_one_record_feeds_status_prometheus_and_the_oip_statistics() -> None:
     """Triton's InferenceStatsAggregator: the statistics API and the metrics read the same figures."""
     agg = AppStatistics()
     agg.beat("det-0", _beat(5, 4, errors=1, batch_sizes={"2": 2}, request_s=[0.002, 0.004, 0.006, 0.1]), now_s=1.0)
-    agg.record_inference(rows=2, duration_ns=3_000_000, ok=True, statuses={"OK": 2})
+    agg.record_inference(rows=2, duration_ns=3_000_000, ok=True, statuses={"OK": 2}, node_ns=2_500_000)
     agg.record_inference(rows=1, duration_ns=1_000_000, ok=False, statuses={"LOST": 1})
     oip = agg.model_statistics("det")
     assert oip["inference_count"] == 2 and oip["execution_count"] == 1 and oip["last_inference"] > 0
@@ -122,10 +122,14 @@ def test_one_record_feeds_status_prometheus_and_the_oip_statistics() -> None:
     with MetricsServer(0) as srv:
         srv.update(status)
         fams = _families(_scrape(srv.url))
-    for key, fam in (("queue", "gpuprims_queue_duration_seconds"), ("compute_infer", "gpuprims_compute_duration_seconds")):
+    # As Triton's (perf_analyzer needs it): queue and compute_* count one per successful inference,
+    # compute_infer's ns is the node's round trip; the node's own durations are in Prometheus.
+    st = oip["inference_stats"]
+    assert {st[k]["count"] for k in ("queue", "compute_input", "compute_infer", "compute_output")} == {1}
+    assert st["compute_infer"]["ns"] == 2_500_000 and st["queue"]["ns"] == 0
+    for fam in ("gpuprims_queue_duration_seconds", "gpuprims_compute_duration_seconds"):
         samples = {s.name: s.value for s in fams[fam].samples if s.labels.get("app") == "det"}
-        assert oip["inference_stats"][key]["count"] == samples[fam + "_count"] == 4
-        assert oip["inference_stats"][key]["ns"] == pytest.approx(samples[fam + "_sum"] * 1e9)
+        assert samples[fam + "_count"] == 4
 
 
 # ---- status table
@@ -364,3 +368,37 @@ def test_format_status_shows_the_recent_changes_and_the_monitors_decisions() -> 
             "switch downtime 0.125 ms") in text
     assert "change 5: a 75% -> 50% overlap by set-gpu: draining, switch downtime ?" in text
     assert "monitor: a underused (busy 10% of the time < 30%, no queue): not made: at 25% it would be busy" in text
+
+
+def _engine_status() -> dict[str, Any]:
+    ort = {"kind": "onnxruntime", "provider": "cpu", "fingerprint": "f00d", "cache_hit": False, "build_ms": 1234.0,
+           "load_ms": 12.0, "param_share": False}
+    hit = {**ort, "cache_hit": True, "build_ms": 0.0}
+    fell = {"kind": "eager", "fallback": "ExportError: no ONNX symbolic", "param_share": True}
+    return {"apps": {"a": {"instances": [{"name": "a-0", "role": "active", "engine": ort},
+                                         {"name": "a-s1", "role": "shadow", "engine": hit}]},
+                     "d": {"instances": [{"name": "d-0", "role": "active",
+                                          "engine": {"stages": {"r": fell, "x": {"kind": "eager"}}}}]}}}
+
+
+def test_engine_build_time_and_cache_hit_are_metrics() -> None:
+    from orchestrator.metrics import _Collector
+
+    fams = {f.name: f for f in _Collector(_engine_status).collect()}
+    got = {(s.name, s.labels["instance"], s.labels["stage"], s.labels["kind"]): s.value
+           for name in ("gpuprims_engine_build_seconds", "gpuprims_engine_cache_hit") for s in fams[name].samples}
+    assert got[("gpuprims_engine_build_seconds", "a-0", "main", "onnxruntime")] == pytest.approx(1.234)
+    assert got[("gpuprims_engine_cache_hit", "a-0", "main", "onnxruntime")] == 0.0
+    assert got[("gpuprims_engine_cache_hit", "a-s1", "main", "onnxruntime")] == 1.0
+    assert got[("gpuprims_engine_build_seconds", "a-s1", "main", "onnxruntime")] == 0.0
+    assert got[("gpuprims_engine_cache_hit", "d-0", "r", "eager")] == 0.0
+
+
+def test_status_shows_engines_other_than_eager_and_fallbacks() -> None:
+    text = format_status(_engine_status())
+    lines = [x for x in text.splitlines() if x.startswith("engine ")]
+    assert lines == [
+        "engine a-0: onnxruntime  provider=cpu  built in 1234 ms, load 12 ms, f00d  Param-Share n/a (own weights)",
+        "engine a-s1: onnxruntime  provider=cpu  cache hit, load 12 ms, f00d  Param-Share n/a (own weights)",
+        "engine d-0 stage r: eager  FALLBACK to eager (ExportError: no ONNX symbolic)",
+    ]

@@ -70,6 +70,27 @@ def test_profile_says_how_much_and_free_share_caps_it() -> None:
     assert out and out[0].to_pct == 70
 
 
+def test_only_the_apps_on_the_same_gpu_cap_the_step_up() -> None:
+    def run(gpus: tuple[int, int]) -> int:
+        sim = Sim(Monitor(MonitorPolicy(confirm=1, dwell_s=100), needed_pct=lambda app, rps: 90), other_pct=60)
+        out = []
+        for i in range(3):
+            sim.t += 1.0
+            a, o = sim.app, sim.other
+            a["received"] += 200
+            a["ok"] += 100
+            a["within"] += 100
+            a["busy_ms"] += 1000
+            a["queue"] = 10 * (i + 1)
+            st = status({"a": a, "b": o})
+            st["apps"]["a"]["gpu"], st["apps"]["b"]["gpu"] = gpus
+            out += sim.m.sample(sim.t, st)
+        return out[0].to_pct
+
+    assert run((0, 0)) == 40  # b holds 60 % of GPU 0
+    assert run((0, 1)) == 90  # b is on GPU 1: all of GPU 0 but a's own share is free
+
+
 def test_underuse_steps_down_not_below_min() -> None:
     sim = Sim(Monitor(MonitorPolicy(confirm=2, dwell_s=0, step_pct=20, min_pct=15)), pct=30)
     out = []

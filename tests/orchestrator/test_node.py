@@ -6,7 +6,10 @@ import collections
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -234,6 +237,26 @@ def test_stop_leaves_nothing_behind(tmp_path: Path) -> None:
     assert not shm.exists()
     assert not (run_dir / "control.sock").exists() and not (run_dir / "command.sock").exists()
     assert not (run_dir / "token").exists()
+
+
+def test_a_node_of_the_python_api_sweeps_segments_of_dead_processes_at_start(tmp_path: Path) -> None:
+    """A SIGKILLed node or program leaves its pool and Param-Share segments; the next node started
+    through the Python API (no CLI around it) removes those of dead processes and keeps a live one's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    stale = Path(f"/dev/shm/gpuprims-params-{dead}-{uuid.uuid4().hex[:12]}")
+    live = Path(f"/dev/shm/gpuprims-params-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    try:
+        stale.write_bytes(b"\0" * 4096)
+        live.write_bytes(b"\0" * 4096)
+        n = Node(load_config(write_config(tmp_path)), warmup=False).start()
+        try:
+            assert not stale.exists() and live.exists()
+        finally:
+            n.stop()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
 
 
 def test_start_failure_names_the_instance_and_cleans_up(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from orchestrator.rundir import (
     node_state,
     read_record,
     reap,
+    sweep_dead_segments,
     write_record,
 )
 
@@ -177,3 +178,20 @@ def test_find_nodes_lists_live_and_dead_but_not_starting(tmp_path: Path) -> None
     assert got == {"a": "live", "b": "dead"}
     removed = rundir.reap_dead(find_nodes(tmp_path))
     assert [r.run_dir.name for r in removed] == ["b"] and not b.exists() and a.exists() and c.exists()
+
+
+def test_sweep_removes_segments_of_dead_processes_only(tmp_path: Path) -> None:
+    """Pools and Param-Share segments are named after the process whose life they follow: those of a
+    gone process are removed, a live one's and anything else are kept."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead, live = _dead_pid(), os.getpid()
+    names = {f"gpuprims-params-{dead}-abcdef012345": 8192, f"gpuprims-{dead}-1a2b": 4096,
+             f"gpuprims-params-{live}-abcdef012345": 4096, f"gpuprims-{live}-1a2b": 4096,
+             "gpuprims-fake-123-x": 10, "gpuprims-params-x-1": 10, "other-1-2": 10}
+    for n, size in names.items():
+        (shm / n).write_bytes(b"\0" * size)
+    removed = sweep_dead_segments(shm)
+    assert sorted(removed) == sorted([(f"gpuprims-params-{dead}-abcdef012345", 8192), (f"gpuprims-{dead}-1a2b", 4096)])
+    assert sorted(os.listdir(shm)) == sorted(set(names) - {n for n, _ in removed})
+    assert sweep_dead_segments(tmp_path / "missing") == []

@@ -20,20 +20,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from gpuprims import wire
+from gpuprims.cpushare import CpuShare
 from gpuprims.profile import save_profile, with_stages
 from gpuprims.wire import Status
-from orchestrator.config import load_config, parse_config
+from orchestrator.config import HostResources, load_config, parse_config
+from orchestrator.control import ControlAddress
 from orchestrator.errors import ChangeError
 from orchestrator.monitor import Monitor, MonitorPolicy
 from orchestrator.node import Node
 from orchestrator.overflow import OVERFLOW_ROLE
+from orchestrator.param_share import ParamShare
 from orchestrator.reconfig import Phase
-from orchestrator.spec import InstanceSpec
+from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.state import InstanceState
 from orchestrator.supervisor import SHADOW_BACKOFF_MAX_S, Supervisor
 from tests.gpuprims.sched._profiles import grid
@@ -345,3 +351,51 @@ def test_a_dead_overflow_instance_gives_what_it_held_to_the_accelerator_and_come
         node.supervisor.refill_overflow(not_before)
         again = node.supervisor.overflow_of("a")
         assert again is not None and again.name != cpu_inst.name
+
+
+# -- engines in the specs the supervisor hands its instances (no process started) -------------------------------
+
+class _RecordingLauncher:
+    """Records what it is asked to start and starts nothing."""
+
+    def __init__(self) -> None:
+        self.envs: list[dict[str, str]] = []
+
+    def launch(self, spec: InstanceSpec, env: Any) -> Any:
+        self.envs.append(dict(env))
+        return SimpleNamespace(pid=4242 + len(self.envs), poll=lambda: None)
+
+
+def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
+                   roles: list[str | None]) -> list[InstanceSpec]:
+    cfg_path = tmp_path / "apps.yaml"
+    cfg_path.write_text(yaml.safe_dump({"node": {"backend": backend, "engine_cache": str(tmp_path / "c")},
+                                         "apps": [app_yaml]}))
+    cfg = load_config(cfg_path, host=HostResources(cores=64, mem_available_mb=1e6))
+    launcher = _RecordingLauncher()
+    placement = SimpleNamespace(instance_pct=lambda app: 50, scheduled=False, stage_pcts=lambda app: None)
+    server = SimpleNamespace(address=ControlAddress("ipc:///tmp/x-i", "ipc:///tmp/x-c"))
+    sup = Supervisor(cfg, {}, {}, pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
+                     token="ab" * 16, run_dir=tmp_path, placement=placement, params=ParamShare(tmp_path),  # type: ignore[arg-type]
+                     backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8)
+    share = CpuShare(cores=[0], threads=1, gpu_pct=50)
+    for i, role in enumerate(roles):
+        sup.spawn(cfg.apps[0], f"{cfg.apps[0].name}-{i}", share, role=role)
+    return [InstanceSpec.from_json(e[ENV_SPEC]) for e in launcher.envs]
+
+
+def test_instances_get_the_apps_engine_and_the_overflow_instance_its_own(tmp_path: Path) -> None:
+    app = {"name": "a", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 50, "overflow": "cpu",
+           "engine": {"kind": "onnxruntime", "provider": "cpu", "optimization": "basic"}, "overflow_engine": "eager"}
+    active, overflow = _specs_spawned(tmp_path, "cpu", app, [None, "overflow"])
+    assert (active.engine, active.engine_options) == ("onnxruntime", {"provider": "cpu", "optimization": "basic"})
+    assert active.engine_cache == str(tmp_path / "c")
+    assert active.share_params is None  # Param-Share does not apply: the engine holds its own weights
+    assert (overflow.engine, overflow.engine_options, overflow.backend) == ("eager", None, "cpu")
+
+
+def test_eager_instances_still_share_their_weights(tmp_path: Path) -> None:
+    app = {"name": "b", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 40}
+    first, second = _specs_spawned(tmp_path, "cuda", app, [None, None])
+    assert first.engine == "eager" and first.share_params.startswith("export:")  # type: ignore[union-attr]
+    assert second.share_params.startswith("import:")  # type: ignore[union-attr]

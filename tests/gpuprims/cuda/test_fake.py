@@ -311,3 +311,245 @@ def test_fake_device_memory_leaves_nothing_behind(how: str) -> None:
     assert r.returncode == -9 and _fake_files(pid)  # SIGKILL: nothing ran at exit ...
     fake.FakeRuntime("1")  # ... the next fake runtime made on this machine removes them
     assert _fake_files(pid) == []
+
+
+# -- stream capture and graphs (cudaStreamBeginCapture .. cudaGraphLaunch) ---------------------------------
+
+def _cap_stream(rt: Any) -> int:
+    return int(rt.cuda_stream_create(0, runtime.STREAM_NON_BLOCKING, 0))
+
+
+def test_capture_records_instead_of_running_and_replays_in_order(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    seen: list[str] = []
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    assert rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_ACTIVE
+    rt.launch_host_func(s, lambda: seen.append("a"))
+    rt.launch_host_func(s, lambda: seen.append("b"))
+    g = rt.cuda_stream_end_capture(s)
+    assert rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_NONE
+    assert seen == []  # captured work does not run at capture
+    nodes = rt.graph_nodes(g)
+    assert [n.deps for n in nodes] == [(), (0,)]
+    x = rt.cuda_graph_instantiate(g)
+    launch = _cap_stream(rt)
+    for _ in range(3):
+        rt.cuda_graph_launch(x, launch)
+    rt.cuda_stream_synchronize(launch)
+    assert seen == ["a", "b"] * 3
+    rt.cuda_graph_exec_destroy(x)
+    rt.cuda_graph_destroy(g)
+    with pytest.raises(CudaError) as ei:  # a destroyed executable graph
+        rt.cuda_graph_launch(x, launch)
+    assert ei.value.name == "cudaErrorInvalidValue"
+    for h in (s, launch):
+        rt.cuda_stream_destroy(h)
+    assert rt.live("graph") == [] and rt.live("graph_exec") == [] and rt.live("stream") == []
+
+
+def test_cross_stream_capture_forks_and_joins(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s, side = _cap_stream(rt), _cap_stream(rt)
+    fork, join = rt.cuda_event_create(0, 2), rt.cuda_event_create(0, 2)
+    seen: list[str] = []
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.launch_host_func(s, lambda: seen.append("root"))
+    rt.cuda_event_record(fork, s)
+    rt.cuda_stream_wait_event(side, fork)  # pulls `side` into the capture
+    assert rt.cuda_stream_is_capturing(side) == fake.CAPTURE_STATUS_ACTIVE
+    rt.launch_host_func(side, lambda: seen.append("branch"))
+    rt.launch_host_func(s, lambda: seen.append("main"))
+    rt.cuda_event_record(join, side)
+    rt.cuda_stream_wait_event(s, join)
+    rt.launch_host_func(s, lambda: seen.append("tail"))
+    g = rt.cuda_stream_end_capture(s)
+    assert rt.cuda_stream_is_capturing(side) == fake.CAPTURE_STATUS_NONE
+    nodes = rt.graph_nodes(g)
+    assert [(n.stream, n.deps) for n in nodes] == [(s, ()), (side, (0,)), (s, (0,)), (s, (2, 1))]
+    x = rt.cuda_graph_instantiate(g)
+    rt.cuda_graph_launch(x, s)
+    rt.cuda_stream_synchronize(s)
+    assert seen[0] == "root" and seen[-1] == "tail" and sorted(seen[1:3]) == ["branch", "main"]
+    rt.cuda_graph_exec_destroy(x)
+    rt.cuda_graph_destroy(g)
+
+
+def test_capture_with_an_unjoined_stream_fails_and_leaves_no_graph(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s, side = _cap_stream(rt), _cap_stream(rt)
+    fork = rt.cuda_event_create(0, 2)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.cuda_event_record(fork, s)
+    rt.cuda_stream_wait_event(side, fork)
+    rt.launch_host_func(side, lambda: None)
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_end_capture(s)
+    assert ei.value.name == "cudaErrorStreamCaptureUnjoined" and ei.value.status == 904
+    # every stream left the capture, nothing was made, and the streams work again
+    assert rt.cuda_stream_is_capturing(side) == fake.CAPTURE_STATUS_NONE
+    assert rt.live("graph") == []
+    rt.cuda_stream_synchronize(side)
+
+
+@pytest.mark.parametrize("call", ["cuda_stream_synchronize", "cuda_stream_query"])
+def test_synchronize_or_query_while_capturing_invalidates_the_capture(fake_cuda: Any, call: str) -> None:
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    with pytest.raises(CudaError) as ei:
+        getattr(rt, call)(s)
+    assert ei.value.name == "cudaErrorStreamCaptureUnsupported"
+    assert rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_INVALIDATED
+    with pytest.raises(CudaError) as ei:  # later work on the stream fails too
+        rt.launch_host_func(s, lambda: None)
+    assert ei.value.name == "cudaErrorStreamCaptureInvalidated"
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_end_capture(s)
+    assert ei.value.name == "cudaErrorStreamCaptureInvalidated"
+    assert rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_NONE and rt.live("graph") == []
+
+
+def test_capture_rules_refuse_what_cuda_refuses(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s, other = _cap_stream(rt), _cap_stream(rt)
+    with pytest.raises(CudaError) as ei:  # EndCapture on a stream that is not capturing
+        rt.cuda_stream_end_capture(s)
+    assert ei.value.name == "cudaErrorIllegalState"
+    with pytest.raises(CudaError) as ei:  # the legacy stream cannot be captured
+        rt.cuda_stream_begin_capture(0, fake.CAPTURE_MODE_GLOBAL)
+    assert ei.value.name == "cudaErrorStreamCaptureUnsupported"
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_begin_capture(s, 7)
+    assert ei.value.name == "cudaErrorInvalidValue"
+    # ending the capture on a joined stream instead of the origin
+    fork = rt.cuda_event_create(0, 2)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    assert ei.value.name == "cudaErrorIllegalState"
+    rt.cuda_event_record(fork, s)
+    with pytest.raises(CudaError) as ei:  # a captured event is not work scheduled for execution
+        rt.cuda_event_query(fork)
+    assert ei.value.name == "cudaErrorCapturedEvent"
+    with pytest.raises(CudaError):
+        rt.cuda_stream_end_capture(s)  # invalidated by the query
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.cuda_event_record(fork, s)
+    rt.cuda_stream_wait_event(other, fork)
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_end_capture(other)
+    assert ei.value.name == "cudaErrorStreamCaptureUnmatched"
+    rt.cuda_event_record(fork, other)
+    rt.cuda_stream_wait_event(s, fork)
+    rt.cuda_graph_destroy(rt.cuda_stream_end_capture(s))
+    # waiting on an event recorded outside the capture, and the legacy stream during a global capture
+    outside = rt.cuda_event_create(0, 2)
+    rt.cuda_event_record(outside, other)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_stream_wait_event(s, outside)
+    assert ei.value.name == "cudaErrorStreamCaptureIsolation"
+    with pytest.raises(CudaError):
+        rt.cuda_stream_end_capture(s)
+    # the legacy stream while a blocking stream captures; a non-blocking one may capture beside it
+    blocking = int(rt.cuda_stream_create(0, 0, 0))
+    rt.cuda_stream_begin_capture(blocking, fake.CAPTURE_MODE_GLOBAL)
+    with pytest.raises(CudaError) as ei:
+        rt.launch_host_func(0, lambda: None)
+    assert ei.value.name == "cudaErrorStreamCaptureImplicit"
+    assert rt.cuda_stream_is_capturing(blocking) == fake.CAPTURE_STATUS_INVALIDATED
+    with pytest.raises(CudaError):
+        rt.cuda_stream_end_capture(blocking)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.launch_host_func(0, lambda: None)  # s is non-blocking: the legacy stream does not touch it
+    with pytest.raises(CudaError) as ei:
+        rt.cuda_device_synchronize(0)
+    assert ei.value.name == "cudaErrorStreamCaptureUnsupported"
+    with pytest.raises(CudaError):
+        rt.cuda_stream_end_capture(s)
+    rt.cuda_stream_synchronize(0)
+    assert rt.live("graph") == []
+
+
+def test_end_capture_from_another_thread_is_refused_unless_relaxed(fake_cuda: Any) -> None:
+    import threading
+
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    out: list[Any] = []
+
+    def end() -> None:
+        try:
+            out.append(rt.cuda_stream_end_capture(s))
+        except CudaError as e:
+            out.append(e)
+
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    t = threading.Thread(target=end)
+    t.start()
+    t.join(10)
+    assert isinstance(out[0], CudaError) and out[0].name == "cudaErrorStreamCaptureWrongThread"
+    rt.cuda_graph_destroy(rt.cuda_stream_end_capture(s))
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_RELAXED)
+    t = threading.Thread(target=end)
+    t.start()
+    t.join(10)
+    assert isinstance(out[1], int)
+    rt.cuda_graph_destroy(out[1])
+
+
+def test_a_host_function_may_not_call_cuda(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    errors: list[CudaError] = []
+
+    def bad() -> None:
+        try:
+            rt.cuda_stream_query(s)
+        except CudaError as e:
+            errors.append(e)
+
+    rt.launch_host_func(s, bad)
+    rt.cuda_stream_synchronize(s)
+    assert [e.name for e in errors] == ["cudaErrorNotPermitted"]
+
+
+def test_graph_launches_of_one_exec_are_ordered_across_streams(fake_cuda: Any) -> None:
+    rt = fake_cuda
+    s, a, b = _cap_stream(rt), _cap_stream(rt), _cap_stream(rt)
+    seen: list[int] = []
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_GLOBAL)
+    rt.launch_host_func(s, lambda: (time.sleep(0.02), seen.append(len(seen))))
+    x = rt.cuda_graph_instantiate(g := rt.cuda_stream_end_capture(s))
+    for i in range(4):
+        rt.cuda_graph_launch(x, a if i % 2 else b)
+    rt.cuda_stream_synchronize(a)
+    rt.cuda_stream_synchronize(b)
+    assert seen == [0, 1, 2, 3]
+    rt.cuda_graph_exec_destroy(x)
+    rt.cuda_graph_destroy(g)
+
+
+def test_a_thread_local_capture_lets_other_threads_synchronize(fake_cuda: Any) -> None:
+    import threading
+
+    rt = fake_cuda
+    s = _cap_stream(rt)
+    rt.cuda_stream_begin_capture(s, fake.CAPTURE_MODE_THREAD_LOCAL)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            rt.cuda_device_synchronize(0)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert errors == [] and rt.cuda_stream_is_capturing(s) == fake.CAPTURE_STATUS_ACTIVE
+    with pytest.raises(CudaError, match="cudaErrorStreamCaptureUnsupported"):
+        rt.cuda_device_synchronize(0)  # from the capturing thread it is refused
+    with pytest.raises(CudaError, match="cudaErrorStreamCaptureInvalidated"):
+        rt.cuda_stream_end_capture(s)

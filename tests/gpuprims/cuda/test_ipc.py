@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from gpuprims.cuda import ParameterHandles, export_parameters, share_parameters
+from gpuprims.cuda.ipc import ENV_OWNER_PID
 from tests.gpuprims.cuda.workers import Big, build_tied, import_cpu, import_cuda, run_spawned
 
 
@@ -34,6 +36,17 @@ def test_cpu_share_across_spawn_process_gives_identical_output() -> None:
         exp.close()
     assert not shm.exists()
     exp.close()  # idempotent
+
+
+def test_cpu_segment_is_named_after_its_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's instances name their segments after the node (GPUPRIMS_SHM_OWNER_PID), so a sweep
+    keeps them while the node runs; a program's after itself."""
+    model = build_tied(seed=3)
+    with export_parameters(model) as exp:
+        assert exp.handles.handle.decode().startswith(f"gpuprims-params-{os.getpid()}-")
+    monkeypatch.setenv(ENV_OWNER_PID, "4242")
+    with export_parameters(model) as exp:
+        assert exp.handles.handle.decode().startswith("gpuprims-params-4242-")
 
 
 def test_handles_round_trip_and_reject_garbage() -> None:

@@ -166,3 +166,36 @@ def test_measure_refuses_an_accelerator_profile_without_a_gpu() -> None:
             measure_profile("mobilenet", batch_sizes=[1], gpu_pcts=[100], device_kind="accelerator")
     with pytest.raises(ValueError, match="CPU backend"):
         measure_profile("mobilenet", batch_sizes=[1], gpu_pcts=[100], device_kind="cpu", backend="cuda")
+
+
+ENGINE_TINY = ["mobilenet_v2", "--batch", "2", "--gpu-pct", "100", "--input-shape", "3,32,32", "--repeats", "3",
+               "--warmup", "1", "--backend", "cpu", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_profile_taken_with_an_engine_says_so_and_builds_it_once(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    from gpuprims.engines import EngineCache
+
+    out, cache = tmp_path / "p.json", tmp_path / "cache"
+    args = [*ENGINE_TINY, "--out", str(out), "--engine", "onnxruntime", "--engine-option", "provider=cpu",
+            "--engine-cache", str(cache)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    p = load_profile(out)
+    assert "engine onnxruntime provider=cpu" in p.device and p.points[0].latency_p50_ms > 0
+    assert len(EngineCache(cache).entries()) == 1
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    (["--engine", "onnxruntime", "--engine-option", "provider=cuda"], "needs the cuda backend"),
+    (["--engine", "no_such_engine"], "unknown engine 'no_such_engine'"),
+    (["--engine", "onnxruntime", "--engine-option", "threads=2"], "has no option(s) ['threads']"),
+    (["--engine", "onnxruntime", "--width", "0.5"], "drop --width 0.5"),
+    (["--engine", "onnxruntime", "--engine-option", "provider"], "KEY=VALUE"),
+])
+def test_profile_engine_arguments_are_checked_before_measuring(tmp_path: Path, extra: list[str],
+                                                               fragment: str) -> None:
+    res = CliRunner().invoke(main, [*ENGINE_TINY, "--out", str(tmp_path / "p.json"), *extra])
+    assert res.exit_code != 0 and fragment in res.output, res.output
+    assert not (tmp_path / "p.json").exists()

@@ -10,6 +10,7 @@ import torch
 
 from apps.zoo import build_model
 from gpuprims.gather import preprocess
+from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor import FrontDoor, start_frontdoor
 from tests.loopnode import LoopApp, LoopNode
@@ -39,6 +40,12 @@ class Stack:
     node: LoopNode
     door: FrontDoor
     models: dict[str, torch.nn.Module]
+    via: str  # the front door's transport: "pool" (the node's: Ingest.submit) or "udp" (datagrams)
+
+    @property
+    def ingest(self) -> Ingest | None:
+        """What start_frontdoor needs for this stack's transport."""
+        return self.node.ingest if self.via == "pool" else None
 
     def expect(self, name: str, x: np.ndarray) -> np.ndarray:
         app = next(a for a in APPS if a.name == name)
@@ -66,16 +73,25 @@ def _runner(model: torch.nn.Module, app: AppConfig) -> Callable[[np.ndarray], np
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    """Real ingest + pool + a serving thread running the zoo models, and the front door before it."""
+def served() -> Iterator[tuple[LoopNode, dict[str, torch.nn.Module]]]:
+    """Real ingest + pool + a serving thread running the zoo models."""
     models = {a.name: torch_model(a) for a in APPS}
     loop_apps = {a.app_id: LoopApp(a.input_shape, a.dtype, _runner(models[a.name], a)) for a in APPS}
     node = LoopNode(loop_apps)
     try:
-        door = start_frontdoor(APPS, node.address, http_port=0, grpc_port=0, timeout_s=10)
-        try:
-            yield Stack(node, door, models)
-        finally:
-            door.close()
+        yield node, models
     finally:
         node.close()
+
+
+@pytest.fixture(scope="module", params=["pool", "udp"])
+def stack(request: pytest.FixtureRequest, served: tuple[LoopNode, dict[str, torch.nn.Module]]) -> Iterator[Stack]:
+    """The front door before the served node, over each transport: rows placed into the node's pool
+    (what the node runs) or sent to its UDP ingest as datagrams."""
+    node, models = served
+    ingest = node.ingest if request.param == "pool" else None
+    door = start_frontdoor(APPS, node.address, http_port=0, grpc_port=0, timeout_s=10, ingest=ingest)
+    try:
+        yield Stack(node, door, models, request.param)
+    finally:
+        door.close()

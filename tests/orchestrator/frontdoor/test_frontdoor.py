@@ -161,6 +161,44 @@ def test_metadata_config_stats_and_health(stack: Stack) -> None:
         assert len(h.get_inference_statistics()["model_stats"]) == 2
 
 
+def _stats_version(model: str, start: list[dict], end: list[dict]) -> int:
+    """perf_analyzer's choice of the version to report when run without -x (its
+    InferenceProfiler::DetermineStatsModelVersion): the highest version of the model whose
+    inference_stats.queue.count grew during the measurement; -1 fails the run with "failed to find
+    the requested model version"."""
+    def queue(stats: list[dict]) -> dict[str, int]:
+        return {str(m["version"]): int(m["inference_stats"]["queue"].get("count", 0)) for m in stats
+                if m["name"] == model}
+    before, after = queue(start), queue(end)
+    grew = [int(v) for v, n in after.items() if n > before.get(v, 0)]
+    return max(grew, default=-1)
+
+
+def test_statistics_let_perf_analyzer_find_the_model_version(stack: Stack) -> None:
+    """What perf_analyzer reads, over both protocols: the metadata's version list, statistics entries
+    with that version, a queue count that grows by one per inference, and compute counts equal to it
+    (perf_analyzer refuses unequal ones). A queue count stuck at 0 made it fail without -x."""
+    with _http(stack) as h, _grpc(stack) as g:
+        assert h.get_model_metadata("classify")["versions"] == ["1"]
+        assert list(g.get_model_metadata("classify").versions) == ["1"]
+        for get in (lambda: h.get_inference_statistics("classify")["model_stats"],
+                    lambda: g.get_inference_statistics("classify", as_json=True)["model_stats"],
+                    lambda: h.get_inference_statistics("classify", "1")["model_stats"]):
+            start = get()
+            assert [m["version"] for m in start] == ["1"]
+            for _ in range(2):
+                h.infer("classify", [_http_input(inputs("classify", 1), True)])
+            end = get()
+            assert _stats_version("classify", start, end) == 1
+            st = end[0]["inference_stats"]
+            counts = {k: int(st[k].get("count", 0)) for k in ("success", "queue", "compute_input",
+                                                               "compute_infer", "compute_output")}
+            assert len(set(counts.values())) == 1, counts
+            assert counts["queue"] == int(start[0]["inference_stats"]["queue"].get("count", 0)) + 2
+            assert int(st["compute_infer"].get("ns", 0)) > 0
+        assert _stats_version("classify", start, start) == -1  # nothing ran: what perf_analyzer refuses
+
+
 def test_client_errors_map_to_protocol_errors(stack: Stack) -> None:
     x = inputs("classify", 1)
     with _http(stack) as h, _grpc(stack) as g:
@@ -234,7 +272,8 @@ def test_node_statuses_map_to_protocol_errors(stack: Stack) -> None:
                       slo_ms=500, app_id=3),
             AppConfig(name="narrow", model="mobilenet_v2", input_shape=(3, 16, 16), num_classes=10,
                       slo_ms=500, app_id=1)]
-    with start_frontdoor(apps, stack.node.address, http_port=0, grpc_port=0, timeout_s=10) as door:
+    with start_frontdoor(apps, stack.node.address, http_port=0, grpc_port=0, timeout_s=10,
+                         ingest=stack.ingest) as door:
         assert door.http_url is not None and door.grpc_target is not None
         h = httpclient.InferenceServerClient(door.http_url.removeprefix("http://"))
         g = grpcclient.InferenceServerClient(door.grpc_target)

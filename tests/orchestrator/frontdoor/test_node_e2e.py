@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from apps.zoo import build_model
 from gpuprims.gather import preprocess
@@ -49,7 +53,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         n.stop()
 
 
-def test_tritonclient_through_a_real_node(node: Node) -> None:
+@pytest.mark.parametrize("via", ["pool", "udp"])
+def test_tritonclient_through_a_real_node(node: Node, via: str) -> None:
     assert node.ingest is not None
     cfg = node.cfg
     model = build_model("mobilenet_v2", seed=3, num_classes=10, input_shape=(3, 32, 32))
@@ -57,7 +62,8 @@ def test_tritonclient_through_a_real_node(node: Node) -> None:
     with torch.inference_mode():
         want = model(preprocess(torch.from_numpy(x), "float32")).numpy()
     before = node.ingest.counters()["requests_completed"]
-    with start_frontdoor(cfg.apps, ("127.0.0.1", node.ingest.ports[0]), http_port=0, grpc_port=0) as door:
+    with start_frontdoor(cfg.apps, ("127.0.0.1", node.ingest.ports[0]), http_port=0, grpc_port=0,
+                         ingest=node.ingest if via == "pool" else None) as door:
         assert door.http_url is not None and door.grpc_target is not None
         with httpclient.InferenceServerClient(door.http_url.removeprefix("http://")) as h:
             t = httpclient.InferInput("input", list(x.shape), "FP32")
@@ -76,6 +82,59 @@ def test_tritonclient_through_a_real_node(node: Node) -> None:
     while time.monotonic() < deadline and node.status()["apps"]["cls"]["ok"] < 8:
         node.step(20)  # the node's control loop takes the instance's heartbeats in
     assert node.status()["apps"]["cls"]["ok"] >= 8
+
+
+def test_an_instance_killed_holding_front_door_rows_answers_them_once(node: Node) -> None:
+    """The active instance is stopped, takes an HTTP inference's rows into its queue and is killed:
+    the supervisor replaces it and the ingest's reclaim hands the rows to the replacement (or answers
+    INSTANCE_FAILED): one answer per row, one reply to the client, whichever way. (A controlled
+    version with INSTANCE_FAILED every time is test_transport.py's.)"""
+    assert node.ingest is not None
+    st = next(s for s in node.instances.values() if s.app == "cls" and s.role == "active")
+    x = np.random.default_rng(1).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    before = node.ingest.counters()
+    replies: list[object] = []
+    with start_frontdoor(node.cfg.apps, ("127.0.0.1", node.ingest.ports[0]), http_port=0, grpc_port=None,
+                         timeout_s=300, ingest=node.ingest) as door:
+        assert door.http_url is not None and door.core is not None
+        url = door.http_url.removeprefix("http://")
+
+        def call() -> None:
+            with httpclient.InferenceServerClient(url, network_timeout=600) as h:
+                t = httpclient.InferInput("input", list(x.shape), "FP32")
+                t.set_data_from_numpy(x, binary_data=True)
+                try:
+                    replies.append(h.infer("cls", [t], parameters={"timeout": BUSY_DEADLINE_US}).as_numpy("logits"))
+                except InferenceServerException as e:
+                    replies.append(e)
+
+        os.kill(st.pid, signal.SIGSTOP)  # it holds what is delivered to it, and answers nothing
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 60
+        while node.ingest.counters()["requests_delivered"] - before["requests_delivered"] < 4:
+            assert time.monotonic() < deadline, "the rows never reached the instance"
+            time.sleep(0.01)
+        os.kill(st.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while t.is_alive() and time.monotonic() < deadline:
+            node.step(50)  # reaps the dead instance, starts its replacement, reclaims the rows
+            t.join(0.01)
+        assert not t.is_alive(), "no reply within 300 s"
+        assert len(replies) == 1
+        # The replacement may start after the rows' deadline on a busy machine: DEADLINE_MISSED then.
+        if isinstance(replies[0], InferenceServerException):
+            e = replies[0]
+            assert any(e.status() == code and name in str(e.message())
+                       for code, name in (("503", "INSTANCE_FAILED"), ("504", "DEADLINE_MISSED"))), e
+        else:
+            assert np.asarray(replies[0]).shape == (4, 10)
+        stats = door.core.stats["cls"].totals()["oip"]["statuses"]
+        assert sum(stats.values()) == 4 and set(stats) <= {"OK", "INSTANCE_FAILED", "DEADLINE_MISSED"}
+        c = node.ingest.counters()
+        assert c["local_submitted"] - before["local_submitted"] == 4
+        assert c["local_answered"] - before["local_answered"] == 4
+        assert door.core.transport.stray == 0  # type: ignore[attr-defined]
 
 
 def _free_tcp_port() -> int:

@@ -1,0 +1,238 @@
+"""bench/fleet: a fleet losing a machine, and what its clients see.
+
+A Ray cluster on this machine (``ray.cluster_utils.Cluster``, token authentication on: a head and two
+gpuprims machines with one CPU each), the fleet controller, one app (MobileNetV2 on 3x32x32 float32
+requests, CPU backend, 50 %) placed with a warm standby on the other machine. A ``FleetClient``
+sends Poisson traffic from a pool of threads; after ``--before`` seconds one fault hits the app's
+primary machine:
+
+- ``kill``: SIGKILL of the whole machine (its raylet, the agent, the orchestrator and its instances:
+  ``Cluster.remove_node(allow_graceful=False)``);
+- ``stop``: SIGSTOP of the same processes (a silent machine), SIGCONT after the run.
+
+Per run: seconds from the fault to the controller's suspicion, to the route flip (the first table
+version pushed after it), to Ray's confirmation, to the first OK of a request sent after the fault;
+sent / OK / errors / unanswered / duplicates suppressed at the client; p50/p99 latency before and
+after the fault. Targets (issue 25): suspicion <= 1.5 s, first OK <= 2 s, 0 unanswered, 0 answered
+twice. Reports, never asserts.
+
+Run: ``python -m bench.fleet [--quick] [--runs N] [--faults kill,stop]``. Needs the ``fleet`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import ray
+from ray._private.authentication_test_utils import reset_auth_token_state
+from ray.cluster_utils import Cluster
+
+from bench.common import load_note, percentiles, write_result
+from gpuprims.client import FleetClient, RequestLost
+from gpuprims.wire import Status
+from orchestrator.fleet.config import parse_fleet_config
+from orchestrator.fleet.controller import NAMESPACE, controller_actor, find_controller
+
+APP = {"name": "cls", "model": "mobilenet_v2", "input_shape": [3, 32, 32], "num_classes": 10, "seed": 3,
+       "slo_ms": 2000, "gpu_pct": 50, "max_batch": 4, "shadow": False}
+FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
+         "node": {"backend": "cpu", "pool": {"slot_count": 4096, "max_chunks": 64, "record_count": 512}},
+         "apps": [APP]}
+FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+               "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
+PLACE_TIMEOUT_S = 300.0
+
+
+def _placed(ctl: Any) -> dict[str, Any] | None:
+    try:
+        st = ray.get(ctl.status.remote(), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError):  # starting, or restarting
+        return None
+    a = st["apps"].get("cls")
+    if a is None or a.get("standby") is None:
+        return None
+    applied = {d.get("node") for d in st["decisions"] if d["action"] == "applied" and d["app"] == "cls"}
+    return st if {a["primary"]["node"], a["standby"]["node"]} <= applied else None
+
+
+def _pids_of(worker: Any, node_info: dict[str, Any]) -> list[int]:
+    pids = [p.process.pid for procs in worker.all_processes.values() for p in procs if p.process is not None]
+    return [*pids, int(node_info["pid"])]
+
+
+def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
+    token = secrets.token_hex(32)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
+    reset_auth_token_state()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "_system_config": FAST_HEALTH})
+    stopped: list[int] = []
+    try:
+        workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        ctl = controller_actor(parse_fleet_config(FLEET, source="bench"))
+        deadline = time.monotonic() + PLACE_TIMEOUT_S
+        st = None
+        while st is None and time.monotonic() < deadline:
+            st = _placed(ctl)
+            time.sleep(0.5)
+        if st is None:
+            raise RuntimeError(f"the app was not placed within {PLACE_TIMEOUT_S:g} s")
+        primary = st["apps"]["cls"]["primary"]["node"]
+        seeds = [f"http://{n['host']}:{n['routes_port']}" for n in st["nodes"].values()]
+        rng = np.random.default_rng(seed)
+        x = rng.random((3, 32, 32), dtype=np.float32)
+        rows: list[dict[str, Any]] = []
+        lock = threading.Lock()
+        with FleetClient(seeds, failover_s=0.5, timeout_s=10.0) as client:
+            while client.refresh() <= 0 or "cls" not in client.table["apps"]:
+                time.sleep(0.2)
+
+            def send() -> None:
+                t0 = time.time()
+                try:
+                    r = client.infer("cls", x)
+                    row = {"sent": t0, "done": time.time(), "status": Status(r.status).name,
+                           "latency_ms": r.latency_ms, "attempts": r.attempts}
+                except RequestLost:
+                    row = {"sent": t0, "done": time.time(), "status": "UNANSWERED"}
+                with lock:
+                    rows.append(row)
+
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
+            t_start = time.time()
+            t_fault = t_start + before_s
+            t_end = t_fault + after_s
+            faulted = False
+            futs = []
+            nxt = time.time()
+            while nxt < t_end:
+                now = time.time()
+                if not faulted and now >= t_fault:
+                    t_fault = now
+                    w = next(w for w in workers if w.node_id == primary)
+                    if fault == "kill":
+                        # The whole machine at once: its orchestrator (and instances, one process group),
+                        # the agent, then the raylet and the rest of the Ray node.
+                        info = st["nodes"][primary]
+                        for fn, pid in ((os.killpg, int(info["node_pid"])), (os.kill, int(info["pid"]))):
+                            try:
+                                fn(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                        cluster.remove_node(w, allow_graceful=False)
+                    else:
+                        for pid in _pids_of(w, st["nodes"][primary]):
+                            try:
+                                os.kill(pid, signal.SIGSTOP)
+                                stopped.append(pid)
+                            except ProcessLookupError:
+                                pass
+                        try:
+                            os.killpg(int(st["nodes"][primary]["node_pid"]), signal.SIGSTOP)
+                            stopped.append(-int(st["nodes"][primary]["node_pid"]))
+                        except ProcessLookupError:
+                            pass
+                    faulted = True
+                if now >= nxt:
+                    futs.append(pool.submit(send))
+                    nxt += rng.exponential(1.0 / rate_rps)
+                time.sleep(max(0.0, min(nxt, t_end) - time.time()))
+            concurrent.futures.wait(futs, timeout=60)
+            pool.shutdown(wait=True, cancel_futures=True)
+            duplicates, failovers = client.duplicates, client.failovers
+        decisions = ray.get(find_controller().status.remote(), timeout=30)["decisions"]
+    finally:
+        for pid in stopped:
+            try:
+                os.killpg(-pid, signal.SIGCONT) if pid < 0 else os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        try:
+            c = find_controller()
+            ray.get(c.shutdown.remote(), timeout=120)
+            ray.kill(c)
+        except Exception:
+            pass
+        ray.shutdown()
+        cluster.shutdown()
+
+    def first(action: str, after: float) -> float | None:
+        ts = [d["t"] for d in decisions if d["action"] == action and d["t"] >= after]
+        return round(min(ts) - t_fault, 3) if ts else None
+
+    t_suspect = first("suspect", t_fault)
+    flip = first("routes", t_fault + (t_suspect or 0.0))
+    after = [r for r in rows if r["sent"] >= t_fault]
+    oks_after = [r["done"] for r in after if r["status"] == "OK"]
+    before = [r["latency_ms"] for r in rows if r["sent"] < t_fault and r["status"] == "OK"]
+    later = [r["latency_ms"] for r in after if r["status"] == "OK"]
+    return {
+        "fault": fault, "time_to_suspect_s": t_suspect, "time_to_flip_s": flip,
+        "time_to_confirm_s": first("confirm_dead", t_fault),
+        "time_to_first_ok_s": round(min(oks_after) - t_fault, 3) if oks_after else None,
+        "sent": len(rows), "ok": sum(r["status"] == "OK" for r in rows),
+        "errors": sum(r["status"] not in ("OK", "UNANSWERED") for r in rows),
+        "unanswered": sum(r["status"] == "UNANSWERED" for r in rows),
+        "duplicates_suppressed": duplicates, "failovers": failovers,
+        "p50_ms_before": percentiles(before, (50,)).get("p50") if before else None,
+        "p99_ms_before": percentiles(before, (99,)).get("p99") if before else None,
+        "p50_ms_after": percentiles(later, (50,)).get("p50") if later else None,
+        "p99_ms_after": percentiles(later, (99,)).get("p99") if later else None,
+        "requests": rows, "decisions": decisions,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one short run per fault at a low rate")
+    ap.add_argument("--runs", type=int, default=10, help="runs per fault (ignored with --quick)")
+    ap.add_argument("--faults", default="kill,stop", help="comma-separated: kill, stop")
+    ap.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
+    args = ap.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    bad = sorted(set(faults) - {"kill", "stop"})
+    if bad:
+        ap.error(f"unknown fault(s) {bad}; choose from kill, stop")
+    runs = 1 if args.quick else args.runs
+    rate = 5.0 if args.quick else args.rate
+    before_s, after_s = (3.0, 8.0) if args.quick else (10.0, 20.0)
+    load_before = os.getloadavg()
+    results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for f in faults:
+        for i in range(runs):
+            try:
+                results.append(one_run(f, rate_rps=rate, before_s=before_s, after_s=after_s, seed=i))
+            except Exception as e:  # e.g. Ray's head not starting on an overloaded machine: reported, not hidden
+                print(f"run {i} of fault {f} could not run: {e}")
+                failed.append({"fault": f, "run": i, "error": str(e)})
+    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed)}
+    for f in faults:
+        rs = [r for r in results if r["fault"] == f]
+        for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
+            vals = [r[key] for r in rs if r[key] is not None]
+            summary[f"{f}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
+        for key in ("sent", "ok", "errors", "unanswered", "duplicates_suppressed"):
+            summary[f"{f}_{key}"] = sum(r[key] for r in rs)
+    notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
+             "FleetClient with failover_s 0.5." + (" QUICK run: a smoke test, not figures." if args.quick else "")
+             + load_note(load_before))
+    path = write_result("fleet", "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
+                        large_samples=True)
+    print(path)
+    for k, v in summary.items():
+        print(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

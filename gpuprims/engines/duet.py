@@ -1,0 +1,129 @@
+"""``engine: duet``: DUET's subgraph co-execution (docs/cpu-coexecution.md) behind the run seam.
+
+At :meth:`DuetEngine.prepare` the model is traced and cut into DUET's phases and subgraphs
+(:func:`gpuprims.coexec.fx_exec.partition`); every subgraph is timed alone, at ``max_batch`` rows, on
+the accelerator and on the CPU (:func:`~gpuprims.coexec.fx_exec.profile_subgraphs`, ``repeats`` runs
+each); DUET's greedy-correction planner (:func:`gpuprims.coexec.subgraph.duet`) places each subgraph on
+one of the two devices, falling back to the better single device when no split beats it; and a
+:class:`~gpuprims.coexec.fx_exec.SubgraphExecutor` is built for that placement. :meth:`run` runs a
+batch through it: phase by phase, the CPU-placed subgraphs of a phase on the executor's CPU worker
+while the caller's thread runs the accelerator-placed ones, tensors moved where they are used. The
+answer equals eager's (the same operators on the same tensors) and comes back on the CPU.
+
+The accelerator is ``cuda:<device>`` on the cuda backend (with PCIe transfers in the cost model) and
+the CPU on the cpu backend (and on the fake CUDA runtime): there both "devices" are this process's
+cores and torch's one intra-op pool, the two profiles are one measurement and the link costs nothing
+(:data:`gpuprims.coexec.graph.SHARED_MEMORY`). That shows the plan, the partitioning, the executor and
+equal answers; it does not show a speed-up (docs/cpu-coexecution.md).
+
+The module is built on the CPU from the app's source (the CPU subgraphs run on it; the accelerator
+gets its own copy), so Param-Share does not apply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from gpuprims.coexec.fx_exec import SubgraphExecutor, partition, profile_subgraphs
+from gpuprims.coexec.graph import CPU, GPU, PCIE, SHARED_MEMORY
+from gpuprims.coexec.subgraph import duet
+from gpuprims.engines.base import Engine, EngineError, ExportError, ModelSource, Progress, Target
+
+#: The largest ``repeats`` accepted (profiling runs per subgraph and device, at prepare).
+MAX_REPEATS = 1000
+
+
+def check_batch(kind: str, x: Any, source: ModelSource) -> None:
+    """Refuse, by name, a batch that is not float ``(n, C, H, W)`` with 1 <= n <= max_batch."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 4 or shape[1:] != source.input_shape or not 1 <= shape[0] <= source.max_batch:
+        raise EngineError(f"engine {kind!r} takes (n, {', '.join(map(str, source.input_shape))}) with "
+                          f"1 <= n <= {source.max_batch}, got {shape or type(x).__name__}")
+
+
+def check_repeats(kind: str, opts: Mapping[str, Any]) -> None:
+    r = opts["repeats"]
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_REPEATS:
+        raise EngineError(f"engine {kind!r} option repeats must be an integer in 1..{MAX_REPEATS}, got {r!r}")
+
+
+def accelerator(target: Target) -> Any:
+    """The accelerator of ``target`` for the co-execution engines: cuda:<i>, or the CPU on the cpu
+    backend and on the fake CUDA runtime (both "devices" are then the same cores)."""
+    from gpuprims.gather import torch_device
+
+    return torch_device(target.backend, target.device_index)
+
+
+def example_batch(source: ModelSource) -> Any:
+    """A seeded ``(max_batch, C, H, W)`` batch in [0, 1): what the planners profile with."""
+    import torch
+
+    return torch.rand((source.max_batch, *source.input_shape), generator=torch.Generator().manual_seed(source.seed))
+
+
+class DuetEngine(Engine):
+    """DUET's placement of the model's subgraphs on the accelerator and the CPU (module docstring)."""
+
+    kind = "duet"
+    option_defaults: ClassVar[Mapping[str, Any]] = {"repeats": 5}
+    #: The same operators on the same tensors as eager; rounding may differ by the thread a subgraph runs on.
+    tolerance = (1e-5, 1e-6)
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        opts = super().validate_options(options)
+        check_repeats(cls.kind, opts)
+        return opts
+
+    def _prepare(self, module: Any, progress: Progress | None) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        accel = accelerator(self.target)
+        cpu = torch.device("cpu")
+        model = self.source.build_module("cpu")
+        try:
+            part = partition(model)
+        except ValueError as e:
+            raise ExportError(f"engine 'duet' cannot partition {self.source.model!r}: {e}") from e
+        if progress is not None:
+            progress(f"duet: {len(part.subgraphs)} subgraph(s) in {len(part.phases())} phase(s); profiling", 0.1)
+        x = example_batch(self.source)
+        reps = self.options["repeats"]
+        on_cpu = profile_subgraphs(part, [x], device=cpu, repeats=reps, warmup=1)
+        same = accel == cpu
+        on_accel = on_cpu if same else profile_subgraphs(part, [x], device=accel, repeats=reps, warmup=1)
+        graph = part.task_graph({n: {GPU: on_accel[n]["latency_ms"], CPU: on_cpu[n]["latency_ms"]} for n in on_cpu},
+                                out_mb={n: v["out_mb"] for n, v in on_cpu.items()})
+        t1 = time.perf_counter()
+        plan = duet(graph, link=SHARED_MEMORY if same else PCIE)
+        planning_ms = (time.perf_counter() - t1) * 1e3
+        self.plan, self.partition = plan, part
+        self.executor = SubgraphExecutor(part, plan.placement, accel=accel)
+        self.info.build_ms = (time.perf_counter() - t0) * 1e3
+        self.info.extra.update({"plan": {
+            "accelerator": str(accel), "same_cores": same,
+            "subgraphs": len(part.subgraphs), "phases": len(part.phases()),
+            "placement": dict(plan.placement), "on_cpu": plan.on(CPU), "fallback": plan.fallback,
+            "estimated_ms": round(plan.makespan_ms, 3),
+            "baselines_ms": {d: round(v, 3) for d, v in plan.baselines.items()},
+            "profile_ms": {n: {GPU: round(on_accel[n]["latency_ms"], 3), CPU: round(on_cpu[n]["latency_ms"], 3)}
+                           for n in on_cpu},
+            "planning_ms": round(planning_ms, 3)}})
+        if progress is not None:
+            progress(f"duet: {len(plan.on(CPU))} of {len(part.subgraphs)} subgraph(s) on the CPU", 1.0)
+
+    def run(self, x: Any) -> Any:
+        if not self.prepared:
+            raise EngineError("engine 'duet' is not prepared: call prepare() before run()")
+        check_batch(self.kind, x, self.source)
+        return self.executor(x)
+
+    def close(self) -> None:
+        ex = self.__dict__.pop("executor", None)
+        if ex is not None:
+            ex.close()
+        super().close()

@@ -1,0 +1,272 @@
+"""``engine: onnxruntime``: the model exported to ONNX (:mod:`gpuprims.engines.onnx`) and run by ONNX Runtime.
+
+Options:
+
+- ``provider``: ``cpu`` (CPUExecutionProvider), ``cuda`` (CUDAExecutionProvider) or ``tensorrt``
+  (TensorrtExecutionProvider, CUDA for what TensorRT does not take). The GPU ones need the cuda backend
+  and the ``onnxruntime-gpu`` build; :meth:`OnnxRuntimeEngine.check` refuses them on the cpu backend.
+- ``optimization``: ONNX Runtime's graph optimization level, ``disable`` | ``basic`` | ``extended`` |
+  ``all`` (default).
+- ``precision``: ``fp32`` (default) or ``fp16`` (``tensorrt`` provider only: TensorRT's FP16 kernels).
+
+Threads: the session's intra-op pool has exactly the threads the app's share gives (``Target.threads``;
+the calling thread is one of them), one inter-op thread, sequential execution, and its threads do not
+spin while idle (``session.intra_op.allow_spinning=0``), so an idle app leaves its neighbour's core alone.
+
+Cache entry: the exported ``model.onnx`` and ONNX Runtime's optimized model ``model.opt.onnx`` (the graph
+after the chosen level's rewrites, written by ``SessionOptions.optimized_model_filepath``), so a later start
+exports nothing and loads the optimized graph with optimizations off. With the ``tensorrt`` provider the
+entry holds TensorRT's engine and timing caches instead of an optimized model (a graph with compiled
+TensorRT nodes cannot be saved as ONNX).
+
+On CUDA the engine runs with I/O binding: the input is bound where it lies on the device (the device
+batch GPU-DMA gathered, or :meth:`static_input`), the output into a preallocated device buffer, and the
+session computes on the target's stream (``user_compute_stream``) without synchronizing at the end of
+the run, so Sync-lite's event recorded after :meth:`run` is what the instance waits on. cupy is not
+needed for any of it: torch holds the buffers and gives their addresses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from gpuprims.cuda.event import stream_handle
+from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, Progress
+from gpuprims.engines.cache import EngineCache, engine_key
+from gpuprims.engines.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
+from gpuprims.gather import torch_device
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
+             "tensorrt": "TensorrtExecutionProvider"}
+#: ``optimization`` option -> onnxruntime.GraphOptimizationLevel member.
+OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+                       "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+PRECISIONS = ("fp32", "fp16")
+ONNX_FILE = "model.onnx"
+OPTIMIZED_FILE = "model.opt.onnx"
+TRT_DIR = "trt"
+
+
+def _ort() -> Any:
+    """The onnxruntime module (imported on use; tests hand in a recording stand-in here)."""
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _say(progress: Progress | None, message: str, fraction: float | None) -> None:
+    if progress is not None:
+        progress(message, fraction)
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity, which an instance's share sets)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class OnnxRuntimeEngine(Engine):
+    """An ONNX Runtime session over the exported model (see the module docstring)."""
+
+    kind = "onnxruntime"
+    option_defaults: ClassVar[dict[str, Any]] = {"provider": "cpu", "optimization": "all", "precision": "fp32"}
+    #: float32, CPU provider, every zoo model tests/gpuprims/engines/test_equal.py covers: the largest
+    #: difference measured is a few 1e-6 relative; the bound leaves room for other CPUs' kernels.
+    tolerance = (1e-3, 1e-4)
+    #: With ``precision: fp16`` (TensorRT): half precision keeps about 3 significant digits.
+    fp16_tolerance = (2e-2, 2e-2)
+    uses_torch_weights = False
+
+    @classmethod
+    def validate_options(cls, options: Any) -> dict[str, Any]:
+        opts = super().validate_options(options)
+        if opts["provider"] not in PROVIDERS:
+            raise EngineError(f"engine 'onnxruntime': provider must be one of {', '.join(PROVIDERS)}, "
+                              f"got {opts['provider']!r}")
+        if opts["optimization"] not in OPTIMIZATION_LEVELS:
+            raise EngineError(f"engine 'onnxruntime': optimization must be one of "
+                              f"{', '.join(OPTIMIZATION_LEVELS)}, got {opts['optimization']!r}")
+        if opts["precision"] not in PRECISIONS:
+            raise EngineError(f"engine 'onnxruntime': precision must be one of {', '.join(PRECISIONS)}, "
+                              f"got {opts['precision']!r}")
+        if opts["precision"] == "fp16" and opts["provider"] != "tensorrt":
+            raise EngineError(f"engine 'onnxruntime': precision 'fp16' needs provider 'tensorrt' (provider "
+                              f"{opts['provider']!r} runs the float32 model)")
+        return opts
+
+    @classmethod
+    def check(cls, backend: str, options: Any = None) -> None:
+        super().check(backend, options)
+        opts = cls.validate_options(options)
+        if opts["provider"] != "cpu" and backend != "cuda":
+            raise EngineUnavailable(f"engine 'onnxruntime' with provider {opts['provider']!r} needs the cuda "
+                                    f"backend; this node runs on {backend} (use provider 'cpu')")
+        if importlib.util.find_spec("onnxruntime") is None:
+            raise EngineUnavailable("engine 'onnxruntime' needs the onnxruntime package: "
+                                    "pip install 'gpuprims[onnx]'")
+
+    @property
+    def tolerance_now(self) -> tuple[float, float]:
+        """The tolerance that applies with this engine's options."""
+        return self.fp16_tolerance if self.options["precision"] == "fp16" else self.tolerance
+
+    @property
+    def threads(self) -> int:
+        return self.target.threads or default_threads()
+
+    @property
+    def on_device(self) -> bool:
+        """True when the session runs on the GPU (I/O binding on the device batch)."""
+        return self.options["provider"] != "cpu"
+
+    # -- build and load ----------------------------------------------------------------------------------
+    def _session_options(self, ort: Any, level: str) -> Any:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        # Idle pool threads block instead of spinning: they would burn the neighbouring app's core.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        so.log_severity_level = 3  # errors only: ORT's warnings go to stderr, not our log
+        return so
+
+    def _providers(self, trt_dir: Path | None) -> list[Any]:
+        provider = self.options["provider"]
+        if provider == "cpu":
+            return [PROVIDERS["cpu"]]
+        cuda: dict[str, str] = {"device_id": str(self.target.device_index)}
+        handle = stream_handle(self.target.stream)
+        if handle:  # ORT takes 0 (the legacy default stream) for "no stream given"
+            cuda.update(has_user_compute_stream="1", user_compute_stream=str(handle))
+        providers: list[Any] = [(PROVIDERS["cuda"], cuda)]
+        if provider == "tensorrt":
+            c, h, w = self.source.input_shape
+            top = self.source.max_batch
+            opt = max(1, top // 2)
+            trt = {**cuda, "trt_fp16_enable": "1" if self.options["precision"] == "fp16" else "0",
+                   "trt_engine_cache_enable": "1", "trt_timing_cache_enable": "1",
+                   "trt_profile_min_shapes": f"{INPUT_NAME}:1x{c}x{h}x{w}",
+                   "trt_profile_opt_shapes": f"{INPUT_NAME}:{opt}x{c}x{h}x{w}",
+                   "trt_profile_max_shapes": f"{INPUT_NAME}:{top}x{c}x{h}x{w}"}
+            if trt_dir is not None:
+                trt.update(trt_engine_cache_path=str(trt_dir), trt_timing_cache_path=str(trt_dir))
+            providers.insert(0, (PROVIDERS["tensorrt"], trt))
+        return providers
+
+    def _session(self, ort: Any, path: Path, level: str, trt_dir: Path | None, optimized_out: Path | None = None
+                 ) -> Any:
+        so = self._session_options(ort, level)
+        if optimized_out is not None:
+            so.optimized_model_filepath = str(optimized_out)
+        try:
+            return ort.InferenceSession(str(path), sess_options=so, providers=self._providers(trt_dir))
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise EngineError(f"engine 'onnxruntime' cannot load {self.source.model!r} "
+                              f"({path.name}, provider {self.options['provider']!r}): {type(e).__name__}: "
+                              f"{first}") from e
+
+    def _prepare(self, module: Any, progress: Progress | None) -> None:
+        ort = _ort()
+        provider = self.options["provider"]
+        available = list(ort.get_available_providers())
+        if PROVIDERS[provider] not in available:
+            raise EngineUnavailable(f"engine 'onnxruntime': provider {provider!r} ({PROVIDERS[provider]}) is not "
+                                    f"in this onnxruntime build (it has {', '.join(available)}); the GPU "
+                                    "providers need the onnxruntime-gpu package")
+        cache = self.cache if self.cache is not None else EngineCache()
+        key = engine_key(self, module, libraries=("onnxruntime", "onnx"))
+        level = OPTIMIZATION_LEVELS[self.options["optimization"]]
+
+        def build(tmp: Path) -> dict[str, Any]:
+            _say(progress, f"exporting {self.source.model} to ONNX", 0.0)
+            meta = export_onnx(module, self.source, tmp / ONNX_FILE)
+            _say(progress, f"optimizing {self.source.model} with ONNX Runtime ({provider})", 0.5)
+            if provider == "tensorrt":
+                (tmp / TRT_DIR).mkdir()
+                self._session(ort, tmp / ONNX_FILE, level, tmp / TRT_DIR)  # builds the TensorRT plan
+            else:
+                self._session(ort, tmp / ONNX_FILE, level, None, optimized_out=tmp / OPTIMIZED_FILE)
+            _say(progress, f"built the onnxruntime engine of {self.source.model}", 1.0)
+            return meta
+
+        entry = cache.get_or_build(key, build, progress=progress)
+        t0 = time.perf_counter()
+        optimized = entry.file(OPTIMIZED_FILE)
+        if optimized.is_file():  # already rewritten at the chosen level: load it as it is
+            self.session = self._session(ort, optimized, "ORT_DISABLE_ALL", None)
+        else:
+            trt_dir = entry.file(TRT_DIR) if provider == "tensorrt" else None
+            self.session = self._session(ort, entry.file(ONNX_FILE), level, trt_dir)
+        self.output_shape = tuple(int(d) for d in entry.meta.get("output_shape", ()))
+        if self.on_device:
+            self._bind(ort)
+        self.info = BuildInfo(fingerprint=entry.key, cache_hit=entry.hit, build_ms=0.0 if entry.hit else entry.build_ms,
+                              load_ms=(time.perf_counter() - t0) * 1e3, artefact=str(entry.path),
+                              extra={"provider": provider, "threads": self.threads,
+                                     "exporter": entry.meta.get("exporter"), "opset": entry.meta.get("opset")})
+
+    def _bind(self, ort: Any) -> None:
+        """The device buffers I/O binding uses: the static input and the preallocated output."""
+        import torch
+
+        device = torch_device(self.target.backend, self.target.device_index)
+        top = self.source.max_batch
+        self._input = torch.empty((top, *self.source.input_shape), dtype=torch.float32, device=device)
+        self._output = torch.empty((top, *self.output_shape), dtype=torch.float32, device=device)
+        self._binding = self.session.io_binding()
+        self._run_options = ort.RunOptions()
+        # Sync-lite waits on an event recorded after run(); ORT need not block the host at the end of it.
+        self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+    # -- serving -----------------------------------------------------------------------------------------
+    def static_input(self) -> Any:
+        return self._input if self.on_device and self.prepared else None
+
+    def run(self, x: Any) -> Any:
+        import torch
+
+        if not self.prepared:
+            raise EngineError("engine 'onnxruntime' is not prepared: call prepare() first")
+        n = int(x.shape[0])
+        if not 1 <= n <= self.source.max_batch:
+            raise EngineError(f"engine 'onnxruntime': batch of {n} is outside 1..{self.source.max_batch} "
+                              f"(max_batch of {self.source.model!r})")
+        if x.dtype != torch.float32:
+            x = x.float()
+        if self.on_device:
+            return self._run_bound(x, n)
+        out = self.session.run([OUTPUT_NAME], {INPUT_NAME: x.detach().cpu().contiguous().numpy()})[0]
+        y = torch.from_numpy(out)
+        return y if x.device.type == "cpu" else y.to(x.device)
+
+    def _run_bound(self, x: Any, n: int) -> Any:
+        if x.device != self._input.device:
+            x = x.to(self._input.device)
+        x = x.contiguous()
+        out = self._output[:n]
+        b = self._binding
+        b.bind_input(name=INPUT_NAME, device_type="cuda", device_id=self.target.device_index,
+                     element_type=np.float32, shape=tuple(x.shape), buffer_ptr=x.data_ptr())
+        b.bind_output(name=OUTPUT_NAME, device_type="cuda", device_id=self.target.device_index,
+                      element_type=np.float32, shape=tuple(out.shape), buffer_ptr=out.data_ptr())
+        self.session.run_with_iobinding(b, self._run_options)
+        return out  # a view of the preallocated output: valid until the next run()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "tolerance": list(self.tolerance_now), "threads": self.threads}
+
+    def close(self) -> None:
+        for name in ("session", "_binding", "_run_options", "_input", "_output"):
+            self.__dict__.pop(name, None)
+        super().close()

@@ -1,0 +1,382 @@
+"""The node's model repository: load and unload apps while it runs (the OIP model-repository extension).
+
+A controller (the fleet's agent, a Kubernetes operator, an operator's script) drives a node through
+three calls, served on the HTTP front door (``orchestrator/frontdoor/repository.py``, docs/oip.md):
+``index``, ``load`` (with the app's apps.yaml entry) and ``unload``. Each call becomes an operation
+the node's loop advances, step by step, never waiting inside the loop (like a change of share):
+
+- **load of a new app**: the entry is validated exactly as an apps.yaml entry is (the whole config
+  with it added goes through :func:`orchestrator.config.parse_config`), its share must fit its GPU,
+  then its instances start (role ``loading``: not routed to, not replaced if they die); once every
+  one is READY they become active, the app is routed to, its shadow starts and the front door lists
+  it. An instance that fails, or a start that outlasts ``ready_timeout_s``, fails the load: what it
+  started is killed and the node is as it was.
+- **load of a running app**: a change, not a restart. The same entry is a no-op; an entry that
+  differs in ``gpu_pct`` only is an Overlapped-Execution change of share; anything else is refused
+  (unload it first or load it under another name), and in every failure the old app keeps serving.
+- **unload**: the route goes first (new requests for it are dropped and counted as unknown app, as
+  for any app the node does not host), the front door stops listing it, its actives drain what they
+  hold (<2, Finish>) and exit, its shadow is killed; the app is gone once its last process is.
+
+Callers on other threads (the front door's) :meth:`Repository.submit` and get a
+``concurrent.futures.Future``; only the node's loop touches the node.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from apps.zoo.names import NAMES
+from orchestrator.config import AppConfig, ConfigError, NodeConfig, parse_config
+from orchestrator.errors import ChangeError, SupervisionError
+from orchestrator.placement import Placement
+from orchestrator.reconfig import Change, Phase
+from orchestrator.state import AppState, InstanceState
+
+log = logging.getLogger("gpuprims.node")
+
+#: The role of an instance started by a load until every instance of the load is READY.
+LOADING_ROLE = "loading"
+#: How long a failed load waits for the Error message of an instance that exited.
+ERROR_GRACE_S = 2.0
+#: Error kinds (the front door maps them to HTTP codes).
+KINDS = ("invalid", "not_found", "unavailable")
+
+
+class RepositoryError(Exception):
+    """A repository call that cannot be done; ``kind`` is one of :data:`KINDS`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown repository error kind {kind!r}")
+        self.kind = kind
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.kind, str(self)))
+
+
+class RepositoryHost(Protocol):
+    """What an operation may use of the node (the node implements it)."""
+
+    cfg: NodeConfig
+    apps: dict[str, AppState]
+    instances: dict[str, InstanceState]
+    placement: Placement
+    ready_timeout_s: float
+    stop_timeout_s: float
+    last_errors: dict[str, str]
+
+    @property
+    def changes(self) -> Iterable[Change]: ...
+
+    def spawn_loading(self, app: AppConfig, index: int, gpu_pct: int) -> InstanceState: ...
+    def activate(self, app_name: str, instances: list[InstanceState]) -> None: ...
+    def unroute(self, app_name: str) -> None: ...
+    def finish(self, st: InstanceState) -> None: ...
+    def kill(self, st: InstanceState, role: str = "stopping") -> None: ...
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = ..., method: str = ...,
+                reason: str | None = None) -> Change: ...
+    def publish_model(self, app: AppConfig) -> None: ...
+    def withdraw_model(self, name: str) -> None: ...
+    def record(self, event: dict[str, Any]) -> None: ...
+
+
+def validate_entry(cfg: NodeConfig, apps: Mapping[str, AppState], name: str, entry: Any) -> AppConfig:
+    """The app ``entry`` (an apps.yaml ``apps:`` item) for ``name``, validated as in apps.yaml next to
+    the node's other apps; RepositoryError(invalid) naming the key and what is wrong."""
+    source = f"load of {name!r}"
+    if not isinstance(entry, Mapping):
+        raise RepositoryError("invalid", f"{source}: the config must be a JSON object of apps.yaml app keys, "
+                                         f"got {type(entry).__name__}")
+    entry = dict(entry)
+    if entry.setdefault("name", name) != name:
+        raise RepositoryError("invalid", f"{source}: config name {entry['name']!r} differs from the model "
+                                         f"name in the URL {name!r}")
+    for key, why in (("port", "the ingest's ports are fixed at start; send to the node's listen port"),
+                     ("overflow", "CPU overflow pools are planned at start; put the app in apps.yaml")):
+        if key in entry and entry[key] not in (None, "none"):
+            raise RepositoryError("invalid", f"{source}: {key}: cannot be given in a load ({why})")
+    if name in apps and "app_id" not in entry:
+        entry["app_id"] = apps[name].cfg.app_id  # a running app keeps its wire id
+    others = [a.cfg.model_dump() for n, a in apps.items() if n != name]
+    data = {"node": cfg.node.model_dump(), "apps": [*others, entry]}
+    try:
+        new = parse_config(data, source=source, known_models=set(NAMES)).apps[-1]
+    except ConfigError as e:
+        here = f"apps[{len(others)}]"
+        lines = [f"{key.replace(here, 'config', 1)}: {what}" if key else what for key, what in e.problems
+                 if not key or key.startswith(here) or key == "apps"]
+        raise RepositoryError("invalid", f"{source}: " + "; ".join(lines or [str(e)])) from None
+    return new
+
+
+@dataclass
+class Operation:
+    """One repository call the node's loop advances; ``future`` gets its result dict or its error."""
+
+    kind: str  # load | unload
+    name: str
+    entry: Any
+    future: concurrent.futures.Future[dict[str, Any]]
+    started: float = field(default_factory=time.monotonic)
+    phase: str = "pending"
+    new: AppConfig | None = None
+    mine: list[str] = field(default_factory=list)  # instances this operation started
+    change: Change | None = None
+    created: bool = False  # this load added the app to the node
+    error: RepositoryError | None = None
+    deadline: float = 0.0
+    exit_seen: float | None = None  # when an instance of the load was first seen gone
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def mine_alive(self, host: RepositoryHost) -> bool:
+        """True while an instance this operation started is still in the node's table."""
+        return any(n in host.instances for n in self.mine)
+
+    def ok(self, message: str) -> None:
+        self.phase = "done"
+        log.info("repository: %s %s: %s", self.kind, self.name, message)
+        self.future.set_result({"name": self.name, "kind": self.kind, "message": message})
+
+    def fail(self, err: RepositoryError) -> None:
+        self.phase = "failed"
+        log.warning("repository: %s %s failed: %s", self.kind, self.name, err)
+        self.future.set_exception(err)
+
+
+class Repository:
+    """The node's repository operations (see the module docstring)."""
+
+    def __init__(self, host: RepositoryHost) -> None:
+        self.host = host
+        self._inbox: queue.SimpleQueue[Operation] = queue.SimpleQueue()
+        self.running: dict[str, Operation] = {}
+        self.recent: list[dict[str, Any]] = []
+        self._closed = False
+
+    # -- any thread ------------------------------------------------------------------------------------
+    def submit(self, kind: str, name: str, entry: Any = None) -> concurrent.futures.Future[dict[str, Any]]:
+        """Queue a ``load`` (``entry``: the app's config, or None to load what is there) or ``unload``."""
+        if kind not in ("load", "unload"):
+            raise ValueError(f"kind must be 'load' or 'unload', got {kind!r}")
+        fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        if self._closed:
+            fut.set_exception(RepositoryError("unavailable", "the node is stopping"))
+            return fut
+        self._inbox.put(Operation(kind, name, entry, fut))
+        return fut
+
+    @property
+    def busy(self) -> set[str]:
+        """Apps a load or unload is working on (no shadow refill for them meanwhile)."""
+        return set(self.running)
+
+    # -- the node's loop ---------------------------------------------------------------------------------
+    def advance(self) -> None:
+        """Take new calls and advance every running operation one step (never waits)."""
+        while True:
+            try:
+                op = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op.name in self.running:
+                op.fail(RepositoryError("unavailable", f"a {self.running[op.name].kind} of {op.name!r} is "
+                                                       "still running; retry when it ends"))
+                continue
+            self.running[op.name] = op
+        for name, op in list(self.running.items()):
+            if op.error is None:
+                try:
+                    self._step(op)
+                except RepositoryError as e:
+                    self._abort(op, e)
+            if op.error is not None and not op.mine_alive(self.host):
+                # Answered only once what it started is gone: the node is as it was before the call.
+                if op.created and name in self.host.apps:
+                    del self.host.apps[name]
+                if not op.done:
+                    op.fail(op.error)
+            if op.done:
+                del self.running[name]
+                self.recent = [*self.recent[-19:], {"kind": op.kind, "app": name, "phase": op.phase,
+                                                    "error": str(op.error) if op.error else None}]
+
+    def close(self) -> None:
+        """Refuse new calls and fail the running ones (the node is stopping)."""
+        self._closed = True
+        self.advance_inbox_only()
+        for op in self.running.values():
+            if not op.done:
+                op.fail(RepositoryError("unavailable", "the node is stopping"))
+        self.running.clear()
+
+    def advance_inbox_only(self) -> None:
+        while True:
+            try:
+                op = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            op.fail(RepositoryError("unavailable", "the node is stopping"))
+
+    def _abort(self, op: Operation, err: RepositoryError) -> None:
+        """Kill what the operation started; :meth:`advance` answers once they are gone."""
+        op.error = err
+        op.phase = "failing"
+        for name in op.mine:
+            st = self.host.instances.get(name)
+            if st is not None and st.alive:
+                self.host.kill(st)
+
+    # -- the operations ----------------------------------------------------------------------------------
+    def _step(self, op: Operation) -> None:
+        h = self.host
+        if op.kind == "unload":
+            self._unload(op)
+        elif op.phase == "pending":
+            self._start_load(op)
+        elif op.phase == "changing":
+            assert op.change is not None
+            ch = op.change
+            if ch.phase.terminal:
+                if ch.phase is not Phase.DONE:
+                    raise RepositoryError("unavailable", f"the change of {op.name!r} failed, the old instances "
+                                                         f"keep serving: {ch.message()}")
+                assert op.new is not None
+                h.apps[op.name].cfg = op.new
+                h.publish_model(op.new)
+                op.ok(f"changed to {op.new.gpu_pct}% by Overlapped-Execution (change {ch.id})")
+        elif op.phase == "starting":
+            self._await_ready(op)
+
+    def _start_load(self, op: Operation) -> None:
+        h = self.host
+        if h.placement.scheduled:
+            raise RepositoryError("invalid", f"node.scheduler is {h.cfg.node.scheduler!r}: the live scheduler is "
+                                             "planned at start; put the app in apps.yaml")
+        current = h.apps.get(op.name)
+        if op.entry is None:
+            if current is None:
+                raise RepositoryError("invalid", f"{op.name!r} is not loaded; a load of a new app needs its "
+                                                 "config (parameters.config)")
+            op.ok("already loaded")
+            return
+        new = validate_entry(h.cfg, h.apps, op.name, op.entry)
+        op.new = new
+        if current is not None:
+            self._load_running(op, current, new)
+            return
+        n = new.instances if isinstance(new.instances, int) else 1
+        dev = h.cfg.gpu_of(new) if h.placement.backend == "cuda" else 0
+        held = sum(a.gpu_pct * a.instances for nm, a in h.apps.items() if h.placement.device_of(nm) == dev)
+        pct = new.gpu_pct if isinstance(new.gpu_pct, int) else (100 - held) // n
+        if new.is_dag and not isinstance(new.gpu_pct, int):
+            pct = min(100, new.fixed_pct_per_instance() or pct)
+        where = f"GPU {dev}" if h.placement.backend == "cuda" else "the CPU device"
+        if pct < 1 or (held + pct * n > 100 and not h.cfg.node.allow_oversubscribe):
+            raise RepositoryError("invalid", f"load of {op.name!r}: {where} has {max(0, 100 - held)}% left, the app "
+                                             f"asks {pct}% x {n} instance(s); lower gpu_pct or place it on "
+                                             "another GPU")
+        h.apps[op.name] = AppState(cfg=new, gpu_pct=pct, instances=n)
+        op.created = True
+        op.deadline = time.monotonic() + h.ready_timeout_s
+        op.phase = "starting"
+        self._spawn(op, 0)
+        h.record({"event": "repository_load", "app": op.name, "gpu_pct": pct, "instances": n})
+
+    def _spawn(self, op: Operation, index: int) -> None:
+        assert op.new is not None
+        h = self.host
+        try:
+            st = h.spawn_loading(op.new, index, h.apps[op.name].gpu_pct)
+        except SupervisionError as e:
+            raise RepositoryError("unavailable", f"load of {op.name!r}: {e}") from None
+        op.mine.append(st.name)
+
+    def _await_ready(self, op: Operation) -> None:
+        h = self.host
+        mine = [h.instances.get(n) for n in op.mine]
+        for name, st in zip(op.mine, mine):
+            why = (st.error if st is not None else None) or h.last_errors.get(name)
+            if why is None and (st is None or not st.alive):
+                # Its Error message can trail its exit on a busy machine: give it a moment.
+                op.exit_seen = op.exit_seen or time.monotonic()
+                if time.monotonic() - op.exit_seen < ERROR_GRACE_S:
+                    return
+                why = "it exited before READY (see the node's log)"
+            if why is not None:
+                raise RepositoryError("invalid", f"load of {op.name!r}: instance {name} failed to start: {why}; "
+                                                 "the node is as it was")
+        if time.monotonic() > op.deadline:
+            raise RepositoryError("unavailable", f"load of {op.name!r}: not READY within {h.ready_timeout_s:.0f} s "
+                                                 "(the node's ready_timeout_s)")
+        if not all(st is not None and st.ready for st in mine):
+            return
+        n = h.apps[op.name].instances
+        if len(op.mine) < n:  # the first one exported the weights (Param-Share); the others map them
+            for i in range(len(op.mine), n):
+                self._spawn(op, i)
+            return
+        assert op.new is not None
+        h.activate(op.name, [st for st in mine if st is not None])
+        h.publish_model(op.new)
+        op.mine = []  # serving now: the node owns them
+        op.ok(f"loaded: {n} instance(s) at {h.apps[op.name].gpu_pct}%")
+
+    def _load_running(self, op: Operation, current: AppState, new: AppConfig) -> None:
+        h = self.host
+        old = current.cfg.model_dump()
+        want = new.model_dump()
+        differ = sorted(k for k in want if want[k] != old.get(k) and k != "gpu_pct")
+        if differ:
+            raise RepositoryError("invalid", f"load of running app {op.name!r}: only gpu_pct can change while it "
+                                             f"serves (an Overlapped-Execution change); {', '.join(differ)} "
+                                             "differ: unload it first, or load it under another name")
+        if not isinstance(new.gpu_pct, int) or new.gpu_pct == current.gpu_pct:
+            current.cfg = new
+            op.ok("unchanged")
+            return
+        try:
+            op.change = h.set_gpu(op.name, new.gpu_pct, origin="repository", reason="repository load")
+        except ChangeError as e:
+            raise RepositoryError("invalid", f"load of running app {op.name!r}: {e}") from None
+        op.phase = "changing"
+
+    def _unload(self, op: Operation) -> None:
+        h = self.host
+        if op.phase == "pending":
+            if op.name not in h.apps:
+                raise RepositoryError("not_found", f"no app named {op.name!r} is loaded; apps: "
+                                                   f"{', '.join(sorted(h.apps)) or 'none'}")
+            if any(not ch.phase.terminal for ch in h.changes if ch.app == op.name):
+                raise RepositoryError("unavailable", f"a change of share of {op.name!r} is running; unload "
+                                                     "it when the change ends")
+            h.unroute(op.name)
+            h.withdraw_model(op.name)
+            for st in list(h.instances.values()):
+                if st.app != op.name:
+                    continue
+                if st.role == "active" and st.ready:
+                    h.finish(st)
+                else:
+                    h.kill(st)
+            op.phase = "draining"
+            op.deadline = time.monotonic() + h.stop_timeout_s
+            h.record({"event": "repository_unload", "app": op.name})
+        left = [st for st in h.instances.values() if st.app == op.name]
+        if left and time.monotonic() > op.deadline:
+            for st in left:
+                h.kill(st)
+        if not left:
+            del h.apps[op.name]
+            op.ok("unloaded")
+

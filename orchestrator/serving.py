@@ -1,0 +1,477 @@
+"""The serving loop of one instance: its queue, the batching decision and the data path's seams.
+
+An :class:`orchestrator.instance.Instance` (the process) owns one :class:`ServingLoop`, which owns the
+instance's consumer queue of the packet pool and serves it through the app's
+:class:`orchestrator.runner.AppRunner` (the model): take complete requests from the ring into a local
+queue, answer those that can no longer meet their deadline with DEADLINE_MISSED (:meth:`ServingLoop._expire`),
+give up the head of a backlog that would hold the instance to small batches (:meth:`ServingLoop._early_drop`),
+form a batch as large as the deadline allows (``gpuprims.batching``), and send it through one seam per
+step of the data path: :meth:`ServingLoop.gather`, :meth:`ServingLoop.run`, :meth:`ServingLoop._answer`
+(errors through :meth:`ServingLoop.fail`).
+
+Under the node's scheduler (dispatched mode) the loop does not batch on its own: :meth:`ServingLoop.run_batch`
+serves exactly what a ``RunBatch`` names. :meth:`ServingLoop.drain` serves what is queued before the
+instance ends (Finish, Shutdown).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpuprims.batching import BatchPolicy
+from gpuprims.gather import Gatherer
+from gpuprims.pool import RECORD_DTYPE, PacketPool
+from gpuprims.stats import RequestHistograms, StageClock
+from gpuprims.wire import DType, Status
+from orchestrator.messages import BatchDone, RunBatch
+from orchestrator.runner import AppRunner
+from orchestrator.spec import InstanceSpec
+
+#: After this long without running a batch, a request is served even if the latency model predicts
+#: it will miss (see ServingLoop._expire).
+PROBE_AFTER_S = 1.0
+#: The latency model forgets batch times older than this: a spell of slow batches (a shadow starting
+#: beside the instance, a neighbour's burst) stops predicting misses seconds after it ends, instead of
+#: after a whole window of new measurements of each size, which at one probe a second took half a
+#: minute of DEADLINE_MISSED answers (measured in bench/overlap).
+LATENCY_MEMORY_S = 5.0
+#: How many batches deep (x max_batch) an instance looks for a backlog's early drop.
+EARLY_DROP_SCAN = 4
+#: The most requests one poll of the ring takes into the local queue.
+PULL_MAX = 64
+
+log = logging.getLogger("gpuprims.instance")
+
+
+class LatencyStats:
+    """Counters and a bounded reservoir of recent latencies for the heartbeat."""
+
+    def __init__(self, slo_ms: float, window: int = 4096) -> None:
+        self.slo_ms = slo_ms
+        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self.model_ms: collections.deque[float] = collections.deque(maxlen=512)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self.busy_ms = 0.0  # time spent running the model
+        self.hist = RequestHistograms()  # request, queue and compute durations (Prometheus histograms)
+        self.stages = StageClock()  # per-batch stage breakdown (gpuprims.stats.STAGES)
+        self.started = time.monotonic()
+        # The data path's view of a switch (CLOCK_MONOTONIC ns, the same clock in every process):
+        # when the first request this instance took had arrived, when it answered first and last, and
+        # the model time of that first answered batch.
+        self.first_request_ns = 0
+        self.first_ok_ns = 0
+        self.last_ok_ns = 0
+        self.first_model_ms: float | None = None
+
+    def mark_answered(self, model_ms: float) -> None:
+        """Note a batch just answered OK (and the model's run time for it)."""
+        now = time.monotonic_ns()
+        if not self.first_ok_ns:
+            self.first_ok_ns = now
+            self.first_model_ms = round(model_ms, 3)
+        self.last_ok_ns = now
+
+    def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
+        lat = np.asarray(self.latencies_ms, dtype=float)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        ok = self.counts["ok"]
+        within = self.counts["within_slo"]
+        served = ok + self.counts["deadline_missed"] + self.counts["error"]
+        return {
+            "received": self.counts["received"],
+            "ok": ok,
+            "deadline_missed": self.counts["deadline_missed"],
+            "early_dropped": self.counts["early_dropped"],  # of deadline_missed: given up on under a backlog
+            "errors": self.counts["error"],
+            "within_slo": within,
+            "slo_attainment": (within / served) if served else None,
+            "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+            "model_p50_ms": float(np.median(self.model_ms)) if self.model_ms else None,
+            "arrival_rps": self.counts["received"] / elapsed,
+            "service_rps": served / elapsed,
+            "queue_len": queue_len,
+            "held": held,
+            "busy_ms": self.busy_ms,
+            "batches": sum(self.batch_sizes.values()),
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "hist": self.hist.to_wire(),
+            "stages": self.stages.snapshot(),
+            "first_request_ns": self.first_request_ns,
+            "first_ok_ns": self.first_ok_ns,
+            "last_ok_ns": self.last_ok_ns,
+            "first_model_ms": self.first_model_ms,
+            "uptime_s": elapsed,
+        }
+
+class ServingLoop:
+    """The serving loop of one instance (see the module docstring): the queue, the batching policy,
+    the statistics and the gather / run / answer seams. The model is the runner's."""
+
+    def __init__(self, spec: InstanceSpec, pool: PacketPool, runner: AppRunner) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.runner = runner
+        self.consumer = pool.consumer(spec.consumer)
+        self.policy = BatchPolicy(spec.max_batch, spec.max_wait_ms, spec.slo_ms, margin_ms=0.3)
+        self.stats = LatencyStats(spec.slo_ms)
+        self.queue: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
+        self.wire_dtype = int(DType.UINT8 if spec.dtype == "uint8" else DType.FLOAT32)
+        # Wire dtypes a body may name (by code): the app's, or untyped BYTES.
+        self._dtype_ok = np.zeros(256, dtype=bool)
+        self._dtype_ok[[self.wire_dtype, int(DType.BYTES)]] = True
+        self._last_served = 0.0
+        # Dispatched mode: requests routed to a later DAG stage, held until a RunBatch for it.
+        self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
+        self._last_error: str | None = None
+        self.gatherer: Gatherer | None = None
+
+    def attach(self, gatherer: Gatherer) -> None:
+        """Take the gather step the runner made for the device (at init_compute)."""
+        self.gatherer = gatherer
+        gatherer.clock = self.stats.stages
+
+    def held(self) -> int:
+        """Requests taken off the ring and not answered yet (local queue and later DAG stages)."""
+        return len(self.queue) + sum(len(q) for q in self.stage_queues.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The loop's statistics for a heartbeat: the ring's depth plus what it holds."""
+        held = self.held()
+        return self.stats.snapshot(self.consumer.depth() + held, held)
+
+
+    # -- the queue -----------------------------------------------------------------------------------
+    def _pull(self, timeout_ms: float) -> int:
+        """Take up to PULL_MAX complete requests into the local queue; returns how many."""
+        recs = self.consumer.poll(PULL_MAX, timeout_ms)
+        if recs.size:
+            if not self.stats.stages.running:
+                self.stats.stages.start()  # the next batch's clock starts when its first request is taken
+            info = self.pool.requests(recs)
+            self.policy.note_arrivals((info["complete_ns"] / 1e6).tolist())  # whether waiting will pay
+            self.stats.counts["received"] += int(recs.size)
+            if not self.stats.first_request_ns:
+                self.stats.first_request_ns = int(info["first_ns"].min())
+            for r, row in zip(recs.tolist(), info):
+                self.queue.append((r, row))
+        return int(recs.size)
+
+    def _deadline_ms(self, row: np.ndarray) -> float:
+        d = int(row["deadline_us"])
+        return d / 1e3 if d else self.spec.slo_ms
+
+    def _expire(self, now_ns: int) -> None:
+        """Answer queued requests that cannot meet their deadline any more, oldest first.
+
+        A request past its deadline always expires. One that the latency model predicts will miss
+        expires only while that prediction is fresh (a batch ran within ``PROBE_AFTER_S``): otherwise
+        one slow measurement could make every later request look hopeless, nothing would run, and
+        the model would never learn that the instance is fast again. After that long without serving,
+        the next request is let through as a probe. Batch times older than ``LATENCY_MEMORY_S`` are
+        forgotten first.
+        """
+        now_s = time.monotonic()
+        self.policy.model.forget(now_s - LATENCY_MEMORY_S)
+        predictive = now_s - self._last_served < PROBE_AFTER_S
+        expired = []
+        while self.queue:
+            row = self.queue[0][1]
+            age_ms = max(0.0, (now_ns - int(row["first_ns"])) / 1e6)
+            deadline_ms = self._deadline_ms(row)
+            if age_ms < deadline_ms and not (predictive and self.policy.expired(age_ms, deadline_ms)):
+                break
+            expired.append(self.queue.popleft())
+        if expired:
+            self.fail(np.array([r for r, _ in expired], np.uint32),
+                      np.array([row for _, row in expired], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+
+    def _early_drop(self, now_ns: int) -> None:
+        """Under a backlog, answer DEADLINE_MISSED the head requests whose deadline would hold the
+        instance to small batches while a full batch behind them can still be served in time
+        (`BatchPolicy.early_drop`). Looks at most ``EARLY_DROP_SCAN`` batches deep."""
+        if len(self.queue) <= self.spec.max_batch or not self.policy.model.known:
+            return
+        row0 = self.queue[0][1]
+        if (now_ns - int(row0["first_ns"])) / 1e6 + self.policy.predict(self.spec.max_batch) <= self._deadline_ms(row0):
+            return  # a full batch fits the oldest request: no backlog to cut (the common case, kept cheap)
+        head = [self.queue[i][1] for i in range(min(len(self.queue), EARLY_DROP_SCAN * self.spec.max_batch))]
+        ages = [max(0.0, (now_ns - int(row["first_ns"])) / 1e6) for row in head]
+        k = self.policy.early_drop(ages, [self._deadline_ms(row) for row in head])
+        if k:
+            dropped = [self.queue.popleft() for _ in range(k)]
+            self.stats.counts["early_dropped"] += k
+            self.fail(np.array([r for r, _ in dropped], np.uint32),
+                      np.array([row for _, row in dropped], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+
+    # -- the data path: one seam per step (gather, run, answer) ---------------------------------------------
+    def gather(self, items: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, Any] | None:
+        """The seam every serving mode gathers through: ``(records, rows, batch)`` for the requests in
+        ``items``, the batch model-ready on the instance's device; requests whose body is not the app's
+        input size are answered BAD_REQUEST here. None when nothing is left to run.
+
+        A record stays held until its answer is published to the answer ring, and the ingest is the only
+        sender: if this process dies first, the ingest requeues the request or answers it
+        INSTANCE_FAILED, so every request is answered exactly once.
+        """
+        recs = np.array([r for r, _ in items], np.uint32)
+        info = np.array([row for _, row in items], dtype=RECORD_DTYPE)
+        # The body must be the app's input: its size, and its wire dtype when it names one (a uint8 body of
+        # a float32 app's byte size is not a float32 image; untyped BYTES bodies are taken as the app's).
+        bad = (info["total_len"] != self.row_bytes) | ~self._dtype_ok[info["dtype"]]
+        if bad.any():
+            self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
+            recs, info = recs[~bad], info[~bad]
+        if not recs.size:
+            return None
+        assert self.gatherer is not None
+        x = self.gatherer.gather(recs)  # valid until the next gather
+        if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
+            ok = self.gatherer.statuses == 0
+            self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
+            recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]
+            if not recs.size:
+                return None
+        return recs, info, x
+
+    def run(self, fn: Any, x: Any) -> Any:
+        """The seam every serving mode runs a model through: ``fn(x)`` without autograd; on CUDA its
+        completion is awaited with Sync-lite (event polling with the GIL released)."""
+        return self.runner.run(fn, x)
+
+    def fail(self, recs: np.ndarray, info: np.ndarray, status: Status) -> None:
+        """Answer requests with an error status (published to the answer ring; the ingest sends it)."""
+        if not recs.size:
+            return
+        self.consumer.answer_status(recs, info, status)
+        key = "deadline_missed" if status == Status.DEADLINE_MISSED else "error"
+        self.stats.counts[key] += int(recs.size)
+
+    def _timed_run(self, fn: Any, x: Any, what: str, recs: np.ndarray, info: np.ndarray) -> tuple[Any, float] | None:
+        """:meth:`run` with its model time; a failing model answers its batch INTERNAL (None is returned)
+        and the instance carries on."""
+        t0 = time.perf_counter()
+        try:
+            out = self.run(fn, x)
+        except Exception as e:
+            log.error("%s failed on a batch of %d: %s", what, recs.size, e)
+            self.fail(recs, info, Status.INTERNAL)
+            self._last_error = str(e)
+            return None
+        model_ms = (time.perf_counter() - t0) * 1e3
+        self.stats.model_ms.append(model_ms)
+        self.stats.busy_ms += model_ms
+        self.stats.batch_sizes[int(recs.size)] += 1
+        return out, model_ms
+
+    @staticmethod
+    def _groups(out: Any, n: int) -> list[tuple[np.ndarray, Any]]:
+        """A model's output as ``[(rows, output)]``: DagModel returns groups already."""
+        return out if isinstance(out, list) else [(np.arange(n), out)]
+
+    def _serve_batch(self, take: int) -> None:
+        clock = self.stats.stages
+        if not clock.running:
+            clock.start()
+        clock.lap("wait")
+        gathered = self.gather([self.queue.popleft() for _ in range(take)])
+        if gathered is None:
+            clock.cancel()
+            return
+        recs, info, x = gathered
+        clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
+        done = self._timed_run(self.runner.model, x, "model", recs, info)
+        if done is None:
+            clock.cancel()
+            return
+        clock.lap("model")
+        out, model_ms = done
+        self.policy.model.observe(recs.size, model_ms, at_s=time.monotonic())
+        if isinstance(out, list):  # a DAG app's groups of rows
+            for rows, group in out:
+                self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                             compute_s=model_ms / 1e3)
+        else:  # one model: the whole batch, without copying its records into groups
+            self._answer(recs, info, out.float().cpu().numpy().reshape(recs.size, -1), compute_s=model_ms / 1e3)
+        self.stats.mark_answered(model_ms)
+        clock.lap("respond")
+        self._clock_ingest(info)
+        clock.end()
+        if self.queue:
+            clock.start()  # requests left in the local queue: the next batch's wait starts now
+
+    def _clock_ingest(self, info: np.ndarray) -> None:
+        """The ingest-side stages of the batch's oldest request: reassembly (first datagram to complete)
+        and delivery (complete to taken off the ring by this instance)."""
+        oldest = info[int(np.argmin(info["first_ns"]))]
+        first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
+        if complete >= first > 0:
+            self.stats.stages.observe("reassembly", complete - first)
+            self.stats.stages.observe("delivery", self.stats.stages.start_ns - complete)
+
+    def step(self, max_wait_ms: float = 50.0) -> None:
+        """One iteration: pull, expire, decide, maybe serve."""
+        now = time.monotonic_ns()
+        pulled = 0
+        if self.queue:
+            oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+            decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
+            if decision.take == 0:
+                pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
+        else:
+            pulled = self._pull(max_wait_ms)
+        if not self.queue:
+            return
+        if pulled in (0, PULL_MAX):  # a pull that just returned took all there was (unless it was full)
+            self._pull(0)
+        self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
+        if not self.queue:
+            self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
+            return
+        self._early_drop(time.monotonic_ns())
+        now = time.monotonic_ns()
+        oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+        decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
+        if decision.take:
+            self._serve_batch(min(decision.take, len(self.queue)))
+            self._last_served = time.monotonic()
+
+    def drain(self) -> int:
+        """Serve everything already queued for this instance (its ring and local queue). Returns count."""
+        served_before = self.stats.counts["ok"] + self.stats.counts["deadline_missed"] + self.stats.counts["error"]
+        idle_since = time.monotonic()
+        # New requests are already routed elsewhere; requests completing reassembly just before the
+        # switch can still land here for a moment, so wait for a short quiet period.
+        while time.monotonic() - idle_since < 0.05:
+            self._pull(5)
+            if self.queue:
+                self._expire(time.monotonic_ns())
+                while self.queue:
+                    self._serve_batch(min(len(self.queue), self.spec.max_batch))
+                idle_since = time.monotonic()
+        self._drain_stages()
+        return self.stats.counts["ok"] + self.stats.counts["deadline_missed"] + self.stats.counts["error"] - served_before
+
+    # -- dispatched mode ----------------------------------------------------------------------------
+    def _take_from_ring(self, n: int, timeout_s: float = 0.2) -> list[tuple[int, np.ndarray]]:
+        """Exactly ``n`` requests from the ring (the scheduler saw them there), waiting briefly."""
+        got: list[tuple[int, np.ndarray]] = []
+        end = time.monotonic() + timeout_s
+        while len(got) < n:
+            recs = self.consumer.poll(n - len(got), max(0.0, (end - time.monotonic()) * 1e3))
+            if recs.size:
+                got += zip(recs.tolist(), self.pool.requests(recs))
+            elif time.monotonic() >= end:
+                log.warning("RunBatch asked for %d request(s) but only %d were queued", n, len(got))
+                break
+        self.stats.counts["received"] += len(got)
+        return got
+
+    def run_batch(self, msg: RunBatch) -> BatchDone:
+        """Serve one RunBatch (see the module docstring) and return its BatchDone."""
+        stage = msg.stage
+        if stage == self.runner.entry_stage:
+            items = self._take_from_ring(msg.batch)
+        else:
+            q = self.stage_queues.get(stage)
+            if q is None:
+                try:
+                    self.runner.stage_model(stage)
+                except KeyError:
+                    return BatchDone(instance=self.spec.name, id=msg.id, taken=0, measured_ms=0.0,
+                                     error=f"unknown stage {stage!r}")
+                q = self.stage_queues.setdefault(stage, collections.deque())
+            items = [q.popleft() for _ in range(min(msg.batch, len(q)))]
+        taken = len(items)
+        if not items:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=0, measured_ms=0.0)
+        if msg.action == "reject":
+            self.fail(np.array([r for r, _ in items], np.uint32), np.array([row for _, row in items],
+                                                                            dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0)
+        by_rec = dict(items)
+        gathered = self.gather(items)
+        if gathered is None:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0)
+        recs, info, x = gathered
+        n = recs.size
+        self.runner.set_threads(msg.gpu_pct)
+        targets = (self.runner.routes.get(stage) or []) if self.spec.stages else []
+        self._last_error = None
+        done = self._timed_run(self.runner.stage_model(stage), x, f"stage {stage}", recs, info)
+        if done is None:
+            return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=0.0,
+                             error=self._last_error)
+        out, model_ms = done
+        cls = out.argmax(dim=1).cpu().numpy() if targets else None
+        logits = out.float().cpu().numpy().reshape(n, -1)
+        routed: dict[str, list[float]] = {}
+        finished = np.ones(n, dtype=bool)
+        if cls is not None:
+            for i, target in enumerate(targets):
+                sel = np.flatnonzero(cls == i)
+                if not sel.size:
+                    continue
+                finished[sel] = False
+                q = self.stage_queues.setdefault(target, collections.deque())
+                for k in sel.tolist():
+                    q.append((int(recs[k]), by_rec[int(recs[k])]))
+                routed[target] = [self._abs_deadline_ms(info[k]) for k in sel.tolist()]
+        if finished.any():
+            self._answer(recs[finished], info[finished], logits[finished], compute_s=model_ms / 1e3)
+        return BatchDone(instance=self.spec.name, id=msg.id, taken=taken, measured_ms=model_ms, routed=routed)
+
+    def _abs_deadline_ms(self, row: np.ndarray) -> float:
+        """A request's deadline in ms on CLOCK_MONOTONIC (the clock the scheduler plans on)."""
+        return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
+
+    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray, compute_s: float = 0.0) -> None:
+        """The seam every serving mode answers through: OK with the results, published in one store each
+        to the answer ring (the ingest sends them)."""
+        try:
+            self.consumer.answer(recs, info, Status.OK, logits)
+        except ValueError as e:  # a result row larger than the answer ring takes: a config problem
+            log.error("%s: cannot answer %d requests: %s", self.spec.name, recs.size, e)
+            self.fail(recs, info, Status.INTERNAL)
+            return
+        done_ns = time.monotonic_ns()
+        self.stats.hist.observe_answered(info["first_ns"], compute_s=compute_s, done_ns=done_ns)
+        lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
+        deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
+        self.stats.latencies_ms.extend(lat_ms.tolist())
+        self.stats.counts["ok"] += int(recs.size)
+        self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
+
+    def _drain_stages(self) -> None:
+        """Serve what earlier stages routed to later ones and no RunBatch took (drain, shutdown)."""
+        for _ in range(len(self.stage_queues) + 1):
+            pending = [(st, q) for st, q in self.stage_queues.items() if q]
+            if not pending:
+                return
+            for stage, q in pending:
+                while q:
+                    gathered = self.gather([q.popleft() for _ in range(min(len(q), self.spec.max_batch))])
+                    if gathered is None:
+                        continue
+                    recs, info, x = gathered
+                    dag = self.runner.dag(stage)
+                    done = self._timed_run(dag, x, f"stage {stage} (draining)", recs, info)
+                    if done is None:
+                        continue
+                    for rows, group in self._groups(done[0], recs.size):
+                        self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
+                                     compute_s=done[1] / 1e3)
+
+
+    def close(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.close()  # before the pool it registered goes
+            self.gatherer = None

@@ -1,0 +1,133 @@
+"""The fleet end to end on a real Ray cluster on loopback: agents start nodes, the controller places an
+app with a standby on the other machine, a fleet client is answered by its owner, and when that
+machine is killed (its raylet, agent and orchestrator) the route flips to the standby and every
+request is still answered exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from apps.zoo import build_model
+from gpuprims.client import FleetClient
+from gpuprims.gather import preprocess
+from gpuprims.wire import Status
+from orchestrator.fleet.config import parse_fleet_config
+from orchestrator.fleet.controller import controller_actor
+from tests.orchestrator.fleet.conftest import RayFleet, ray
+
+pytestmark = pytest.mark.slow
+
+APP = {"name": "cls", "model": "mobilenet_v2", "input_shape": [3, 32, 32], "num_classes": 10, "seed": 3,
+       "slo_ms": 5000, "gpu_pct": 50, "max_batch": 4, "shadow": False}
+FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
+         "node": {"backend": "cpu", "pool": {"slot_count": 2048, "max_chunks": 64, "record_count": 256}},
+         "apps": [APP]}
+
+
+def _wait(what: str, cond: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {timeout_s:g} s")
+
+
+def _placed_and_applied(ctl: Any) -> dict[str, Any] | None:
+    st = ray.get(ctl.status.remote(), timeout=30)
+    a = st["apps"].get("cls")
+    if a is None or a.get("standby") is None:
+        return None
+    applied = {d.get("node") for d in st["decisions"] if d["action"] == "applied" and d["app"] == "cls"}
+    route = st["routes"]["apps"].get("cls")
+    return st if {a["primary"]["node"], a["standby"]["node"]} <= applied and route else None
+
+
+def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: RayFleet) -> None:
+    ctl = controller_actor(parse_fleet_config(FLEET, source="test"))
+    st = _wait("cls placed with a standby and loaded on both machines", lambda: _placed_and_applied(ctl), 300)
+    primary, standby = st["apps"]["cls"]["primary"], st["apps"]["cls"]["standby"]
+    assert primary["node"] != standby["node"]
+    seeds = [f"http://{n['host']}:{n['routes_port']}" for n in st["nodes"].values()]
+    model = build_model("mobilenet_v2", seed=3, num_classes=10, input_shape=(3, 32, 32)).eval()
+    xs = np.random.default_rng(0).random((6, 3, 32, 32), dtype=np.float32)
+    with torch.inference_mode():
+        want = model(preprocess(torch.from_numpy(xs), "float32")).numpy()
+    with FleetClient(seeds, failover_s=1.0, timeout_s=60.0) as client:
+        _wait("the routing table reaches the agents", lambda: client.refresh() > 0 and
+              "cls" in client.table["apps"], 30)
+        assert client.table["apps"]["cls"]["primary"]["node"] == primary["node"]
+        r = client.infer("cls", xs[0])
+        assert r.status == Status.OK and client.failovers == 0
+        np.testing.assert_allclose(r.output, want[0], rtol=1e-4, atol=1e-4)
+        # The primary's machine dies whole: orchestrator and its instances, agent, raylet.
+        info = st["nodes"][primary["node"]]
+        os.killpg(int(info["node_pid"]), signal.SIGKILL)
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        ray_fleet.cluster.remove_node(ray_fleet.node_of(primary["node"]), allow_graceful=False)
+        results = [client.infer("cls", x) for x in xs[1:]]
+        assert [r.status for r in results] == [Status.OK] * 5  # every request answered, once
+        for r, w in zip(results, want[1:]):
+            np.testing.assert_allclose(r.output, w, rtol=1e-4, atol=1e-4)
+        assert client.failovers >= 1 and client.duplicates <= client.failovers
+        # The controller's own pings suspect the machine and flip the route to the standby.
+        try:
+            _wait("the route flips to the standby", lambda: client.refresh() >= 0 and
+                  client.table["apps"]["cls"]["primary"]["node"] == standby["node"], 60)
+        except AssertionError:
+            raise AssertionError(ray.get(ctl.status.remote(), timeout=30)["decisions"]) from None
+    def confirmed() -> dict[str, Any] | None:
+        s = ray.get(ctl.status.remote(), timeout=30)
+        return s if any(d["action"] == "confirm_dead" for d in s["node_events"]) else None
+
+    st = _wait("Ray confirms the death", confirmed, 120)
+    dead = [d for d in st["node_events"] if d.get("node") == primary["node"]]
+    actions = [d["action"] for d in dead]
+    # The controller's pings normally suspect it first (Ray's checks are slower, conftest); on a very
+    # busy machine Ray's confirmation may come first, and then it alone flips the route.
+    if "suspect" in actions:
+        assert actions.index("suspect") < actions.index("confirm_dead"), dead
+    assert st["apps"]["cls"]["primary"]["node"] == standby["node"]  # promoted, not moved back
+    # The controller is restartable: killed, Ray starts it again and it finds its state in the GCS store.
+    ray.kill(ctl, no_restart=False)
+
+    def restarted() -> dict[str, Any] | None:
+        try:
+            s = ray.get(ctl.status.remote(), timeout=30)
+        except Exception:  # still restarting
+            return None
+        return s if any(d["action"] == "restart" for d in s["node_events"]) else None
+
+    again = _wait("the controller restarts with its state", restarted, 120)
+    assert again["apps"]["cls"]["primary"] == st["apps"]["cls"]["primary"]
+
+
+def test_a_ray_client_without_the_token_is_refused(ray_fleet: RayFleet) -> None:
+    probe = ("import ray, sys\n"
+             "try:\n"
+             f"    ray.init(address={ray_fleet.cluster.address!r})\n"
+             "    ray.get(ray.put(1), timeout=20)\n"
+             "except Exception as e:\n"
+             "    print('REFUSED', type(e).__name__, e); sys.exit(3)\n"
+             "print('ADMITTED')\n")
+    env_wrong = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "PATH": "/usr/bin:/bin",
+                 "HOME": "/nonexistent", "RAY_USAGE_STATS_ENABLED": "0"}
+    r = subprocess.run([sys.executable, "-c", probe], env=env_wrong, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ADMITTED" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    env_none = {k: v for k, v in env_wrong.items() if not k.startswith("RAY_AUTH")}
+    r = subprocess.run([sys.executable, "-c", probe], env=env_none, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ADMITTED" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    # ... and with the token it is admitted (the refusal above is the token's doing).
+    env_ok = {**env_wrong, "RAY_AUTH_TOKEN": ray_fleet.token}
+    r = subprocess.run([sys.executable, "-c", probe], env=env_ok, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ADMITTED" in r.stdout, (r.stdout, r.stderr[-2000:])
