@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuprims import __version__
 from gpuprims.stats import RequestHistograms
-from orchestrator.metrics import AppStatistics, MetricsServer
+from orchestrator.metrics import AppStatistics, MetricsServer, _Collector
 from orchestrator.status_format import format_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -382,8 +382,6 @@ def _engine_status() -> dict[str, Any]:
 
 
 def test_engine_build_time_and_cache_hit_are_metrics() -> None:
-    from orchestrator.metrics import _Collector
-
     fams = {f.name: f for f in _Collector(_engine_status).collect()}
     got = {(s.name, s.labels["instance"], s.labels["stage"], s.labels["kind"]): s.value
            for name in ("gpuprims_engine_build_seconds", "gpuprims_engine_cache_hit") for s in fams[name].samples}
@@ -402,3 +400,22 @@ def test_status_shows_engines_other_than_eager_and_fallbacks() -> None:
         "engine a-s1: onnxruntime  provider=cpu  cache hit, load 12 ms, f00d  Param-Share n/a (own weights)",
         "engine d-0 stage r: eager  FALLBACK to eager (ExportError: no ONNX symbolic)",
     ]
+
+
+def test_devices_and_expired_held_answers_in_status_and_metrics() -> None:
+    """Per-GPU shares (status DEVICE column, gpuprims_app_device_share_ratio) and the held answers (the
+    ingest's gauge, and answers_expired among the drops) read from the status the node builds."""
+    status = {"apps": {"a": {"app_id": 1, "gpu": 1, "gpu_pct": 60,
+                             "instances": [{"name": "a-0", "role": "active", "gpu": 1, "gpu_pct": 30},
+                                           {"name": "a-1", "role": "active", "gpu": 1, "gpu_pct": 30},
+                                           {"name": "a-s", "role": "shadow", "gpu": 1, "gpu_pct": 30}]}},
+              "ingest": {"held_answers": 2, "drop_late": 1}, "drops": {"late": 1, "answers_expired": 3}}
+    fams = {f.name: f for f in _Collector(lambda: status).collect()}
+    share = {(s.labels["app"], s.labels["gpu"]): s.value for s in fams["gpuprims_app_device_share_ratio"].samples}
+    assert share == {("a", "1"): pytest.approx(0.6)}
+    assert [s.value for s in fams["gpuprims_ingest_held_answers"].samples] == [2.0]
+    drops = {s.labels["reason"]: s.value for s in fams["gpuprims_ingest_dropped"].samples}
+    assert drops == {"late": 1.0, "answers_expired": 3.0}
+    text = format_status(status)
+    assert "DEVICE" in text and re.search(r"a-0\s+active\s+gpu 1\s+30", text), text
+    assert "ingest drops:" in text and "answers_expired=3" in text, text
