@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
 
-.PHONY: setup test test-contended test-heavy lint demo bench clean
+.PHONY: setup test test-fast test-contended test-heavy lint demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,20 @@ test: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The inner loop (CONTRIBUTING.md, "The test tiers"): every test not marked slow, gpu or tools, less
+# the files and tests that start real nodes, the demo or compilers (docs/test-durations.md says why
+# each is left out). `make test` stays the full suite and what CI runs.
+FAST_IGNORE := tests/orchestrator/test_cli.py tests/orchestrator/test_demo.py \
+	tests/orchestrator/frontdoor/test_frontdoor.py tests/gpuprims/cuda/test_archs.py
+FAST_DESELECT := tests/gpuprims/profile/test_measure.py::test_cli_device_cpu_records_the_pool_and_the_stages \
+	tests/gpuprims/test_wire.py::test_fuzz_header_parser_python_and_native_agree \
+	tests/gpuprims/test_cpushare.py::test_apply_in_child_sets_affinity_and_threads \
+	tests/apps/test_zoo.py::test_weights_are_bit_identical_in_another_process
+test-fast: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow and not gpu and not tools and not heavy" $(addprefix --ignore=,$(FAST_IGNORE)) \
+		$(addprefix --deselect=,$(FAST_DESELECT))
 
 # The same run with two busy loops beside it: the tests must not assume a fast or idle machine.
 test-contended: setup

@@ -1,4 +1,4 @@
-"""Shared helpers for benchmarks: machine description, result files as BENCH.md describes, stats.
+"""Shared helpers for benchmarks: machine description, result files as CONTRIBUTING.md (Benchmarks) describes, stats.
 
 A benchmark reports; it never asserts a speed.
 """
@@ -60,7 +60,7 @@ def gpu_info() -> dict[str, Any]:
 
 
 def machine_name(backend: str) -> str:
-    """`h100`/`h200`/... for a GPU run, else `cpu-<N>core` (BENCH.md)."""
+    """`h100`/`h200`/... for a GPU run, else `cpu-<N>core` (CONTRIBUTING.md, Benchmarks)."""
     if backend == "cuda":
         name = (gpu_info()["gpu_name"] or "gpu").lower()
         for short in ("h200", "h100", "a100", "l4", "t4", "a10", "l40"):

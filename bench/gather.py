@@ -102,7 +102,7 @@ def run(quick: bool) -> dict:
         summary[f"native_p99_us_b{b}"] = round(percentiles(times["native"])["p99"] / 1e3, 1)
         samples[f"b{b}"] = {k: [x / 1e3 for x in v] for k, v in times.items()}
     pool.close()
-    # Keys BENCH.md names, for the paper's batch of 8.
+    # Keys CONTRIBUTING.md (Benchmarks) names, for the paper's batch of 8.
     summary.update(native_gbps=summary["native_gbps_b8"], numpy_gbps=summary["numpy_gbps_b8"],
                    memcpy_gbps=summary["memcpy_gbps_b8"], batch=8)
     return {"summary": summary, "samples": samples}

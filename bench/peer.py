@@ -157,7 +157,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def assemble(results: dict[str, dict[str, dict[str, dict[str, Any]]]], ours: str = "gpuprims") -> dict[str, Any]:
-    """The flat summary (BENCH.md `peer`) from results[app][level][system] = summarise(...).
+    """The flat summary (CONTRIBUTING.md, Benchmarks: `peer`) from results[app][level][system] = summarise(...).
 
     Keys ``<app>.<level>.<system>.<figure>``, and per peer ``<app>.<level>.<peer>.<figure>_ratio`` with
     >= 1 meaning `ours` is ahead: throughput, goodput and attainment as ours/peer; p50, p99 and CPU

@@ -181,7 +181,7 @@ def summarise(name: str, res: dict[str, Any], cuda: bool) -> dict[str, Any]:
         s[f"{name}_{tag}_gpu_idle_us_per_inference"] = float(np.median(idle))
         s[f"{name}_{tag}_same_output"] = r["same_output"]
     sfx = "_auto" if cuda else ""
-    # The BENCH.md names: synchronize = stream synchronize with the default schedule.
+    # The summary key names of CONTRIBUTING.md (Benchmarks): synchronize = stream synchronize with the default schedule.
     for short, full in (("sync_lite", f"sync_lite{sfx}"), ("synchronize", f"synchronize_stream{sfx}"),
                         ("callback", f"callback{sfx}")):
         s[f"{name}_{short}_p99_ms"] = s[f"{name}_{full}_p99_ms"]
@@ -203,7 +203,7 @@ def plot(summary: dict[str, Any], models: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    # Measured schemes only (the BENCH.md short names are aliases of some of them).
+    # Measured schemes only (the short names of CONTRIBUTING.md, Benchmarks, are aliases of some of them).
     schemes = sorted({k[len(models[0]) + 1:-len("_gpu_idle_us_per_inference")] for k in summary
                       if k.startswith(models[0] + "_") and k.endswith("_gpu_idle_us_per_inference")})
     x = np.arange(len(schemes))

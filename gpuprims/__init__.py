@@ -2,7 +2,7 @@
 
 The paper's primitives are importable from here: ``from gpuprims import sync_lite``. Names load
 lazily, so importing this package loads neither torch nor the native extension and never touches
-the GPU: backends probe CUDA only when asked (STYLE.md 6).
+the GPU: backends probe CUDA only when asked (CONTRIBUTING.md, house style 6).
 """
 
 from __future__ import annotations

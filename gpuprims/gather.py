@@ -1,4 +1,4 @@
-"""The gather and run steps of the serving data path (STYLE.md 16): an instance turns the record
+"""The gather and run steps of the serving data path (CONTRIBUTING.md, house style 16): an instance turns the record
 indices of a batch into the model-ready input with one call, and runs its model with another.
 
     gatherer = make_gatherer(backend, pool, input_shape, dtype, max_batch, device)

@@ -2,7 +2,7 @@
 
 Modules: `orchestrator.config` (the apps.yaml schema, `load_config`), `orchestrator.messages` and
 `orchestrator.control` (the control plane between the orchestrator, its instances and the CLI),
-`orchestrator.metrics` (counters, Prometheus export, the `status` table). Importing this package
+`orchestrator.metrics` (one statistics record per app, Prometheus export). Importing this package
 imports none of them, so the CLI starts fast and nothing touches the GPU.
 """
 

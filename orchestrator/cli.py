@@ -24,9 +24,22 @@ from typing import Any
 
 import click
 
+from apps.zoo.names import known_names
 from gpuprims import __version__
 from gpuprims.backend import resolve_backend
+from orchestrator import control
 from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config
+from orchestrator.control import (
+    ControlError,
+    connect_command,
+    control_address,
+    make_run_dir,
+    read_token,
+)
+from orchestrator.logs import setup_logging
+from orchestrator.messages import SetGpuRequest, StatusRequest, StopRequest
+from orchestrator.monitor import Monitor
+from orchestrator.node import Node, StartError, install_signal_handlers
 from orchestrator.overflow import NodeOverflow, OverflowSetupError
 from orchestrator.rundir import (
     NodeEntry,
@@ -40,6 +53,7 @@ from orchestrator.rundir import (
     reap_dead,
     update_record,
 )
+from orchestrator.status_format import format_status
 
 log = logging.getLogger("gpuprims.cli")
 
@@ -48,9 +62,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _runtime_base() -> Path:
-    from orchestrator import control
-
-    return control.runtime_base()
+    return control.runtime_base()  # looked up at call time: tests point it at a private directory
 
 
 def _named_dir(name: str) -> Path:
@@ -108,12 +120,6 @@ def _find_run_dir(run_dir: str | None, name: str | None = None, *, must_name: bo
     return live[0].run_dir
 
 
-def _known_models() -> set[str]:
-    from apps.zoo.registry import ALIASES, MODELS
-
-    return set(MODELS) | set(ALIASES)
-
-
 def _check_user_models(cfg: NodeConfig, source: str) -> None:
     """A ``module:factory`` model whose module cannot be found is refused before anything starts."""
     specs = [(f"apps[{i}].model", a.model) for i, a in enumerate(cfg.apps) if a.model]
@@ -150,8 +156,6 @@ def _check_engines(cfg: NodeConfig, source: str) -> None:
 
 def _command(run_dir: str | None, msg: object, timeout_ms: float, *, name: str | None = None,
              d: Path | None = None) -> object:
-    from orchestrator.control import ControlError, connect_command, control_address, read_token
-
     d = d or _find_run_dir(run_dir, name)
     try:
         token = read_token(d)
@@ -191,14 +195,10 @@ _NAME_HELP = "The node's name (its run directory under the runtime base); see `s
 @click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
 def start(config: str, name: str | None, run_dir: str | None, ready_timeout: float, duration: float | None) -> None:
     """Start the node described by CONFIG and run until stopped (SIGINT/SIGTERM or `stop`)."""
-    from orchestrator.control import make_run_dir
-    from orchestrator.logs import setup_logging
-    from orchestrator.node import Node, StartError, install_signal_handlers
-
     if run_dir and name:
         raise click.UsageError("give --run-dir or --name, not both")
     try:
-        cfg = load_config(config, known_models=_known_models())
+        cfg = load_config(config, known_models=known_names())
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     _check_user_models(cfg, config)
@@ -222,8 +222,6 @@ def start(config: str, name: str | None, run_dir: str | None, ready_timeout: flo
     cfg = cfg.model_copy(update={"node": cfg.node.model_copy(update={"run_dir": str(d)})})
     monitor = None
     if cfg.node.autoscale:
-        from orchestrator.monitor import Monitor
-
         monitor = Monitor()
     node = Node(cfg, ready_timeout_s=ready_timeout, monitor=monitor)
     install_signal_handlers(node)
@@ -270,7 +268,7 @@ def _release(d: Path, created: bool) -> None:
 def validate(config: str) -> None:
     """Check CONFIG and print the apps it defines, or say precisely what is wrong."""
     try:
-        cfg = load_config(config, known_models=_known_models())
+        cfg = load_config(config, known_models=known_names())
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     _check_user_models(cfg, config)
@@ -294,9 +292,6 @@ def validate(config: str) -> None:
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the node.")
 def status(run_dir: str | None, name: str | None, as_json: bool, timeout: float) -> None:
     """Print apps, instances, GPU%, rates, latency, SLO attainment and drops."""
-    from orchestrator.messages import StatusRequest
-    from orchestrator.status_format import format_status
-
     reply = _command(run_dir, StatusRequest(), timeout * 1000, name=name)
     st = reply.status  # type: ignore[attr-defined]
     click.echo(json.dumps(st, indent=1) if as_json else format_status(st))
@@ -310,8 +305,6 @@ def status(run_dir: str | None, name: str | None, as_json: bool, timeout: float)
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the node to stop.")
 def stop(run_dir: str | None, name: str | None, no_drain: bool, no_wait: bool, timeout: float) -> None:
     """Stop the node gracefully (drains in-flight requests unless --no-drain) and wait until it has."""
-    from orchestrator.messages import StopRequest
-
     d = _find_run_dir(run_dir, name, must_name=True)
     rec = read_record(d)
     t0 = time.monotonic()
@@ -344,8 +337,6 @@ def set_gpu(app: str, pct: int, run_dir: str | None, name: str | None, wait: boo
     The node accepts the change and carries it out in its own loop (pending, initialising, switched,
     draining, done or failed); with --wait (the default) this command shows each phase as it happens.
     """
-    from orchestrator.messages import SetGpuRequest, StatusRequest
-
     d = _find_run_dir(run_dir, name)
     reply = _command(run_dir, SetGpuRequest(app=app, gpu_pct=pct), 5000, d=d)
     click.echo(reply.message)  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The control plane: the orchestrator talks to its instances and to the CLI.
 
-One call shape, two transports, chosen by the address scheme (STYLE.md 7):
+One call shape, two transports, chosen by the address scheme (CONTRIBUTING.md, house style 7):
 
 - ``ipc://`` (or loopback ``tcp://``) addresses use ZeroMQ: a ROUTER on the orchestrator for its
   instances (each instance a DEALER whose routing id is its instance name) and a second ROUTER for the

@@ -344,7 +344,7 @@ PROVES = {
 
 
 def _device_name(results: list[dict[str, Any]]) -> str:
-    """BENCH.md's machine name: the GPU's short name, else cpu-<N>core (also on the fake runtime)."""
+    """The benchmarks' machine name (CONTRIBUTING.md, Benchmarks): the GPU's short name, else cpu-<N>core (also on the fake runtime)."""
     if runtime.is_fake():
         return f"cpu-{os.cpu_count()}core"
     for r in results:

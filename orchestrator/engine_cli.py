@@ -18,6 +18,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
+from apps.zoo.names import known_names
 from gpuprims.backend import resolve_backend
 from gpuprims.engines import EngineCache, EngineError, ModelSource, Target, make_engine
 from orchestrator.config import AppConfig, ConfigError, EngineChoice, NodeConfig, engine_problems, load_config
@@ -93,10 +94,8 @@ def main() -> None:
 def build(config: str, cache_dir: str | None, as_json: bool, no_progress: bool) -> None:
     """Build every app's engine in CONFIG into the engine cache (a cache hit builds nothing)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    from apps.zoo.registry import ALIASES, MODELS
-
     try:
-        cfg = load_config(config, known_models=set(MODELS) | set(ALIASES))
+        cfg = load_config(config, known_models=known_names())
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
     try:

@@ -105,7 +105,7 @@ class Ended(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
-    """Periodic liveness plus the instance's counters (`orchestrator.metrics.InstanceCounters`)."""
+    """Periodic liveness plus the instance's counters (its app's `orchestrator.metrics.AppStatistics` keeps them)."""
 
     TAG: ClassVar[int] = 4
     instance: str
@@ -215,7 +215,7 @@ class BatchDone(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusRequest(Message):
-    """Ask the node for its status (`orchestrator.metrics.NodeMetrics.status`)."""
+    """Ask the node for its status (`orchestrator.node.Node.status`)."""
 
     TAG: ClassVar[int] = 11
 

@@ -1,26 +1,25 @@
-"""Counters, gauges and latency histograms of a node; Prometheus export; the ``status`` table.
+"""One statistics record per app, and what reads it: the ``status`` dict, Prometheus, OIP statistics.
 
-Three layers:
+Every update of an app's statistics goes through its `AppStatistics` (one per app, like Triton's
+``InferenceStatsAggregator`` per model): the instances' heartbeats (`AppStatistics.beat`), the banking
+of an instance that has gone (`AppStatistics.retire`) and the front door's inferences
+(`AppStatistics.record_inference`). Three readers take the same record:
 
-- `InstanceCounters` is what an app instance keeps and ships in every ``Heartbeat.stats``
-  (`to_dict` / `from_dict`, plain JSON). Counters are cumulative since the instance started, so a lost
-  heartbeat loses nothing; gauges (queue length, requests held, GPU%) are the values at sampling time.
-- `NodeMetrics` is the orchestrator's model: it keeps the last two samples of every instance and
-  derives rates and windowed latency percentiles / SLO attainment from their difference, aggregates
-  per app (keeping the totals of instances that have gone, so app counters never go backwards), holds
-  the ingest's drop counters by reason, and renders `status()` (a JSON-able dict) and Prometheus
-  metrics on its own `CollectorRegistry` (never the global one).
-- `MetricsServer` serves that registry over HTTP on loopback; `orchestrator.status_format.format_status` (the CLI's) turns a status dict into
-  the table ``gpuprims-orchestrator status`` prints.
+- `Node.status` puts `AppStatistics.totals` in each app's entry; the CLI's ``status`` prints it
+  (`orchestrator.status_format`);
+- `MetricsServer` renders that status dict as Prometheus metrics at scrape time, on a private
+  `CollectorRegistry` (never the global one), and answers the health probes;
+- the front door's statistics extension answers `AppStatistics.model_statistics` (Triton's counting:
+  ``queue`` and ``compute_*`` one per successful inference, as perf_analyzer needs).
 
-Latencies are kept in a `LatencyHistogram`: fixed logarithmic buckets (about 2 % relative width), so
-percentiles have bounded error, histograms merge exactly across instances, and a window is the
-difference of two cumulative histograms.
+Counters are cumulative since an instance started, so a lost heartbeat loses nothing; an app's
+counters add the banked counts of its gone instances to its live ones', so they never go backwards.
+Durations are the instances' fixed-bucket histograms (`gpuprims.stats.RequestHistograms`), which add
+up exactly across instances.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import platform
@@ -28,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -40,543 +39,19 @@ from prometheus_client.registry import Collector
 
 from gpuprims import __version__
 from gpuprims.stats import DurationHistogram, RequestHistograms, add_wire
-from gpuprims.wire import Status
 
-__all__ = [
-    "InstanceCounters",
-    "LatencyHistogram",
-    "MetricsServer",
-    "NodeMetrics",
-    "normalize_status",
-    "retire_into",
-    "status_name",
-]
-
-
-def status_name(status: int | str) -> str:
-    """The lower-case name of a response status (``deadline_missed``); accepts the code or a name."""
-    if isinstance(status, str):
-        key = status.strip().upper()
-        if key not in Status.__members__:
-            raise ValueError(f"unknown status {status!r}; known: {', '.join(s.name.lower() for s in Status)}")
-        return key.lower()
-    if isinstance(status, bool) or not isinstance(status, int):
-        raise ValueError(f"status must be a wire.Status code or name, got {status!r}")
-    try:
-        return Status(status).name.lower()
-    except ValueError:
-        raise ValueError(f"unknown status code {status}") from None
-
-
-class LatencyHistogram:
-    """Log-bucketed latency histogram in milliseconds.
-
-    Bucket ``i`` (``i >= 1``) holds values in ``(MIN_MS * RATIO**(i-1), MIN_MS * RATIO**i]``; bucket 0
-    holds everything up to ``MIN_MS``. Quantiles report a bucket's upper bound (never more than the
-    largest value seen), so they over-state by at most ``RATIO - 1``.
-    """
-
-    MIN_MS = 0.001
-    RATIO = 1.02
-    MAX_BUCKET = 1100  # 0.001 ms * 1.02**1100 is about 2.9e6 s; larger values land here
-
-    __slots__ = ("buckets", "count", "max_ms", "sum_ms")
-
-    def __init__(self) -> None:
-        self.buckets: dict[int, int] = {}
-        self.count = 0
-        self.sum_ms = 0.0
-        self.max_ms = 0.0
-
-    @classmethod
-    def bucket_of(cls, latency_ms: float) -> int:
-        """The bucket index of a value."""
-        if latency_ms <= cls.MIN_MS:
-            return 0
-        i = math.ceil(math.log(latency_ms / cls.MIN_MS) / math.log(cls.RATIO) - 1e-9)
-        return min(max(i, 0), cls.MAX_BUCKET)
-
-    @classmethod
-    def upper_ms(cls, bucket: int) -> float:
-        """Upper bound of a bucket in ms."""
-        return cls.MIN_MS * cls.RATIO**bucket
-
-    def record(self, latency_ms: float, n: int = 1) -> None:
-        """Add ``n`` observations of ``latency_ms``; negative or non-finite values raise ValueError."""
-        if not math.isfinite(latency_ms) or latency_ms < 0:
-            raise ValueError(f"latency_ms must be a finite value >= 0, got {latency_ms!r}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        b = self.bucket_of(latency_ms)
-        self.buckets[b] = self.buckets.get(b, 0) + n
-        self.count += n
-        self.sum_ms += latency_ms * n
-        self.max_ms = max(self.max_ms, latency_ms)
-
-    def record_many(self, latencies_ms: Iterable[float]) -> None:
-        """Add each value of ``latencies_ms``."""
-        for v in latencies_ms:
-            self.record(float(v))
-
-    def quantile(self, q: float) -> float | None:
-        """The ``q`` quantile (0 < q <= 1) in ms, or None when empty."""
-        if not 0 < q <= 1:
-            raise ValueError(f"q must be in (0, 1], got {q}")
-        if self.count == 0:
-            return None
-        rank = math.ceil(q * self.count)
-        seen = 0
-        for b in sorted(self.buckets):
-            seen += self.buckets[b]
-            if seen >= rank:
-                return min(self.upper_ms(b), self.max_ms) if self.max_ms > 0 else self.upper_ms(b)
-        return self.max_ms
-
-    @property
-    def mean_ms(self) -> float | None:
-        """Mean in ms, or None when empty."""
-        return self.sum_ms / self.count if self.count else None
-
-    def copy(self) -> LatencyHistogram:
-        """An independent copy."""
-        h = LatencyHistogram()
-        h.buckets = dict(self.buckets)
-        h.count, h.sum_ms, h.max_ms = self.count, self.sum_ms, self.max_ms
-        return h
-
-    def merge(self, other: LatencyHistogram) -> None:
-        """Add ``other``'s observations to this one."""
-        for b, n in other.buckets.items():
-            self.buckets[b] = self.buckets.get(b, 0) + n
-        self.count += other.count
-        self.sum_ms += other.sum_ms
-        self.max_ms = max(self.max_ms, other.max_ms)
-
-    def since(self, earlier: LatencyHistogram) -> LatencyHistogram:
-        """The observations added after ``earlier`` (a previous copy of this cumulative histogram).
-
-        If ``earlier`` is not a prefix of this one (the source restarted), the whole histogram is the
-        window. ``max_ms`` of a window is the upper bound of its highest bucket.
-        """
-        if earlier.count > self.count or any(self.buckets.get(b, 0) < n for b, n in earlier.buckets.items()):
-            return self.copy()
-        h = LatencyHistogram()
-        for b, n in self.buckets.items():
-            d = n - earlier.buckets.get(b, 0)
-            if d:
-                h.buckets[b] = d
-        h.count = self.count - earlier.count
-        h.sum_ms = max(0.0, self.sum_ms - earlier.sum_ms)
-        if h.buckets:
-            top = max(h.buckets)
-            h.max_ms = min(self.upper_ms(top), self.max_ms)
-        return h
-
-    def to_dict(self) -> dict[str, Any]:
-        """Sparse JSON form: ``{"b": {bucket: count}, "n": count, "sum_ms": ..., "max_ms": ...}``."""
-        return {"b": {str(b): n for b, n in self.buckets.items()}, "n": self.count,
-                "sum_ms": self.sum_ms, "max_ms": self.max_ms}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LatencyHistogram:
-        """Rebuild from `to_dict` output; ValueError says what is wrong."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"latency histogram must be a mapping, got {type(d).__name__}")
-        h = cls()
-        raw = d.get("b", {})
-        if not isinstance(raw, Mapping):
-            raise ValueError("latency histogram 'b' must map bucket -> count")
-        for k, n in raw.items():
-            try:
-                b = int(k)
-            except (TypeError, ValueError):
-                raise ValueError(f"latency histogram bucket {k!r} is not an integer") from None
-            if not 0 <= b <= cls.MAX_BUCKET or not _is_count(n):
-                raise ValueError(f"latency histogram bucket {k!r}: {n!r} is out of range")
-            if n:
-                h.buckets[b] = int(n)
-        h.count = sum(h.buckets.values())
-        if "n" in d and d["n"] != h.count:
-            raise ValueError(f"latency histogram count {d['n']!r} disagrees with its buckets ({h.count})")
-        h.sum_ms = _nonneg_float(d.get("sum_ms", 0.0), "latency sum_ms")
-        h.max_ms = _nonneg_float(d.get("max_ms", 0.0), "latency max_ms")
-        return h
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, LatencyHistogram):
-            return NotImplemented
-        return (self.buckets, self.count, self.max_ms) == (other.buckets, other.count, other.max_ms) and \
-            math.isclose(self.sum_ms, other.sum_ms, rel_tol=1e-9, abs_tol=1e-9)
-
-    def __repr__(self) -> str:
-        return f"LatencyHistogram(count={self.count}, p50_ms={self.quantile(0.5) if self.count else None})"
-
-
-def _is_count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _nonneg_float(v: object, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
-    return float(v)
-
-
-@dataclass
-class InstanceCounters:
-    """What one app instance counts; shipped as ``Heartbeat.stats`` via `to_dict`.
-
-    ``arrived``, ``served``, ``slo_met``, ``errors`` (by status name), ``batches`` (batch size ->
-    count) and ``latency`` (of OK responses, ms) are cumulative; ``queue_len``, ``held`` (requests the
-    instance holds: queued plus in the running batch) and ``gpu_pct`` are gauges.
-    """
-
-    arrived: int = 0
-    served: int = 0
-    slo_met: int = 0
-    errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    batches: collections.Counter[int] = field(default_factory=collections.Counter)
-    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
-    queue_len: int = 0
-    held: int = 0
-    gpu_pct: int = 0
-
-    def record_arrivals(self, n: int = 1) -> None:
-        """``n`` requests reached this instance."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self.arrived += n
-
-    def record_batch(self, latencies_ms: Sequence[float], slo_ms: float) -> None:
-        """One batch answered OK; ``latencies_ms`` has one end-to-end latency per request."""
-        if slo_ms <= 0:
-            raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
-        if not latencies_ms:
-            raise ValueError("a batch has at least one request")
-        self.batches[len(latencies_ms)] += 1
-        for v in latencies_ms:
-            self.latency.record(float(v))
-            if v <= slo_ms:
-                self.slo_met += 1
-        self.served += len(latencies_ms)
-
-    def record_error(self, status: int | str, n: int = 1) -> None:
-        """``n`` requests were answered with a non-OK ``status`` (wire.Status code or name)."""
-        name = status_name(status)
-        if name == "ok":
-            raise ValueError("record_error takes a non-OK status; OK responses go through record_batch")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        self.errors[name] += n
-
-    @property
-    def answered(self) -> int:
-        """Requests answered at all (OK or error)."""
-        return self.served + sum(self.errors.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form for ``Heartbeat.stats``."""
-        return {
-            "arrived": self.arrived, "served": self.served, "slo_met": self.slo_met,
-            "errors": dict(self.errors), "batches": {str(k): v for k, v in self.batches.items()},
-            "latency": self.latency.to_dict(),
-            "queue_len": self.queue_len, "held": self.held, "gpu_pct": self.gpu_pct,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> InstanceCounters:
-        """Rebuild from `to_dict` output, checking every field; ValueError names the bad one."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"instance stats must be a mapping, got {type(d).__name__}")
-        known = {"arrived", "served", "slo_met", "errors", "batches", "latency", "queue_len", "held", "gpu_pct"}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"instance stats have unknown fields {sorted(unknown)}")
-        c = cls()
-        for name in ("arrived", "served", "slo_met", "queue_len", "held", "gpu_pct"):
-            v = d.get(name, 0)
-            if not _is_count(v):
-                raise ValueError(f"instance stats {name} must be an integer >= 0, got {v!r}")
-            setattr(c, name, int(v))
-        if c.slo_met > c.served:
-            raise ValueError(f"instance stats slo_met {c.slo_met} > served {c.served}")
-        errors = d.get("errors", {})
-        if not isinstance(errors, Mapping):
-            raise ValueError("instance stats errors must map status -> count")
-        for k, n in errors.items():
-            if not _is_count(n):
-                raise ValueError(f"instance stats errors[{k!r}] must be an integer >= 0, got {n!r}")
-            c.errors[status_name(k)] += int(n)
-        batches = d.get("batches", {})
-        if not isinstance(batches, Mapping):
-            raise ValueError("instance stats batches must map batch size -> count")
-        for k, n in batches.items():
-            try:
-                size = int(k)
-            except (TypeError, ValueError):
-                raise ValueError(f"instance stats batch size {k!r} is not an integer") from None
-            if size < 1 or not _is_count(n):
-                raise ValueError(f"instance stats batches[{k!r}] = {n!r} is out of range")
-            c.batches[size] += int(n)
-        c.latency = LatencyHistogram.from_dict(d.get("latency", {}))
-        return c
-
-
-# ---- the orchestrator's model
-
-
-@dataclass
-class _Sample:
-    t_s: float
-    c: InstanceCounters
-
-
-@dataclass
-class _Instance:
-    app: str
-    name: str
-    role: str
-    pid: int | None
-    last: _Sample
-    prev: _Sample | None = None
-
-    def window(self) -> dict[str, Any]:
-        """Rates and windowed quantiles between the last two samples."""
-        cur = self.last.c
-        if self.prev is None:
-            return {"arrival_rps": None, "service_rps": None, "window": cur.latency.copy(),
-                    "w_met": cur.slo_met, "w_answered": cur.answered}
-        old = self.prev.c
-        dt = self.last.t_s - self.prev.t_s
-        restarted = cur.arrived < old.arrived or cur.served < old.served or cur.answered < old.answered
-        base = InstanceCounters() if restarted else old
-        rate = (lambda a, b: (a - b) / dt) if dt > 0 else (lambda a, b: None)
-        return {"arrival_rps": rate(cur.arrived, base.arrived), "service_rps": rate(cur.served, base.served),
-                "window": cur.latency.since(base.latency), "w_met": cur.slo_met - base.slo_met,
-                "w_answered": cur.answered - base.answered}
-
-
-@dataclass
-class _App:
-    name: str
-    app_id: int | None = None
-    slo_ms: float | None = None
-    instances: dict[str, _Instance] = field(default_factory=dict)
-    # Totals of instances that have gone, so app-level counters never go backwards.
-    retired: InstanceCounters = field(default_factory=InstanceCounters)
-
-
-def _add_cumulative(into: InstanceCounters, c: InstanceCounters) -> None:
-    into.arrived += c.arrived
-    into.served += c.served
-    into.slo_met += c.slo_met
-    into.errors.update(c.errors)
-    into.batches.update(c.batches)
-    into.latency.merge(c.latency)
-
-
-def _ratio(num: int, den: int) -> float | None:
-    return num / den if den > 0 else None
-
-
-class NodeMetrics:
-    """The orchestrator's view of every app and instance; thread-safe (scrapes come from a thread).
-
-    ``clock`` returns seconds (monotonic); tests pass their own.
-    """
-
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._apps: dict[str, _App] = {}
-        self._ingest_drops: dict[str, int] = {}
-        self._control_rejected: dict[str, int] = {}
-        self._node_info: dict[str, Any] = {}
-        self._started_s = clock()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self.status))
-        _add_process_collectors(self.registry)
-
-    def set_app(self, app: str, *, app_id: int | None = None, slo_ms: float | None = None) -> None:
-        """Declare an app (so it is listed before its first heartbeat) with its id and SLO."""
-        if slo_ms is not None and slo_ms <= 0:
-            raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
-        with self._lock:
-            a = self._apps.setdefault(app, _App(app))
-            a.app_id = app_id if app_id is not None else a.app_id
-            a.slo_ms = slo_ms if slo_ms is not None else a.slo_ms
-
-    def update_instance(self, app: str, instance: str, stats: InstanceCounters | Mapping[str, Any], *,
-                        role: str = "active", pid: int | None = None, now_s: float | None = None) -> None:
-        """Record one sample of an instance's counters (a Heartbeat's stats dict or InstanceCounters).
-
-        Raises ValueError if the stats dict is malformed; the previous sample is kept then.
-        """
-        c = stats if isinstance(stats, InstanceCounters) else InstanceCounters.from_dict(stats)
-        t = self._clock() if now_s is None else now_s
-        with self._lock:
-            a = self._apps.setdefault(app, _App(app))
-            inst = a.instances.get(instance)
-            if inst is None:
-                a.instances[instance] = _Instance(app, instance, role, pid, _Sample(t, c))
-                return
-            if c.arrived < inst.last.c.arrived or c.answered < inst.last.c.answered:
-                # Same name, new process: bank what the old one counted.
-                _add_cumulative(a.retired, inst.last.c)
-            inst.prev, inst.last = inst.last, _Sample(t, c)
-            inst.role = role
-            inst.pid = pid if pid is not None else inst.pid
-
-    def set_role(self, app: str, instance: str, role: str) -> None:
-        """Mark an instance ``active``, ``shadow``, ``draining``... (shown in status)."""
-        with self._lock:
-            self._apps[app].instances[instance].role = role
-
-    def remove_instance(self, app: str, instance: str) -> None:
-        """Forget an instance (exited, replaced); its totals stay in the app's counters."""
-        with self._lock:
-            a = self._apps.get(app)
-            inst = a.instances.pop(instance, None) if a else None
-            if a is not None and inst is not None:
-                _add_cumulative(a.retired, inst.last.c)
-
-    def set_ingest_drops(self, drops: Mapping[str, int]) -> None:
-        """Replace the ingest's cumulative drop counters, by reason (``bad_magic``, ``timeout``...)."""
-        self._control_rejected_or_drops(drops, "ingest")
-
-    def set_control_rejected(self, rejected: Mapping[str, int]) -> None:
-        """Replace the control plane's rejected-message counters, by reason (`ControlServer.rejected`)."""
-        self._control_rejected_or_drops(rejected, "control")
-
-    def _control_rejected_or_drops(self, counts: Mapping[str, int], which: str) -> None:
-        clean: dict[str, int] = {}
-        for k, v in counts.items():
-            if not isinstance(k, str) or not _is_count(v):
-                raise ValueError(f"{which} counters must map reason -> integer >= 0, got {k!r}: {v!r}")
-            clean[k] = int(v)
-        with self._lock:
-            if which == "ingest":
-                self._ingest_drops = clean
-            else:
-                self._control_rejected = clean
-
-    def set_node_info(self, **info: Any) -> None:
-        """Free-form node facts shown in status (backend, scheduler, run_dir...); JSON values only."""
-        with self._lock:
-            self._node_info.update(info)
-
-    def status(self) -> dict[str, Any]:
-        """The JSON-able status of the node, as `orchestrator.status_format.format_status` and ``StatusReply`` take it."""
-        with self._lock:
-            apps = [self._app_status(a) for a in sorted(self._apps.values(),
-                                                        key=lambda a: (a.app_id or 0, a.name))]
-            node = dict(self._node_info)
-            node["uptime_s"] = round(self._clock() - self._started_s, 3)
-            return {"node": node, "apps": apps, "ingest_drops": dict(self._ingest_drops),
-                    "control_rejected": dict(self._control_rejected)}
-
-    def _app_status(self, a: _App) -> dict[str, Any]:
-        insts = []
-        total = InstanceCounters()
-        _add_cumulative(total, a.retired)
-        window = LatencyHistogram()
-        w_met = w_answered = 0
-        arr: list[float] = []
-        srv: list[float] = []
-        queue_len = held = gpu_pct = 0
-        for inst in sorted(a.instances.values(), key=lambda i: i.name):
-            c = inst.last.c
-            w = inst.window()
-            _add_cumulative(total, c)
-            window.merge(w["window"])
-            w_met += w["w_met"]
-            w_answered += w["w_answered"]
-            if w["arrival_rps"] is not None:
-                arr.append(w["arrival_rps"])
-            if w["service_rps"] is not None:
-                srv.append(w["service_rps"])
-            queue_len += c.queue_len
-            held += c.held
-            if inst.role != "shadow":
-                gpu_pct += c.gpu_pct
-            insts.append({
-                "name": inst.name, "role": inst.role, "pid": inst.pid, "gpu_pct": c.gpu_pct,
-                "arrival_rps": w["arrival_rps"], "service_rps": w["service_rps"],
-                "queue_len": c.queue_len, "held": c.held,
-                "p50_ms": w["window"].quantile(0.5) if w["window"].count else None,
-                "p99_ms": w["window"].quantile(0.99) if w["window"].count else None,
-                "slo_attainment": _ratio(w["w_met"], w["w_answered"]),
-                "arrived": c.arrived, "served": c.served, "slo_met": c.slo_met, "errors": dict(c.errors),
-                "batch_sizes": {str(k): v for k, v in sorted(c.batches.items())},
-            })
-        return {
-            "name": a.name, "app_id": a.app_id, "slo_ms": a.slo_ms, "gpu_pct": gpu_pct,
-            "arrival_rps": sum(arr) if arr else None, "service_rps": sum(srv) if srv else None,
-            "queue_len": queue_len, "held": held,
-            "p50_ms": window.quantile(0.5) if window.count else None,
-            "p99_ms": window.quantile(0.99) if window.count else None,
-            "slo_attainment": _ratio(w_met, w_answered),
-            "slo_attainment_total": _ratio(total.slo_met, total.answered),
-            "arrived": total.arrived, "served": total.served, "slo_met": total.slo_met,
-            "errors": dict(total.errors),
-            "batch_sizes": {str(k): v for k, v in sorted(total.batches.items())},
-            "retired_batch_sizes": {str(k): v for k, v in sorted(a.retired.batches.items())},
-            "instances": insts,
-        }
+__all__ = ["FAILURE_REASONS", "AppStatistics", "MetricsServer"]
+
+#: Status rates are over about this many seconds of heartbeats (not since the instance started).
+RATE_WINDOW_S = 5.0
+#: Cumulative counters of an instance's heartbeat that its app adds up (and banks when it goes).
+COUNTERS = ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms")
+#: Roles whose recent latency makes the app's p50/p99 (they serve the app's traffic).
+SERVING_ROLES = ("active", "overflow")
 
 
 def _as_count(v: Any) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
-
-
-def _normalize_entry(d: Mapping[str, Any], name: str | None) -> dict[str, Any]:
-    out = dict(d)
-    if name is not None:
-        out.setdefault("name", name)
-    for canon, alias in (("arrived", "received"), ("served", "ok"), ("slo_met", "within_slo")):
-        if canon not in out and alias in out:
-            out[canon] = out[alias]
-    errors = out.get("errors")
-    if not isinstance(errors, Mapping):
-        # The node's own summary counts errors as plain numbers next to deadline misses.
-        built = {"deadline_missed": _as_count(out.get("deadline_missed")), "error": _as_count(errors)}
-        out["errors"] = {k: v for k, v in built.items() if v}
-    insts = out.get("instances")
-    if isinstance(insts, Mapping):
-        insts = [_normalize_entry(v, k) for k, v in insts.items() if isinstance(v, Mapping)]
-    elif isinstance(insts, list):
-        insts = [_normalize_entry(v, None) for v in insts if isinstance(v, Mapping)]
-    else:
-        insts = []
-    out["instances"] = insts
-    return out
-
-
-def normalize_status(status: Mapping[str, Any]) -> dict[str, Any]:
-    """A status dict in the shape `NodeMetrics.status` returns.
-
-    Also accepts the node's own summary: ``apps`` keyed by name instead of a list, counters named
-    ``received`` / ``ok`` / ``within_slo``, errors as plain numbers, and drops under ``drops``.
-    Missing values stay missing (the CLI's `format_status` prints ``-``; Prometheus skips them).
-    """
-    apps = status.get("apps") or []
-    if isinstance(apps, Mapping):
-        apps = [_normalize_entry(v, str(k)) for k, v in apps.items() if isinstance(v, Mapping)]
-    else:
-        apps = [_normalize_entry(v, None) for v in apps if isinstance(v, Mapping)]
-    for a in apps:
-        # Sums an app summary may leave out are the sums over its instances (shadows serve nothing).
-        for key in ("arrival_rps", "service_rps", "queue_len", "held"):
-            if _num(a.get(key)) is None:
-                vals = [_num(i.get(key)) for i in a["instances"] if i.get("role") != "shadow"]
-                known = [v for v in vals if v is not None]
-                if known:
-                    a[key] = int(sum(known)) if key in ("queue_len", "held") else sum(known)
-    drops = status.get("ingest_drops")
-    if drops is None:
-        drops = status.get("drops")
-    return {"node": dict(status.get("node") or {}), "apps": apps, "ingest_drops": dict(drops or {}),
-            "control_rejected": dict(status.get("control_rejected") or {})}
 
 
 def _num(v: Any) -> float | None:
@@ -585,12 +60,224 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass
+class Duration:
+    """A Triton ``StatisticDuration``: how many, and their total in ns."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += max(0, int(ns))
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class FrontDoorCounts:
+    """What the front door counts of an app's inferences (one inference = N rows = N wire requests)."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    node: Duration = field(default_factory=Duration)  # successful inferences' round trips through the node
+    inference_count: int = 0  # rows answered OK
+    execution_count: int = 0  # inferences answered OK
+    last_inference_ms: int = 0  # Unix time of the last inference answered OK
+    statuses: dict[str, int] = field(default_factory=dict)  # row answers by wire status name (LOST: none)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"success": self.success.as_dict(), "fail": self.fail.as_dict(), "node": self.node.as_dict(),
+                "inference_count": self.inference_count, "execution_count": self.execution_count,
+                "last_inference_ms": self.last_inference_ms, "statuses": dict(self.statuses)}
+
+
+@dataclass
+class _Live:
+    stats: dict[str, Any]
+    history: list[tuple[float, float, float]]  # (t, received, answered) of recent heartbeats
+
+
+class AppStatistics:
+    """The one statistics record of an app; thread-safe (the front door counts from its own thread).
+
+    It keeps the last heartbeat of each live instance (with rates over the last `RATE_WINDOW_S`), the
+    banked counters, batch sizes and duration histograms of the instances that have gone, and the
+    front door's counts. `totals` is the app's part of ``status`` (and so of Prometheus);
+    `model_statistics` is the OIP statistics extension's answer for the app.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._retired: dict[str, Any] = {}
+        self._retired_sizes: dict[str, int] = {}
+        self._retired_hist: dict[str, Any] = {}
+        self._door = FrontDoorCounts()
+
+    def beat(self, instance: str, stats: Mapping[str, Any], now_s: float) -> dict[str, Any]:
+        """Record an instance's heartbeat ``stats`` received at ``now_s`` (monotonic seconds).
+
+        Returns the record kept (a copy of ``stats`` whose ``arrival_rps`` / ``service_rps`` are over
+        the last few seconds of heartbeats rather than since the instance started).
+        """
+        rec = dict(stats)
+        answered = sum(float(_as_count(rec.get(k))) for k in ("ok", "deadline_missed", "errors"))
+        with self._lock:
+            live = self._live.get(instance)
+            if live is None:
+                live = self._live[instance] = _Live(rec, [])
+            hist = live.history
+            hist.append((now_s, float(_as_count(rec.get("received"))), answered))
+            while len(hist) > 2 and now_s - hist[1][0] >= RATE_WINDOW_S:
+                hist.pop(0)
+            (t0, r0, s0), (t1, r1, s1) = hist[0], hist[-1]
+            if t1 - t0 > 0.2:
+                rec["arrival_rps"], rec["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+            live.stats = rec
+        return rec
+
+    def retire(self, instance: str) -> None:
+        """Bank what a gone instance counted (its last heartbeat), so the app's counters, batch counts
+        and duration histograms never go back when an instance is replaced (Overlapped-Execution, a
+        crash restart). Unknown names and malformed histograms are ignored."""
+        with self._lock:
+            live = self._live.pop(instance, None)
+            if live is None:
+                return
+            s = live.stats
+            for k in COUNTERS:
+                v = _num(s.get(k))
+                if v is not None and v > 0:
+                    self._retired[k] = self._retired.get(k, 0) + (v if k == "busy_ms" else int(v))
+            _add_sizes(self._retired_sizes, s.get("batch_sizes"))
+            with contextlib.suppress(ValueError):
+                self._retired_hist = add_wire(self._retired_hist, s.get("hist"))
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the records of instances not in ``keep`` without banking them (shadows that exited:
+        they served nothing)."""
+        names = set(keep)
+        with self._lock:
+            for gone in [n for n in self._live if n not in names]:
+                del self._live[gone]
+
+    def record_inference(self, *, rows: int, duration_ns: int, ok: bool, statuses: Mapping[str, int],
+                         node_ns: int | None = None) -> None:
+        """One front-door inference of ``rows`` rows took ``duration_ns`` (``node_ns`` of it in the node:
+        from its rows' submit to their answers, default the whole); ``statuses`` counts its rows'
+        answers by wire status name (``LOST`` for a row that got none)."""
+        with self._lock:
+            d = self._door
+            (d.success if ok else d.fail).add(duration_ns)
+            if ok:
+                d.node.add(duration_ns if node_ns is None else node_ns)
+                d.inference_count += rows
+                d.execution_count += 1
+                d.last_inference_ms = int(time.time() * 1e3)
+            for k, n in statuses.items():
+                d.statuses[k] = d.statuses.get(k, 0) + int(n)
+
+    def _merged(self) -> tuple[dict[str, Any], dict[str, int], RequestHistograms]:
+        totals: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
+        for k, v in self._retired.items():
+            totals[k] += v
+        sizes = dict(self._retired_sizes)
+        hist = _hists(self._retired_hist)
+        for live in self._live.values():
+            s = live.stats
+            for k in COUNTERS:
+                v = _num(s.get(k))
+                if v is not None and v > 0:
+                    totals[k] += v if k == "busy_ms" else int(v)
+            _add_sizes(sizes, s.get("batch_sizes"))
+            with contextlib.suppress(ValueError):
+                if s.get("hist"):
+                    hist.merge(RequestHistograms.from_wire(s["hist"]))
+        return totals, sizes, hist
+
+    def totals(self, roles: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The app's statistics for ``status``: cumulative counters (live plus gone instances),
+        ``batch_sizes`` and ``hist`` (the duration histograms Prometheus exports), rates, queue and
+        held requests (of instances that serve), p50/p99 of the recent window, SLO attainment, and
+        the front door's counts (``oip``).
+
+        ``roles`` maps each instance the node has to its role; records of other instances are
+        dropped first (`forget`). p50 is the serving instances' p50 weighted by what each served,
+        p99 the worst serving instance's (an upper bound of the app's).
+        """
+        if roles is not None:
+            self.forget(roles)
+        roles = roles or {}
+        with self._lock:
+            totals, sizes, hist = self._merged()
+            lives = [(n, lv.stats) for n, lv in self._live.items()]
+            door = self._door.as_dict()
+        serving = [(n, s) for n, s in lives if roles.get(n, "active") in SERVING_ROLES]
+        live = [s for _, s in serving if _num(s.get("p50_ms")) is not None]
+        weight = sum(max(1, _as_count(s.get("ok"))) for s in live)
+        answered = totals["ok"] + totals["deadline_missed"] + totals["errors"]
+        not_shadow = [s for n, s in lives if roles.get(n, "active") != "shadow"]
+        totals.update({
+            "p50_ms": sum(float(s["p50_ms"]) * max(1, _as_count(s.get("ok"))) for s in live) / weight
+            if live else None,
+            "p99_ms": max((float(s["p99_ms"]) for s in live if _num(s.get("p99_ms")) is not None), default=None),
+            "arrival_rps": sum(_num(s.get("arrival_rps")) or 0.0 for _, s in lives),
+            "service_rps": sum(_num(s.get("service_rps")) or 0.0 for _, s in lives),
+            "queue_len": sum(_as_count(s.get("queue_len")) for s in not_shadow),
+            "held": sum(_as_count(s.get("held")) for s in not_shadow),
+            "slo_attainment": totals["within_slo"] / answered if answered else None,
+            "batch_sizes": {str(k): n for k, n in sorted(sizes.items())},
+            "hist": hist.to_wire(),
+            "oip": door,
+        })
+        return totals
+
+    def model_statistics(self, name: str) -> dict[str, Any]:
+        """The Triton ``ModelStatistics`` of the app as model ``name``, version ``1``: success/fail,
+        inference and execution counts and the last inference as the front door counted them.
+
+        As Triton's, ``queue`` and the three ``compute_*`` entries count one per successful inference
+        (perf_analyzer run without ``-x`` picks the model version whose ``queue`` count grew during its
+        measurement, and refuses compute counts that differ). The front door sees an inference's time in
+        the node as one span, reported as ``compute_infer``; ``queue``, ``compute_input`` and
+        ``compute_output`` carry 0 ns. The node's own queue and compute durations (every request of the
+        app, from any client) are in the same record's ``hist``: ``status`` and
+        ``gpuprims_queue_duration_seconds`` / ``gpuprims_compute_duration_seconds``."""
+        with self._lock:
+            d = self._door
+            door = (d.success.as_dict(), d.fail.as_dict(), d.node.as_dict(), d.inference_count,
+                    d.execution_count, d.last_inference_ms)
+        zero = Duration().as_dict()
+        success, fail, node, inferences, executions, last_ms = door
+        counted = {"count": success["count"], "ns": 0}
+        return {
+            "name": name, "version": "1", "last_inference": last_ms,
+            "inference_count": inferences, "execution_count": executions,
+            "inference_stats": {"success": success, "fail": fail,
+                                "queue": counted, "compute_input": counted,
+                                "compute_infer": node, "compute_output": counted,
+                                "cache_hit": zero, "cache_miss": zero},
+            "batch_stats": [],
+        }
+
+
+def _add_sizes(into: dict[str, int], raw: Any) -> None:
+    if isinstance(raw, Mapping):
+        for size, n in raw.items():
+            if _is_count(n):
+                into[str(size)] = into.get(str(size), 0) + int(n)
+
+
 #: Why a request was answered with something other than a result; every app exports each at zero from
 #: the start. ``error`` covers BAD_REQUEST/INTERNAL answers of an instance, ``instance_failed`` the
 #: requests an instance held when it died (answered INSTANCE_FAILED by the ingest).
 FAILURE_REASONS = ("deadline_missed", "error", "instance_failed")
-#: Counters of an instance that its app keeps when the instance goes (`retire_into`).
-RETIRED_COUNTERS = ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms")
 _INGEST_TOTALS = {
     "packets_received": ("gpuprims_ingest_packets_received", "Datagrams the ingest received"),
     "bytes_received": ("gpuprims_ingest_received_bytes", "Bytes of datagrams the ingest received"),
@@ -607,28 +294,6 @@ _INGEST_GAUGES = {
     "free_records": ("gpuprims_ingest_free_records", "Free request records in the pool"),
     "held_answers": ("gpuprims_ingest_held_answers", "Answer datagrams waiting for a full send buffer"),
 }
-
-
-def retire_into(retired: dict[str, Any], stats: Mapping[str, Any]) -> None:
-    """Bank what a gone instance counted (its last heartbeat's ``stats``) in its app's ``retired`` dict.
-
-    The node keeps one such dict per app (``AppState.retired``) and adds it to the live instances'
-    counts, so an app's counters, batch counts and duration histograms never go backwards when an
-    instance is replaced (Overlapped-Execution, crash restart). Malformed histograms are skipped.
-    """
-    for k in RETIRED_COUNTERS:
-        v = stats.get(k)
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            retired[k] = retired.get(k, 0) + (int(v) if k != "busy_ms" else float(v))
-    bs = retired.setdefault("retired_batch_sizes", {})
-    raw = stats.get("batch_sizes")
-    if isinstance(raw, Mapping):
-        for size, n in raw.items():
-            if _is_count(n):
-                bs[str(size)] = bs.get(str(size), 0) + int(n)
-    with contextlib.suppress(ValueError):
-        retired["retired_hist"] = add_wire(retired.get("retired_hist"), stats.get("hist"))
-
 
 def _batch_counts(*sources: Any) -> dict[int, int]:
     sizes: dict[int, int] = {}
@@ -659,9 +324,10 @@ def _buckets(h: DurationHistogram) -> list[tuple[str, float]]:
 class _Collector(Collector):
     """Renders a status dict (from ``source``) at scrape time on a private registry.
 
+    ``source`` gives `Node.status`'s dict: ``apps`` by name, each with its `AppStatistics.totals`.
     Everything counted is a ``_total`` counter in base units; every series is per app (label ``app``,
-    never ``instance``, which Prometheus reserves for the scrape target) and adds the app's retired
-    counts (`retire_into`) to its live instances', so it never goes backwards. See docs/metrics.md.
+    never ``instance``, which Prometheus reserves for the scrape target) and is the app's total over
+    its live and gone instances, so it never goes backwards. See docs/metrics.md.
     """
 
     def __init__(self, source: Callable[[], Mapping[str, Any]]) -> None:
@@ -671,8 +337,9 @@ class _Collector(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
-        raw = self._source()
-        st = normalize_status(raw)
+        st = self._source()
+        apps = st.get("apps")
+        apps = apps if isinstance(apps, Mapping) else {}
         a_ = ["app"]
         c = {
             "arrived": CounterMetricFamily("gpuprims_request_arrivals", "Requests routed to the app", labels=a_),
@@ -723,26 +390,26 @@ class _Collector(Collector):
             "failures": CounterMetricFamily("gpuprims_overflow_cpu_instance_failures", "CPU overflow instances of "
                                             "the app that died (the accelerator path kept serving)", labels=a_),
         }
-        for a in st["apps"]:
-            app = str(a.get("name", "?"))
-            insts = a["instances"]
-            for key in ("arrived", "served", "slo_met"):
-                c[key].add_metric([app], float(_as_count(a.get(key))))
+        for name, a in apps.items():
+            if not isinstance(a, Mapping):
+                continue
+            app = str(name)
+            insts = [i for i in a.get("instances") or () if isinstance(i, Mapping)]
+            for key, field_ in (("arrived", "received"), ("served", "ok"), ("slo_met", "within_slo")):
+                c[key].add_metric([app], float(_as_count(a.get(field_))))
             c["requeued"].add_metric([app], float(_as_count(a.get("requeued_by_crash"))))
             c["restarts"].add_metric([app], float(_as_count(a.get("restarts"))))
-            reasons = dict.fromkeys(FAILURE_REASONS, 0)
-            for s, n in a["errors"].items():
-                reasons[str(s)] = reasons.get(str(s), 0) + _as_count(n)
-            reasons["instance_failed"] += _as_count(a.get("failed_by_crash"))
-            for r, n in sorted(reasons.items()):
-                failure.add_metric([app, r], float(n))
-            sizes = _batch_counts(a.get("retired_batch_sizes"), *(i.get("batch_sizes") for i in insts))
+            reasons = {"deadline_missed": _as_count(a.get("deadline_missed")), "error": _as_count(a.get("errors")),
+                       "instance_failed": _as_count(a.get("failed_by_crash"))}
+            for r in FAILURE_REASONS:
+                failure.add_metric([app, r], float(reasons[r]))
+            sizes = _batch_counts(a.get("batch_sizes"))
             c["batches"].add_metric([app], float(sum(sizes.values())))
             c["inferences"].add_metric([app], float(sum(sz * n for sz, n in sizes.items())))
             cum = [(repr(float(b)), float(sum(n for sz, n in sizes.items() if sz <= b))) for b in _BATCH_BOUNDS]
             batch.add_metric([app], [*cum, ("+Inf", float(sum(sizes.values())))],
                              float(sum(sz * n for sz, n in sizes.items())))
-            h = _hists(a.get("retired_hist"), *(i.get("hist") for i in insts))
+            h = _hists(a.get("hist"))
             for key, fam in hist.items():
                 dh = getattr(h, key)
                 fam.add_metric([app], _buckets(dh), dh.sum_s)
@@ -783,16 +450,17 @@ class _Collector(Collector):
         yield roles
         yield device
         yield from ovf.values()
-        yield from _engine_families(st["apps"])
-        yield from self._node_families(raw, st)
+        yield from _engine_families(apps)
+        yield from self._node_families(st)
 
     @staticmethod
-    def _node_families(raw: Mapping[str, Any], st: Mapping[str, Any]) -> Iterator[Any]:
-        ingest = raw.get("ingest") if isinstance(raw.get("ingest"), Mapping) else {}
+    def _node_families(st: Mapping[str, Any]) -> Iterator[Any]:
+        ingest = st.get("ingest") if isinstance(st.get("ingest"), Mapping) else {}
         drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams the ingest dropped, by reason",
                                     labels=["reason"])
         reasons = {k[5:]: v for k, v in ingest.items() if k.startswith("drop_")}
-        for r, n in st["ingest_drops"].items():
+        status_drops = st.get("drops")  # also answers_expired: answers held for a full send buffer, expired
+        for r, n in (status_drops.items() if isinstance(status_drops, Mapping) else ()):
             reasons.setdefault(str(r), n)
         for r, n in sorted(reasons.items()):
             drops.add_metric([r], float(_as_count(n)))
@@ -811,16 +479,18 @@ class _Collector(Collector):
                 yield GaugeMetricFamily(name, text, value=float(_as_count(ingest[key])))
         rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped, by reason",
                                   labels=["reason"])
-        for r, n in sorted(st["control_rejected"].items()):
+        rejected = st.get("control_rejected")
+        for r, n in sorted(rejected.items() if isinstance(rejected, Mapping) else ()):
             rej.add_metric([str(r)], float(_as_count(n)))
         yield rej
-        uptime = _num(st["node"].get("uptime_s"))
+        node = st.get("node") if isinstance(st.get("node"), Mapping) else {}
+        uptime = _num(node.get("uptime_s"))
         if uptime is not None and uptime > 0:
             yield GaugeMetricFamily("gpuprims_start_time_seconds", "When the node started serving, Unix time",
                                     value=round(time.time() - uptime, 3))
         info = GaugeMetricFamily("gpuprims_build_info", "The gpuprims build serving these metrics (always 1)",
                                  labels=["version", "python", "backend"])
-        info.add_metric([__version__, platform.python_version(), str(st["node"].get("backend") or "")], 1.0)
+        info.add_metric([__version__, platform.python_version(), str(node.get("backend") or "")], 1.0)
         yield info
 
 
@@ -828,7 +498,7 @@ class _Collector(Collector):
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
 
 
-def _engine_families(apps: list[dict[str, Any]]) -> Iterator[Any]:
+def _engine_families(apps: Mapping[str, Any]) -> Iterator[Any]:
     """Per instance and stage: its engine's build time (0 on a cache hit) and whether it came from the
     engine cache (``engine`` in the instance's heartbeat, gpuprims.engines ``describe()``)."""
     labels = ["app", "instance", "stage", "kind"]
@@ -836,16 +506,18 @@ def _engine_families(apps: list[dict[str, Any]]) -> Iterator[Any]:
                               "it came from the engine cache)", labels=labels)
     hit = GaugeMetricFamily("gpuprims_engine_cache_hit", "1 when the instance's engine came from the engine "
                             "cache, 0 when it was built at start", labels=labels)
-    for a in apps:
-        for i in a["instances"]:
-            e = i.get("engine")
+    for name, a in apps.items():
+        if not isinstance(a, Mapping):
+            continue
+        for i in a.get("instances") or ():
+            e = i.get("engine") if isinstance(i, Mapping) else None
             if not isinstance(e, Mapping) or not e:
                 continue
             stages = e.get("stages")
             for stage, d in (stages.items() if isinstance(stages, Mapping) else [("main", e)]):
                 if not isinstance(d, Mapping) or not d.get("kind"):
                     continue
-                key = [str(a.get("name", "?")), str(i.get("name", "?")), str(stage), str(d["kind"])]
+                key = [str(name), str(i.get("name", "?")), str(stage), str(d["kind"])]
                 build.add_metric(key, (_num(d.get("build_ms")) or 0.0) / 1000)
                 hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
     yield build
@@ -855,14 +527,10 @@ def _engine_families(apps: list[dict[str, Any]]) -> Iterator[Any]:
 def _status_ready(status: Mapping[str, Any]) -> bool:
     """Ready: there are apps and every one has an active instance that said READY."""
     apps = status.get("apps")
-    if isinstance(apps, Mapping):
-        apps = list(apps.values())
-    if not apps:
+    if not isinstance(apps, Mapping) or not apps:
         return False
-    for a in apps:
+    for a in apps.values():
         insts = a.get("instances") if isinstance(a, Mapping) else None
-        if isinstance(insts, Mapping):
-            insts = list(insts.values())
         if not any(isinstance(i, Mapping) and i.get("role", "active") == "active" and i.get("ready", True)
                    for i in insts or ()):
             return False
@@ -886,37 +554,31 @@ class MetricsServer:
     """Serves ``/metrics`` (Prometheus text or OpenMetrics, as the scraper asks), ``/health/live`` and
     ``/health/ready`` over HTTP on loopback until closed; any other path is 404.
 
-    With ``metrics`` it renders that NodeMetrics at every scrape. Without, it renders the last status
-    dict given to `update` (either shape `normalize_status` accepts). Either way on a private
-    `CollectorRegistry` (with the ``process_*`` and ``python_info`` families), never the process-global
-    one. ``ready`` decides ``/health/ready`` (default: every app has a READY active instance in the
-    last status). ``port`` 0 picks a free port.
+    It renders the last status dict given to `update` (`Node.status`'s shape) at every scrape, on a
+    private `CollectorRegistry` (with the ``process_*`` and ``python_info`` families), never the
+    process-global one. ``ready`` decides ``/health/ready`` (default: every app has a READY active
+    instance in the last status). ``port`` 0 picks a free port.
     """
 
     PATHS = ("/metrics", "/health/live", "/health/ready")
 
-    def __init__(self, port: int, metrics: NodeMetrics | None = None, *, host: str = "127.0.0.1",
-                 ready: Callable[[], bool] | None = None) -> None:
+    def __init__(self, port: int, *, host: str = "127.0.0.1", ready: Callable[[], bool] | None = None) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 = any free port), got {port!r}")
         self._host = host
         self._port = port
         self._snapshot: Mapping[str, Any] = {}
         self._snapshot_lock = threading.Lock()
-        if metrics is not None:
-            self.registry = metrics.registry
-            self._ready = ready or (lambda: _status_ready(metrics.status()))
-        else:
-            self.registry = CollectorRegistry(auto_describe=False)
-            self.registry.register(_Collector(self._current))
-            _add_process_collectors(self.registry)
-            self._ready = ready or (lambda: _status_ready(self._current()))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self._current))
+        _add_process_collectors(self.registry)
+        self._ready = ready or (lambda: _status_ready(self._current()))
         self._metrics_app = make_wsgi_app(self.registry)
         self._httpd: Any = None
         self._finalizer: weakref.finalize | None = None
 
     def update(self, status: Mapping[str, Any]) -> None:
-        """Replace the status served (only for a server made without a NodeMetrics)."""
+        """Replace the status served (`Node.status`'s shape)."""
         if not isinstance(status, Mapping):
             raise ValueError(f"status must be a mapping, got {type(status).__name__}")
         with self._snapshot_lock:
@@ -1016,6 +678,3 @@ def _stop_http(httpd: Any, thread: threading.Thread) -> None:
     httpd.shutdown()
     httpd.server_close()
     thread.join(timeout=5)
-
-
-# ---- the status table

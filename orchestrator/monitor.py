@@ -119,7 +119,9 @@ class Monitor:
             "served": float((app.get("ok") or 0) + (app.get("deadline_missed") or 0) + (app.get("errors") or 0)),
             "within": float(app.get("within_slo") or 0),
             "queue": float(sum(int(i.get("queue_len") or 0) for i in insts if i.get("role") == "active")),
-            "busy_ms": float(sum(float(i.get("busy_ms") or 0) for i in insts) + float(app.get("busy_ms") or 0)),
+            # The app's total over its live and gone instances; the instances' sum where it has none.
+            "busy_ms": float(app["busy_ms"]) if isinstance(app.get("busy_ms"), int | float)
+            else float(sum(float(i.get("busy_ms") or 0) for i in insts)),
             "instances": float(max(1, sum(1 for i in insts if i.get("role") == "active"))),
         }
 

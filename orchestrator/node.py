@@ -49,6 +49,7 @@ from orchestrator.control import (
 from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
+from orchestrator.launcher import Launcher, SubprocessLauncher
 from orchestrator.messages import (
     BatchDone,
     Ended,
@@ -76,7 +77,6 @@ __all__ = ["AppState", "InstanceState", "Node", "StartError", "install_signal_ha
 
 log = logging.getLogger("gpuprims.node")
 
-RATE_WINDOW_S = 5.0  # status rates are over about this many seconds of heartbeats
 CURRENT_LINK = "current"  # runtime_base()/current -> the run dir of the last node started
 EVENTS_KEPT = 1000
 #: Pool consumer endpoints kept for apps loaded at run time (each takes instances, a shadow, replacements).
@@ -119,13 +119,16 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, *, ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
                  python: str = sys.executable, control_kind: str = "zmq", heartbeat_ms: float = 500.0,
-                 warmup: bool = True, monitor: Any = None, share_params: bool = True) -> None:
+                 warmup: bool = True, monitor: Any = None, share_params: bool = True,
+                 launcher: Launcher | None = None) -> None:
         if ready_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("ready_timeout_s and stop_timeout_s must be positive")
         self.cfg = cfg
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.python = python
+        # How instances are started: python -m orchestrator.launch, or a test's double.
+        self.launcher: Launcher = launcher if launcher is not None else SubprocessLauncher(python)
         self.control_kind = control_kind
         self.heartbeat_ms = heartbeat_ms
         self.warmup = warmup
@@ -254,7 +257,7 @@ class Node:
         self.supervisor = Supervisor(
             self.cfg, self.apps, self.instances, pool=self.pool, ingest=self.ingest, server=self.server,
             token=self.token, run_dir=self.run_dir, placement=self.placement, params=self.params,
-            backend=self.backend, python=self.python, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
+            backend=self.backend, launcher=self.launcher, heartbeat_ms=self.heartbeat_ms, warmup=self.warmup,
             consumers=consumers, mps=self.mps, record=self.record, on_lost=self._instance_lost, overflow=self.overflow)
 
         shares = self.placement.plan_shares()
@@ -322,6 +325,7 @@ class Node:
                 self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
                 grpc_port=node.grpc_port or None, host=h,
                 ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
+                statistics={name: a.stats for name, a in self.apps.items()},
                 ingest=ingest, repository=self.repository, repository_token=self.repository_token)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
@@ -433,9 +437,11 @@ class Node:
         self.ingest.set_route(self.apps[app_name].cfg.app_id, [])
 
     def publish_model(self, app: AppConfig) -> None:
-        """The front door serves ``app`` (its model metadata is rebuilt)."""
+        """The front door serves ``app`` (its model metadata is rebuilt), counting its inferences in the
+        app's statistics record."""
         if self.frontdoor is not None:
-            self.frontdoor.add_model(app)
+            state = self.apps.get(app.name)
+            self.frontdoor.add_model(app, statistics=state.stats if state is not None else None)
 
     def withdraw_model(self, name: str) -> None:
         if self.frontdoor is not None:
@@ -626,16 +632,7 @@ class Node:
 
     def _beat(self, st: InstanceState, stats: dict[str, Any]) -> None:
         now = time.monotonic()
-        # Rates over the last few seconds of heartbeats rather than since the process started.
-        st.history.append((now, float(stats.get("received") or 0),
-                           float((stats.get("ok") or 0) + (stats.get("deadline_missed") or 0)
-                                 + (stats.get("errors") or 0))))
-        while len(st.history) > 2 and now - st.history[1][0] >= RATE_WINDOW_S:
-            st.history.pop(0)
-        (t0, r0, s0), (t1, r1, s1) = st.history[0], st.history[-1]
-        if t1 - t0 > 0.2:
-            stats["arrival_rps"], stats["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
-        st.stats, st.last_beat = stats, now
+        st.stats, st.last_beat = self.apps[st.app].stats.beat(st.name, stats, now), now
 
     # -- status ---------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -644,30 +641,19 @@ class Node:
         apps: dict[str, Any] = {}
         for name, a in self.apps.items():
             insts = []
-            totals = dict(a.retired)
+            roles = {}
             for st in self.instances.values():
                 if st.app != name:
                     continue
-                s = st.stats
+                roles[st.name] = st.role
                 insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
                               "gpu_pct": st.spec.gpu_pct, "gpu": self._device_label(st.spec.gpu),
                               "consumer": st.spec.consumer,
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **s,
+                              "prewarm": st.info.get("prewarm"), **st.stats,
                               # the heartbeat's; before the first one, what its (warm) Ready said
-                              "engine": s.get("engine") or _ready_engine(st.info)})
-                for k in ("received", "ok", "deadline_missed", "errors", "within_slo"):
-                    totals[k] = totals.get(k, 0) + int(s.get(k) or 0)
-            served = totals.get("ok", 0) + totals.get("deadline_missed", 0) + totals.get("errors", 0)
-            live = [i for i in insts if i.get("role") in ("active", OVERFLOW_ROLE) and i.get("p50_ms") is not None]
-            weight = sum(max(1, int(i.get("ok") or 0)) for i in live)
-            # App-level latency from the instances' recent windows: p50 weighted by what each served,
-            # p99 the worst instance's (an upper bound of the app's p99).
-            totals["p50_ms"] = (sum(i["p50_ms"] * max(1, int(i.get("ok") or 0)) for i in live) / weight
-                                if live else None)
-            totals["p99_ms"] = max((i["p99_ms"] for i in live if i.get("p99_ms") is not None), default=None)
-            totals["arrival_rps"] = sum(float(i.get("arrival_rps") or 0) for i in insts)
-            totals["service_rps"] = sum(float(i.get("service_rps") or 0) for i in insts)
+                              "engine": st.stats.get("engine") or _ready_engine(st.info)})
+            totals = a.stats.totals(roles)
             running = self.changes.running.get(name)
             apps[name] = {
                 "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
@@ -677,7 +663,6 @@ class Node:
                 "change": running.to_dict() if running is not None else None, **totals,
                 "overflow": self.overflow.split(name, self.instances.values())
                 if self.overflow is not None and name in self.overflow.pools else None,
-                "slo_attainment": (totals.get("within_slo", 0) / served) if served else None,
             }
         return {
             "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
@@ -694,6 +679,7 @@ class Node:
             # buffer until their request's deadline passed.
             "drops": {k[5:] if k.startswith("drop_") else k: v for k, v in counters.items()
                       if (k.startswith("drop_") or k == "answers_expired") and v},
+            "control_rejected": dict(self.server.rejected) if self.server is not None else {},
             "apps": apps,
             "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
             "changes": {"counts": dict(self.changes.counts),

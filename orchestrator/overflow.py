@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apps.zoo.names import canonical_name
 from gpuprims.coexec.graph import CPU, GPU
 from gpuprims.coexec.overflow import OverflowRouter, RouteDecision
 from gpuprims.cpushare import CpuShare, available_cores
@@ -445,10 +446,7 @@ class NodeOverflow:
 
 
 def model_key(model: str) -> str:
-    """The name a model's profile is filed under (as ``orchestrator.placement.model_key``); the zoo,
-    and with it torch, is imported only when this is called, so the CLI checks overflow without it."""
-    from apps.zoo.registry import canonical_name  # torch: imported only when overflow is asked for
-
+    """The name a model's profile is filed under (as ``orchestrator.placement.model_key``)."""
     try:
         return canonical_name(model)
     except ValueError:

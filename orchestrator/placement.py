@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from apps.zoo.registry import canonical_name
+from apps.zoo.names import canonical_name
 from gpuprims.cpushare import CpuShare, available_cores, cores_for_pct, plan_cpu_shares
 from gpuprims.profile import Profile, ProfileError, load_profile
 from gpuprims.sched import multi_model

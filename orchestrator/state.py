@@ -6,13 +6,13 @@ them owns another, and only the node's one loop writes them.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import AppConfig
-from orchestrator.metrics import retire_into
+from orchestrator.launcher import InstanceProcess
+from orchestrator.metrics import AppStatistics
 from orchestrator.spec import InstanceSpec
 
 #: An instance's role. ``active`` instances are routed to; a ``shadow`` waits (CPU side up, model not
@@ -27,16 +27,15 @@ class InstanceState:
     name: str
     app: str
     spec: InstanceSpec
-    proc: subprocess.Popen[bytes]
+    proc: InstanceProcess
     role: str = "active"  # one of ROLES
     ready: bool = False
     initialized: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat, as its app's AppStatistics keeps it
     last_beat: float = 0.0
     started: float = field(default_factory=time.monotonic)
     ended: bool = False
     error: str | None = None
-    history: list[tuple[float, float, float]] = field(default_factory=list)  # (t, received, served)
     info: dict[str, Any] = field(default_factory=dict)  # what its Ready said
     replaces: str | None = None  # the active that died and that this one was started to replace
     killed: bool = False  # SIGKILLed by the node itself (Supervisor.kill), not a crash
@@ -63,9 +62,9 @@ class AppState:
     requeued_by_crash: int = 0
     hangs: int = 0
     shadow_restarts: int = 0
-    retired: dict[str, int] = field(default_factory=dict)  # counters of instances that are gone
+    stats: AppStatistics = field(default_factory=AppStatistics)  # the app's one statistics record
 
     def retire(self, st: InstanceState) -> None:
         """Fold a departing instance's counters (and batch counts and duration histograms) into the
         app's, so the app's totals never go back."""
-        retire_into(self.retired, st.stats)
+        self.stats.retire(st.name)

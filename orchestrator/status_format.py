@@ -9,8 +9,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.metrics import _as_count, _num, normalize_status
-
 __all__ = ["format_status"]
 
 
@@ -22,6 +20,26 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
             return none
         return format(int(v) if spec == "d" else v, spec)
     return str(v)
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _as_count(v: Any) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _errors(entry: Mapping[str, Any]) -> dict[str, int]:
+    """An app's or instance's non-OK answers by status (the heartbeat counts them as plain numbers)."""
+    out = {"deadline_missed": _as_count(entry.get("deadline_missed")), "error": _as_count(entry.get("errors"))}
+    return {k: v for k, v in out.items() if v}
+
+
+def _mapping(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
 
 
 def _pct(v: Any) -> str:
@@ -36,13 +54,12 @@ def _counts(d: Mapping[str, Any] | None) -> str:
 
 
 def format_status(status: Mapping[str, Any]) -> str:
-    """The table ``gpuprims-orchestrator status`` prints, from `NodeMetrics.status` (or its JSON).
+    """The table ``gpuprims-orchestrator status`` prints, from `Node.status` (or its JSON).
 
-    One line per app (totals over its instances) followed by one line per instance, then the ingest's
-    drops by reason. Missing values print as ``-``. Any shape `normalize_status` accepts will do.
+    One line per app (its totals: `orchestrator.metrics.AppStatistics.totals`) followed by one line
+    per instance, then the ingest's drops by reason. Missing or malformed values print as ``-``.
     """
-    st = normalize_status(status)
-    node = st["node"]
+    node = _mapping(status.get("node"))
     head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
             for k, v in sorted(node.items()) if k != "uptime_s" and not isinstance(v, Mapping)]
     if _num(node.get("uptime_s")) is not None:
@@ -51,20 +68,24 @@ def format_status(status: Mapping[str, Any]) -> str:
     cols = ["APP / INSTANCE", "ROLE", "DEVICE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
             "SLO att.", "ERRORS"]
     rows: list[list[str]] = []
-    for a in st["apps"]:
+    apps = {str(k): a for k, a in _mapping(status.get("apps")).items() if isinstance(a, Mapping)}
+    for app_name, a in apps.items():
         slo = _num(a.get("slo_ms"))
-        name = f"{a.get('name', '?')} (id {_fmt(a.get('app_id'), 'd')})"
+        name = f"{app_name} (id {_fmt(a.get('app_id'), 'd')})"
         rows.append([name, "app", _dev(a.get("gpu")), _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
                      _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
                      _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
                      "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
-                     _counts(a.get("errors"))])
-        for i in a["instances"]:
+                     _counts(_errors(a))])
+        insts = a.get("instances")
+        for i in insts if isinstance(insts, list) else ():
+            if not isinstance(i, Mapping):
+                continue
             rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _dev(i.get("gpu")),
                          _fmt(i.get("gpu_pct"), "d"),
                          _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
                          _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
-                         "", _pct(i.get("slo_attainment")), _counts(i.get("errors"))])
+                         "", _pct(i.get("slo_attainment")), _counts(_errors(i))])
     if rows:
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
         left = {0, 1, 2, len(cols) - 1}
@@ -77,7 +98,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("no apps")
-    for a in st["apps"]:
+    for app_name, a in apps.items():
         split = a.get("overflow")
         if isinstance(split, Mapping):
             parts = []
@@ -85,14 +106,14 @@ def format_status(status: Mapping[str, Any]) -> str:
                 d = split.get(dev) if isinstance(split.get(dev), Mapping) else {}
                 parts.append(f"{dev} routed={_fmt(d.get('routed'), 'd')} answered={_fmt(d.get('answered'), 'd')}")
             cores = split.get("cores")
-            lines.append(f"overflow {a.get('name', '?')}: " + "  ".join(parts)
+            lines.append(f"overflow {app_name}: " + "  ".join(parts)
                          + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
-    lines.extend(_engine_lines(st["apps"]))
-    drops = st["ingest_drops"]
+    lines.extend(_engine_lines(apps))
+    drops = dict(_mapping(status.get("drops")))
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
-    sch = status.get("scheduler") if isinstance(status, Mapping) else None
+    sch = status.get("scheduler")
     if isinstance(sch, Mapping) and sch.get("name") not in (None, "spatial"):
         lines.append(f"scheduler: {sch.get('name')}  round={_fmt(sch.get('round_ms'))}ms  runs={_fmt(sch.get('runs'), 'd')}"
                      f"  mean batch={_fmt(sch.get('mean_batch'))}  rejected={_fmt(sch.get('rejected_requests'), 'd')}"
@@ -101,8 +122,9 @@ def format_status(status: Mapping[str, Any]) -> str:
         if isinstance(corr, Mapping) and corr:
             lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
     lines.extend(_changes_lines(status))
-    if st["control_rejected"]:
-        lines.append(f"control messages rejected: {_counts(st['control_rejected'])}")
+    rejected = _mapping(status.get("control_rejected"))
+    if rejected:
+        lines.append(f"control messages rejected: {_counts(dict(rejected))}")
     return "\n".join(lines)
 
 
@@ -142,13 +164,14 @@ def _engine_line(where: str, e: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def _engine_lines(apps: list[dict[str, Any]]) -> list[str]:
+def _engine_lines(apps: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """One line per instance running an engine other than eager (or one that fell back to eager):
     kind, cache hit or build time, load time, fingerprint."""
     out = []
-    for a in apps:
-        for i in a["instances"]:
-            e = i.get("engine")
+    for a in apps.values():
+        insts = a.get("instances")
+        for i in insts if isinstance(insts, list) else ():
+            e = i.get("engine") if isinstance(i, Mapping) else None
             if not isinstance(e, Mapping) or not e:
                 continue
             stages = e.get("stages")

@@ -41,6 +41,7 @@ from orchestrator.config import AppConfig, NodeConfig
 from orchestrator.control import ControlServer, instance_env
 from orchestrator.errors import SupervisionError
 from orchestrator.launch import ENV_IMPORT_NICE
+from orchestrator.launcher import Launcher
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
 from orchestrator.param_share import ParamShare
@@ -62,7 +63,7 @@ class Supervisor:
 
     def __init__(self, cfg: NodeConfig, apps: dict[str, AppState], instances: dict[str, InstanceState], *,
                  pool: PacketPool, ingest: Ingest, server: ControlServer, token: str, run_dir: Path,
-                 placement: Placement, params: ParamShare, backend: str, python: str, heartbeat_ms: float,
+                 placement: Placement, params: ParamShare, backend: str, launcher: Launcher, heartbeat_ms: float,
                  warmup: bool, consumers: int, mps: Any = None,
                  record: Callable[[dict[str, Any]], None] = lambda e: None,
                  on_lost: Callable[[InstanceState], None] = lambda st: None,
@@ -78,7 +79,7 @@ class Supervisor:
         self.placement = placement
         self.params = params
         self.backend = backend
-        self.python = python
+        self.launcher = launcher
         self.heartbeat_ms = heartbeat_ms
         self.warmup = warmup
         self.mps = mps
@@ -95,7 +96,8 @@ class Supervisor:
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
               gpu_pct: int | None = None, role: str | None = None) -> InstanceState:
-        """Start an instance process (``python -m orchestrator.launch``); an active unless ``defer_init``
+        """Start an instance process with the launcher (the node's: ``python -m orchestrator.launch``); an
+        active unless ``defer_init``
         or ``role`` (``overflow``: a CPU instance on ``share``'s cores, whatever the node's backend)."""
         if not self.free_consumers:
             raise SupervisionError("no free consumer endpoint in the packet pool")
@@ -145,8 +147,7 @@ class Supervisor:
                 # A shadow sets its own percentage when told InitGpu, before CUDA initialises.
                 env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
         try:
-            proc = subprocess.Popen([self.python, "-m", "orchestrator.launch"], env=env, stdin=subprocess.DEVNULL,
-                                    cwd=str(Path(__file__).resolve().parent.parent))
+            proc = self.launcher.launch(spec, env)
         except OSError as e:
             self.free_consumers.append(consumer)
             raise SupervisionError(f"could not start {name}: {e}") from e

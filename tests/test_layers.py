@@ -8,6 +8,8 @@ exactly what this test exists to catch.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,3 +176,33 @@ def test_reconfig_imports_no_node_module(module: str) -> None:
 def test_the_checker_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: Modules of the node process and the CLI: none may import torch (the instances run the models).
+TORCH_FREE = ("orchestrator.node", "orchestrator.cli", "orchestrator.config", "orchestrator.supervisor",
+              "orchestrator.frontdoor", "orchestrator.metrics", "orchestrator.status_format", "apps.zoo",
+              "apps.zoo.names")
+
+
+def test_the_node_and_the_cli_never_import_torch() -> None:
+    code = ("import importlib, sys\n"
+            f"for m in {TORCH_FREE!r}:\n"
+            "    importlib.import_module(m)\n"
+            "    assert 'torch' not in sys.modules, f'importing {m} imported torch'\n"
+            "from apps.zoo import NAMES, canonical_name, known_names\n"
+            "assert canonical_name('MobileNet') == 'mobilenet_v2' and 'resnet50' in known_names()\n"
+            "assert NAMES['recog_router'].num_classes == 3 and 'torch' not in sys.modules\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_the_zoo_names_agree_with_the_registry() -> None:
+    from apps.zoo.names import NAMES
+    from apps.zoo.registry import MODELS
+
+    assert set(MODELS) == set(NAMES)
+    for name, n in NAMES.items():
+        m = MODELS[name]
+        assert (m.num_classes, m.labels, m.input_shape, m.description) == (
+            n.num_classes, n.labels, n.input_shape, n.description)

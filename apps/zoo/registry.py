@@ -1,4 +1,5 @@
-"""The zoo's model names, how each is built, and loading of user models given as ``module:factory``.
+"""How each zoo model is built, and loading of user models given as ``module:factory`` (the names,
+class counts and shapes, which need no torch, are in `apps.zoo.names`).
 
 Determinism contract (the correctness oracle of the framework relies on it): `build_model(name,
 seed=s, num_classes=k, input_shape=shape, width=w)` builds the same architecture and bit-identical
@@ -31,23 +32,16 @@ from torch import nn
 
 from apps.zoo.inception import Bert, GoogLeNet, InceptionV3
 from apps.zoo.init import init_weights
+from apps.zoo.names import (
+    DEFAULT_INPUT_SHAPE,
+    NAMES,
+    RECOG_ROUTER_LABELS,
+    InputShape,
+    canonical_name,
+    check_input_shape,
+)
 from apps.zoo.nets import VGG, VGG_CONFIGS, AlexNet, BasicBlock, Bottleneck, MobileNetV2, ResNet
-from apps.zoo.seqnets import MT_DNN_TAGS, MTDNN, Siamese, StackedLSTM, WideDeep, wide_deep_shape
-
-InputShape = tuple[int, int, int]
-DEFAULT_INPUT_SHAPE: InputShape = (3, 224, 224)
-
-#: Classes of the DNN-Recog router; its output picks the next model (paper Fig. 10).
-RECOG_ROUTER_LABELS: tuple[str, ...] = ("person", "vehicle", "other")
-
-#: Classes of the MIO-TCD classification challenge, the data set of the paper's ResNet-Car [47].
-RESNET_CAR_LABELS: tuple[str, ...] = (
-    "articulated_truck", "bicycle", "bus", "car", "motorcycle", "non-motorized_vehicle",
-    "pedestrian", "pickup_truck", "single_unit_truck", "work_van", "background",
-)  # fmt: skip
-
-#: VGG-Face (Parkhi et al. 2015) was trained on 2,622 identities.
-VGG_FACE_IDENTITIES = 2622
+from apps.zoo.seqnets import MTDNN, Siamese, StackedLSTM, WideDeep
 
 Builder = Callable[[int, InputShape, float], nn.Module]
 
@@ -79,136 +73,36 @@ def _vgg(config: str) -> Builder:
     return build
 
 
-_SPECS = (
-    ModelSpec("alexnet", AlexNet, 1000, "AlexNet (Krizhevsky et al. 2012), 61.1M parameters"),
-    ModelSpec("mobilenet_v2", MobileNetV2, 1000, "MobileNetV2 (Sandler et al. 2018), 3.5M parameters"),
-    ModelSpec("resnet18", _resnet(BasicBlock, (2, 2, 2, 2)), 1000, "ResNet-18 (He et al. 2016), 11.7M parameters"),
-    ModelSpec("resnet50", _resnet(Bottleneck, (3, 4, 6, 3)), 1000, "ResNet-50 (He et al. 2016), 25.6M parameters"),
-    ModelSpec("vgg19", _vgg("vgg19"), 1000, "VGG-19 (Simonyan and Zisserman 2015), 143.7M parameters"),
-    ModelSpec(
-        "resnext50",
-        _resnet(Bottleneck, (3, 4, 6, 3), groups=32, width_per_group=4),
-        1000,
-        "ResNeXt-50 32x4d (Xie et al. 2017), 25.0M parameters",
-    ),
-    ModelSpec(
-        "recog_router",
-        MobileNetV2,
-        len(RECOG_ROUTER_LABELS),
-        "DNN-Recog stage 1: MobileNetV2 classifier routing a request to vgg_face (person), "
-        "resnet_car (vehicle) or nowhere (other)",
-        RECOG_ROUTER_LABELS,
-    ),
-    ModelSpec(
-        "vgg_face",
-        _vgg("vgg16"),
-        VGG_FACE_IDENTITIES,
-        "DNN-Recog person branch: VGG-Face (Parkhi et al. 2015), VGG-16 with 2,622 identities, 145.0M parameters",
-    ),
-    ModelSpec(
-        "resnet_car",
-        _resnet(Bottleneck, (3, 4, 6, 3)),
-        len(RESNET_CAR_LABELS),
-        "DNN-Recog vehicle branch: ResNet-Car (Jung et al. 2017), ResNet-50 with the 11 MIO-TCD classes",
-        RESNET_CAR_LABELS,
-    ),
-    ModelSpec(
-        "googlenet",
-        GoogLeNet,
-        1000,
-        "GoogLeNet (Szegedy et al. 2015) without its training-only auxiliary heads, 6.6M parameters; "
-        "nine 4-branch Inception blocks (Opara's model)",
-    ),
-    ModelSpec(
-        "inception_v3",
-        InceptionV3,
-        1000,
-        "Inception-v3 (Szegedy et al. 2016) without its training-only auxiliary head, 23.8M parameters; "
-        "Inception blocks of 2 to 6 parallel branches (Opara's model)",
-        input_shape=(3, 299, 299),
-    ),
-    ModelSpec(
-        "bert",
-        Bert,
-        2,
-        "BERT-base-like encoder (Devlin et al. 2019) over 32 token embeddings of 768: 12 layers with separate "
-        "query/key/value projections, pooler and a 2-way classifier, 85.6M parameters (Opara's model)",
-        input_shape=(1, 32, 768),
-    ),
-    ModelSpec(
-        "wide_deep",
-        WideDeep,
-        2,
-        "Wide&Deep (Cheng et al. 2016) as in DUET: wide linear, deep FFN, 2-layer LSTM and ResNet-18 "
-        "encoders over one packed feature row (apps.zoo.seqnets), then a merge layer",
-        input_shape=wide_deep_shape(64),
-    ),
-    ModelSpec(
-        "siamese",
-        Siamese,
-        2,
-        "Siamese network as in DUET: two independent 2-layer LSTMs (hidden 128) over two sequences of "
-        "64 x 64, cosine-merged",
-        input_shape=(2, 64, 64),
-    ),
-    ModelSpec(
-        "mt_dnn",
-        MTDNN,
-        sum(MT_DNN_TAGS),
-        "MT-DNN shape as in DUET: a shared 2-block Transformer encoder over 32 x 128 embeddings and ten "
-        "independent LSTM tagging heads (116 scores)",
-        input_shape=(1, 32, 128),
-    ),
-    ModelSpec(
-        "lstm",
-        StackedLSTM,
-        10,
-        "Chrion's stacked LSTM: 12 layers of LSTM cells over 96 steps of 64 features, unrolled per cell",
-        input_shape=(1, 96, 64),
-    ),
-)
+#: How each zoo model is built (its names, class counts and shapes are in `apps.zoo.names`).
+_BUILDERS: Mapping[str, Builder] = {
+    "alexnet": AlexNet,
+    "mobilenet_v2": MobileNetV2,
+    "resnet18": _resnet(BasicBlock, (2, 2, 2, 2)),
+    "resnet50": _resnet(Bottleneck, (3, 4, 6, 3)),
+    "vgg19": _vgg("vgg19"),
+    "resnext50": _resnet(Bottleneck, (3, 4, 6, 3), groups=32, width_per_group=4),
+    "recog_router": MobileNetV2,
+    "vgg_face": _vgg("vgg16"),
+    "resnet_car": _resnet(Bottleneck, (3, 4, 6, 3)),
+    "googlenet": GoogLeNet,
+    "inception_v3": InceptionV3,
+    "bert": Bert,
+    "wide_deep": WideDeep,
+    "siamese": Siamese,
+    "mt_dnn": MTDNN,
+    "lstm": StackedLSTM,
+}
 
-#: Zoo models by canonical (lower-case) name.
-MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
-
-#: Other accepted names and the canonical name each stands for.
-ALIASES: Mapping[str, str] = MappingProxyType(
-    {"mobilenet": "mobilenet_v2", "mobilenetv2": "mobilenet_v2", "resnext50_32x4d": "resnext50",
-     "inception": "inception_v3", "inceptionv3": "inception_v3"}
-)
-
-
-def canonical_name(name: str) -> str:
-    """Return the zoo's canonical name for `name` (case-insensitive, aliases resolved).
-
-    Raises ValueError naming the known models if `name` is not one of them.
-    """
-    if not isinstance(name, str):
-        raise ValueError(f"model name must be a string, got {name!r}")
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
-    if key not in MODELS:
-        known = ", ".join(sorted(MODELS))
-        aliases = ", ".join(f"{a} -> {c}" for a, c in sorted(ALIASES.items()))
-        raise ValueError(f"unknown model {name!r}; known models: {known} (aliases: {aliases})")
-    return key
+#: Zoo models by canonical (lower-case) name: `apps.zoo.names.NAMES` with a builder each.
+MODELS: Mapping[str, ModelSpec] = MappingProxyType({
+    n.name: ModelSpec(n.name, _BUILDERS[n.name], n.num_classes, n.description, n.labels, n.input_shape)
+    for n in NAMES.values()})
 
 
 def _check_int(label: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-def check_input_shape(input_shape: object) -> InputShape:
-    """Return `input_shape` as a (C, H, W) tuple of positive ints, or raise ValueError naming it."""
-    if not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3:
-        raise ValueError(f"input_shape must be (channels, height, width), got {input_shape!r}")
-    for dim in input_shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"input_shape must hold three positive integers, got {input_shape!r}")
-    channels, height, width = input_shape
-    return (channels, height, width)
 
 
 def build_model(

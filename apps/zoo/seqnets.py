@@ -27,14 +27,15 @@ import math
 import torch
 from torch import nn
 
+from apps.zoo.names import (
+    MT_DNN_TAGS,
+    WIDE_DEEP_DEEP,
+    WIDE_DEEP_SEQ_FEATURES,
+    WIDE_DEEP_SEQ_LEN,
+    WIDE_DEEP_WIDE,
+)
 from apps.zoo.nets import BasicBlock, ResNet, scale_channels
 
-WIDE_DEEP_WIDE = 363
-WIDE_DEEP_DEEP = 13
-WIDE_DEEP_SEQ_LEN = 16
-WIDE_DEEP_SEQ_FEATURES = 80
-#: The ten MT-DNN tasks' tag counts (DUET Table I).
-MT_DNN_TAGS = (29, 3, 3, 7, 9, 11, 9, 25, 7, 13)
 #: Chrion's baseline depth (12 stacked layers).
 LSTM_LAYERS = 12
 
@@ -48,14 +49,6 @@ def wide_deep_image_side(features: int) -> int:
         raise ValueError(f"wide_deep takes input (1, 1, {fixed} + 3*S*S) for an S x S image "
                          f"(e.g. (1, 1, {fixed + 3 * 64 * 64}) for 64x64), got {features} features")
     return side
-
-
-def wide_deep_shape(image_side: int) -> tuple[int, int, int]:
-    """The input shape of a Wide&Deep request carrying an ``image_side``-pixel square image."""
-    if image_side < 1:
-        raise ValueError(f"image_side must be >= 1, got {image_side}")
-    fixed = WIDE_DEEP_WIDE + WIDE_DEEP_DEEP + WIDE_DEEP_SEQ_LEN * WIDE_DEEP_SEQ_FEATURES
-    return (1, 1, fixed + 3 * image_side * image_side)
 
 
 def _need_shape(name: str, input_shape: tuple[int, int, int], *, channels: int | None = None,

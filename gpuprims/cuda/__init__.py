@@ -2,7 +2,7 @@
 CPU-backend equivalents with the same API.
 
 Names are imported lazily on first use, so ``import gpuprims.cuda`` loads neither torch nor the
-native extension and never touches the GPU (STYLE.md 6).
+native extension and never touches the GPU (CONTRIBUTING.md, house style 6).
 """
 
 from __future__ import annotations

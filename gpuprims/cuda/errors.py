@@ -1,4 +1,4 @@
-"""The one error type for CUDA statuses, and the checks every CUDA call goes through (STYLE.md 2).
+"""The one error type for CUDA statuses, and the checks every CUDA call goes through (CONTRIBUTING.md, house style 2).
 
 Native code raises :class:`CudaError` from its single ``check()`` (``native/src/cuda_bind.cpp``);
 Python code that holds a raw status calls :func:`check_status`. A ``CudaError`` carries the status
@@ -46,7 +46,7 @@ class CudaError(RuntimeError):
 
     @property
     def is_out_of_memory(self) -> bool:
-        """True for cudaErrorMemoryAllocation, the status worth a narrow retry (STYLE.md 3)."""
+        """True for cudaErrorMemoryAllocation, the status worth a narrow retry (CONTRIBUTING.md, house style 3)."""
         return self.status == CUDA_ERROR_MEMORY_ALLOCATION
 
 

@@ -1,4 +1,4 @@
-"""Events and streams (STYLE.md 5), for CUDA and for the CPU backend with the same methods.
+"""Events and streams (CONTRIBUTING.md, house style 5), for CUDA and for the CPU backend with the same methods.
 
 CUDA: :class:`Event` wraps a cudaEvent_t, :class:`Stream` a cudaStream_t (owned, or borrowed from
 torch or a raw handle). CPU: :class:`CpuStream` is an in-order worker thread (the CPU's stand-in for

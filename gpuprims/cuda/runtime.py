@@ -3,7 +3,7 @@ queries, schedule flags, and owners of device memory and pinned host memory.
 
 Nothing here touches the GPU at import. The first call that reaches the CUDA runtime records this
 process's pid; a child forked after that refuses every CUDA call with a "use spawn" message instead
-of failing obscurely inside the driver (STYLE.md 6).
+of failing obscurely inside the driver (CONTRIBUTING.md, house style 6).
 
 With ``GPUPRIMS_FAKE_CUDA`` set in the environment (see :mod:`gpuprims.cuda.fake`), :func:`cuda`
 returns the fake CUDA runtime instead of the native one: the whole Python CUDA layer, and a node on

@@ -11,8 +11,7 @@ Each inference's time is split by stage (:data:`transport.STAGES`) per protocol:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from gpuprims.stats import StageClock
 from gpuprims.wire import Status
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
+from orchestrator.metrics import AppStatistics
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
 HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,
@@ -52,67 +52,25 @@ class OipError(Exception):
         return HTTP_CODE[self.kind]
 
 
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, ns: int) -> None:
-        self.count += 1
-        self.ns += ns
-
-    def as_dict(self) -> dict[str, int]:
-        return {"count": self.count, "ns": self.ns}
-
-
-@dataclass
-class ModelStats:
-    """Triton-style statistics of one model, counted at the front door.
-
-    As Triton's, ``queue`` and the three ``compute_*`` entries count one per successful inference
-    (perf_analyzer run without ``-x`` picks the model version whose ``queue`` count grew during its
-    measurement, and refuses compute counts that differ). The front door sees a request's time in
-    the node as one span, reported as ``compute_infer``; the node's own per-stage times (queue,
-    gather, model) are in ``status`` and the metrics, so ``queue``, ``compute_input`` and
-    ``compute_output`` carry 0 ns here.
-    """
-
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
-    node: Duration = field(default_factory=Duration)  # successful inferences' round trips through the node
-    inference_count: int = 0  # rows answered OK
-    execution_count: int = 0  # inferences answered OK
-    last_inference_ms: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)  # answers by wire status name, per row
-
-    def as_dict(self, name: str) -> dict[str, Any]:
-        zero = Duration().as_dict()
-        counted = {"count": self.success.count, "ns": 0}
-        return {
-            "name": name, "version": "1", "last_inference": self.last_inference_ms,
-            "inference_count": self.inference_count, "execution_count": self.execution_count,
-            "inference_stats": {"success": self.success.as_dict(), "fail": self.fail.as_dict(),
-                                "queue": counted, "compute_input": counted, "compute_infer": self.node.as_dict(),
-                                "compute_output": counted, "cache_hit": zero, "cache_miss": zero},
-            "batch_stats": [],
-        }
-
-
 class Core:
     """Models by name and inference through a transport; shared by the HTTP and gRPC servers.
 
     ``client`` is the transport (an AsyncClient is wrapped in a UdpTransport). ``ready(name)`` says
     whether the node serves a model now (default: always); ``timeout_s`` is how long one row waits
-    for its answer (default: the larger of 2 s and 3 x the app's SLO).
+    for its answer (default: the larger of 2 s and 3 x the app's SLO). ``statistics`` maps each model
+    to its app's `AppStatistics`, where every inference is counted and the statistics extension reads
+    (default: a record of the front door's own per model).
     """
 
     def __init__(self, infos: list[ModelInfo], client: Transport | AsyncClient, *, timeout_s: float | None = None,
-                 ready: Callable[[str], bool] | None = None) -> None:
+                 ready: Callable[[str], bool] | None = None,
+                 statistics: Mapping[str, AppStatistics] | None = None) -> None:
         self.models = {m.name: m for m in infos}
         self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
         self._ready = ready
-        self.stats = {m.name: ModelStats() for m in infos}
+        given = statistics or {}
+        self.stats = {m.name: given.get(m.name) or AppStatistics() for m in infos}
         #: Stage durations of the last 1024 inferences answered OK, per protocol (http, grpc).
         self.clocks: dict[str, StageClock] = {}
 
@@ -180,34 +138,33 @@ class Core:
         t0 = time.monotonic_ns()
         st = self.stats[info.name]
         marks = marks if marks is not None else Marks(t0)
+        statuses: dict[str, int] = {}
         try:
             results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us,
                                                 timeout_s=self.row_timeout_s(info, deadline_us), marks=marks)
             t_node = time.monotonic_ns()
-            out = self._collect(info, results, st)
+            out = self._collect(info, results, statuses)
         except OipError:
-            st.fail.add(time.monotonic_ns() - t0)
+            st.record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=False, statuses=statuses)
             raise
-        st.node.add(t_node - t0)
-        st.success.add(time.monotonic_ns() - t0)
-        st.inference_count += len(x)
-        st.execution_count += 1
-        st.last_inference_ms = int(time.time() * 1e3)
+        st.record_inference(rows=len(x), duration_ns=time.monotonic_ns() - t0, ok=True, statuses=statuses,
+                            node_ns=t_node - t0)
         marks.lap("collect")
         return out
 
-    def _collect(self, info: ModelInfo, results: list[Result | BaseException], st: ModelStats) -> np.ndarray:
+    def _collect(self, info: ModelInfo, results: list[Result | BaseException],
+                 statuses: dict[str, int]) -> np.ndarray:
         first: OipError | None = None
         rows = []
         for r in results:
             if isinstance(r, RequestLost):
-                st.statuses["LOST"] = st.statuses.get("LOST", 0) + 1
+                statuses["LOST"] = statuses.get("LOST", 0) + 1
                 first = first or OipError("deadline", f"model {info.name!r}: no answer from the node within "
                                                       f"{r.timeout_s:g} s")
                 continue
             if isinstance(r, BaseException):
                 raise r
-            st.statuses[r.status.name] = st.statuses.get(r.status.name, 0) + 1
+            statuses[r.status.name] = statuses.get(r.status.name, 0) + 1
             if not r.ok:
                 kind, why = STATUS_ERRORS.get(r.status, ("internal", "unexpected status"))
                 first = first or OipError(kind, f"model {info.name!r}: {r.status.name}: {why}")

@@ -91,7 +91,7 @@ async def model_config(request: web.Request) -> web.Response:
 async def model_stats(request: web.Request) -> web.Response:
     core = _core(request)
     names = [_model(request).name] if "name" in request.match_info else sorted(core.models)
-    return _json({"model_stats": [core.stats[n].as_dict(n) for n in names]})
+    return _json({"model_stats": [core.stats[n].model_statistics(n) for n in names]})
 
 
 async def repository_index(request: web.Request) -> web.Response:

@@ -3,7 +3,7 @@
 An app's name is the model name. Its one input (``input``) is the app's ``input_shape`` and
 ``dtype`` with a leading batch dimension; its one output (``logits``) is FP32 ``[batch, K]``, the
 row the instance answers with. K comes from the model zoo once at start: the app's ``num_classes``
-or the zoo model's own class count; a user model (``module:factory``) is built and run once on a
+or the zoo model's own class count (`apps.zoo.names`, no torch); a user model (``module:factory``) is built and run once on a
 zero input; a DAG app's K depends on the stage a request ends at, so it is ``-1`` (variable).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.zoo import MODELS, canonical_name, load_model
+from apps.zoo.names import NAMES, canonical_name
 from orchestrator.config import AppConfig
 
 #: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
@@ -109,8 +109,11 @@ def output_dim(app: AppConfig) -> int:
     if app.stages is not None or app.model is None:
         return -1
     if ":" not in app.model:
-        return app.num_classes or MODELS[canonical_name(app.model)].num_classes
+        return app.num_classes or NAMES[canonical_name(app.model)].num_classes
+    # Only a user model is built here, and only it needs torch: a node of zoo apps never imports it.
     import torch
+
+    from apps.zoo import load_model
 
     model = load_model(app.model, seed=app.seed, num_classes=app.num_classes, input_shape=app.input_shape)
     with torch.inference_mode():

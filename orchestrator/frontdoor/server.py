@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -23,11 +23,12 @@ from aiohttp import web
 from gpuprims.client import AsyncClient
 from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
-from orchestrator.frontdoor.core import Core, ModelStats
+from orchestrator.frontdoor.core import Core
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
 from orchestrator.frontdoor.transport import PoolTransport, Transport, UdpTransport
+from orchestrator.metrics import AppStatistics
 
 log = logging.getLogger("gpuprims.frontdoor")
 #: How long start_frontdoor waits for both servers to listen.
@@ -45,8 +46,8 @@ class FrontDoor:
 
     def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
-                 ready: Callable[[str], bool] | None, ingest: Ingest | None = None, repository: Any = None,
-                 repository_token: str | None = None) -> None:
+                 ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None = None,
+                 ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None) -> None:
         self.models = infos
         self.udp_target = udp_target
         self.ingest = ingest
@@ -55,7 +56,7 @@ class FrontDoor:
         self.grpc_target: str | None = None
         self.core: Core | None = None
         self._http_port, self._grpc_port = http_port, grpc_port
-        self._timeout_s, self._ready = timeout_s, ready
+        self._timeout_s, self._ready, self._statistics = timeout_s, ready, statistics
         self._repository, self._repository_token = repository, repository_token
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -80,7 +81,8 @@ class FrontDoor:
             transport = PoolTransport(self.ingest).open()
         else:
             transport = UdpTransport(await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open())
-        self.core = Core(self.models, transport, timeout_s=self._timeout_s, ready=self._ready)
+        self.core = Core(self.models, transport, timeout_s=self._timeout_s, ready=self._ready,
+                         statistics=self._statistics)
         runner: web.AppRunner | None = None
         grpc_server = None
         try:
@@ -142,17 +144,18 @@ class FrontDoor:
 
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout_s)
 
-    def add_model(self, app: AppConfig) -> None:
+    def add_model(self, app: AppConfig, statistics: AppStatistics | None = None) -> None:
         """Serve ``app`` from now on (a load; any thread): its model info is built here, the swap is done
-        in the front door's loop."""
+        in the front door's loop. Its inferences are counted in ``statistics`` (the node's record of the
+        app); without it the model keeps the record it had, or gets one of its own."""
         info = model_info(app)
-        self._loop.call_soon_threadsafe(self._swap_model, app.name, info)
+        self._loop.call_soon_threadsafe(self._swap_model, app.name, info, statistics)
 
     def remove_model(self, name: str) -> None:
         """Stop serving the model ``name`` (an unload; any thread)."""
-        self._loop.call_soon_threadsafe(self._swap_model, name, None)
+        self._loop.call_soon_threadsafe(self._swap_model, name, None, None)
 
-    def _swap_model(self, name: str, info: ModelInfo | None) -> None:
+    def _swap_model(self, name: str, info: ModelInfo | None, statistics: AppStatistics | None) -> None:
         core = self.core
         if core is None:
             return
@@ -160,7 +163,10 @@ class FrontDoor:
             core.models.pop(name, None)
         else:
             core.models[name] = info
-            core.stats.setdefault(name, ModelStats())
+            if statistics is not None:
+                core.stats[name] = statistics
+            else:
+                core.stats.setdefault(name, AppStatistics())
 
     def close(self) -> None:
         """Stop both servers (in-flight calls get a second to finish) and the loop thread."""
@@ -188,14 +194,17 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: a
 
 def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http_port: int | None,
                     grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
-                    ready: Callable[[str], bool] | None = None, ingest: Ingest | None = None,
+                    ready: Callable[[str], bool] | None = None,
+                    statistics: Mapping[str, AppStatistics] | None = None, ingest: Ingest | None = None,
                     repository: Any = None, repository_token: str | None = None) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
     becomes None at the caller). ``ready(app_name)`` tells the servers whether the node serves an
     app now (default: always). ``timeout_s`` bounds each request's wait for the node's answer
-    (default: max(2 s, 3 x the app's SLO)). With ``ingest`` (the node's own, in this process) rows go
+    (default: max(2 s, 3 x the app's SLO)). ``statistics`` holds each app's `AppStatistics` (the
+    node's), which the front door counts its inferences in and its statistics extension reads;
+    without it each app gets a record of its own. With ``ingest`` (the node's own, in this process) rows go
     straight into its packet pool and their answers come back in-process; ``udp_target`` is then only
     shown in logs. ``repository`` (with its bearer ``repository_token``, or None for none) adds the
     model-repository load/unload routes (docs/oip.md). Returns once both servers listen, or raises
@@ -208,5 +217,5 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
             raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
     infos = [model_info(a) for a in apps]
     return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
-                     timeout_s=timeout_s, ready=ready, ingest=ingest, repository=repository,
-                     repository_token=repository_token)._start()
+                     timeout_s=timeout_s, ready=ready, statistics=statistics, ingest=ingest,
+                     repository=repository, repository_token=repository_token)._start()

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from apps.zoo import MODELS, build_model
-from apps.zoo.seqnets import MT_DNN_TAGS, wide_deep_image_side, wide_deep_shape
+from apps.zoo.names import MT_DNN_TAGS, wide_deep_shape
+from apps.zoo.seqnets import wide_deep_image_side
 
 #: Small request shapes and widths every test can afford on two cores.
 SMALL = {

@@ -9,6 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from apps.zoo.names import known_names
 from gpuprims.engines import KINDS, Engine
 from orchestrator.config import AppConfig, ConfigError, NodeConfig, engine_problems, load_config, parse_config
 
@@ -40,9 +41,7 @@ def _refused(tmp_path: Path, data: Any, *fragments: str, **kw: Any) -> ConfigErr
 
 @pytest.mark.parametrize("name", ["apps.yaml", "apps-paper.yaml"])
 def test_examples_load(name: str) -> None:
-    from apps.zoo.registry import ALIASES, MODELS
-
-    cfg = load_config(REPO / "examples" / name, known_models=set(MODELS) | set(ALIASES))
+    cfg = load_config(REPO / "examples" / name, known_models=known_names())
     assert cfg.apps
     assert len({a.app_id for a in cfg.apps}) == len(cfg.apps)
 

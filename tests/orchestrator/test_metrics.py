@@ -1,3 +1,5 @@
+"""The one statistics record per app (AppStatistics) and its three readers: status, Prometheus, OIP."""
+
 from __future__ import annotations
 
 import json
@@ -10,283 +12,140 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuprims import __version__
 from gpuprims.stats import RequestHistograms
-from orchestrator.metrics import (
-    InstanceCounters,
-    LatencyHistogram,
-    MetricsServer,
-    NodeMetrics,
-    normalize_status,
-    retire_into,
-    status_name,
-)
+from orchestrator.metrics import AppStatistics, MetricsServer, _Collector
 from orchestrator.status_format import format_status
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-# ---- latency histogram
+def _hist_wire(request_s: list[float]) -> dict[str, Any]:
+    h = RequestHistograms()
+    h.request.observe(request_s)
+    h.queue.observe([v / 2 for v in request_s])
+    h.compute.observe([v / 2 for v in request_s])
+    return h.to_wire()
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(0.01, 5000, allow_nan=False), min_size=1, max_size=300))
-def test_quantiles_within_bucket_error(values: list[float]) -> None:
-    h = LatencyHistogram()
-    h.record_many(values)
-    for q in (0.5, 0.99, 1.0):
-        exact = float(np.quantile(values, q, method="inverted_cdf"))
-        got = h.quantile(q)
-        assert got is not None
-        assert exact * (1 - 1e-9) <= got <= exact * LatencyHistogram.RATIO * (1 + 1e-9)
-    assert h.count == len(values) and h.max_ms == max(values)
+def _beat(received: int, ok: int = 0, *, deadline_missed: int = 0, errors: int = 0, within_slo: int | None = None,
+          p50_ms: float | None = None, p99_ms: float | None = None, queue_len: int = 0, busy_ms: float = 0.0,
+          batch_sizes: dict[str, int] | None = None, request_s: list[float] | None = None) -> dict[str, Any]:
+    """A heartbeat's stats as an instance sends them (orchestrator/instance.py LatencyStats.snapshot)."""
+    return {"received": received, "ok": ok, "deadline_missed": deadline_missed, "errors": errors,
+            "within_slo": ok if within_slo is None else within_slo, "p50_ms": p50_ms, "p99_ms": p99_ms,
+            "queue_len": queue_len, "held": queue_len, "busy_ms": busy_ms, "batch_sizes": batch_sizes or {},
+            "hist": _hist_wire(request_s or [])}
 
 
-def test_histogram_basics() -> None:
-    h = LatencyHistogram()
-    assert h.quantile(0.5) is None and h.mean_ms is None
-    h.record(0.0)
-    h.record(2.0, n=3)
-    assert h.count == 4 and h.mean_ms == pytest.approx(1.5)
-    assert h.quantile(0.25) == pytest.approx(LatencyHistogram.MIN_MS)
-    h.record(1e12)
-    assert h.max_ms == 1e12 and max(h.buckets) == LatencyHistogram.MAX_BUCKET
+def _node_status(apps: dict[str, tuple[AppStatistics, dict[str, Any], list[dict[str, Any]]]],
+                 **extra: Any) -> dict[str, Any]:
+    """`Node.status`'s shape from each app's record, its config fields and its instances' entries."""
+    out: dict[str, Any] = {}
+    for name, (agg, fields, insts) in apps.items():
+        roles = {i["name"]: i.get("role", "active") for i in insts}
+        out[name] = {**fields, **agg.totals(roles), "instances": insts}
+    return {"node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
+            "apps": out, **extra}
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
-def test_histogram_refuses_bad_values(bad: float) -> None:
-    with pytest.raises(ValueError, match="latency_ms"):
-        LatencyHistogram().record(bad)
+# ---- the record
 
 
-def test_histogram_refuses_bad_n_and_q() -> None:
-    h = LatencyHistogram()
-    with pytest.raises(ValueError, match="n must"):
-        h.record(1.0, n=0)
-    with pytest.raises(ValueError, match="q must"):
-        h.quantile(0)
-    with pytest.raises(ValueError, match="q must"):
-        h.quantile(1.5)
+def test_rates_are_over_the_recent_heartbeats() -> None:
+    agg = AppStatistics()
+    first = agg.beat("det-0", _beat(0), now_s=100.0)
+    assert "arrival_rps" not in first  # one heartbeat: no window yet
+    rec = agg.beat("det-0", _beat(100, 60, deadline_missed=20, within_slo=50), now_s=102.0)
+    assert rec["arrival_rps"] == pytest.approx(50) and rec["service_rps"] == pytest.approx(40)
+    # The window starts at the newest heartbeat at least RATE_WINDOW_S old: the ones before stop counting.
+    agg.beat("det-0", _beat(100, 80, deadline_missed=20), now_s=110.0)
+    rec = agg.beat("det-0", _beat(110, 90, deadline_missed=20), now_s=111.0)
+    assert rec["arrival_rps"] == pytest.approx((110 - 100) / 9) and rec["service_rps"] == pytest.approx((110 - 80) / 9)
+    t = agg.totals({"det-0": "active"})
+    assert t["received"] == 110 and t["ok"] == 90 and t["deadline_missed"] == 20
+    assert t["slo_attainment"] == pytest.approx(90 / 110)
 
 
-def test_merge_since_and_round_trip() -> None:
-    a, b = LatencyHistogram(), LatencyHistogram()
-    a.record_many([1, 2, 3])
-    b.record_many([10, 20])
-    early = a.copy()
-    a.record_many([50, 60])
-    w = a.since(early)
-    assert w.count == 2 and w.quantile(0.5) == pytest.approx(50, rel=0.021)
-    a.merge(b)
-    assert a.count == 7 and a.max_ms == 60
-    assert LatencyHistogram.from_dict(json.loads(json.dumps(a.to_dict()))) == a
-    # A restarted source (not a superset of the earlier one) gives its whole histogram.
-    assert b.since(a) == b
+def test_totals_weigh_serving_instances_and_leave_out_shadows() -> None:
+    agg = AppStatistics()
+    agg.beat("a-0", _beat(10, 10, p50_ms=5.0, p99_ms=6.0, queue_len=1), now_s=1.0)
+    agg.beat("a-1", _beat(30, 30, p50_ms=9.0, p99_ms=20.0, queue_len=2), now_s=1.0)
+    agg.beat("a-s", _beat(0, 0, p50_ms=100.0, p99_ms=100.0, queue_len=7), now_s=1.0)
+    t = agg.totals({"a-0": "active", "a-1": "active", "a-s": "shadow"})
+    assert t["p50_ms"] == pytest.approx((5 * 10 + 9 * 30) / 40) and t["p99_ms"] == 20.0
+    assert t["queue_len"] == 3 and t["held"] == 3
+    # An instance the node no longer has (a shadow that exited) is dropped, not banked.
+    t = agg.totals({"a-0": "active", "a-1": "active"})
+    assert t["received"] == 40
 
 
-@pytest.mark.parametrize(("d", "fragment"), [
-    ([], "mapping"),
-    ({"b": []}, "bucket -> count"),
-    ({"b": {"x": 1}}, "not an integer"),
-    ({"b": {"-1": 1}}, "out of range"),
-    ({"b": {"5": -1}}, "out of range"),
-    ({"b": {"5": 1.5}}, "out of range"),
-    ({"b": {"5": 2}, "n": 3}, "disagrees"),
-    ({"b": {}, "sum_ms": -1}, "sum_ms"),
-    ({"b": {}, "max_ms": "x"}, "max_ms"),
-])
-def test_histogram_from_dict_refuses(d: object, fragment: str) -> None:
-    with pytest.raises(ValueError, match=fragment):
-        LatencyHistogram.from_dict(d)  # type: ignore[arg-type]
+def test_counters_never_go_backwards_when_an_instance_goes() -> None:
+    agg = AppStatistics()
+    agg.beat("a-0", _beat(10, 10, busy_ms=5.0, batch_sizes={"1": 4, "2": 3}, request_s=[0.001, 0.5]), now_s=1.0)
+    agg.retire("a-0")
+    agg.retire("a-0")  # twice, or an unknown name: nothing happens
+    agg.retire("nope")
+    agg.beat("a-s1", _beat(2, 2, busy_ms=1.0, batch_sizes={"1": 2}, request_s=[0.001]), now_s=2.0)
+    t = agg.totals({"a-s1": "active"})
+    assert t["received"] == 12 and t["ok"] == 12 and t["busy_ms"] == pytest.approx(6.0)
+    assert t["batch_sizes"] == {"1": 6, "2": 3}
+    assert RequestHistograms.from_wire(t["hist"]).request.count == 3
 
 
-# ---- instance counters
+def test_malformed_heartbeat_values_count_as_nothing() -> None:
+    agg = AppStatistics()
+    agg.beat("a-0", {"received": "lots", "ok": -3, "errors": None, "batch_sizes": {"1": "x", "2": 1},
+                     "hist": {"request": {"counts": [1]}}, "p50_ms": float("nan")}, now_s=1.0)
+    agg.retire("a-0")
+    t = agg.totals({})
+    assert t["received"] == 0 and t["ok"] == 0 and t["batch_sizes"] == {"2": 1} and t["p50_ms"] is None
+    json.dumps(t)
 
 
-def test_status_names() -> None:
-    assert status_name(1) == "deadline_missed" and status_name("OVERLOADED") == "overloaded"
-    for bad in (99, "nope", True, 1.0):
-        with pytest.raises(ValueError):
-            status_name(bad)  # type: ignore[arg-type]
-
-
-def test_counters_record_and_round_trip() -> None:
-    c = InstanceCounters(gpu_pct=40, queue_len=2, held=3)
-    c.record_arrivals(10)
-    c.record_batch([5.0, 15.0, 25.0], slo_ms=20)
-    c.record_error(1, n=2)
-    c.record_error("instance_failed")
-    assert (c.arrived, c.served, c.slo_met, c.answered) == (10, 3, 2, 6)
-    assert dict(c.errors) == {"deadline_missed": 2, "instance_failed": 1} and dict(c.batches) == {3: 1}
-    back = InstanceCounters.from_dict(json.loads(json.dumps(c.to_dict())))
-    assert back == c
-
-
-def test_counters_refuse_bad_records() -> None:
-    c = InstanceCounters()
-    with pytest.raises(ValueError, match="n must"):
-        c.record_arrivals(-1)
-    with pytest.raises(ValueError, match="slo_ms"):
-        c.record_batch([1.0], slo_ms=0)
-    with pytest.raises(ValueError, match="at least one"):
-        c.record_batch([], slo_ms=5)
-    with pytest.raises(ValueError, match="non-OK"):
-        c.record_error("ok")
-    with pytest.raises(ValueError, match="unknown status"):
-        c.record_error(42)
-    with pytest.raises(ValueError, match="n must"):
-        c.record_error(1, n=0)
-
-
-@pytest.mark.parametrize(("d", "fragment"), [
-    ("x", "mapping"),
-    ({"bogus": 1}, "unknown fields"),
-    ({"arrived": -1}, "arrived"),
-    ({"served": "3"}, "served"),
-    ({"queue_len": True}, "queue_len"),
-    ({"served": 1, "slo_met": 2}, "slo_met 2 > served 1"),
-    ({"errors": [1]}, "errors must map"),
-    ({"errors": {"deadline_missed": -2}}, "errors"),
-    ({"errors": {"made_up": 1}}, "unknown status"),
-    ({"batches": {"0": 1}}, "out of range"),
-    ({"batches": {"x": 1}}, "not an integer"),
-    ({"batches": 3}, "batch size -> count"),
-    ({"latency": {"b": {"x": 1}}}, "not an integer"),
-])
-def test_counters_from_dict_refuses(d: object, fragment: str) -> None:
-    with pytest.raises(ValueError, match=fragment):
-        InstanceCounters.from_dict(d)  # type: ignore[arg-type]
-
-
-# ---- node model
-
-
-def _sampled(arrived: int, lat: list[float], slo_ms: float = 50, errors: int = 0, gpu_pct: int = 50,
-             queue_len: int = 0) -> dict:
-    c = InstanceCounters(gpu_pct=gpu_pct, queue_len=queue_len, held=queue_len)
-    c.record_arrivals(arrived)
-    if lat:
-        c.record_batch(lat, slo_ms)
-    if errors:
-        c.record_error("deadline_missed", errors)
-    return c.to_dict()
-
-
-def test_rates_and_windows() -> None:
-    clock = Clock()
-    m = NodeMetrics(clock=clock)
-    m.set_app("det", app_id=1, slo_ms=50)
-    m.update_instance("det", "det-0", _sampled(0, []), pid=7)
-    a = m.status()["apps"][0]
-    assert a["instances"][0]["arrival_rps"] is None and a["slo_attainment"] is None
-    clock.t += 2
-    m.update_instance("det", "det-0", _sampled(100, [10.0] * 60 + [90.0] * 20, errors=20, queue_len=4))
-    a = m.status()["apps"][0]
-    i = a["instances"][0]
-    assert i["arrival_rps"] == pytest.approx(50) and i["service_rps"] == pytest.approx(40)
-    assert i["slo_attainment"] == pytest.approx(60 / 100) and i["pid"] == 7
-    assert i["p50_ms"] == pytest.approx(10, rel=0.021) and i["p99_ms"] == pytest.approx(90, rel=0.021)
-    assert a["queue_len"] == 4 and a["errors"] == {"deadline_missed": 20} and a["slo_ms"] == 50
-    # The next window sees only what happened after the previous sample.
-    clock.t += 1
-    c = InstanceCounters.from_dict(_sampled(100, [10.0] * 60 + [90.0] * 20, errors=20))
-    c.record_arrivals(10)
-    c.record_batch([1.0] * 10, 50)
-    m.update_instance("det", "det-0", c)
-    i = m.status()["apps"][0]["instances"][0]
-    assert i["arrival_rps"] == pytest.approx(10) and i["slo_attainment"] == 1.0
-    assert i["p99_ms"] == pytest.approx(1.0, rel=0.021)
-
-
-def test_app_aggregates_and_roles() -> None:
-    clock = Clock()
-    m = NodeMetrics(clock=clock)
-    for inst in ("a-0", "a-1"):
-        m.update_instance("a", inst, _sampled(0, []))
-    m.update_instance("a", "a-s", _sampled(0, [], gpu_pct=70), role="shadow")
-    clock.t += 1
-    m.update_instance("a", "a-0", _sampled(10, [5.0] * 10))
-    m.update_instance("a", "a-1", _sampled(20, [100.0] * 20))
-    a = m.status()["apps"][0]
-    assert a["arrival_rps"] == pytest.approx(30) and a["service_rps"] == pytest.approx(30)
-    assert a["gpu_pct"] == 100  # the shadow's share is not counted
-    assert a["slo_attainment"] == pytest.approx(10 / 30)
-    m.set_role("a", "a-s", "active")
-    assert [i["role"] for i in m.status()["apps"][0]["instances"]] == ["active", "active", "active"]
-
-
-def test_app_counters_never_go_backwards() -> None:
-    clock = Clock()
-    m = NodeMetrics(clock=clock)
-    m.update_instance("a", "a-0", _sampled(10, [1.0] * 10))
-    clock.t += 1
-    # Restarted under the same name: its counters start again.
-    m.update_instance("a", "a-0", _sampled(2, [1.0] * 2))
-    a = m.status()["apps"][0]
-    assert a["arrived"] == 12 and a["served"] == 12
-    assert a["instances"][0]["arrival_rps"] == pytest.approx(2)
-    m.remove_instance("a", "a-0")
-    a = m.status()["apps"][0]
-    assert a["instances"] == [] and a["arrived"] == 12
-    m.remove_instance("a", "a-0")
-    m.remove_instance("nope", "x")
-
-
-def test_bad_heartbeat_keeps_previous_sample() -> None:
-    m = NodeMetrics()
-    m.update_instance("a", "a-0", _sampled(5, [1.0]))
-    with pytest.raises(ValueError):
-        m.update_instance("a", "a-0", {"arrived": -5})
-    assert m.status()["apps"][0]["arrived"] == 5
-
-
-def test_drops_and_info() -> None:
-    m = NodeMetrics()
-    m.set_ingest_drops({"bad_magic": 2, "timeout": 1})
-    m.set_control_rejected({"bad_token": 3})
-    m.set_node_info(backend="cpu", scheduler="spatial")
-    st_ = m.status()
-    assert st_["ingest_drops"] == {"bad_magic": 2, "timeout": 1} and st_["control_rejected"] == {"bad_token": 3}
-    assert st_["node"]["backend"] == "cpu" and st_["node"]["uptime_s"] >= 0
-    json.dumps(st_)
-    for bad in ({"x": -1}, {"x": 1.5}, {3: 1}):
-        with pytest.raises(ValueError, match="reason -> integer"):
-            m.set_ingest_drops(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="slo_ms"):
-        m.set_app("a", slo_ms=0)
+def test_one_record_feeds_status_prometheus_and_the_oip_statistics() -> None:
+    """Triton's InferenceStatsAggregator: the statistics API and the metrics read the same figures."""
+    agg = AppStatistics()
+    agg.beat("det-0", _beat(5, 4, errors=1, batch_sizes={"2": 2}, request_s=[0.002, 0.004, 0.006, 0.1]), now_s=1.0)
+    agg.record_inference(rows=2, duration_ns=3_000_000, ok=True, statuses={"OK": 2}, node_ns=2_500_000)
+    agg.record_inference(rows=1, duration_ns=1_000_000, ok=False, statuses={"LOST": 1})
+    oip = agg.model_statistics("det")
+    assert oip["inference_count"] == 2 and oip["execution_count"] == 1 and oip["last_inference"] > 0
+    assert oip["inference_stats"]["success"] == {"count": 1, "ns": 3_000_000}
+    assert oip["inference_stats"]["fail"] == {"count": 1, "ns": 1_000_000}
+    status = _node_status({"det": (agg, {"app_id": 1, "slo_ms": 50}, [{"name": "det-0", "role": "active"}])})
+    assert status["apps"]["det"]["oip"]["statuses"] == {"OK": 2, "LOST": 1}
+    with MetricsServer(0) as srv:
+        srv.update(status)
+        fams = _families(_scrape(srv.url))
+    # As Triton's (perf_analyzer needs it): queue and compute_* count one per successful inference,
+    # compute_infer's ns is the node's round trip; the node's own durations are in Prometheus.
+    st = oip["inference_stats"]
+    assert {st[k]["count"] for k in ("queue", "compute_input", "compute_infer", "compute_output")} == {1}
+    assert st["compute_infer"]["ns"] == 2_500_000 and st["queue"]["ns"] == 0
+    for fam in ("gpuprims_queue_duration_seconds", "gpuprims_compute_duration_seconds"):
+        samples = {s.name: s.value for s in fams[fam].samples if s.labels.get("app") == "det"}
+        assert samples[fam + "_count"] == 4
 
 
 # ---- status table
 
 
 def test_format_status() -> None:
-    clock = Clock()
-    m = NodeMetrics(clock=clock)
-    m.set_app("detect", app_id=1, slo_ms=50)
-    m.set_app("idle", app_id=2, slo_ms=80)
-    m.update_instance("detect", "detect-0", _sampled(0, []))
-    clock.t += 1
-    m.update_instance("detect", "detect-0", _sampled(10, [12.0] * 9, errors=1, queue_len=3))
-    m.set_ingest_drops({"bad_magic": 4})
-    m.set_node_info(backend="cpu")
-    text = format_status(json.loads(json.dumps(m.status())))
+    agg = AppStatistics()
+    agg.beat("detect-0", _beat(0), now_s=1.0)
+    agg.beat("detect-0", _beat(10, 9, deadline_missed=1, p50_ms=12.0, p99_ms=13.0, queue_len=3), now_s=2.0)
+    status = _node_status({
+        "detect": (agg, {"app_id": 1, "slo_ms": 50, "gpu_pct": 50},
+                   [{"name": "detect-0", "role": "active", **agg.totals({"detect-0": "active"})}]),
+        "idle": (AppStatistics(), {"app_id": 2, "slo_ms": 80}, [])}, drops={"bad_magic": 4})
+    text = format_status(json.loads(json.dumps(status)))
     lines = text.splitlines()
-    assert lines[0].startswith("node: uptime=1.0s") and "backend=cpu" in lines[0]
+    assert lines[0].startswith("node: uptime=3.0s") and "backend=cpu" in lines[0] and "ports=9000" in lines[0]
     header = lines[1]
     for col in ("APP / INSTANCE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "P50 ms", "P99 ms", "SLO att.", "ERRORS"):
         assert col in header
@@ -302,9 +161,14 @@ def test_format_status() -> None:
 
 def test_format_status_tolerates_sparse_input() -> None:
     assert format_status({}) == "node: -\nno apps\ningest drops: -"
-    text = format_status({"apps": [{"name": "x", "instances": [{"name": "x-0"}]}],
-                          "control_rejected": {"bad_token": 1}})
+    text = format_status({"apps": {"x": {"instances": [{"name": "x-0"}]}}, "control_rejected": {"bad_token": 1}})
     assert "x (id -)" in text and "  x-0" in text and "control messages rejected: bad_token=1" in text
+
+
+def test_format_status_garbage_values() -> None:
+    text = format_status({"apps": {"x": {"gpu_pct": "lots", "p50_ms": float("nan"), "errors": "x",
+                                         "instances": [{}, 3]}, "y": 3}, "node": [], "drops": 5})
+    assert "x (id -)" in text and "  ?" in text
 
 
 # ---- Prometheus over HTTP
@@ -315,43 +179,64 @@ def _scrape(url: str) -> str:
         return r.read().decode()
 
 
+def _detect() -> dict[str, Any]:
+    agg = AppStatistics()
+    agg.beat("detect-0", _beat(10, 8, deadline_missed=1, errors=1, within_slo=7, batch_sizes={"1": 4, "2": 3},
+                               request_s=[0.001, 0.004, 0.5]), now_s=1.0)
+    inst = {"name": "detect-0", "pid": 5, "role": "active", "ready": True, "gpu_pct": 40}
+    return _node_status({"detect": (agg, {"app_id": 1, "model": "resnet18", "slo_ms": 50, "gpu_pct": 40,
+                                          "restarts": 1, "failed_by_crash": 2, "requeued_by_crash": 1},
+                                    [inst])},
+                        ingest={"packets_received": 10, "packets_accepted": 8, "drop_bad_magic": 3,
+                                "drop_duplicate": 0, "requests_completed": 10, "requests_timed_out": 0,
+                                "free_slots": 100},
+                        control_rejected={"bad_token": 2})
+
+
 def test_metrics_endpoint() -> None:
-    clock = Clock()
-    m = NodeMetrics(clock=clock)
-    m.set_app("det", app_id=1, slo_ms=50)
-    m.update_instance("det", "det-0", _sampled(0, []))
-    clock.t += 1
-    m.update_instance("det", "det-0", _sampled(10, [5.0] * 8 + [80.0], errors=1, gpu_pct=40))
-    m.set_ingest_drops({"bad_magic": 3})
-    m.set_control_rejected({"bad_token": 2})
-    with MetricsServer(0, m) as srv:
+    with MetricsServer(0) as srv:
         assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
+        assert "gpuprims_request_arrivals_total{" not in _scrape(srv.url)
+        srv.update(_detect())
         body = _scrape(srv.url)
-    lab = 'app="det"'
+    lab = 'app="detect"'
     for line in (
         f"gpuprims_request_arrivals_total{{{lab}}} 10.0",
-        f"gpuprims_request_success_total{{{lab}}} 9.0",
-        f"gpuprims_request_within_slo_total{{{lab}}} 8.0",
+        f"gpuprims_request_success_total{{{lab}}} 8.0",
+        f"gpuprims_request_within_slo_total{{{lab}}} 7.0",
         f'gpuprims_request_failure_total{{{lab},reason="deadline_missed"}} 1.0',
-        f'gpuprims_request_failure_total{{{lab},reason="instance_failed"}} 0.0',
+        f'gpuprims_request_failure_total{{{lab},reason="error"}} 1.0',
+        f'gpuprims_request_failure_total{{{lab},reason="instance_failed"}} 2.0',
+        f"gpuprims_request_requeued_total{{{lab}}} 1.0",
+        f"gpuprims_instance_restarts_total{{{lab}}} 1.0",
         f"gpuprims_app_gpu_share_ratio{{{lab}}} 0.4",
         f"gpuprims_app_slo_seconds{{{lab}}} 0.05",
-        f'gpuprims_batch_size_bucket{{{lab},le="8.0"}} 0.0',
-        f'gpuprims_batch_size_bucket{{{lab},le="16.0"}} 1.0',
-        f"gpuprims_batch_exec_total{{{lab}}} 1.0",
+        f'gpuprims_batch_size_bucket{{{lab},le="1.0"}} 4.0',
+        f'gpuprims_batch_size_bucket{{{lab},le="2.0"}} 7.0',
+        f"gpuprims_batch_exec_total{{{lab}}} 7.0",
+        f"gpuprims_inference_count_total{{{lab}}} 10.0",
+        f'gpuprims_request_duration_seconds_bucket{{{lab},le="0.005"}} 2.0',
+        f'gpuprims_request_duration_seconds_bucket{{{lab},le="+Inf"}} 3.0',
+        f"gpuprims_compute_duration_seconds_count{{{lab}}} 3.0",
+        f'gpuprims_app_instances{{{lab},role="active"}} 1.0',
         'gpuprims_ingest_dropped_total{reason="bad_magic"} 3.0',
+        'gpuprims_ingest_dropped_total{reason="duplicate"} 0.0',
+        'gpuprims_ingest_requests_total{outcome="completed"} 10.0',
+        "gpuprims_ingest_packets_received_total 10.0",
         'gpuprims_control_rejected_total{reason="bad_token"} 2.0',
+        'backend="cpu"',
         "process_cpu_seconds_total ",
     ):
         assert line in body, line
     assert 'instance="' not in body
     # Our metrics never land in the process-global registry.
-    assert REGISTRY.get_sample_value("gpuprims_request_arrivals_total", {"app": "det"}) is None
+    assert REGISTRY.get_sample_value("gpuprims_request_arrivals_total", {"app": "detect"}) is None
+    with pytest.raises(ValueError, match="mapping"):
+        srv.update([])  # type: ignore[arg-type]
 
 
 def test_metrics_server_stops_and_refuses() -> None:
-    m = NodeMetrics()
-    srv = MetricsServer(0, m)
+    srv = MetricsServer(0)
     port = srv.start()
     with pytest.raises(RuntimeError, match="already started"):
         srv.start()
@@ -361,7 +246,7 @@ def test_metrics_server_stops_and_refuses() -> None:
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         _scrape(f"http://127.0.0.1:{port}/metrics")
     with pytest.raises(ValueError, match="port"):
-        MetricsServer(70000, m)
+        MetricsServer(70000)
     with pytest.raises(ValueError, match="port"):
         MetricsServer(True)  # type: ignore[arg-type]
 
@@ -372,92 +257,33 @@ def test_metrics_port_in_use() -> None:
         s.listen(1)
         port = s.getsockname()[1]
         with pytest.raises(OSError, match="metrics_port"):
-            MetricsServer(port, NodeMetrics()).start()
+            MetricsServer(port).start()
 
 
-# ---- the node's own summary shape (apps keyed by name, received/ok/within_slo counters)
+def test_app_series_never_go_backwards_across_a_switch() -> None:
+    """An instance replaced by Overlapped-Execution is banked in its app's record."""
+    agg = AppStatistics()
+    old = _beat(10, 8, deadline_missed=1, errors=1, within_slo=7, batch_sizes={"1": 4, "2": 3},
+                request_s=[0.001, 0.004, 0.5])
+    fields = {"app_id": 1, "slo_ms": 50, "gpu_pct": 50}
 
-def _hist_wire(request_s: list[float]) -> dict[str, Any]:
-    h = RequestHistograms()
-    h.request.observe(request_s)
-    h.queue.observe([v / 2 for v in request_s])
-    h.compute.observe([v / 2 for v in request_s])
-    return h.to_wire()
+    def scrape(status: dict[str, Any]) -> dict[tuple[str, str], float]:
+        with MetricsServer(0) as srv:
+            srv.update(status)
+            fams = _families(_scrape(srv.url))
+        return {(s.name, s.labels.get("le", "")): s.value for f in fams.values() if f.name.startswith("gpuprims_")
+                and f.type in ("counter", "histogram") for s in f.samples if s.labels.get("app") == "detect"}
 
-
-NODE_SUMMARY: dict[str, Any] = {
-    "node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
-    "ingest": {"packets_received": 10, "packets_accepted": 8, "drop_bad_magic": 2, "drop_duplicate": 0,
-               "requests_completed": 10, "requests_timed_out": 0, "free_slots": 100},
-    "drops": {"bad_magic": 2},
-    "apps": {
-        "detect": {
-            "app_id": 1, "model": "resnet18", "slo_ms": 50, "gpu_pct": 50, "restarts": 1, "failed_by_crash": 2,
-            "requeued_by_crash": 1,
-            "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7, "slo_attainment": 0.7,
-            "instances": [{"name": "detect-0", "pid": 5, "role": "active", "ready": True, "gpu_pct": 50,
-                           "received": 10, "ok": 8, "deadline_missed": 1, "errors": 1, "within_slo": 7,
-                           "slo_attainment": 0.7, "p50_ms": 4.0, "p99_ms": 9.5, "arrival_rps": 3.3,
-                           "service_rps": 3.3, "queue_len": 0, "held": 0, "batch_sizes": {"1": 4, "2": 3},
-                           "hist": _hist_wire([0.001, 0.004, 0.5])}],
-        },
-    },
-}
-
-
-def test_normalize_node_summary() -> None:
-    st_ = normalize_status(NODE_SUMMARY)
-    a = st_["apps"][0]
-    assert a["name"] == "detect" and a["arrived"] == 10 and a["served"] == 8 and a["slo_met"] == 7
-    assert a["errors"] == {"deadline_missed": 1, "error": 1}
-    assert a["instances"][0]["errors"] == {"deadline_missed": 1, "error": 1}
-    assert st_["ingest_drops"] == {"bad_magic": 2}
-    assert a["arrival_rps"] == pytest.approx(3.3) and a["queue_len"] == 0  # summed from the instances
-    # The canonical shape passes through unchanged in substance.
-    m = NodeMetrics()
-    m.update_instance("a", "a-0", _sampled(3, [1.0]))
-    canon = m.status()
-    assert normalize_status(canon)["apps"][0]["arrived"] == 3
-
-
-def test_format_node_summary() -> None:
-    text = format_status(NODE_SUMMARY)
-    assert "detect (id 1)" in text and "  detect-0" in text and "70.0%" in text
-    assert "deadline_missed=1 error=1" in text and "ingest drops: bad_magic=2 (total 2)" in text
-    assert "backend=cpu" in text and "ports=9000" in text
-
-
-def test_format_status_garbage_values() -> None:
-    text = format_status({"apps": {"x": {"gpu_pct": "lots", "p50_ms": float("nan"), "instances": {"x-0": {}}},
-                                   "y": 3}})
-    assert "x (id -)" in text and "  x-0" in text
-
-
-def test_metrics_server_from_snapshots() -> None:
-    with MetricsServer(0) as srv:
-        assert "gpuprims_request_arrivals_total{" not in _scrape(srv.url)
-        srv.update(NODE_SUMMARY)
-        body = _scrape(srv.url)
-    lab = 'app="detect"'
-    for line in (f"gpuprims_request_arrivals_total{{{lab}}} 10.0",
-                 f'gpuprims_request_failure_total{{{lab},reason="error"}} 1.0',
-                 f'gpuprims_request_failure_total{{{lab},reason="instance_failed"}} 2.0',
-                 f"gpuprims_request_requeued_total{{{lab}}} 1.0",
-                 f'gpuprims_batch_size_bucket{{{lab},le="2.0"}} 7.0',
-                 f"gpuprims_inference_count_total{{{lab}}} 10.0",
-                 f'gpuprims_request_duration_seconds_bucket{{{lab},le="0.005"}} 2.0',
-                 f'gpuprims_request_duration_seconds_bucket{{{lab},le="+Inf"}} 3.0',
-                 f'gpuprims_compute_duration_seconds_count{{{lab}}} 3.0',
-                 f'gpuprims_app_instances{{{lab},role="active"}} 1.0',
-                 'gpuprims_ingest_dropped_total{reason="bad_magic"} 2.0',
-                 'gpuprims_ingest_dropped_total{reason="duplicate"} 0.0',
-                 'gpuprims_ingest_requests_total{outcome="completed"} 10.0',
-                 "gpuprims_ingest_packets_received_total 10.0",
-                 'backend="cpu"'):
-        assert line in body, line
-    with pytest.raises(ValueError, match="mapping"):
-        srv.update([])  # type: ignore[arg-type]
-    srv.stop()
+    agg.beat("detect-0", old, now_s=1.0)
+    before = scrape(_node_status({"detect": (agg, fields, [{"name": "detect-0", "role": "active"}])}))
+    agg.retire("detect-0")
+    agg.beat("detect-s1", _beat(1, 1, batch_sizes={"1": 1}, request_s=[0.001]), now_s=2.0)
+    after = scrape(_node_status({"detect": (agg, fields, [{"name": "detect-s1", "role": "active"}])}))
+    assert set(after) == set(before)
+    went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
+    assert not went_back, went_back
+    assert after[("gpuprims_request_duration_seconds_count", "")] == before[
+        ("gpuprims_request_duration_seconds_count", "")] + 1
 
 
 def _families(body: str) -> dict[str, Any]:
@@ -466,7 +292,7 @@ def _families(body: str) -> dict[str, Any]:
 
 def test_scrape_follows_prometheus_conventions() -> None:
     with MetricsServer(0) as srv:
-        srv.update(NODE_SUMMARY)
+        srv.update(_detect())
         fams = _families(_scrape(srv.url))
     ours = {n: f for n, f in fams.items() if n.startswith("gpuprims_")}
     assert {"gpuprims_request_duration_seconds", "gpuprims_queue_duration_seconds",
@@ -493,39 +319,10 @@ def test_promtool_accepts_the_scrape(tmp_path: Path) -> None:
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package prometheus; scripts/install-tools.sh installs it)")
     with MetricsServer(0) as srv:
-        srv.update(NODE_SUMMARY)
+        srv.update(_detect())
         body = _scrape(srv.url)
     r = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
-
-
-def test_app_series_never_go_backwards_across_a_switch() -> None:
-    """An instance replaced by Overlapped-Execution leaves its counts in the app's retired dict."""
-    old = NODE_SUMMARY["apps"]["detect"]["instances"][0]
-    app = {k: v for k, v in NODE_SUMMARY["apps"]["detect"].items() if k != "instances"}
-
-    def scrape(status: dict[str, Any]) -> dict[tuple[str, str], float]:
-        with MetricsServer(0) as srv:
-            srv.update(status)
-            fams = _families(_scrape(srv.url))
-        return {(s.name, s.labels.get("le", "")): s.value for f in fams.values() if f.name.startswith("gpuprims_")
-                and f.type in ("counter", "histogram") for s in f.samples if s.labels.get("app") == "detect"}
-
-    before = scrape({"apps": {"detect": {**app, "instances": [old]}}})
-    retired: dict[str, Any] = {}
-    retire_into(retired, old)
-    assert retired["received"] == 10 and retired["retired_batch_sizes"] == {"1": 4, "2": 3}
-    new = {"name": "detect-s1", "role": "active", "ready": True, "received": 1, "ok": 1, "batch_sizes": {"1": 1},
-           "hist": _hist_wire([0.001])}
-    # The node adds the retired counters into the app's totals and spreads the dict into the app entry.
-    totals = {k: retired.get(k, 0) + new.get(k, 0) for k in ("received", "ok", "deadline_missed", "errors",
-                                                               "within_slo")}
-    after = scrape({"apps": {"detect": {**app, **retired, **totals, "instances": [new]}}})
-    assert set(after) == set(before)
-    went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
-    assert not went_back, went_back
-    assert after[("gpuprims_request_duration_seconds_count", "")] == before[
-        ("gpuprims_request_duration_seconds_count", "")] + 1
 
 
 def test_health_endpoints() -> None:
@@ -536,7 +333,7 @@ def test_health_endpoints() -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             _scrape(urls["health_ready"])
         assert e.value.code == 503  # no app has a READY instance yet
-        srv.update(NODE_SUMMARY)
+        srv.update(_detect())
         assert _scrape(urls["health_ready"]) == "ready\n"
         for path in ("/", "/metrics/x", "/favicon.ico"):
             with pytest.raises(urllib.error.HTTPError) as e:
@@ -549,7 +346,8 @@ def test_health_endpoints() -> None:
                 "Accept": "application/openmetrics-text; version=1.0.0"}), timeout=10) as r:
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             assert r.read().decode().endswith("# EOF\n")
-        down = {**NODE_SUMMARY, "apps": {"detect": {**NODE_SUMMARY["apps"]["detect"], "instances": []}}}
+        up = _detect()
+        down = {**up, "apps": {"detect": {**up["apps"]["detect"], "instances": []}}}
         srv.update(down)
         with pytest.raises(urllib.error.HTTPError) as e:
             _scrape(urls["health_ready"])
@@ -584,8 +382,6 @@ def _engine_status() -> dict[str, Any]:
 
 
 def test_engine_build_time_and_cache_hit_are_metrics() -> None:
-    from orchestrator.metrics import _Collector
-
     fams = {f.name: f for f in _Collector(_engine_status).collect()}
     got = {(s.name, s.labels["instance"], s.labels["stage"], s.labels["kind"]): s.value
            for name in ("gpuprims_engine_build_seconds", "gpuprims_engine_cache_hit") for s in fams[name].samples}
@@ -604,3 +400,22 @@ def test_status_shows_engines_other_than_eager_and_fallbacks() -> None:
         "engine a-s1: onnxruntime  provider=cpu  cache hit, load 12 ms, f00d  Param-Share n/a (own weights)",
         "engine d-0 stage r: eager  FALLBACK to eager (ExportError: no ONNX symbolic)",
     ]
+
+
+def test_devices_and_expired_held_answers_in_status_and_metrics() -> None:
+    """Per-GPU shares (status DEVICE column, gpuprims_app_device_share_ratio) and the held answers (the
+    ingest's gauge, and answers_expired among the drops) read from the status the node builds."""
+    status = {"apps": {"a": {"app_id": 1, "gpu": 1, "gpu_pct": 60,
+                             "instances": [{"name": "a-0", "role": "active", "gpu": 1, "gpu_pct": 30},
+                                           {"name": "a-1", "role": "active", "gpu": 1, "gpu_pct": 30},
+                                           {"name": "a-s", "role": "shadow", "gpu": 1, "gpu_pct": 30}]}},
+              "ingest": {"held_answers": 2, "drop_late": 1}, "drops": {"late": 1, "answers_expired": 3}}
+    fams = {f.name: f for f in _Collector(lambda: status).collect()}
+    share = {(s.labels["app"], s.labels["gpu"]): s.value for s in fams["gpuprims_app_device_share_ratio"].samples}
+    assert share == {("a", "1"): pytest.approx(0.6)}
+    assert [s.value for s in fams["gpuprims_ingest_held_answers"].samples] == [2.0]
+    drops = {s.labels["reason"]: s.value for s in fams["gpuprims_ingest_dropped"].samples}
+    assert drops == {"late": 1.0, "answers_expired": 3.0}
+    text = format_status(status)
+    assert "DEVICE" in text and re.search(r"a-0\s+active\s+gpu 1\s+30", text), text
+    assert "ingest drops:" in text and "answers_expired=3" in text, text

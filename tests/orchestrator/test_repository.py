@@ -195,6 +195,10 @@ def test_load_change_unload_on_a_real_node(serving: Serving) -> None:
     assert code == 200, out
     np.testing.assert_allclose(np.asarray(out["outputs"][0]["data"]).reshape(2, 10),
                                _want("resnet18", 4, xd, "uint8"), rtol=1e-4, atol=1e-4)
+    # The front door counted it in the loaded app's one statistics record (status, metrics, OIP stats).
+    oip = serving.node.status()["apps"]["det"]["oip"]
+    assert oip["execution_count"] == 1 and oip["inference_count"] == 2 and oip["statuses"] == {"OK": 2}
+    assert serving.node.frontdoor.core.stats["det"] is serving.node.apps["det"].stats  # type: ignore[union-attr]
     _, index = serving.post("/v2/repository/index", token=None)
     assert {"name": "det", "version": "1", "state": "READY"} in index
     # A load whose instance cannot start fails and leaves the node as it was.

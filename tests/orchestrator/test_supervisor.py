@@ -1,7 +1,12 @@
-"""Supervision under faults: instances SIGKILLed while the monitor and set-gpu change shares.
+"""Supervision: its rules one by one on played instances, and under faults with real ones.
 
-The node must stay up (its loop never raises and counts no internal error), answer every request,
-never drop one for want of a route, start killed shadows again, and end with every app serving.
+The rules run in one process: the node is handed a launcher double (tests/orchestrator/fake_launcher.py)
+whose instances play Ready, heartbeats, Ended, errors and exits over the in-process control plane, in
+front of the real packet pool and ingest, so what a dead instance held is really reclaimed.
+
+The slow test SIGKILLs real instances while the monitor and set-gpu change shares: the node must
+stay up (its loop never raises and counts no internal error), answer every request, never drop one
+for want of a route, start killed shadows again, and end with every app serving.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,25 +23,30 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
+from gpuprims import wire
 from gpuprims.cpushare import CpuShare
+from gpuprims.profile import save_profile, with_stages
 from gpuprims.wire import Status
-from orchestrator import supervisor as sup_mod
-from orchestrator.config import HostResources, load_config
+from orchestrator.config import HostResources, load_config, parse_config
 from orchestrator.control import ControlAddress
 from orchestrator.errors import ChangeError
 from orchestrator.monitor import Monitor, MonitorPolicy
 from orchestrator.node import Node
+from orchestrator.overflow import OVERFLOW_ROLE
 from orchestrator.param_share import ParamShare
 from orchestrator.reconfig import Phase
 from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.state import InstanceState
-from orchestrator.supervisor import Supervisor
+from orchestrator.supervisor import SHADOW_BACKOFF_MAX_S, Supervisor
+from tests.gpuprims.sched._profiles import grid
+from tests.orchestrator.fake_launcher import FakeLauncher
 from tests.orchestrator.test_reconfig import Load
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.timeout(120)
 
 CONFIG = """
 node:
@@ -62,6 +73,7 @@ def _serving(node: Node, app: str) -> bool:
     return any(st.app == app and st.role == "active" and st.ready for st in node.instances.values())
 
 
+@pytest.mark.slow
 def test_kills_during_monitor_and_set_gpu_changes_leave_the_node_serving(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG)
@@ -166,45 +178,224 @@ def test_shutdown_terminates_an_instance_still_starting_without_waiting_for_it(t
             st.proc.wait()
 
 
+# ---- the rules, on played instances
+
+def _played_node(tmp_path: Path, *, shadow: bool = False, overflow: bool = False,
+                 hang_timeout_s: float = 60.0) -> tuple[Node, FakeLauncher]:
+    app: dict[str, object] = {"name": "a", "model": "mobilenet_v2", "input_shape": [3, 8, 8], "slo_ms": 60_000,
+                              "gpu_pct": 50, "max_batch": 4, "app_id": 1, "num_classes": 10, "shadow": shadow}
+    cfg = parse_config({"node": {"listen": {"host": "127.0.0.1", "port": 0}, "backend": "cpu",
+                                 "run_dir": str(tmp_path / "run"), "hang_timeout_s": hang_timeout_s,
+                                 "pool": {"slot_count": 256, "max_chunks": 8, "record_count": 64}},
+                        "apps": [app]})
+    launcher = FakeLauncher()
+    node = Node(cfg, control_kind="inproc", launcher=launcher, warmup=False, share_params=False,
+                ready_timeout_s=30)
+    return node, launcher
+
+
+def _step_until(node: Node, cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        node.step(10)
+
+
+def _send(node: Node, n: int) -> None:
+    """``n`` requests to app 1; they reach the active instance's ring (a played instance never takes them)."""
+    assert node.ingest is not None
+    before = node.ingest.counters().get("requests_delivered", 0)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for rid in range(n):
+            for d in wire.encode_request(1, rid, np.zeros((3, 8, 8), np.float32), client_ts_ns=time.monotonic_ns()):
+                s.sendto(d, ("127.0.0.1", node.ingest.ports[0]))
+    _step_until(node, lambda: node.ingest.counters().get("requests_delivered", 0) >= before + n,  # type: ignore[union-attr]
+                f"{n} requests delivered to the instance")
+
+
+def test_a_dead_active_is_replaced_before_what_it_held_is_reclaimed(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path)
+    with node:
+        a0 = launcher.by_name("a-0")
+        _send(node, 3)
+        a0.die(-signal.SIGSEGV)
+        _step_until(node, lambda: node.apps["a"].restarts == 1, "the restart")
+        # The replacement was routed to before the reclaim, so the three requests went to it.
+        app = node.apps["a"]
+        assert app.requeued_by_crash == 3 and app.failed_by_crash == 0
+        new = [i for i in launcher.of_app("a") if i is not a0]
+        assert len(new) == 1 and node.ingest.route(1) == [new[0].spec.consumer]  # type: ignore[union-attr]
+        assert next(e for e in node.events if e["event"] == "crash")["replacement"] == new[0].spec.name
+        # A replacement that dies before READY fails what it held instead of passing it on again.
+        launcher.auto_ready = False
+        new[0].die(1)
+        _step_until(node, lambda: node.apps["a"].restarts == 2, "the second restart")
+        third = launcher.of_app("a")[-1]
+        third.die(1)  # never said Ready
+        _step_until(node, lambda: node.apps["a"].restarts == 3, "the third restart")
+        assert node.errors == {}
+    assert all(i.returncode is not None for i in launcher.launched)
+
+
+def test_a_killed_shadow_is_started_again_after_a_growing_back_off(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path, shadow=True)
+    with node:
+        assert node.supervisor is not None
+        shadows = [i for i in launcher.of_app("a") if i.spec.defer_init]
+        assert len(shadows) == 1
+        launcher.auto_ready = False
+        shadows[0].die(-signal.SIGKILL)
+        node.step(10)
+        # The back-off after the first failure: 1 s, then doubling (up to SHADOW_BACKOFF_MAX_S).
+        first = node.supervisor._shadow_not_before["a"]
+        node.supervisor.refill_shadows(first - 0.01, set())
+        assert len([i for i in launcher.of_app("a") if i.spec.defer_init]) == 1  # not yet
+        node.supervisor.refill_shadows(first, set())
+        second = [i for i in launcher.of_app("a") if i.spec.defer_init][-1]
+        assert second is not shadows[0] and second.returncode is None
+        second.die(1)
+        node.step(10)
+        gap = node.supervisor._shadow_not_before["a"] - time.monotonic()
+        assert 1.0 < gap <= 2.0 <= SHADOW_BACKOFF_MAX_S
+        node.supervisor.refill_shadows(node.supervisor._shadow_not_before["a"], set())
+        third = [i for i in launcher.of_app("a") if i.spec.defer_init][-1]
+        third.ready(initialized=False)  # a shadow that comes up resets the back-off
+        _step_until(node, lambda: "a" not in node.supervisor._shadow_not_before, "the back-off reset")  # type: ignore[union-attr]
+        assert node.apps["a"].shadow_restarts == 2 and node.apps["a"].restarts == 0
+        # A launch that fails outright counts as a failure too, and the node carries on.
+        third.die(1)
+        launcher.refuse = 1
+        node.step(10)
+        node.supervisor.refill_shadows(node.supervisor._shadow_not_before["a"], set())
+        assert node.supervisor._shadow_failures["a"] == 2 and node.errors == {}
+
+
+def test_a_silent_active_is_killed_as_hung_and_replaced(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path, hang_timeout_s=5.0)
+    with node:
+        assert node.supervisor is not None
+        a0 = launcher.by_name("a-0")
+        _send(node, 2)
+        a0.beat(received=2, ok=0)
+        node.step(10)
+        a0.hang()
+        beat = node.instances["a-0"].last_beat
+        node.supervisor.check_hangs(beat + 4.9, 5.0)
+        assert a0.returncode is None  # within node.hang_timeout_s
+        node.supervisor.check_hangs(beat + 5.1, 5.0)
+        assert a0.returncode == -signal.SIGKILL and node.apps["a"].hangs == 1
+        _step_until(node, lambda: node.apps["a"].restarts == 1, "the replacement")
+        assert node.apps["a"].requeued_by_crash == 2
+        # Its last heartbeat is banked in the app's statistics.
+        assert node.status()["apps"]["a"]["received"] == 2
+
+
+def test_an_error_before_ready_fails_the_start_naming_the_instance(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path)
+    launcher.auto_ready = False
+    original = launcher.launch
+
+    def launch_and_fail(spec: InstanceSpec, env: dict[str, str]) -> object:
+        inst = original(spec, env)
+        inst.error("model_load", "no such weights")
+        return inst
+
+    launcher.launch = launch_and_fail  # type: ignore[method-assign]
+    with pytest.raises(Exception, match="a-0 failed to start: model_load: no such weights"):
+        node.start()
+    assert node.instances == {} and all(i.returncode is not None for i in launcher.launched)
+
+
+def test_a_launch_that_fails_outright_fails_the_start(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path)
+    launcher.refuse = 1
+    with pytest.raises(Exception, match="could not start a-0"):
+        node.start()
+    assert node.instances == {}
+
+
+def test_stop_drains_every_played_instance(tmp_path: Path) -> None:
+    node, launcher = _played_node(tmp_path, shadow=True)
+    node.start()
+    node.stop()
+    assert {type(m).__name__ for i in launcher.launched for m in i.received} <= {"Shutdown", "InitGpu"}
+    assert all(i.returncode is not None for i in launcher.launched) and not node.instances
+
+
+def test_a_dead_overflow_instance_gives_what_it_held_to_the_accelerator_and_comes_back(tmp_path: Path) -> None:
+    (tmp_path / "profiles").mkdir()
+    cpu = with_stages(grid("mobilenet_v2", {100: {1: 60.0, 8: 240.0}}), [], device_kind="cpu", cpu_cores=1)
+    save_profile(cpu, tmp_path / "profiles" / "mobilenet_v2.cpu.json")
+    cfg = parse_config({"node": {"listen": {"host": "127.0.0.1", "port": 0}, "backend": "cpu",
+                                 "run_dir": str(tmp_path / "run"), "overflow_profiles": str(tmp_path / "profiles"),
+                                 "pool": {"slot_count": 256, "max_chunks": 8, "record_count": 64}},
+                        "apps": [{"name": "a", "model": "mobilenet_v2", "input_shape": [3, 8, 8], "slo_ms": 60_000,
+                                  "gpu_pct": 50, "max_batch": 4, "app_id": 1, "num_classes": 10,
+                                  "overflow": "cpu", "overflow_cores": 1}]})
+    launcher = FakeLauncher()
+    with Node(cfg, control_kind="inproc", launcher=launcher, warmup=False, share_params=False,
+              ready_timeout_s=30) as node:
+        assert node.supervisor is not None and node.ingest is not None
+        _step_until(node, lambda: node.supervisor.overflow_of("a") is not None  # type: ignore[union-attr]
+                    and node.supervisor.overflow_of("a").ready, "the CPU overflow instance")  # type: ignore[union-attr]
+        cpu_inst = node.supervisor.overflow_of("a")
+        assert cpu_inst is not None and cpu_inst.role == OVERFLOW_ROLE
+        assert sorted(node.ingest.route(1)) == sorted([node.instances["a-0"].spec.consumer, cpu_inst.spec.consumer])
+        launcher.by_name(cpu_inst.name).die(-signal.SIGKILL)
+        _step_until(node, lambda: node.supervisor.overflow_of("a") is not cpu_inst, "the overflow's exit")  # type: ignore[union-attr]
+        # Off the route at once; the accelerator kept serving; the failure is counted and backed off.
+        assert node.ingest.route(1) == [node.instances["a-0"].spec.consumer]
+        assert node.status()["apps"]["a"]["overflow"]["cpu_instance_failures"] == 1
+        assert node.apps["a"].restarts == 0 and node.errors == {}
+        not_before = node.supervisor._overflow_not_before["a"]
+        node.supervisor.refill_overflow(not_before)
+        again = node.supervisor.overflow_of("a")
+        assert again is not None and again.name != cpu_inst.name
+
+
 # -- engines in the specs the supervisor hands its instances (no process started) -------------------------------
 
-def _specs_spawned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, app_yaml: dict[str, Any],
+class _RecordingLauncher:
+    """Records what it is asked to start and starts nothing."""
+
+    def __init__(self) -> None:
+        self.envs: list[dict[str, str]] = []
+
+    def launch(self, spec: InstanceSpec, env: Any) -> Any:
+        self.envs.append(dict(env))
+        return SimpleNamespace(pid=4242 + len(self.envs), poll=lambda: None)
+
+
+def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
                    roles: list[str | None]) -> list[InstanceSpec]:
     cfg_path = tmp_path / "apps.yaml"
     cfg_path.write_text(yaml.safe_dump({"node": {"backend": backend, "engine_cache": str(tmp_path / "c")},
                                          "apps": [app_yaml]}))
     cfg = load_config(cfg_path, host=HostResources(cores=64, mem_available_mb=1e6))
-    envs: list[dict[str, str]] = []
-
-    def popen(args: list[str], env: dict[str, str], **kw: Any) -> Any:
-        envs.append(env)
-        return SimpleNamespace(pid=4242 + len(envs), poll=lambda: None)
-
-    monkeypatch.setattr(sup_mod.subprocess, "Popen", popen)
+    launcher = _RecordingLauncher()
     placement = SimpleNamespace(instance_pct=lambda app: 50, scheduled=False, stage_pcts=lambda app: None)
     server = SimpleNamespace(address=ControlAddress("ipc:///tmp/x-i", "ipc:///tmp/x-c"))
     sup = Supervisor(cfg, {}, {}, pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
                      token="ab" * 16, run_dir=tmp_path, placement=placement, params=ParamShare(tmp_path),  # type: ignore[arg-type]
-                     backend=backend, python=sys.executable, heartbeat_ms=100, warmup=False, consumers=8)
+                     backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8)
     share = CpuShare(cores=[0], threads=1, gpu_pct=50)
     for i, role in enumerate(roles):
         sup.spawn(cfg.apps[0], f"{cfg.apps[0].name}-{i}", share, role=role)
-    return [InstanceSpec.from_json(e[ENV_SPEC]) for e in envs]
+    return [InstanceSpec.from_json(e[ENV_SPEC]) for e in launcher.envs]
 
 
-def test_instances_get_the_apps_engine_and_the_overflow_instance_its_own(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_instances_get_the_apps_engine_and_the_overflow_instance_its_own(tmp_path: Path) -> None:
     app = {"name": "a", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 50, "overflow": "cpu",
            "engine": {"kind": "onnxruntime", "provider": "cpu", "optimization": "basic"}, "overflow_engine": "eager"}
-    active, overflow = _specs_spawned(tmp_path, monkeypatch, "cpu", app, [None, "overflow"])
+    active, overflow = _specs_spawned(tmp_path, "cpu", app, [None, "overflow"])
     assert (active.engine, active.engine_options) == ("onnxruntime", {"provider": "cpu", "optimization": "basic"})
     assert active.engine_cache == str(tmp_path / "c")
     assert active.share_params is None  # Param-Share does not apply: the engine holds its own weights
     assert (overflow.engine, overflow.engine_options, overflow.backend) == ("eager", None, "cpu")
 
 
-def test_eager_instances_still_share_their_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_instances_still_share_their_weights(tmp_path: Path) -> None:
     app = {"name": "b", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 40}
-    first, second = _specs_spawned(tmp_path, monkeypatch, "cuda", app, [None, None])
+    first, second = _specs_spawned(tmp_path, "cuda", app, [None, None])
     assert first.engine == "eager" and first.share_params.startswith("export:")  # type: ignore[union-attr]
     assert second.share_params.startswith("import:")  # type: ignore[union-attr]

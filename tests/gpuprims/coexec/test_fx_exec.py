@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from apps.zoo import build_model
-from apps.zoo.seqnets import wide_deep_shape
+from apps.zoo.names import wide_deep_shape
 from gpuprims.coexec.fx_exec import (
     LstmExecutor,
     SubgraphExecutor,

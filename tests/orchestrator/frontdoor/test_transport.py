@@ -104,8 +104,9 @@ def test_an_instance_killed_holding_front_door_rows_answers_each_once_with_an_er
             assert len(got) == 1 and isinstance(got[0], InferenceServerException)
             assert got[0].status() == "503" and "INSTANCE_FAILED" in got[0].message()
             assert door.core is not None
-            assert door.core.stats[APP.name].statuses == {"INSTANCE_FAILED": 2}
-            assert door.core.stats[APP.name].fail.count == 1 and door.core.stats[APP.name].success.count == 0
+            oip = door.core.stats[APP.name].totals()["oip"]  # the front door's counts in the app's record
+            assert oip["statuses"] == {"INSTANCE_FAILED": 2}
+            assert oip["fail"]["count"] == 1 and oip["success"]["count"] == 0
             c = pool.ingest.counters()
             assert c["local_submitted"] == c["local_answered"] == 2 and c["responses_sent"] == 0
             assert door.core.transport.stray == 0  # type: ignore[attr-defined]
@@ -133,7 +134,7 @@ def test_an_answer_after_its_row_was_given_up_is_dropped_not_sent_twice(pool: Po
         while door.core.transport.stray == 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.005)
         assert door.core.transport.stray == 1  # type: ignore[attr-defined]
-        assert door.core.stats[APP.name].statuses == {"LOST": 1}
+        assert door.core.stats[APP.name].totals()["oip"]["statuses"] == {"LOST": 1}
 
 
 def test_rows_the_node_cannot_take_are_answered_with_the_reason(pool: Pool) -> None:
