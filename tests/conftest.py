@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -31,3 +34,16 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> object:
     yield rt
     rt.quiesce()
     fake.reset("1")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_affinity_unchanged() -> Iterator[None]:
+    """A test that confines this process to some cores (an in-process runner applying its share) must put
+    them back: every later test would otherwise run on fewer cores (the overflow tests read the host as a
+    1-core machine). The affinity is restored and the test that left it changed fails, named."""
+    before = os.sched_getaffinity(0)
+    yield
+    after = os.sched_getaffinity(0)
+    if after != before:
+        os.sched_setaffinity(0, before)
+        pytest.fail(f"the test left this process's CPU affinity at {sorted(after)} (was {sorted(before)})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,14 +105,17 @@ def test_an_engine_prepared_before_the_share_is_made_again_for_it_from_the_cache
     built = runner.build(torch.device("cpu"))  # a shadow's pre-warm: its share is not known yet
     assert built["engines"]["main"].describe()["cache_hit"] is False
     runner.spec.cores, runner.spec.threads = [0], 1  # InitGpu brings the share
-    runner.init_device(50)
-    runner.install(built)
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
+        runner.init_device(50)  # confines this (the test's) process, as it does an instance
+        runner.install(built)
         d = runner.describe()
         assert d["threads"] == 1 and d["cache_hit"] is True and d["build_ms"] == 0
         assert runner.model is runner.engines["main"]
     finally:
         runner.close()
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
 
 
 def test_a_model_the_engine_cannot_take_is_served_by_eager_after_one_line(
