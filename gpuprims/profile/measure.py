@@ -21,6 +21,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -335,14 +336,30 @@ class ProfileInterrupted(KeyboardInterrupt):
 
 
 def _submit_shielded(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """Submit with SIGINT blocked while the worker process is spawned: the worker inherits the blocked
-    mask (its initializer then ignores SIGINT), so a Ctrl-C that lands while it is still importing
-    never gives it a traceback; this process gets the Ctrl-C as soon as the mask is restored."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """Submit with Ctrl-C held off while the worker process is spawned.
+
+    SIGINT is blocked in this thread, so the worker inherits the blocked mask (its initializer then
+    ignores SIGINT) and a Ctrl-C that lands while it is still importing never gives it a traceback.
+    The mask alone does not hold off Python's KeyboardInterrupt: the kernel hands the signal to another
+    thread (tqdm's monitor, the pool's manager), whose C handler trips the flag the main thread acts on,
+    possibly between the worker's start and the write of its start-up data (the worker then dies on an
+    EOFError with a traceback). So a handler that only notes the signal is installed for the submit; a
+    noted Ctrl-C kills the new worker and is raised once it is done.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return pool.submit(fn, *args)  # signal handlers belong to the main thread; no Ctrl-C lands here
+    noted: list[int] = []
+    old_handler = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        return pool.submit(fn, *args)
+        fut = pool.submit(fn, *args)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGINT, old_handler)
+    if noted:
+        _kill_workers(pool)
+        raise KeyboardInterrupt
+    return fut
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from gpuprims.profile import load_profile
 from gpuprims.profile.cli import main
-from gpuprims.profile.measure import measure_profile, parse_int_list, plot_profile
+from gpuprims.profile.measure import _submit_shielded, measure_profile, parse_int_list, plot_profile
 from tests.gpuprims.sched._profiles import grid
 
 TINY = ["mobilenet", "--batch", "2", "--gpu-pct", "50,100", "--input-shape", "3,32,32", "--width", "0.25",
@@ -132,6 +132,49 @@ def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
     assert raw["measured"] == done and [pt["batch_size"] for pt in raw["points"]] == list(range(1, done + 1))
     p = load_profile(out)
     assert p.batch_sizes == list(range(1, done + 1)) and p.gpu_pcts == [100]
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+class _PoolHitByCtrlC:
+    """A pool whose submit is hit by a Ctrl-C half-way, as when the signal lands while the worker
+    process is being started (between its start and the write of its start-up data)."""
+
+    def __init__(self) -> None:
+        self.worker = _Worker()
+        self._processes = {1: self.worker}
+        self.steps: list[str] = []
+
+    def submit(self, fn: object, *args: object) -> str:
+        self.steps.append("started")
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # bytecodes after the signal, where an unshielded submit is interrupted
+            pass
+        self.steps.append("data written")
+        return "future"
+
+
+def test_a_ctrl_c_during_a_submit_lets_it_finish_then_kills_the_worker_and_interrupts() -> None:
+    pool = _PoolHitByCtrlC()
+    with pytest.raises(KeyboardInterrupt):
+        _submit_shielded(pool, print)  # type: ignore[arg-type]
+    assert pool.steps == ["started", "data written"] and pool.worker.killed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert _submit_shielded(_PoolQuiet(), print) == "future"  # type: ignore[arg-type]
+
+
+class _PoolQuiet:
+    def __init__(self) -> None:
+        self._processes: dict[int, _Worker] = {}
+
+    def submit(self, fn: object, *args: object) -> str:
+        return "future"
 
 
 def test_cli_device_cpu_records_the_pool_and_the_stages(tmp_path: Path) -> None:
