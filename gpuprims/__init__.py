@@ -1,8 +1,10 @@
 """gpuprims: multiplex DNN inference services on the GPUs of an edge server.
 
 The paper's primitives are importable from here: ``from gpuprims import sync_lite``. Names load
-lazily, so importing this package loads neither torch nor the native extension and never touches
-the GPU: backends probe CUDA only when asked (CONTRIBUTING.md, house style 6).
+lazily, so importing this package loads neither torch nor the native extension (nor numpy: the
+backend probes load on first use too) and never touches the GPU: backends probe CUDA only when asked
+(CONTRIBUTING.md, house style 6). ``gpuprims.__version__`` is all that a command-line client (the
+orchestrator's ``status``) pays for.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import importlib
 from typing import Any
 
 from gpuprims._version import __version__ as __version__
-from gpuprims.backend import cuda_available as cuda_available
-from gpuprims.backend import cuda_kernels_built as cuda_kernels_built
-from gpuprims.backend import native_available as native_available
 
 _LAZY: dict[str, str] = {
+    # which backends this process can use (gpuprims.backend imports numpy through the CUDA runtime)
+    "cuda_available": "gpuprims.backend", "cuda_kernels_built": "gpuprims.backend",
+    "native_available": "gpuprims.backend",
     # V-A Sync-lite, V-B GPU-DMA, V-E Param-Share (with their baselines)
     "sync_lite": "gpuprims.cuda", "sync_blocking": "gpuprims.cuda", "sync_callback": "gpuprims.cuda",
     "gpu_dma": "gpuprims.cuda", "cuda_copy_gather": "gpuprims.cuda", "PinnedPool": "gpuprims.cuda",
@@ -27,7 +29,7 @@ _LAZY: dict[str, str] = {
     "PacketPool": "gpuprims.pool", "Ingest": "gpuprims.ingest",
 }
 
-__all__ = sorted(["__version__", "cuda_available", "cuda_kernels_built", "native_available", *_LAZY])
+__all__ = sorted(["__version__", *_LAZY])
 
 
 def __getattr__(name: str) -> Any:

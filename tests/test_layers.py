@@ -179,7 +179,8 @@ def test_the_checker_finds_a_circle() -> None:
 
 
 #: Modules of the node process and the CLI: none may import torch (the instances run the models).
-TORCH_FREE = ("orchestrator.node", "orchestrator.cli", "orchestrator.config", "orchestrator.supervisor",
+TORCH_FREE = ("orchestrator.node", "orchestrator.cli", "orchestrator.cli_control", "orchestrator.cli_node",
+              "orchestrator.config", "orchestrator.supervisor",
               "orchestrator.frontdoor", "orchestrator.metrics", "orchestrator.status_format", "apps.zoo",
               "apps.zoo.names")
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,57 +18,46 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from gpuprims import __version__
 from orchestrator import cli, rundir
+from orchestrator.config import load_config
+from orchestrator.placement import Placement
+from orchestrator.state import AppState
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _node_dir(base: Path, name: str) -> Path:
-    """A run dir whose record names this (live) process."""
-    d = base / name
-    d.mkdir(mode=0o700)
-    rundir.write_record(d, rundir.NodeRecord.for_this_process(name=name, config=f"/cfg/{name}.yaml", ports=[9000]))
-    return d
+def test_help_lists_every_command_with_its_help() -> None:
+    r = CliRunner().invoke(cli.main, ["--help"])
+    assert r.exit_code == 0, r.output
+    listed = r.output.split("Commands:", 1)[1]
+    for name in ("start", "validate", "status", "stop", "set-gpu"):
+        assert f"  {name} " in listed, r.output
+    assert sorted(cli.COMMANDS) == sorted(cli.main.list_commands(click.Context(cli.main)))
+    assert "Print apps, instances, GPU%" in listed and "Start the node described by CONFIG" in listed
+    r = CliRunner().invoke(cli.main, ["status", "-h"])  # -h reaches the lazily loaded command too
+    assert r.exit_code == 0 and "--run-dir" in r.output and "--json" in r.output
 
 
-def test_finds_the_one_live_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
-    d = _node_dir(tmp_path, "run-a")
-    (tmp_path / "current").symlink_to(d)
-    assert cli._find_run_dir(None) == d.resolve()
-    assert cli._find_run_dir(None, "run-a") == d
-    assert cli._find_run_dir(str(d)) == d
-    with pytest.raises(click.ClickException, match="no node is running"):
-        cli._find_run_dir(str(tmp_path / "x"))
-    with pytest.raises(click.UsageError, match="not both"):
-        cli._find_run_dir(str(d), "run-a")
+def test_every_lazy_command_loads_under_its_name() -> None:
+    for name in cli.COMMANDS:
+        cmd = cli.main.load(name)
+        assert isinstance(cmd, click.Command) and cmd.name == name and cmd.help
 
 
-def test_refuses_to_guess_between_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
-    with pytest.raises(click.ClickException, match="no running node"):
-        cli._find_run_dir(None)
-    _node_dir(tmp_path, "run-a")
-    with pytest.raises(click.ClickException, match="which node to stop") as e:
-        cli._find_run_dir(None, must_name=True)
-    assert "--name run-a" in e.value.message and "/cfg/run-a.yaml" in e.value.message
-    _node_dir(tmp_path, "run-b")
-    with pytest.raises(click.ClickException, match="several nodes are running") as e:
-        cli._find_run_dir(None)
-    assert "--name run-a" in e.value.message and "--name run-b" in e.value.message
+def test_an_unknown_command_is_a_usage_error() -> None:
+    r = CliRunner().invoke(cli.main, ["statsu"])
+    assert r.exit_code == 2 and "No such command 'statsu'" in r.output and "Traceback" not in r.output
 
 
-def test_a_named_dead_node_is_cleaned_up_and_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
-    d = tmp_path / "gone"
-    d.mkdir(mode=0o700)
-    (d / "token").write_text("x")
-    with pytest.raises(click.ClickException, match="has not opened its command socket"):
-        cli._find_run_dir(None, "gone")
-    rundir.write_record(d, rundir.NodeRecord(pid=2**22 + 1, start_ticks=1, started_at=0.0, name="gone"))
-    with pytest.raises(click.ClickException, match="not running"):
-        cli._find_run_dir(None, "gone")
-    assert not d.exists()
+def test_a_lazy_entry_that_is_no_command_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"'x'.*'orchestrator\.cli' is not 'module:attribute'"):
+        cli.LazyGroup(name="g", lazy_commands={"x": "orchestrator.cli"})
+    group = cli.LazyGroup(name="g", lazy_commands={"x": "orchestrator.cli:COMMANDS", "y": "orchestrator.cli:nope"})
+    with pytest.raises(TypeError, match=re.escape("'x': orchestrator.cli.COMMANDS is dict, not a click command")):
+        group.load("x")
+    with pytest.raises(TypeError, match=re.escape("'y': orchestrator.cli.nope is NoneType")):
+        group.load("y")
 
 
 def test_validate_and_start_refuse_a_bad_config_with_file_and_key(tmp_path: Path) -> None:
@@ -350,10 +341,6 @@ def test_start_refuses_a_live_nodes_run_dir(tmp_path: Path, monkeypatch: pytest.
 @pytest.mark.parametrize("prog", ["orchestrator.cli", "gpuprims.traffic.cli", "gpuprims.profile.cli",
                                   "gpuprims.sched.sim_cli"])
 def test_every_cli_has_h_and_version(prog: str) -> None:
-    import importlib
-
-    from gpuprims import __version__
-
     main = importlib.import_module(prog).main
     r = CliRunner().invoke(main, ["-h"])
     assert r.exit_code == 0 and "Usage:" in r.output
@@ -362,10 +349,6 @@ def test_every_cli_has_h_and_version(prog: str) -> None:
 
 
 def test_readme_set_gpu_fits_the_example_shares() -> None:
-    from orchestrator.config import load_config
-    from orchestrator.placement import Placement
-    from orchestrator.state import AppState
-
     cfg = load_config(ROOT / "examples" / "apps.yaml")
     lines = [ln for ln in (ROOT / "README.md").read_text().splitlines() if "gpuprims-orchestrator set-gpu" in ln]
     assert lines

@@ -1,0 +1,180 @@
+"""The `gpuprims-orchestrator` commands that read a config: ``start`` (runs the node) and ``validate``.
+
+They import the node, the config schema, the CPU overflow planner and the zoo's names (pydantic,
+numpy, the front door's aiohttp and grpc), which is why they live apart from the control-socket
+clients in `orchestrator.cli_control`: the group in `orchestrator.cli` loads this module only when
+one of these two commands runs.
+
+Every node has a name: ``start --name NAME`` runs it in ``<runtime base>/NAME``; without one the
+name is its fresh run directory's (``run-xxxxxxxx``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+
+from apps.zoo.names import known_names
+from gpuprims.backend import resolve_backend
+from orchestrator.cli_control import echo_removed, named_dir, runtime_base, sweep_dead
+from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config
+from orchestrator.control import make_run_dir
+from orchestrator.logs import setup_logging
+from orchestrator.monitor import Monitor
+from orchestrator.node import Node, StartError, install_signal_handlers
+from orchestrator.overflow import NodeOverflow, OverflowSetupError
+from orchestrator.rundir import NodeRecord, RunDirBusy, claim, update_record
+
+log = logging.getLogger("gpuprims.cli")
+
+
+def _check_user_models(cfg: NodeConfig, source: str) -> None:
+    """A ``module:factory`` model whose module cannot be found is refused before anything starts."""
+    specs = [(f"apps[{i}].model", a.model) for i, a in enumerate(cfg.apps) if a.model]
+    specs += [(f"apps[{i}].stages[{j}].model", s.model) for i, a in enumerate(cfg.apps)
+              for j, s in enumerate(a.stages or ()) if s.model]
+    for key, spec in specs:
+        if ":" not in spec:
+            continue
+        module = spec.split(":", 1)[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as e:  # a missing parent package
+            found, why = False, str(e)
+        else:
+            why = f"no module named {module!r}"
+        if not found:
+            raise click.ClickException(f"{source}: {key}: cannot import the user model {spec!r}: {why} "
+                                       "(is it on PYTHONPATH?)")
+
+
+def _check_engines(cfg: NodeConfig, source: str) -> None:
+    """Every app's engine runs on the backend this node would use (``backend: auto`` resolved here the
+    way start resolves it; an explicit backend was checked when the file was read)."""
+    if cfg.node.backend != "auto" or all(eng.kind == "eager" for a in cfg.apps for _, eng in a.engines()):
+        return
+    try:
+        backend = resolve_backend("auto", isolated=True)
+    except (RuntimeError, ValueError) as e:
+        raise click.ClickException(f"{source}: node.backend: {e}") from e
+    problems = engine_problems(cfg, backend)
+    if problems:
+        raise click.ClickException(str(ConfigError(source, problems)))
+
+
+def _port_in_use(e: BaseException) -> str | None:
+    """The one line to print for an address-in-use failure anywhere in ``e``'s chain, else None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.EADDRINUSE:
+            return str(seen)
+        if "address already in use" in str(seen).lower():
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--name", default=None, help="Name the node (run dir <runtime base>/NAME); default: its run dir's name.")
+@click.option("--run-dir", default=None, help="Run directory (default: node.run_dir of CONFIG, else a fresh one).")
+@click.option("--ready-timeout", default=180.0, show_default=True, help="Seconds each instance may take to load.")
+@click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
+def start(config: str, name: str | None, run_dir: str | None, ready_timeout: float, duration: float | None) -> None:
+    """Start the node described by CONFIG and run until stopped (SIGINT/SIGTERM or `stop`)."""
+    if run_dir and name:
+        raise click.UsageError("give --run-dir or --name, not both")
+    try:
+        cfg = load_config(config, known_models=known_names())
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    _check_user_models(cfg, config)
+    setup_logging(cfg.node.log_level, cfg.node.log_format)
+    sweep_dead()
+    if name:
+        target: Path | None = named_dir(name)
+    elif run_dir or cfg.node.run_dir:
+        target = Path(run_dir or cfg.node.run_dir or "").expanduser().absolute()
+    else:
+        target = None
+    created = target is None or not target.exists()
+    d = make_run_dir(target) if target is not None else Path(tempfile.mkdtemp(prefix="run-", dir=runtime_base()))
+    rec = NodeRecord.for_this_process(config=str(Path(config).absolute()), name=name or d.name)
+    try:
+        removed = claim(d, rec)
+    except RunDirBusy as e:
+        raise click.ClickException(str(e)) from None
+    if removed is not None:
+        echo_removed(removed)
+    cfg = cfg.model_copy(update={"node": cfg.node.model_copy(update={"run_dir": str(d)})})
+    monitor = None
+    if cfg.node.autoscale:
+        monitor = Monitor()
+    node = Node(cfg, ready_timeout_s=ready_timeout, monitor=monitor)
+    install_signal_handlers(node)
+    try:
+        try:
+            node.start()
+        except StartError as e:
+            raise click.ClickException(str(e)) from None
+        except Exception as e:
+            why = _port_in_use(e)
+            if why is None:
+                raise
+            raise click.ClickException(f"cannot start: {why}") from None
+        urls = {f"udp:{p}": f"udp://{cfg.node.listen.host}:{p}" for p in node.ingest.ports}  # type: ignore[union-attr]
+        if node.metrics is not None:
+            node.metrics.update(node.status())  # ready from now on, not from the first control-loop pass
+            base = node.metrics.url.rsplit("/", 1)[0]
+            for path in getattr(node.metrics, "paths", ("/metrics",)):
+                urls[path.strip("/").replace("/", "_")] = base + path
+        update_record(d, ports=list(node.ingest.ports), urls=urls,  # type: ignore[union-attr]
+                      shm=[node.pool.name.lstrip("/")])  # type: ignore[union-attr]
+        log.info("node %s up (pid %d, run dir %s)", rec.name, os.getpid(), d)
+        for key, url in urls.items():
+            log.info("  %-8s %s", key, url)
+        log.info("stop it with: gpuprims-orchestrator stop --%s", f"name {rec.name}" if d.parent == runtime_base()
+                 else f"run-dir {d}")
+        node.serve(duration_s=duration)
+    finally:
+        node.stop(drain=True)
+        _release(d, created)
+    log.info("node stopped")
+
+
+def _release(d: Path, created: bool) -> None:
+    """After the node stopped: remove its record, and the run dir if this command created it."""
+    with contextlib.suppress(OSError):
+        (d / "node.json").unlink()
+    if created:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+def validate(config: str) -> None:
+    """Check CONFIG and print the apps it defines, or say precisely what is wrong."""
+    try:
+        cfg = load_config(config, known_models=known_names())
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    _check_user_models(cfg, config)
+    _check_engines(cfg, config)
+    try:  # CPU overflow: every pool fits the cores and has the CPU profile it routes by
+        overflow = NodeOverflow.plan(cfg)
+    except OverflowSetupError as e:
+        raise click.ClickException(f"{config}: {e}") from e
+    for app in cfg.apps:
+        pool = overflow.pools.get(app.name) if overflow is not None else None
+        click.echo(f"{app.name}: app_id {app.app_id}, model {app.model}, slo {app.slo_ms} ms, "
+                   f"gpu_pct {app.gpu_pct}, instances {app.instances}"
+                   + (f", CPU overflow on cores {','.join(map(str, pool.cores))}" if pool is not None else ""))
+    click.echo(f"{config}: ok")
