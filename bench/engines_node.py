@@ -33,11 +33,15 @@ a plain (non-GRO) loopback socket, the kind the ingest is: that is about 10,000 
 Here the sender, the receiver, the ingest and the node's control loop share the second core, so the
 **generator and the ingest together are the limit** somewhere below that: an ONNX Runtime MobileNetV2
 3x64x64 instance at batch 4 serves a few thousand req/s, where the path is likely to saturate first.
-Every trial records the rate it asked for and what the sender achieved (``offered_rps``, the tool's
-own ``behind`` flag); a trial whose achieved rate is more than 2 % below the target is marked
-``generator_limited`` and stops the search going up, and the case's ``generator_limited`` says the
+Every trial records the rate it asked for, what the sender achieved (``offered_rps``) and how far its
+sends lagged their schedule (``send_lag_p99_us``); a trial whose achieved rate is more than 2 % below
+the target, or whose sends lagged by more than a tenth of the SLO at p99 (`generator_limited`), is
+marked ``generator_limited`` and stops the search going up, and the case's ``generator_limited`` says the
 held rate is then a floor set by the path, not the instance's capacity. ResNet-50's rates are far below
-the generator's reach.
+the generator's reach. Tried here on a loaded machine (load average 9, 1 s at each rate, classify on
+ONNX Runtime): 500, 1000, 2000 and 4000 req/s were all offered within 2 % (192,000 datagrams/s at 4000),
+but at 4000 the sends lagged their schedule by 150 ms at p90, so that rate would count as
+generator-limited; every request was answered exactly once at each rate.
 
 Writes bench/results/<machine>/engines_node.json (BENCH.md; per-trial raw latencies in
 engines_node.samples.json). It reports; it asserts no speed.
@@ -88,6 +92,8 @@ GPU_PCT = 50
 LIGHT_RPS = 30.0
 ATTAINMENT = 0.99
 REL_TOL = 0.1
+#: A trial whose sends lag their schedule by more than this fraction of the SLO at p99 did not offer its load.
+LAG_SLO_FRACTION = 0.1
 #: Targets of issue 23 (reported beside the figures, never asserted).
 TARGETS = {"classify_ratio": 5.0, "resnet50_ratio": 1.7, "classify_p50_ratio": 0.5}
 
@@ -143,16 +149,27 @@ def find_max_rate(trial: Callable[[float], dict[str, Any]], start_rps: float, *,
     return best, history
 
 
+def generator_limited(offered_rps: float, target_rps: float, send_lag_p99_us: float | None, slo_ms: float) -> bool:
+    """True when the generator did not offer the trial's load: its achieved rate more than 2 % below the
+    target, or its sends at p99 more than a tenth of the SLO behind their schedule (the rate over the
+    window can look held while the requests went out in bursts)."""
+    late = send_lag_p99_us is not None and send_lag_p99_us > LAG_SLO_FRACTION * slo_ms * 1e3
+    return bool(offered_rps < (1 - RATE_TOLERANCE) * target_rps or late)
+
+
 def trial_stats(report: Report, app_id: int, slo_ms: float, target_rps: float) -> dict[str, Any]:
     """One trial's figures: `bench.serving.app_stats` plus exactly-once counts over every request sent
-    (warm-up included: ``sent_all``, ``once``), the achieved offered rate and whether the generator kept up."""
+    (warm-up included: ``sent_all``, ``once``), the achieved offered rate, the sender's lag behind its
+    schedule and whether the generator kept up (`generator_limited`)."""
     stats = sv.app_stats(report, app_id, slo_ms)
     s = report.samples
     m = (s["app_id"] == app_id) & (s["sent_ns"] >= 0)
     stats["sent_all"] = int(m.sum())
     stats["once"] = int((m & (s["answers"] == 1)).sum())
     stats["target_rps"] = round(float(target_rps), 2)
-    stats["generator_limited"] = bool(stats["offered_rps"] < (1 - RATE_TOLERANCE) * target_rps)
+    lag = (report.summary.get("rate") or {}).get("send_lag_us") or {}
+    stats["send_lag_p99_us"] = round(float(lag["p99"]), 1) if lag.get("p99") is not None else None
+    stats["generator_limited"] = generator_limited(stats["offered_rps"], target_rps, stats["send_lag_p99_us"], slo_ms)
     return stats
 
 

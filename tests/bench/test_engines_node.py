@@ -103,3 +103,10 @@ def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch:
         assert r["light"]["once"] == r["light"]["sent_all"] > 0 and r["light"]["lost"] == 0
         assert r["history"] and all("latency_ms" in h and h["sent_all"] > 0 for h in r["history"])
         assert s[f"classify.{engine}.p50_at_30rps_ms"] > 0
+
+
+def test_generator_limited_by_rate_or_by_lag_behind_the_schedule() -> None:
+    assert not bench.generator_limited(99.0, 100.0, 500.0, 200.0)
+    assert bench.generator_limited(97.0, 100.0, 500.0, 200.0)  # more than 2 % short of the target
+    assert bench.generator_limited(100.0, 100.0, 20_001.0, 200.0)  # sends 20 ms late: a tenth of a 200 ms SLO
+    assert not bench.generator_limited(100.0, 100.0, None, 200.0)
