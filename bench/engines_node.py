@@ -41,11 +41,14 @@ held rate is then a floor set by the path, not the instance's capacity. ResNet-5
 the generator's reach. Tried here on a loaded machine (load average 9, 1 s at each rate, classify on
 ONNX Runtime): 500, 1000, 2000 and 4000 req/s were all offered within 2 % (192,000 datagrams/s at 4000),
 but at 4000 the sends lagged their schedule by 150 ms at p90, so that rate would count as
-generator-limited; every request was answered exactly once at each rate.
+generator-limited; every request was answered exactly once at each rate. A short ResNet-50 try at the
+same load ran the whole path (588-datagram requests reassembled, answered exactly once) but the machine
+was too busy for any figure (eager ResNet-50 took 300-400 ms a batch on its core, where a quiet core
+takes 33-73 ms), and the sender, starved with the rest, lagged 140 ms at p99 even at 8.5 req/s.
 
 Writes bench/results/<machine>/engines_node.json (BENCH.md; per-trial raw latencies in
 engines_node.samples.json). It reports; it asserts no speed.
-Full run: about 10-12 minutes on 2 cores (more the first time, when the engines are built into the
+Full run: about 10-13 minutes on 2 cores (more the first time, when the engines are built into the
 cache); ``--quick`` (classify, eager and onnxruntime, sub-second trials) is a smoke test, not a result.
 """
 
