@@ -69,6 +69,7 @@ from gpuprims import wire
 from gpuprims.traffic.report import RATE_TOLERANCE, Report
 from gpuprims.traffic.stream import AppStream
 from orchestrator.config import NodeConfig, parse_config
+from orchestrator.node import StartError
 
 
 @dataclass(frozen=True)
@@ -185,13 +186,14 @@ def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     keys = ("max_rate_rps", "generator_limited", "p50_at_30rps_ms", "p99_at_30rps_ms", "model_p50_ms", "lost",
-            "duplicates", "trials", "engine_kind")
+            "duplicates", "trials", "engine_kind", "fallback", "error")
     for case, engines in results.items():
         eager = engines.get("eager", {})
         best, best_rate = None, -1.0
         for engine, r in engines.items():
             for k in keys:
-                out[f"{case}.{engine}.{k}"] = r.get(k)
+                if k in r:
+                    out[f"{case}.{engine}.{k}"] = r[k]
             if engine == "eager":
                 continue
             rate, base = r.get("max_rate_rps"), eager.get("max_rate_rps")
@@ -253,6 +255,8 @@ def run_engine(name: str, case: Case, engine: str, *, cache: str | None, light_s
         out.update(light=ls, light_latency_ms=latencies(light, case.app_id), light_instance=view,
                    p50_at_30rps_ms=ls["p50_ms"], p99_at_30rps_ms=ls["p99_ms"], model_p50_ms=view.get("model_p50_ms"),
                    engine_kind=eng.get("kind") if isinstance(eng, dict) else None, engine_status=eng)
+        if isinstance(eng, dict) and eng.get("fallback"):  # served on eager instead: the row is not the engine's
+            out["fallback"] = eng["fallback"]
         print(f"  {name}/{engine}: {LIGHT_RPS:g} req/s p50 {ls['p50_ms']} ms p99 {ls['p99_ms']} ms, model p50 "
               f"{view.get('model_p50_ms')} ms, batches {view.get('batch_sizes')}", flush=True)
         model_ms = view.get("model_p50_ms") or 10.0
@@ -311,9 +315,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         case = CASES[name]
         print(f"{name}: {case.model} {'x'.join(map(str, case.shape))} {case.dtype}, max batch {case.max_batch}, "
               f"SLO {case.slo_ms:g} ms, gpu_pct {GPU_PCT}", flush=True)
-        results[name] = {e: run_engine(name, case, e, cache=args.cache, light_s=light_s, trial_s=trial_s,
-                                       warmup_s=warmup_s, max_trials=max_trials, min_requests=min_requests)
-                         for e in engines}
+        results[name] = {}
+        for e in engines:
+            try:
+                results[name][e] = run_engine(name, case, e, cache=args.cache, light_s=light_s, trial_s=trial_s,
+                                              warmup_s=warmup_s, max_trials=max_trials, min_requests=min_requests)
+            except StartError as err:  # this engine's node did not start: its row says why, the others run
+                print(f"  {name}/{e}: node did not start: {err}", flush=True)
+                results[name][e] = {"engine": e, "error": f"node did not start: {err}"}
     summary = summarise(results)
     summary.update({f"target_{k}": v for k, v in TARGETS.items()}, gpu_pct=GPU_PCT, light_rps=LIGHT_RPS,
                    attainment_required=ATTAINMENT, trial_s=trial_s, duration_s=round(time.monotonic() - t0, 1))

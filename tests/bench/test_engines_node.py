@@ -86,6 +86,10 @@ def test_summarise_gives_ratios_against_eager_and_the_best_engine() -> None:
     assert s["classify.best_engine"] == "onnxruntime" and s["classify.best_ratio"] == 6.0
     assert s["resnet50.onnxruntime.ratio_vs_eager"] is None  # eager held nothing: no ratio, not a crash
     assert s["resnet50.best_engine"] == "onnxruntime"
+    failed = bench.summarise({"m": {"eager": {"max_rate_rps": 10.0},
+                                    "openvino": {"engine": "openvino", "error": "node did not start: boom"}}})
+    assert failed["m.openvino.error"] == "node did not start: boom" and failed["m.openvino.ratio_vs_eager"] is None
+    assert failed["m.best_engine"] is None and "m.eager.error" not in failed
 
 
 @pytest.mark.slow
