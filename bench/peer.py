@@ -32,7 +32,15 @@ whole process tree over its blocks (warm-ups included), sampled from /proc throu
 by the requests sent in those blocks. The tree's idle CPU while the other system is measured is
 recorded too. Ratios are gpuprims over the peer oriented so that >= 1 means gpuprims is ahead.
 
-Run: ``python3 -m bench.peer [--quick] [--peers ray litserve]`` (needs ``pip install -e '.[peer]'``).
+Engines (issue 23): ``--engine onnxruntime`` runs gpuprims' app on ``engine: onnxruntime`` and LitServe's
+worker on the very same engine (``bench.peer_litserve --engine onnxruntime``: gpuprims' ONNX Runtime engine
+built from the same model into the same engine cache, so the same ONNX file, the same session options and
+the share's threads): the same model runner in both, so the rows compare the servers. Ray stays on its
+eager default (``ray_engine`` in the summary). The rates then come from that engine's batch-8 latency,
+measured here on the same core, and the result is written as ``peer-onnxruntime.json``.
+
+Run: ``python3 -m bench.peer [--quick] [--peers ray litserve] [--engine onnxruntime]`` (needs
+``pip install -e '.[peer]'``; the onnxruntime engine the ``onnx`` extra).
 Reports, never asserts.
 """
 
@@ -316,14 +324,58 @@ class SystemProc:
         self._logf.close()
 
 
-def start_gpuprims(model: str, slo_ms: float, port: int, work: Path) -> SystemProc:
+def gpuprims_config(model: str, slo_ms: float, port: int, engine: str = "eager",
+                    engine_cache: Path | None = None) -> dict[str, Any]:
+    """The node's config (module docstring): the one app on `engine`, the engines kept in `engine_cache`."""
     app = sv.app(model, model, APP_ID, shape=SHAPE, slo_ms=slo_ms, gpu_pct=GPU_PCT, max_batch=MAX_BATCH,
                  max_wait_ms=MAX_WAIT_MS)
-    app["seed"] = 0
-    cfg = {"node": {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": port}, "pool": sv.POOL,
-                    "scheduler": "spatial", "log_level": "warning", "metrics_port": 0, "http_port": 0,
-                    "grpc_port": 0, "autoscale": False},
-           "apps": [app]}
+    app.update(seed=0, engine=engine)
+    node: dict[str, Any] = {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": port}, "pool": sv.POOL,
+                            "scheduler": "spatial", "log_level": "warning", "metrics_port": 0, "http_port": 0,
+                            "grpc_port": 0, "autoscale": False}
+    if engine_cache is not None:
+        node["engine_cache"] = str(engine_cache)
+    return {"node": node, "apps": [app]}
+
+
+def litserve_argv(model: str, port: int, cores: list[int], threads: int, engine: str = "eager",
+                  engine_cache: Path | None = None) -> list[str]:
+    """LitServe's command line (bench.peer_litserve): the same model, share, batching and engine as the node."""
+    argv = [sys.executable, "-m", "bench.peer_litserve", "--port", str(port), "--model", model,
+            "--shape", *map(str, SHAPE), "--cores", *map(str, cores), "--threads", str(threads),
+            "--max-batch", str(MAX_BATCH), "--wait-ms", str(MAX_WAIT_MS), "--engine", engine]
+    return argv + (["--engine-cache", str(engine_cache)] if engine_cache is not None else [])
+
+
+def engine_latency_ms(model: str, engine: str, cache: Path, batch: int, *, cores: list[int], threads: int,
+                      reps: int) -> np.ndarray:
+    """Latency (ms) of `model` at `batch` on gpuprims' `engine`, in this process on `cores` with `threads`
+    threads, after two warm-up runs; builds the engine into `cache` (so the systems then load it from there)."""
+    import torch
+
+    from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
+
+    with sv.pinned(cores, threads):
+        eng = make_engine(engine, ModelSource(model, SHAPE, MAX_BATCH, seed=0), Target("cpu", threads=threads),
+                          cache=EngineCache(cache))
+        try:
+            eng.prepare()
+            x = torch.from_numpy(np.random.default_rng(0).random((batch, *SHAPE), dtype=np.float32))
+            out = np.empty(reps)
+            for _ in range(2):
+                eng.run(x)
+            for i in range(reps):
+                t = time.perf_counter_ns()
+                eng.run(x).float().cpu().numpy()
+                out[i] = (time.perf_counter_ns() - t) / 1e6
+        finally:
+            eng.close()
+    return out
+
+
+def start_gpuprims(model: str, slo_ms: float, port: int, work: Path, engine: str = "eager",
+                   engine_cache: Path | None = None) -> SystemProc:
+    cfg = gpuprims_config(model, slo_ms, port, engine, engine_cache)
     path = work / "gpuprims.yaml"
     path.write_text(yaml.safe_dump(cfg))
     exe = str(Path(sys.executable).parent / "gpuprims-orchestrator")
@@ -343,12 +395,11 @@ def start_ray(model: str, port: int, cores: list[int], threads: int, work: Path)
     return proc
 
 
-def start_litserve(model: str, port: int, cores: list[int], threads: int, work: Path) -> SystemProc:
+def start_litserve(model: str, port: int, cores: list[int], threads: int, work: Path, engine: str = "eager",
+                   engine_cache: Path | None = None) -> SystemProc:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "bench.peer_litserve", "--port", str(port), "--model", model,
-            "--shape", *map(str, SHAPE), "--cores", *map(str, cores), "--threads", str(threads),
-            "--max-batch", str(MAX_BATCH), "--wait-ms", str(MAX_WAIT_MS)]
-    return SystemProc("litserve", argv, env, work / "litserve.log")
+    return SystemProc("litserve", litserve_argv(model, port, cores, threads, engine, engine_cache), env,
+                      work / "litserve.log")
 
 
 def ask_gpuprims(port: int, x: np.ndarray) -> np.ndarray | None:
@@ -549,31 +600,36 @@ def renice_tree(meter: CpuMeter, nice: int) -> list[dict[str, Any]]:
 
 def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s: float,
             fixed_rates: list[float] | None, ray_nice: int | None = None,
-            systems: Sequence[str] = SYSTEMS) -> dict[str, Any]:
+            systems: Sequence[str] = SYSTEMS, engine: str = "eager") -> dict[str, Any]:
     import torch
 
     from apps.zoo import load_model
 
     share = plan_cpu_shares([(model, GPU_PCT)])[model]
     cores, threads = list(share.cores), share.threads
-    b8 = sv.torch_latency_ms(model, SHAPE, MAX_BATCH, cores=cores, threads=threads, reps=10)
+    work = Path(tempfile.mkdtemp(prefix=f"peer-{model}-"))
+    cache = work / "engines" if engine != "eager" else None  # filled here, loaded by the node and LitServe
+    if cache is None:
+        b8 = sv.torch_latency_ms(model, SHAPE, MAX_BATCH, cores=cores, threads=threads, reps=10)
+    else:
+        b8 = engine_latency_ms(model, engine, cache, MAX_BATCH, cores=cores, threads=threads, reps=10)
     capacity = MAX_BATCH * 1e3 / float(np.median(b8))
     level_rates = (dict(zip(LEVELS, fixed_rates)) if fixed_rates else rates(capacity, LEVELS))
-    print(f"{model}: capacity ~{capacity:.1f} req/s on cores {cores} ({threads} threads); rates {level_rates}",
+    print(f"{model} on {engine}: capacity ~{capacity:.1f} req/s on cores {cores} ({threads} threads); "
+          f"rates {level_rates}",
           flush=True)
     xs = inputs()
     with torch.inference_mode():
         ref = load_model(model, seed=0, input_shape=SHAPE).eval()(torch.from_numpy(xs[:1])).numpy()[0]
 
-    work = Path(tempfile.mkdtemp(prefix=f"peer-{model}-"))
     ports = {s: free_port(socket.SOCK_DGRAM if s == "gpuprims" else socket.SOCK_STREAM) for s in systems}
     procs: dict[str, SystemProc] = {}
     try:
-        procs["gpuprims"] = start_gpuprims(model, slo_ms, ports["gpuprims"], work)
+        procs["gpuprims"] = start_gpuprims(model, slo_ms, ports["gpuprims"], work, engine, cache)
         if "ray" in systems:
             procs["ray"] = start_ray(model, ports["ray"], cores, threads, work)
         if "litserve" in systems:
-            procs["litserve"] = start_litserve(model, ports["litserve"], cores, threads, work)
+            procs["litserve"] = start_litserve(model, ports["litserve"], cores, threads, work, engine, cache)
         t0 = time.monotonic()
         check = {}
         for name in systems:
@@ -709,18 +765,22 @@ def main() -> None:
                     "at 15) to this niceness once Serve is up; default: leave Ray's own setting")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS),
                     help="the peer systems to run beside gpuprims (default: all)")
+    ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
+                    help="gpuprims' and LitServe's model runner (the same engine in both; Ray stays eager)")
     args = ap.parse_args()
     systems = ("gpuprims", *args.peers)
     apps = args.apps[:1] if args.quick else args.apps
     duration = 3.0 if args.quick else args.duration
     blocks = 1 if args.quick else args.blocks
     load_before = os.getloadavg()
-    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice, systems)
-           for app in apps}
+    res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice, systems,
+                        args.engine) for app in apps}
     summary = assemble({app: r["results"] for app, r in res.items()})
     summary.update(systems=list(systems), ray_version=_version("ray"), litserve_version=_version("litserve"), input_shape="x".join(map(str, SHAPE)),
                    gpu_pct=GPU_PCT, max_batch=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, client_timeout_s=CLIENT_TIMEOUT_S,
-                   block_s=duration, blocks=blocks)
+                   block_s=duration, blocks=blocks, engine=args.engine,
+                   litserve_engine=args.engine if "litserve" in systems else None,
+                   ray_engine="eager" if "ray" in systems else None)
     for app, r in res.items():
         summary[f"{app}.slo_ms"] = APPS[app]["slo_ms"]
         summary[f"{app}.capacity_rps"] = r["capacity_rps"]
@@ -734,6 +794,7 @@ def main() -> None:
     samples = {app: {k: v for k, v in r.items() if k != "results"} | {"results": r["results"]} for app, r in res.items()}
     path = write_result("peer", "cpu", summary, samples, notes=CAVEATS, large_samples=True,
                         load_avg_before=load_before, name=("peer-quick" if args.quick else "peer")
+                        + ("" if args.engine == "eager" else f"-{args.engine}")
                         + ("" if args.ray_nice is None else f"-ray-nice{args.ray_nice}"))
     plot(res, path.with_suffix(".png"))
     print(path)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 from bench import peer
+from orchestrator.config import parse_config
 
 
 def test_schedule_interleaves_and_alternates_who_goes_first() -> None:
@@ -256,3 +258,17 @@ def test_wait_quiet_waits_until_every_tree_is_below_the_level_or_gives_up() -> N
     assert peer.wait_quiet([always], level=0.5, max_s=2.0, step_s=0.5, sleep=lambda s: None) == 2.0  # type: ignore[list-item]
     with pytest.raises(ValueError):
         peer.wait_quiet([], level=0, sleep=lambda s: None)
+
+
+def test_engine_mode_runs_the_same_engine_in_the_node_and_in_litserve(tmp_path: Path) -> None:
+    cache = tmp_path / "engines"
+    cfg = parse_config(peer.gpuprims_config("mobilenet_v2", 100.0, 9000, "onnxruntime", cache), source="peer test")
+    assert cfg.apps[0].engine.kind == "onnxruntime" and cfg.node.engine_cache == str(cache)
+    assert cfg.apps[0].max_batch == peer.MAX_BATCH and cfg.apps[0].gpu_pct == peer.GPU_PCT
+    argv = peer.litserve_argv("mobilenet_v2", 8124, [0], 1, "onnxruntime", cache)
+    assert argv[argv.index("--engine") + 1] == "onnxruntime" and argv[argv.index("--engine-cache") + 1] == str(cache)
+    assert argv[argv.index("--max-batch") + 1] == str(peer.MAX_BATCH)
+    eager = peer.litserve_argv("mobilenet_v2", 8124, [0], 1)
+    assert eager[eager.index("--engine") + 1] == "eager" and "--engine-cache" not in eager
+    plain = parse_config(peer.gpuprims_config("mobilenet_v2", 100.0, 9000), source="peer test")
+    assert plain.apps[0].engine.kind == "eager" and plain.node.engine_cache is None

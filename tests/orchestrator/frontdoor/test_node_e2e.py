@@ -156,6 +156,7 @@ def test_the_node_started_from_the_example_serves_tritonclient(tmp_path_factory:
     assert example.node.http_port and example.node.grpc_port, "the example turns the front door on"
     data = example.model_dump()
     data["node"].update(listen={"host": "127.0.0.1", "port": [0]}, run_dir=str(tmp / "run"), backend="cpu",
+                        engine_cache=str(tmp / "engines"),
                         autoscale=False, http_port=_free_tcp_port(), grpc_port=_free_tcp_port())
     cfg = parse_config(data, source="examples/apps.yaml (test ports)")
     node = Node(cfg, warmup=False, heartbeat_ms=100).start()
