@@ -121,13 +121,17 @@ def load_note(load_avg_before: Any, busy: float = 1.5) -> str:
 
 def write_result(experiment: str, backend: str, summary: dict[str, Any], samples: dict[str, Any],
                  *, notes: str = "", large_samples: bool = False, load_avg_before: Any = None,
-                 name: str | None = None) -> Path:
+                 name: str | None = None, out_dir: Path | None = None) -> Path:
     """Write bench/results/<machine>/<experiment>.json (and .samples.json when large) and return it.
 
     `load_avg_before`: os.getloadavg() taken when the run began; the load now is recorded beside it.
     `name`: the file's stem when it differs from the experiment (e.g. a run kept apart).
+    `out_dir`: another directory than bench/results/<machine> (a test's tmp_path, a trial run).
     """
-    out_dir = results_dir(backend)
+    if out_dir is None:
+        out_dir = results_dir(backend)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_info(backend)
     if load_avg_before is not None:
         machine["load_avg_before"] = [round(x, 2) for x in load_avg_before]
