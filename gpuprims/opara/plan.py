@@ -268,7 +268,13 @@ def _cap(ix: GraphIndex, order: list[int], chain_of: list[int], max_streams: int
 
 def _sync(ix: GraphIndex, order: list[int], stream_of: list[int], num_streams: int,
           prune: bool) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """The waits of every position and the final join (module docstring), by vector clocks."""
+    """The waits of every position and the final join (module docstring), by vector clocks.
+
+    The clock of op ``i`` is ``vec_of[i]`` with its own stream's entry replaced by ``seq[i]``: an op
+    without waits shares its stream's vector (its own entry is the only one that moves), and a new
+    vector is made only where waits merge clocks. An own-stream entry of a vector may be stale (lower
+    than the truth), never higher, so reading it through ``seq`` keeps every comparison exact.
+    """
     n = len(ix.topo)
     kind, preds = ix.kind, ix.preds
     seq = [0] * n
@@ -281,22 +287,26 @@ def _sync(ix: GraphIndex, order: list[int], stream_of: list[int], num_streams: i
     inputs = [i for i in order if kind[i] == INPUT]
     if inputs:
         fork[0] = seq[inputs[-1]]
-    clock_end: list[list[int]] = [fork] * n  # every entry is set before it is read
-    stream_clock: list[list[int] | None] = [None] * num_streams
+    origin = [-1] * num_streams
+    vec_of: list[list[int]] = [origin] * n  # every entry is set before it is read
+    stream_vec: list[list[int]] = [origin, *([fork] * (num_streams - 1))]
     last_of = [-1] * num_streams
     waits: list[tuple[int, ...]] = [()] * n
+
+    def done_by(w: int, u: int) -> bool:
+        """Whether op ``w``'s clock covers op ``u`` (``u`` is complete once ``w`` is)."""
+        su = stream_of[u]
+        return (seq[w] if stream_of[w] == su else vec_of[w][su]) >= seq[u]
 
     def needed(base: list[int], candidates: list[int]) -> list[int]:
         cands = [u for u in dict.fromkeys(candidates) if base[stream_of[u]] < seq[u]]
         if not prune or len(cands) < 2:
             return cands
-        return [u for u in cands
-                if not any(w != u and clock_end[w][stream_of[u]] >= seq[u] for w in cands)]
+        return [u for u in cands if not any(w != u and done_by(w, u) for w in cands)]
 
     for i in order:
         s = stream_of[i]
-        current = stream_clock[s]
-        base = list(current) if current is not None else (list(fork) if s != 0 else [-1] * num_streams)
+        base = stream_vec[s]
         cross = [p for p in preds[i] if stream_of[p] != s]
         if kind[i] == OUTPUT:
             cross += [t for k, t in enumerate(last_of) if k != s and t >= 0]
@@ -305,19 +315,21 @@ def _sync(ix: GraphIndex, order: list[int], stream_of: list[int], num_streams: i
         else:
             w = list(dict.fromkeys(p for p in preds[i] if stream_of[p] != s))
             w += [t for t in needed(base, cross) if t not in w]
-        for u in w:
-            base = list(map(max, base, clock_end[u]))
-        base[s] = seq[i]
-        clock_end[i] = base
-        stream_clock[s] = base
-        last_of[s] = i
         if w:
+            for u in w:
+                base = list(map(max, base, vec_of[u]))
+                su = stream_of[u]
+                if seq[u] > base[su]:
+                    base[su] = seq[u]
+            stream_vec[s] = base
             waits[i] = tuple(w)
+        vec_of[i] = base
+        last_of[s] = i
     join: tuple[int, ...] = ()
     if OUTPUT not in kind:
-        end0 = stream_clock[0] if stream_clock[0] is not None else [-1] * num_streams
+        end0 = stream_vec[0]
         ends = [t for k, t in enumerate(last_of) if k != 0 and t >= 0]
-        join = tuple(needed(list(end0), ends)) if prune else tuple(
+        join = tuple(needed(end0, ends)) if prune else tuple(
             u for u in ends if end0[stream_of[u]] < seq[u])
     return waits, join
 
