@@ -125,6 +125,26 @@ class Op:
 
 
 @dataclass(frozen=True)
+class GraphIndex:
+    """The graph's structure over integers, made once with the graph: what the planners walk.
+
+    Position ``i`` is the ``i``-th op of ``topo`` (the graph's topological order). ``preds[i]`` and
+    ``succs[i]`` are positions, in the op's reading order and in declaration order; ``kind``,
+    ``op_class``, ``host`` and ``demand_us`` are the ops' fields by position. Planning time is
+    reported (the paper's Table I), so the planners do not rebuild this from names at every plan.
+    """
+
+    topo: tuple[str, ...]
+    pos: Mapping[str, int]
+    preds: tuple[tuple[int, ...], ...]
+    succs: tuple[tuple[int, ...], ...]
+    kind: tuple[str, ...]
+    op_class: tuple[str, ...]
+    host: tuple[bool, ...]
+    demand_us: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class OpGraph:
     """A validated DAG of ``Op`` (unique names, known predecessors, no cycle, one output at most).
 
@@ -139,6 +159,7 @@ class OpGraph:
     _index: dict[str, Op] = field(default_factory=dict, init=False, compare=False, repr=False)
     _preds: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, compare=False, repr=False)
     _succs: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _indexed: GraphIndex | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         ops = tuple(self.ops)
@@ -160,6 +181,15 @@ class OpGraph:
         # Plain dicts: the planners look these up for every op and edge, and planning time is reported.
         object.__setattr__(self, "_preds", {o.name: o.preds for o in ops})
         object.__setattr__(self, "_succs", {o.name: tasks.succs(o.name) for o in ops})
+        topo = tasks.topo_order()
+        pos = {n: i for i, n in enumerate(topo)}
+        by_pos = [self._index[n] for n in topo]
+        object.__setattr__(self, "_indexed", GraphIndex(
+            topo=topo, pos=pos,
+            preds=tuple(tuple(pos[p] for p in o.preds) for o in by_pos),
+            succs=tuple(tuple(pos[x] for x in self._succs[o.name]) for o in by_pos),
+            kind=tuple(o.kind for o in by_pos), op_class=tuple(o.op_class for o in by_pos),
+            host=tuple(o.host for o in by_pos), demand_us=tuple(o.demand_us for o in by_pos)))
 
     @classmethod
     def from_edges(cls, preds: Mapping[str, Sequence[str]], *, op_class: Mapping[str, str] | None = None,
@@ -172,6 +202,12 @@ class OpGraph:
         demands = demand_us or {}
         return cls(tuple(Op(n, tuple(p), op_class=classes.get(n, MEMORY), demand_us=float(demands.get(n, 0.0)))
                          for n, p in preds.items()))
+
+    @property
+    def indexed(self) -> GraphIndex:
+        """The structure over integer positions (``GraphIndex``), made with the graph."""
+        assert self._indexed is not None  # set by __post_init__
+        return self._indexed
 
     def op(self, name: str) -> Op:
         """The op called ``name``; KeyError naming the known ops otherwise."""

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from gpuprims.opara.graph import COMPUTE, INPUT, MEMORY, OUTPUT, OpGraph
+from gpuprims.opara.graph import INPUT, MEMORY, OUTPUT, GraphIndex, OpGraph
 
 #: Algorithm 1 variants (module docstring).
 RULES = ("first_successor", "first_free")
@@ -113,125 +113,147 @@ def allocate_streams(graph: OpGraph, *, rule: str = RULES[0]) -> dict[str, int]:
     """Algorithm 1 (module docstring): the stream of every op, streams numbered in creation order."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {list(RULES)}, got {rule!r}")
-    first_free = rule == "first_free"
-    stream: dict[str, int] = {}
-    handed: set[str] = set()  # ops (or "\0input", all inputs share stream 0) whose stream went on already
-    inputs = "\0input"
-    count = 1  # stream 0 is the origin (the inputs' stream)
-    has_inputs = any(op.kind == INPUT for op in graph.ops)
+    ix = graph.indexed
+    return dict(zip(ix.topo, _allocate(ix, rule == "first_free"), strict=True))
+
+
+def _allocate(ix: GraphIndex, first_free: bool) -> list[int]:
+    """Algorithm 1 over topological positions: the stream of each position."""
+    n = len(ix.topo)
+    kind, host, preds = ix.kind, ix.host, ix.preds
     # "First successor" counts device operators only: a shape read taken first does not end a chain.
-    first_device = {n: next((x for x in graph.succs(n) if not graph.op(x).host), None) for n in graph.names}
-    for name in graph.topo_order():
-        op = graph.op(name)
-        if op.kind == INPUT:
-            stream[name] = 0
-            continue
-        if op.kind == OUTPUT:
-            stream[name] = 0
-            continue
-        if op.host:
+    first_device = [-1] * n
+    for i, succs in enumerate(ix.succs):
+        for x in succs:
+            if not host[x]:
+                first_device[i] = x
+                break
+    stream = [0] * n
+    inputs = n  # one token for all inputs: they share stream 0 and pass it on once
+    handed = bytearray(n + 1)  # positions (or the inputs' token) whose stream went on already
+    has_inputs = INPUT in kind
+    count = 1  # stream 0 is the origin (the inputs' stream)
+    for i in range(n):
+        k = kind[i]
+        if k in (INPUT, OUTPUT):
+            continue  # stream 0
+        ps = preds[i]
+        if host[i]:
             # Host-side work (a shape read, integer arithmetic) runs nothing on a device: it rides on its
             # first input's stream without taking it (that stream still goes to a device operator).
-            preds = graph.preds(name)
-            stream[name] = stream[preds[0]] if preds else 0
+            stream[i] = stream[ps[0]] if ps else 0
             continue
-        chosen: int | None = None
-        for p in graph.preds(name):
-            token = inputs if graph.op(p).kind == INPUT else p
-            if token in handed or graph.op(p).host:
+        chosen = -1
+        for p in ps:
+            if host[p]:
                 continue  # a host op rides on a stream it does not own: it has none to hand on
-            if first_free or first_device[p] == name:
+            token = inputs if kind[p] == INPUT else p
+            if handed[token]:
+                continue
+            if first_free or first_device[p] == i:
                 chosen = stream[p]
-                handed.add(token)
+                handed[token] = 1
                 break
-        if chosen is None:
-            if not graph.preds(name) and not has_inputs and inputs not in handed:
+        if chosen < 0:
+            if not ps and not has_inputs and not handed[inputs]:
                 chosen = 0  # a graph without inputs: its first source starts the origin stream
-                handed.add(inputs)
+                handed[inputs] = 1
             else:
                 chosen = count
                 count += 1
-        stream[name] = chosen
+        stream[i] = chosen
     return stream
 
 
 def launch_order(graph: OpGraph, *, demand_us: Mapping[str, float] | None = None) -> tuple[str, ...]:
     """Algorithm 2 (module docstring): the launch order; ``demand_us`` overrides ops' ``demand_us``."""
-    topo = graph.topo_order()
-    index = {n: i for i, n in enumerate(topo)}
-    demand = {n: float(demand_us[n]) if demand_us is not None and n in demand_us else graph.op(n).demand_us
-              for n in topo}
-    indeg = {n: len(graph.preds(n)) for n in topo}
-    lists: dict[str, list[tuple[float, int, str]]] = {MEMORY: [], COMPUTE: []}
-    order: list[str] = []
-    output: list[str] = []
+    ix = graph.indexed
+    return tuple(ix.topo[i] for i in _launch(ix, _demand(ix, demand_us)))
 
-    def release(n: str) -> None:
-        for s in graph.succs(n):
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                if graph.op(s).kind == OUTPUT:
-                    output.append(s)
+
+def _demand(ix: GraphIndex, demand_us: Mapping[str, float] | None) -> list[float]:
+    demand = list(ix.demand_us)
+    if demand_us is not None:
+        for name, v in demand_us.items():
+            i = ix.pos.get(name)
+            if i is not None:
+                demand[i] = float(v)
+    return demand
+
+
+def _launch(ix: GraphIndex, demand: list[float]) -> list[int]:
+    """Algorithm 2 over topological positions (ties: the earlier position)."""
+    n = len(ix.topo)
+    kind, succs = ix.kind, ix.succs
+    is_mem = [c == MEMORY for c in ix.op_class]
+    is_out = [k == OUTPUT for k in kind]
+    indeg = [len(p) for p in ix.preds]
+    mem: list[tuple[float, int]] = []
+    comp: list[tuple[float, int]] = []
+    order: list[int] = []
+    output: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
+
+    def release(i: int) -> None:
+        for x in succs[i]:
+            indeg[x] -= 1
+            if indeg[x] == 0:
+                if is_out[x]:
+                    output.append(x)
                 else:
-                    heapq.heappush(lists[graph.op(s).op_class], (demand[s], index[s], s))
+                    push(mem if is_mem[x] else comp, (demand[x], x))
 
-    for n in topo:
-        op = graph.op(n)
-        if op.kind == INPUT:
-            order.append(n)
-        elif indeg[n] == 0 and op.kind == OUTPUT:
-            output.append(n)
-        elif indeg[n] == 0:
-            heapq.heappush(lists[op.op_class], (demand[n], index[n], n))
-    for n in list(order):
-        release(n)
-    last = MEMORY  # so the first pick is from the compute list
-    while lists[MEMORY] or lists[COMPUTE]:
-        other = COMPUTE if last == MEMORY else MEMORY
-        pick = other if lists[other] else last
-        _, _, n = heapq.heappop(lists[pick])
-        order.append(n)
-        last = pick
-        release(n)
+    for i in range(n):
+        if kind[i] == INPUT:
+            order.append(i)
+        elif indeg[i] == 0:
+            if is_out[i]:
+                output.append(i)
+            else:
+                push(mem if is_mem[i] else comp, (demand[i], i))
+    for i in list(order):
+        release(i)
+    last_mem = True  # so the first pick is from the compute list
+    while mem or comp:
+        # The other list than the last pick's when it has ops, else the same one.
+        lst = (comp or mem) if last_mem else (mem or comp)
+        last_mem = lst is mem
+        i = pop(lst)[1]
+        order.append(i)
+        release(i)
     order.extend(output)
-    if len(order) != len(topo):  # cannot happen for a validated DAG; guards a broken invariant loudly
-        raise RuntimeError(f"launch order covers {len(order)} of {len(topo)} ops")
-    return tuple(order)
+    if len(order) != n:  # cannot happen for a validated DAG; guards a broken invariant loudly
+        raise RuntimeError(f"launch order covers {len(order)} of {n} ops")
+    return order
 
 
-def _ancestors(graph: OpGraph) -> dict[str, int]:
-    """Ancestor sets as bit masks over the topological index."""
-    topo = graph.topo_order()
-    bit = {n: 1 << i for i, n in enumerate(topo)}
-    anc: dict[str, int] = {}
-    for n in topo:
-        m = 0
-        for p in graph.preds(n):
-            m |= anc[p] | bit[p]
-        anc[n] = m
-    return anc
-
-
-def _cap(graph: OpGraph, order: tuple[str, ...], chain_of: dict[str, int], max_streams: int) -> dict[str, int]:
+def _cap(ix: GraphIndex, order: list[int], chain_of: list[int], max_streams: int) -> list[int]:
     """Map Algorithm 1's chains onto at most ``max_streams`` streams (module docstring)."""
-    topo_bit = {n: 1 << i for i, n in enumerate(graph.topo_order())}
-    anc = _ancestors(graph)
-    position = {n: i for i, n in enumerate(order)}
-    first: dict[int, str] = {}
-    last: dict[int, str] = {}
-    for n in order:
-        if graph.op(n).kind == OUTPUT:
+    n = len(ix.topo)
+    anc = [0] * n  # ancestor sets as bit masks over the topological position
+    for i in range(n):
+        m = 0
+        for p in ix.preds[i]:
+            m |= anc[p] | (1 << p)
+        anc[i] = m
+    position = [0] * n
+    for k, i in enumerate(order):
+        position[i] = k
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i in order:
+        if ix.kind[i] == OUTPUT:
             continue  # the join: always on stream 0, after everything
-        first.setdefault(chain_of[n], n)
-        last[chain_of[n]] = n
+        first.setdefault(chain_of[i], i)
+        last[chain_of[i]] = i
     physical: dict[int, int] = {0: 0}
-    tail: dict[int, str] = {0: last[0]} if 0 in last else {}  # physical stream -> last op assigned so far (by position)
+    tail: dict[int, int] = {0: last[0]} if 0 in last else {}  # physical stream -> last op assigned so far
     for chain in sorted(first, key=lambda c: position[first[c]]):
         if chain == 0:
             continue
         head = first[chain]
         free = [s for s, t in tail.items() if position[t] < position[head]]
-        safe = [s for s in free if anc[head] & topo_bit[tail[s]]]
+        safe = [s for s in free if anc[head] >> tail[s] & 1]
         if safe:
             target = min(safe, key=lambda s: (position[tail[s]], s))
         elif len(tail) < max_streams:
@@ -241,60 +263,73 @@ def _cap(graph: OpGraph, order: tuple[str, ...], chain_of: dict[str, int], max_s
         physical[chain] = target
         if target not in tail or position[last[chain]] > position[tail[target]]:
             tail[target] = last[chain]
-    return {n: physical.get(chain_of[n], 0) for n in order}
+    return [physical.get(c, 0) for c in chain_of]
 
 
-def _sync(graph: OpGraph, order: tuple[str, ...], stream_of: Mapping[str, int], num_streams: int,
-          prune: bool) -> tuple[dict[str, tuple[str, ...]], tuple[str, ...]]:
-    """The waits of every op and the final join (module docstring), by vector clocks."""
-    seq: dict[str, int] = {}
+def _sync(ix: GraphIndex, order: list[int], stream_of: list[int], num_streams: int,
+          prune: bool) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """The waits of every position and the final join (module docstring), by vector clocks.
+
+    The clock of op ``i`` is ``vec_of[i]`` with its own stream's entry replaced by ``seq[i]``: an op
+    without waits shares its stream's vector (its own entry is the only one that moves), and a new
+    vector is made only where waits merge clocks. An own-stream entry of a vector may be stale (lower
+    than the truth), never higher, so reading it through ``seq`` keeps every comparison exact.
+    """
+    n = len(ix.topo)
+    kind, preds = ix.kind, ix.preds
+    seq = [0] * n
     counters = [0] * num_streams
-    for n in order:
-        seq[n] = counters[stream_of[n]]
-        counters[stream_of[n]] += 1
+    for i in order:
+        s = stream_of[i]
+        seq[i] = counters[s]
+        counters[s] += 1
     fork = [-1] * num_streams
-    inputs = [n for n in order if graph.op(n).kind == INPUT]
+    inputs = [i for i in order if kind[i] == INPUT]
     if inputs:
         fork[0] = seq[inputs[-1]]
-    clock_end: dict[str, list[int]] = {}
-    stream_clock: list[list[int] | None] = [None] * num_streams
-    last_of: list[str | None] = [None] * num_streams
-    waits: dict[str, tuple[str, ...]] = {}
+    origin = [-1] * num_streams
+    vec_of: list[list[int]] = [origin] * n  # every entry is set before it is read
+    stream_vec: list[list[int]] = [origin, *([fork] * (num_streams - 1))]
+    last_of = [-1] * num_streams
+    waits: list[tuple[int, ...]] = [()] * n
 
-    def needed(base: list[int], candidates: list[str]) -> list[str]:
+    def done_by(w: int, u: int) -> bool:
+        """Whether op ``w``'s clock covers op ``u`` (``u`` is complete once ``w`` is)."""
+        su = stream_of[u]
+        return (seq[w] if stream_of[w] == su else vec_of[w][su]) >= seq[u]
+
+    def needed(base: list[int], candidates: list[int]) -> list[int]:
         cands = [u for u in dict.fromkeys(candidates) if base[stream_of[u]] < seq[u]]
-        if not prune:
+        if not prune or len(cands) < 2:
             return cands
-        return [u for u in cands
-                if not any(w != u and clock_end[w][stream_of[u]] >= seq[u] for w in cands)]
+        return [u for u in cands if not any(w != u and done_by(w, u) for w in cands)]
 
-    for n in order:
-        s = stream_of[n]
-        current = stream_clock[s]
-        base = list(current) if current is not None else (list(fork) if s != 0 else [-1] * num_streams)
-        cross = [p for p in graph.preds(n) if stream_of[p] != s]
-        if graph.op(n).kind == OUTPUT:
-            cross += [t for k, t in enumerate(last_of) if k != s and t is not None]
+    for i in order:
+        s = stream_of[i]
+        base = stream_vec[s]
+        cross = [p for p in preds[i] if stream_of[p] != s]
+        if kind[i] == OUTPUT:
+            cross += [t for k, t in enumerate(last_of) if k != s and t >= 0]
         if prune:
-            w = needed(base, cross)
+            w = needed(base, cross) if cross else cross
         else:
-            w = list(dict.fromkeys(p for p in graph.preds(n) if stream_of[p] != s))
+            w = list(dict.fromkeys(p for p in preds[i] if stream_of[p] != s))
             w += [t for t in needed(base, cross) if t not in w]
-        for u in w:
-            cu = clock_end[u]
-            for k in range(num_streams):
-                if cu[k] > base[k]:
-                    base[k] = cu[k]
-        base[s] = seq[n]
-        clock_end[n] = base
-        stream_clock[s] = base
-        last_of[s] = n
-        waits[n] = tuple(w)
-    join: tuple[str, ...] = ()
-    if not any(graph.op(n).kind == OUTPUT for n in order):
-        end0 = stream_clock[0] if stream_clock[0] is not None else [-1] * num_streams
-        ends = [t for k, t in enumerate(last_of) if k != 0 and t is not None]
-        join = tuple(needed(list(end0), ends)) if prune else tuple(
+        if w:
+            for u in w:
+                base = list(map(max, base, vec_of[u]))
+                su = stream_of[u]
+                if seq[u] > base[su]:
+                    base[su] = seq[u]
+            stream_vec[s] = base
+            waits[i] = tuple(w)
+        vec_of[i] = base
+        last_of[s] = i
+    join: tuple[int, ...] = ()
+    if OUTPUT not in kind:
+        end0 = stream_vec[0]
+        ends = [t for k, t in enumerate(last_of) if k != 0 and t >= 0]
+        join = tuple(needed(end0, ends)) if prune else tuple(
             u for u in ends if end0[stream_of[u]] < seq[u])
     return waits, join
 
@@ -303,6 +338,8 @@ def plan_streams(graph: OpGraph, *, max_streams: int | None = None, prune_waits:
                  rule: str = RULES[0], demand_us: Mapping[str, float] | None = None) -> StreamPlan:
     """Plan ``graph`` with Algorithms 2 and 1, an optional cap, and the waits (module docstring).
 
+    ``planning_ms`` times everything from here to the plan's fields (by name); ``allocation_ms``
+    Algorithm 1 alone. The graph's integer structure (``OpGraph.indexed``) is made with the graph.
     Raises ValueError for a ``max_streams`` below 1 or an unknown ``rule``.
     """
     if max_streams is not None and (isinstance(max_streams, bool) or not isinstance(max_streams, int)
@@ -310,29 +347,39 @@ def plan_streams(graph: OpGraph, *, max_streams: int | None = None, prune_waits:
         raise ValueError(f"max_streams must be an integer >= 1 or None, got {max_streams!r}")
     if rule not in RULES:
         raise ValueError(f"rule must be one of {list(RULES)}, got {rule!r}")
+    ix = graph.indexed
     t0 = time.perf_counter_ns()
-    order = launch_order(graph, demand_us=demand_us)
+    order = _launch(ix, _demand(ix, demand_us))
     t1 = time.perf_counter_ns()
-    chain_of = allocate_streams(graph, rule=rule)
+    chain_of = _allocate(ix, rule == "first_free")
     t2 = time.perf_counter_ns()
-    chains = max(chain_of.values()) + 1
+    chains = max(chain_of) + 1
     if max_streams is not None and chains > max_streams:
-        stream_of = _cap(graph, order, chain_of, max_streams)
+        stream_of = _cap(ix, order, chain_of, max_streams)
     else:
         stream_of = chain_of
-    num_streams = max(stream_of.values()) + 1
-    waits, join = _sync(graph, order, stream_of, num_streams, prune_waits)
-    waited = {u for w in waits.values() for u in w} | set(join)
-    events = tuple(n for n in order if n in waited)
+    num_streams = max(stream_of) + 1
+    waits, join = _sync(ix, order, stream_of, num_streams, prune_waits)
+    waited = bytearray(len(order))
+    for w in waits:
+        for u in w:
+            waited[u] = 1
+    for u in join:
+        waited[u] = 1
+    topo = ix.topo
+    names = tuple(topo[i] for i in order)
+    events = tuple(topo[i] for i in order if waited[i])
+    plan_waits = {topo[i]: tuple(topo[u] for u in waits[i]) for i in order}
+    plan_streams_of = {topo[i]: stream_of[i] for i in order}
     t3 = time.perf_counter_ns()
     return StreamPlan(
-        order=order,
-        stream_of=MappingProxyType({n: stream_of[n] for n in order}),
-        waits=MappingProxyType(waits),
+        order=names,
+        stream_of=MappingProxyType(plan_streams_of),
+        waits=MappingProxyType(plan_waits),
         num_streams=num_streams,
         planning_ms=(t3 - t0) / 1e6,
         allocation_ms=(t2 - t1) / 1e6,
-        join=join,
+        join=tuple(topo[u] for u in join),
         chains=chains,
         max_streams=max_streams,
         rule=rule,
