@@ -99,7 +99,16 @@ def run_fuzzer(exe: Path, corpus: Path, *, runs: int | None = None, seconds: flo
     res = parse_log(text)
     res["returncode"] = rc
     res["crashed"] = res["crashed"] or rc != 0
-    res["tail"] = text[-2000:] if res["crashed"] else ""
+    res["tail"] = ""
+    if res["crashed"]:
+        # The report's head (which signal, which invariant, the first frames) and its end; the whole log is
+        # kept beside the crash artifacts, as a crash that does not replay alone can only be read there.
+        m = re.search(r"==\d+==ERROR|runtime error:|deadly signal|invariant broken", text)
+        start = max(0, m.start() - 1000) if m else max(0, len(text) - 4000)
+        res["tail"] = text[start:start + 4000]
+        kept = crash_dir / f"log-{os.getpid()}-{time.time_ns()}.txt"
+        kept.write_text(text)
+        res["log"] = str(kept)
     return res
 
 

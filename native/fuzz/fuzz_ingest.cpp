@@ -47,6 +47,7 @@ constexpr uint32_t kAnswerRing = 4096;  // bytes per consumer (the least a pool 
 constexpr int kSources = 4;
 
 uint64_t g_now = 1000000000ull;
+const bool g_trace = std::getenv("GPUPRIMS_FUZZ_TRACE") != nullptr;  // each op on stderr (a crash's story)
 uint64_t fake_clock() { return g_now; }
 
 [[noreturn]] void die(const std::string& what) {
@@ -287,6 +288,7 @@ uint64_t counter(Side& s, int c) { return s.ingest->counters()[size_t(c)]; }
 void run_op(Side& s, Reader& in) {
   const uint8_t op = in.u8();
   const uint8_t a = in.u8();
+  if (g_trace) std::fprintf(stderr, "op %d a=%d (c=%d)\n", op % 16, a, a % kConsumers);
   switch (op % 16) {
     case 0: {  // a raw datagram (the header checks), maybe a coalesced GRO buffer
       const size_t len = in.u16() % 1400;
@@ -458,6 +460,7 @@ void run_op(Side& s, Reader& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   World& wd = world();
   Reader in{data, size};
+  if (g_trace) std::fprintf(stderr, "input of %zu bytes\n", size);
   Side& s = wd.side[in.u8() & 1];
   g_last.clear();
   reset_routes(s);

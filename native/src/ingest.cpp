@@ -189,6 +189,7 @@ Ingest::Ingest(Pool* pool, const std::vector<ListenSpec>& listen, const IngestOp
   bitmap_words_ = (h->max_chunks + 63) / 64;
   bitmaps_.assign(size_t(h->record_count) * bitmap_words_, 0);
   rec_sock_.assign(h->record_count, 0);
+  rec_deliver_pos_.assign(h->record_count, 0);
   rec_key_.assign(h->record_count, Key{0, 0, 0});
   filling_pos_.assign(h->record_count, -1);
   routes_.assign(65536, {});
@@ -335,6 +336,7 @@ std::pair<uint64_t, uint64_t> Ingest::reclaim(uint32_t consumer, bool requeue, i
           if (c == consumer) continue;
           pool::ConsumerBlock* ob = v_.consumer(c);
           rec->owner = c;
+          rec_deliver_pos_[r] = ob->deliver.tail.load(std::memory_order_relaxed);
           if (ring_push(ob->deliver, v_.deliver_entries(c), r)) {
             wake_[c] = 1;
             moved = true;
@@ -719,6 +721,10 @@ void Ingest::free_record(uint32_t r, bool received_only) {
   free_records_.push_back(r);
 }
 
+bool Ingest::taken(uint32_t c, uint32_t r) const {
+  return v_.consumer(c)->deliver.head.load(std::memory_order_acquire) > rec_deliver_pos_[r];
+}
+
 void Ingest::drain_releases() {
   uint32_t buf[256];
   for (uint32_t c = 0; c < v_.hdr->consumer_count; ++c) {
@@ -730,7 +736,8 @@ void Ingest::drain_releases() {
       for (size_t i = 0; i < n; ++i) {
         const uint32_t r = buf[i];
         pool::Record* rec = r < v_.hdr->record_count ? v_.record(r) : nullptr;
-        if (!rec || rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != c) {
+        if (!rec || rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != c ||
+            !taken(c, r)) {
           bump(kBadReleases);
           continue;
         }
@@ -794,7 +801,7 @@ void Ingest::drain_answers() {
 void Ingest::queue_answer(uint32_t c, const pool::AnswerEntry& e, const uint8_t* body) {
   pool::Record* rec = e.record < v_.hdr->record_count ? v_.record(e.record) : nullptr;
   if (!rec || rec->state.load(std::memory_order_acquire) != pool::kRecDelivered || rec->owner != c ||
-      rec->generation != e.generation) {
+      rec->generation != e.generation || !taken(c, e.record)) {
     bump(kBadAnswers);  // taken back (requeued or failed) before the answer came: it has its answer
     return;
   }
@@ -907,6 +914,7 @@ void Ingest::deliver(uint32_t r) {
     if (best != SIZE_MAX) {
       const uint32_t c = cands[best];
       rec->owner = c;
+      rec_deliver_pos_[r] = v_.consumer(c)->deliver.tail.load(std::memory_order_relaxed);
       rec->state.store(pool::kRecDelivered, std::memory_order_release);
       ring_push(v_.consumer(c)->deliver, v_.deliver_entries(c), r);
       wake_[c] = 1;
@@ -998,7 +1006,7 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
   // off) and its key remembered, so its other chunks are dropped for the same reason in silence:
   // one answer per request, never one per datagram.
   auto refuse = [&](int counter, uint16_t status) {
-    const uint64_t now = now_ns();
+    const uint64_t now = clock_();  // the ingest's clock (a fake one under the fuzz harness), never the wall
     auto g = gone_.find(key);
     if (g != gone_.end() && g->second.expires_ns > now) return drop(g->second.reason);
     remember(key, counter, now);

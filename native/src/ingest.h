@@ -257,6 +257,12 @@ class Ingest {
   std::vector<uint64_t> bitmaps_;  // record_count x words: chunks received
   size_t bitmap_words_ = 0;
   std::vector<int> rec_sock_;      // socket each record's request arrived on
+  // Where each delivered record went into its consumer's deliver ring (the ring's tail then): the
+  // consumer has taken it once the ring's head is past it. Only a taken record may be answered or
+  // released by its consumer; a consumer naming one still queued (garbage in its rings) is refused,
+  // or the record would end while its entry waits in the ring, to be taken and served again.
+  std::vector<uint64_t> rec_deliver_pos_;
+  bool taken(uint32_t c, uint32_t r) const;
   std::vector<Key> rec_key_;
   std::unordered_map<Key, uint32_t, KeyHash> active_;
   std::unordered_map<Key, Gone, KeyHash> gone_;

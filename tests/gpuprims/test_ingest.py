@@ -558,6 +558,27 @@ def test_an_answer_after_the_record_was_taken_back_is_refused(node: Node) -> Non
     _no_more_datagrams(node)
 
 
+def test_a_consumer_cannot_end_a_request_it_has_not_taken(node: Node) -> None:
+    # Found by the fuzz harness: an answer (or a release) naming a record still waiting in the
+    # consumer's queue used to end it, and the consumer then took the ended record from its queue.
+    node.send(wire.encode_request(APP, 1, _body(1)))
+    node.wait(lambda c: c["requests_delivered"] == 1)
+    queued, head, tail = node.pool.peek(0)
+    assert len(queued) == 1 and tail - head == 1
+    info = node.pool.requests(queued)
+    node.pool.consumer(0).answer(queued, info, Status.OK, np.ones((1, 4), np.float32))  # not taken yet
+    node.wait(lambda c: c["bad_answers"] == 1)
+    node.pool.consumer(0).release(queued)
+    node.wait(lambda c: c["bad_releases"] == 1)
+    recs = node.take(1)  # still there, still the same request
+    assert recs.tolist() == queued.tolist()
+    assert int(node.pool.requests(recs)["generation"][0]) == int(info["generation"][0])
+    node.pool.consumer(0).answer(recs, info, Status.OK, np.full((1, 4), 2.0, np.float32))
+    (r,) = node.responses(1)
+    assert r.status == Status.OK and r.array().tolist() == [2.0] * 4
+    _no_more_datagrams(node)
+
+
 def test_a_corrupt_answer_ring_is_counted_and_the_ingest_goes_on(node: Node) -> None:
     node.send(wire.encode_request(APP, 1, _body(1)))
     recs = node.take(1)
