@@ -113,7 +113,10 @@ def test_kills_during_monitor_and_set_gpu_changes_leave_the_node_serving(tmp_pat
         missing = [rid for rid in range(load.sent) if rid not in load.got]
         assert not missing, f"{len(missing)} request(s) never answered, e.g. {missing[:5]}"
         statuses = {s for v in load.got.values() for s, _ in v}
-        assert statuses <= {Status.OK, Status.INSTANCE_FAILED, Status.DEADLINE_MISSED}, statuses
+        # OVERLOADED too: while a killed active's replacement starts (tens of seconds on a busy machine), the
+        # requests queue in the pool, and once its slots are taken (4096 slots of 12-chunk requests: about
+        # 11 s at 30 req/s) the ingest answers the next ones OVERLOADED at once, as it must.
+        assert statuses <= {Status.OK, Status.INSTANCE_FAILED, Status.DEADLINE_MISSED, Status.OVERLOADED}, statuses
         assert sum(1 for v in load.got.values() if v[0][0] == Status.OK) > load.sent // 2
         assert node.ingest.counters()["drop_unknown_app"] == 0
         assert kills["active"] > 0
