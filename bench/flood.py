@@ -15,7 +15,7 @@ one after the other, each of four concurrent clients:
 
 HTTP bodies are streamed from one 64 KiB piece (no client builds a body in memory); the gRPC message is
 serialised once and the same bytes are sent by all four calls. The node's RSS is sampled every
-``--sample-ms`` ms throughout. Per client: the answer (HTTP status, gRPC code), the bytes it pushed
+``--sample-ms`` ms throughout, by a process of its own (the clients never delay a reading). Per client: the answer (HTTP status, gRPC code), the bytes it pushed
 into its socket before the refusal (HTTP only: gRPC's library does the sending), and the time from
 its first byte to the refusal. Before and after the floods one normal request goes over every
 transport (UDP client, HTTP JSON, gRPC); the node must answer each after the flood with the same
@@ -102,29 +102,55 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The sampler's own process (so the flood's clients in this one never delay a reading): VmRSS of argv[1]
+#: every argv[2] seconds, kept in memory, until its stdin closes; then "<monotonic s> <KiB>" lines.
+SAMPLER = """
+import select, sys, time
+pid, interval_s = int(sys.argv[1]), float(sys.argv[2])
+got = []
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], interval_s)[0]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kb = next(line.split()[1] for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        break
+    got.append(f"{time.monotonic()} {kb}")
+print("\\n".join(got))
+"""
+
+
 class Sampler:
-    """Reads the node's VmRSS every ``interval_s`` on a thread: (seconds since start, KiB) pairs."""
+    """Reads the node's VmRSS every ``interval_s`` in a process of its own: (seconds since start, KiB) pairs."""
 
     def __init__(self, pid: int, interval_s: float) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.t0 = time.monotonic()
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            kb = proc_kb(self.pid, "VmRSS")
-            if kb is not None:
-                self.samples.append((round(time.monotonic() - self.t0, 4), kb))
+        self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> Sampler:
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-c", SAMPLER, str(self.pid), str(self.interval_s)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != "ready":
+            self._proc.kill()
+            self._proc.wait()
+            raise RuntimeError("the RSS sampler did not start")
+        self.t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        assert self._proc is not None
+        try:
+            out, _ = self._proc.communicate(timeout=60)  # closing its stdin stops it
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+        for line in out.splitlines():
+            t, kb = line.split()
+            self.samples.append((round(float(t) - self.t0, 4), int(kb)))
 
 
 # --- HTTP ---------------------------------------------------------------------------------------------
@@ -426,7 +452,7 @@ def run(body_bytes: int, sample_s: float, timeout_s: float, ready_timeout_s: flo
                                                     CLIENTS, timeout_s * 2)
                         floods[mode] = {"start_s": round(t_start, 4),
                                         "end_s": round(time.monotonic() - sampler.t0, 4), "replies": replies}
-                    samples = list(sampler.samples)
+                samples = list(sampler.samples)  # complete once the sampler has stopped
                 after = normal_requests(udp, http_addr, grpc_target, x, timeout_s)
                 hwm_kb = proc_kb(node.pid, "VmHWM") or 0
                 end_kb = proc_kb(node.pid, "VmRSS") or 0
@@ -455,6 +481,12 @@ def summarise(body_bytes: int, idle_kb: int, idle_hwm_kb: int, hwm_kb: int, end_
         "hwm_mb_idle": round(idle_hwm_kb * mb, 1), "hwm_mb_after": round(hwm_kb * mb, 1),
         "hwm_mb_growth": round((hwm_kb - idle_hwm_kb) * mb, 1), "rss_mb_end": round(end_kb * mb, 1),
         "rss_samples": len(samples),
+        # The sampler's real interval (the machine may delay it), beside the one asked for; VmHWM catches
+        # a peak between two readings.
+        "rss_sample_interval_ms_median": (round(float(np.median(np.diff([t for t, _ in samples]))) * 1e3, 2)
+                                          if len(samples) > 1 else None),
+        "rss_sample_gap_ms_max": (round(float(np.max(np.diff([t for t, _ in samples]))) * 1e3, 2)
+                                  if len(samples) > 1 else None),
         "before_fix_rss_mb_idle": BEFORE_IDLE_MB, "before_fix_rss_mb_peak": BEFORE_PEAK_MB,
         "before_fix_rss_mb_growth": BEFORE_PEAK_MB - BEFORE_IDLE_MB,
     }
