@@ -26,8 +26,8 @@ was refused; both figures are in the summary beside ours.
 
     python -m bench.flood [--quick] [--body-mb 200] [--out-dir DIR]
 
-Reports, never asserts a figure; it exits non-zero only when the node could not be started or stopped
-cleanly.
+Reports, never asserts a figure; it exits 1 with the reason (and the node reaped) only when the node
+could not be started or stopped cleanly.
 """
 
 from __future__ import annotations
@@ -539,7 +539,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.sample_ms <= 0:
         ap.error(f"--sample-ms must be positive, got {args.sample_ms:g}")
     load_before = os.getloadavg()
-    res = run(int(body_mb * 1e6), args.sample_ms / 1e3, args.timeout, args.ready_timeout)
+    try:
+        res = run(int(body_mb * 1e6), args.sample_ms / 1e3, args.timeout, args.ready_timeout)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # said in one line, the node reaped
+        ap.exit(1, f"bench.flood: {e}\n")
     notes = ("node RSS from /proc/<pid>/status; the before_fix_* figures are the issue's report (issue 27 item 8), "
              "not measured here." + load_note(load_before))
     path = write_result("flood", "cpu", res["summary"], res["samples"], notes=notes, load_avg_before=load_before,
