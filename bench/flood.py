@@ -180,9 +180,12 @@ def _read_answer(sock: socket.socket, timeout_s: float) -> int | None:
 
 
 def _stream_until_answered(sock: socket.socket, chunked: bool, body_bytes: int, deadline: float) -> int:
-    """Stream the body from one piece until the server answers, closes, or the body ends; the bytes sent."""
+    """Stream the body (``body_bytes`` on the wire, chunk framing included) from one piece until the server
+    answers, closes, or the body ends; the bytes sent. A partial send resumes mid-piece, so chunk framing
+    stays whole."""
     sent = 0
-    piece = (b"%x\r\n" % len(PIECE)) + PIECE + b"\r\n" if chunked else PIECE
+    piece = memoryview((b"%x\r\n" % len(PIECE)) + PIECE + b"\r\n" if chunked else PIECE)
+    off = 0  # where in ``piece`` the next send starts
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
     sock.setblocking(False)
@@ -193,12 +196,13 @@ def _stream_until_answered(sock: socket.socket, chunked: bool, body_bytes: int, 
                 return sent  # the answer (or the close) came while the body was on its way
             if any(mask & selectors.EVENT_WRITE for _, mask in events):
                 try:
-                    sent += sock.send(piece if chunked or body_bytes - sent >= len(piece) else piece[:body_bytes - sent])
+                    n = sock.send(piece[off:off + min(len(piece) - off, body_bytes - sent)])
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:  # the server closed its side: it answered and stopped reading
                     return sent
-        if chunked and sent >= body_bytes and time.monotonic() < deadline:
+                sent, off = sent + n, (off + n) % len(piece)
+        if chunked and sent >= body_bytes and off == 0 and time.monotonic() < deadline:
             try:
                 sock.sendall(b"0\r\n\r\n")
             except OSError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -87,3 +88,54 @@ def test_a_node_that_is_not_up_in_time_is_said_and_reaped(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert e.value.code == 1 and "the node did not come up within 0.001 s (--ready-timeout)" in err
     assert list(tmp_path.iterdir()) == []  # no result for a run that did not happen
+
+
+def _serve_whole_body(srv: socket.socket, got: dict[str, object]) -> None:
+    """A server with the old bug: it reads every byte of the body (de-chunking it), then answers 200."""
+    conn, _ = srv.accept()
+    with conn:
+        conn.settimeout(30)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
+        if headers.get("Expect") == "100-continue":
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        buf = bytearray(rest)
+        if "Content-Length" in headers:
+            while len(buf) < int(headers["Content-Length"]):
+                buf += conn.recv(1 << 20)
+            got["body"] = len(buf)
+        else:
+            payload = 0
+            while True:  # chunk by chunk: a broken size line raises, and the test sees no answer
+                while b"\r\n" not in buf:
+                    buf += conn.recv(1 << 20)
+                line, _, rest2 = bytes(buf).partition(b"\r\n")
+                size = int(line, 16)
+                while len(rest2) < size + 2:
+                    rest2 += conn.recv(1 << 20)
+                assert rest2[size:size + 2] == b"\r\n"
+                buf = bytearray(rest2[size + 2:])
+                payload += size
+                if size == 0:
+                    break
+            got["body"] = payload
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize("mode", ["http_expect", "http_length", "http_chunked"])
+def test_a_server_that_reads_the_whole_body_is_seen_as_not_refusing(mode: str) -> None:
+    """The HTTP client streams a well-formed body to the end when nobody stops it, and says so."""
+    framing = len(b"%x\r\n" % len(flood.PIECE)) + len(b"\r\n")  # a chunk's size line and its end
+    body = 2 * len(flood.PIECE) + 100 if mode != "http_chunked" else 2 * (len(flood.PIECE) + framing)
+    got: dict[str, object] = {}
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        t = threading.Thread(target=_serve_whole_body, args=(srv, got), daemon=True)
+        t.start()
+        r = flood.http_flood_one("127.0.0.1", srv.getsockname()[1], mode, body, timeout_s=30)
+        t.join(30)
+    assert not t.is_alive()
+    assert r["answer"] == 200 and r["sent_bytes"] == body, r
+    assert got["body"] == (body if mode != "http_chunked" else 2 * len(flood.PIECE))
