@@ -344,22 +344,35 @@ def _submit_shielded(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: A
     thread (tqdm's monitor, the pool's manager), whose C handler trips the flag the main thread acts on,
     possibly between the worker's start and the write of its start-up data (the worker then dies on an
     EOFError with a traceback). So a handler that only notes the signal is installed for the submit; a
-    noted Ctrl-C kills the new worker and is raised once it is done.
+    noted Ctrl-C is handed to the handler it replaced once the submit is done, and if that raises
+    (KeyboardInterrupt by default), the new worker is killed first.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return pool.submit(fn, *args)  # signal handlers belong to the main thread; no Ctrl-C lands here
+    old_handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(old_handler):
+        # Handlers belong to the main thread (no Ctrl-C lands elsewhere); and a process that ignores
+        # SIGINT (a background job) or dies of it has nothing to defer.
+        return _submit_masked(pool, fn, *args)
     noted: list[int] = []
-    old_handler = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
     try:
-        fut = pool.submit(fn, *args)
+        fut = _submit_masked(pool, fn, *args)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         signal.signal(signal.SIGINT, old_handler)
     if noted:
-        _kill_workers(pool)
-        raise KeyboardInterrupt
+        try:
+            old_handler(signal.SIGINT, None)  # what the Ctrl-C would have done (KeyboardInterrupt by default)
+        except BaseException:
+            _kill_workers(pool)
+            raise
     return fut
+
+
+def _submit_masked(pool: ProcessPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:

@@ -92,7 +92,7 @@ def test_summarise_gives_ratios_against_eager_and_the_best_engine() -> None:
     assert failed["m.best_engine"] is None and "m.eager.error" not in failed
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a real node per engine; the node with engines is tests/orchestrator/test_node_engines.py
 def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "results_dir", lambda backend: tmp_path)
     bench.main(["--quick", "--cache", str(tmp_path / "cache")])

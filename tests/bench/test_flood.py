@@ -21,7 +21,7 @@ from bench import flood
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a real node; the same flood in-process is tests/orchestrator/frontdoor/test_http_server.py
 def test_a_quick_flood_is_refused_and_the_node_still_answers(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     flood.main(["--quick", "--out-dir", str(tmp_path), "--name", "flood-test"])

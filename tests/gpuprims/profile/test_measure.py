@@ -161,12 +161,29 @@ class _PoolHitByCtrlC:
 
 
 def test_a_ctrl_c_during_a_submit_lets_it_finish_then_kills_the_worker_and_interrupts() -> None:
-    pool = _PoolHitByCtrlC()
-    with pytest.raises(KeyboardInterrupt):
-        _submit_shielded(pool, print)  # type: ignore[arg-type]
-    assert pool.steps == ["started", "data written"] and pool.worker.killed
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
-    assert _submit_shielded(_PoolQuiet(), print) == "future"  # type: ignore[arg-type]
+    # pytest's own process may ignore SIGINT (run as a background job, as beside busy loops): the
+    # test installs the handler an interactive CLI has, and puts back whatever was there.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        pool = _PoolHitByCtrlC()
+        with pytest.raises(KeyboardInterrupt):
+            _submit_shielded(pool, print)  # type: ignore[arg-type]
+        assert pool.steps == ["started", "data written"] and pool.worker.killed
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+        assert _submit_shielded(_PoolQuiet(), print) == "future"  # type: ignore[arg-type]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it_during_a_submit() -> None:
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = _PoolHitByCtrlC()
+        assert _submit_shielded(pool, print) == "future"  # type: ignore[arg-type]
+        assert pool.steps == ["started", "data written"] and not pool.worker.killed
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 class _PoolQuiet:
