@@ -17,7 +17,13 @@ the other):
   ``gpuprims.wire``, batches whatever is queued up to 8, runs the model and answers, pinned to the same
   core with the same torch threads.
 
-Run: ``python3 -m bench.e2e [--quick]``. Reports, never asserts.
+Engines (issue 23): ``--engine onnxruntime`` (or ``openvino``) runs the node's app on that ``engine:`` and
+every model-alone reference on the very same engine (gpuprims' engine, built from the same model into the
+same engine cache): the paced and back-to-back model times, the batch-8 capacity and the plain server's
+model. So ``added_*`` is still the framework's own cost around the model, now around a 0.3 ms one, and
+the result is written as ``e2e-<engine>.json``.
+
+Run: ``python3 -m bench.e2e [--quick] [--engine eager|onnxruntime|openvino]``. Reports, never asserts.
 """
 
 from __future__ import annotations
@@ -46,8 +52,49 @@ MAX_BATCH = 8
 LOW_RATE = 10.0
 MODELS = {"mobilenet_v2": {"slo_ms": 100.0}, "resnet50": {"slo_ms": 250.0}}
 STEP = 1.2
+#: How many times a sweep whose every step failed halves its start rate looking for one that holds.
+HALVINGS = 5
 #: Low-load segments, alternating traffic through the node with the model alone (the same pace).
 SEGMENTS = 6
+
+
+def load_runner(model_name: str, engine: str, threads: int, cache: str | None = None) -> Any:
+    """The model as the instance runs it: the torch module (eager) or gpuprims' prepared engine of that kind.
+
+    Either is called on a torch batch and returns a torch tensor. Call it on the cores and threads it is
+    measured on (the engine takes ``threads`` at build).
+    """
+    from apps.zoo import load_model
+
+    if engine == "eager":
+        return load_model(model_name, seed=0, input_shape=SHAPE).eval()
+    from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
+
+    runner = make_engine(engine, ModelSource(model_name, SHAPE, MAX_BATCH, seed=0),  # type: ignore[arg-type]
+                         Target("cpu", threads=threads), cache=EngineCache(cache))
+    runner.prepare()
+    return runner
+
+
+def model_latency_ms(model_name: str, engine: str, batch: int, *, cores: list[int], threads: int, reps: int
+                     ) -> np.ndarray:
+    """`sv.torch_latency_ms` on `engine`: back-to-back latency (ms) at `batch` on `cores` with `threads`."""
+    if engine == "eager":
+        return sv.torch_latency_ms(model_name, SHAPE, batch, cores=cores, threads=threads, reps=reps)
+    import torch
+
+    with sv.pinned(cores, threads):
+        model = load_runner(model_name, engine, threads)
+        x = torch.from_numpy(np.random.default_rng(0).random((batch, *SHAPE), dtype=np.float32))
+        out = np.empty(reps)
+        with torch.inference_mode():
+            for _ in range(2):
+                model(x)
+            for i in range(reps):
+                t = time.perf_counter_ns()
+                model(x).float().cpu().numpy()
+                out[i] = (time.perf_counter_ns() - t) / 1e6
+    return out
 
 
 def share() -> tuple[list[int], int]:
@@ -57,16 +104,15 @@ def share() -> tuple[list[int], int]:
 
 
 # -- the plain torch server ------------------------------------------------------------------------
-def _baseline_server(model_name: str, cores: list[int], threads: int, max_batch: int, q: Any, stop: Any) -> None:
+def _baseline_server(model_name: str, cores: list[int], threads: int, max_batch: int, q: Any, stop: Any,
+                     engine: str = "eager") -> None:
     """Child process: one UDP socket, Python reassembly, batch what is queued, run, answer."""
     os.sched_setaffinity(0, cores)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
 
-    from apps.zoo import load_model
-
     torch.set_num_threads(threads)
-    model = load_model(model_name, seed=0, input_shape=SHAPE).eval()
+    model = load_runner(model_name, engine, threads)
     row_bytes = int(np.prod(SHAPE)) * 4
     with torch.inference_mode():
         for b in (1, max_batch):
@@ -129,12 +175,12 @@ def _baseline_server(model_name: str, cores: list[int], threads: int, max_batch:
 class BaselineServer:
     """The plain server in a spawned process; `port` once it has loaded and warmed its model."""
 
-    def __init__(self, model_name: str, cores: list[int], threads: int) -> None:
+    def __init__(self, model_name: str, cores: list[int], threads: int, engine: str = "eager") -> None:
         ctx = mp.get_context("spawn")
         self.q: Any = ctx.Queue()
         self.stop_ev = ctx.Event()
-        self.p = ctx.Process(target=_baseline_server, args=(model_name, cores, threads, MAX_BATCH, self.q, self.stop_ev),
-                             daemon=True)
+        self.p = ctx.Process(target=_baseline_server,
+                             args=(model_name, cores, threads, MAX_BATCH, self.q, self.stop_ev, engine), daemon=True)
         self.p.start()
         self.port = int(self.q.get(timeout=120))
 
@@ -147,14 +193,17 @@ class BaselineServer:
 
 
 # -- measurements -----------------------------------------------------------------------------------
-def paced_model_ms(model_name: str, cores: list[int], threads: int, n: int, rate: float) -> np.ndarray:
-    """The model's own batch-1 latency, one call per 1/rate s (the pace of the low-load traffic)."""
+def paced_model_ms(model_name: str, cores: list[int], threads: int, n: int, rate: float, engine: str = "eager",
+                   model: Any = None) -> np.ndarray:
+    """The model's own batch-1 latency, one call per 1/rate s (the pace of the low-load traffic).
+
+    `model`: an already loaded runner (`load_runner`) to reuse, else one is loaded.
+    """
     import torch
 
-    from apps.zoo import load_model
-
     with sv.pinned(cores, threads):
-        model = load_model(model_name, seed=0, input_shape=SHAPE).eval()
+        if model is None:
+            model = load_runner(model_name, engine, threads)
         x = torch.from_numpy(np.random.default_rng(0).random((1, *SHAPE), dtype=np.float32))
         out = np.empty(n)
         with torch.inference_mode():
@@ -171,7 +220,10 @@ def paced_model_ms(model_name: str, cores: list[int], threads: int, n: int, rate
 
 
 def sweep(send: Any, slo_ms: float, start_rps: float, steps: int, duration_s: float, label: str) -> list[dict[str, Any]]:
-    """Constant rates start_rps * STEP**k until two in a row miss 99 % attainment (or `steps` are done)."""
+    """Constant rates start_rps * STEP**k until two in a row miss 99 % attainment (or `steps` are done).
+
+    If none held, halves start_rps (up to HALVINGS times) until one does.
+    """
     out: list[dict[str, Any]] = []
     fails = 0
     for k in range(steps):
@@ -184,6 +236,18 @@ def sweep(send: Any, slo_ms: float, start_rps: float, steps: int, duration_s: fl
         fails = 0 if st["held"] else fails + 1
         if fails == 2:
             break
+    # Nothing held from the start (e.g. the plain server's Python receive path far below an engine's model
+    # capacity): halve down until a rate holds, so the figure is the held rate, not 0.
+    rate = start_rps
+    for _ in range(HALVINGS):
+        if any(s["held"] for s in out):
+            break
+        rate = round(rate / 2, 1)
+        st = send(rate, duration_s)
+        st["rate_rps"] = rate
+        st["held"] = bool(st["slo_attainment"] is not None and st["slo_attainment"] >= 0.99)
+        print(f"  {label:>9} {rate:7.1f} req/s: attainment {st['slo_attainment']}, p99 {st['p99_ms']} ms", flush=True)
+        out.append(st)
     return out
 
 
@@ -192,17 +256,18 @@ def best_rate(steps: list[dict[str, Any]]) -> float:
     return max(held) if held else 0.0
 
 
-def run_model(model_name: str, slo_ms: float, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_model(model_name: str, slo_ms: float, quick: bool, engine: str = "eager"
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
     cores, threads = share()
     # This process (the node's control loop, its ingest thread and the traffic client, which all
     # inherit this thread's affinity) stays off the instance's cores, as the setup above says; the
     # model-alone measurements pin themselves to the instance's cores for their duration.
     free = sorted(set(os.sched_getaffinity(0)) - set(cores))
     with sv.pinned(free or cores, threads):
-        return _run_model(model_name, slo_ms, quick, cores, threads)
+        return _run_model(model_name, slo_ms, quick, cores, threads, engine)
 
 
-def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], threads: int
+def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], threads: int, engine: str = "eager"
                ) -> tuple[dict[str, Any], dict[str, Any]]:
     segments = 2 if quick else SEGMENTS
     seg_s = (4.0 if quick else 16.0) / segments
@@ -213,14 +278,17 @@ def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], th
 
     # The model alone, on the instance's core share, back to back (the paced figure is taken below,
     # interleaved with the traffic through the node).
-    model_b2b = sv.torch_latency_ms(model_name, SHAPE, 1, cores=cores, threads=threads, reps=n_seg * segments)
-    model_b8 = sv.torch_latency_ms(model_name, SHAPE, MAX_BATCH, cores=cores, threads=threads,
-                                   reps=5 if quick else 10)
+    model_b2b = model_latency_ms(model_name, engine, 1, cores=cores, threads=threads, reps=n_seg * segments)
+    model_b8 = model_latency_ms(model_name, engine, MAX_BATCH, cores=cores, threads=threads, reps=5 if quick else 10)
     cap_rps = MAX_BATCH * 1e3 / float(np.median(model_b8))
     start = cap_rps * 0.5
 
-    cfg = sv.node_config([sv.app("e2e", model_name, 1, shape=SHAPE, slo_ms=slo_ms, gpu_pct=GPU_PCT,
-                                 max_batch=MAX_BATCH, max_wait_ms=0.0)])
+    app = sv.app("e2e", model_name, 1, shape=SHAPE, slo_ms=slo_ms, gpu_pct=GPU_PCT, max_batch=MAX_BATCH,
+                 max_wait_ms=0.0)
+    app["engine"] = engine
+    cfg = sv.node_config([app])
+    with sv.pinned(cores, threads):
+        paced_runner = load_runner(model_name, engine, threads)  # loaded once (an engine takes a while)
     with sv.running_node(cfg) as node:
         port = sv.port_of(node)
         # Low load, interleaved: a segment of traffic through the node, then a segment of the model alone
@@ -230,7 +298,7 @@ def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], th
             rep = sv.drive(node, [sv.stream(1, SHAPE, LOW_RATE, seg_s, port)], timeout_s=timeout_s, slo_ms=slo_ms)
             lows.append(sv.app_stats(rep, 1, slo_ms))
             e2e_parts.append(sv.latencies_ms(rep, 1))
-            paced_parts.append(paced_model_ms(model_name, cores, threads, n_seg, LOW_RATE))
+            paced_parts.append(paced_model_ms(model_name, cores, threads, n_seg, LOW_RATE, engine, paced_runner))
         e2e_lat = np.concatenate(e2e_parts)
         model_paced = np.concatenate(paced_parts)
         low = {"sent": sum(x["sent"] for x in lows), "lost": sum(x["lost"] for x in lows), "segments": lows}
@@ -243,7 +311,7 @@ def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], th
             return {**sv.app_stats(r, 1, slo_ms), "batch_sizes_so_far": insts[0]["batch_sizes"] if insts else None}
 
         node_steps = sweep(via_node, slo_ms, start, steps, step_s, "node")
-    server = BaselineServer(model_name, cores, threads)
+    server = BaselineServer(model_name, cores, threads, engine)
     try:
         def via_plain(rate: float, dur: float) -> dict[str, Any]:
             r = sv.drive(None, [sv.stream(1, SHAPE, rate, dur, server.port)], timeout_s=timeout_s, slo_ms=slo_ms)
@@ -275,6 +343,8 @@ def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], th
         "throughput_ratio": round(best_rate(node_steps) / best_rate(plain_steps), 3) if best_rate(plain_steps) else None,
         "model_b8_p50_ms": round(float(np.median(model_b8)), 3),
         "slo_ms": slo_ms,
+        "engine": engine,
+        "instance_engine": (inst["instances"][0].get("engine") or {}).get("kind") if inst["instances"] else None,
         **per_stage,
     }
     samples = {"e2e_ms": e2e_lat, "model_paced_ms": model_paced, "model_backtoback_ms": model_b2b,
@@ -283,13 +353,13 @@ def _run_model(model_name: str, slo_ms: float, quick: bool, cores: list[int], th
     return summary, samples
 
 
-def run(quick: bool, models: list[str]) -> dict[str, Any]:
+def run(quick: bool, models: list[str], engine: str = "eager") -> dict[str, Any]:
     summary: dict[str, Any] = {}
     samples: dict[str, Any] = {}
     for name in models:
         m = MODELS[name]
         print(f"{name}:", flush=True)
-        s, smp = run_model(name, m["slo_ms"], quick)
+        s, smp = run_model(name, m["slo_ms"], quick, engine)
         for k, v in s.items():
             summary[f"{name}.{k}"] = v
         samples[name] = smp
@@ -297,7 +367,8 @@ def run(quick: bool, models: list[str]) -> dict[str, Any]:
     for k in ("added_p50_ms", "added_p99_ms", "model_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_rps",
               "baseline_throughput_rps"):
         summary[k] = summary[mob + k]
-    summary.update(input_shape="x".join(map(str, SHAPE)), gpu_pct=GPU_PCT, low_rate_rps=LOW_RATE, max_batch=MAX_BATCH)
+    summary.update(input_shape="x".join(map(str, SHAPE)), gpu_pct=GPU_PCT, low_rate_rps=LOW_RATE, max_batch=MAX_BATCH,
+                   engine=engine)
     return {"summary": summary, "samples": samples}
 
 
@@ -354,12 +425,14 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
     ap.add_argument("--before", action="append", default=[], metavar="FILE",
                     help="an earlier e2e.json whose headline figures are kept under 'before' (repeatable)")
+    ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime", "openvino"],
+                    help="the app's engine: and the model-alone references' (written as e2e-<engine>.json)")
     args = ap.parse_args()
     models = args.models.split(",")
     if "mobilenet_v2" not in models or any(m not in MODELS for m in models):
         ap.error(f"--models must include mobilenet_v2 and name only {list(MODELS)}")
     load_before = os.getloadavg()
-    res = run(args.quick, models)
+    res = run(args.quick, models, args.engine)
     notes = ("CPU backend (no GPU): the app's gpu_pct 50 is one core of two; the node's native ingest, the traffic "
              "client and this process share the other core. Inputs 3x64x64 float32 (48 datagrams). added_* = "
              "client end-to-end minus the model alone at batch 1 measured in torch in the bench process on the same "
@@ -375,7 +448,11 @@ def main() -> None:
              "breakdown (gpuprims.stats.STAGES) over the low-load batches, warm-up requests included. "
              "Shared 2-core machine: other developers' load adds noise; see the load averages.")
     before = [_headline(json.loads(Path(f).read_text()), f) for f in args.before]
-    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes + load_note(load_before), load_avg_before=load_before)
+    if args.engine != "eager":
+        notes += (f" Engine {args.engine}: the node's app and every model-alone reference (paced, back to back, batch 8, "
+                  "the plain server's model) run gpuprims' engine of that kind on the same cores and threads.")
+    path = write_result("e2e", "cpu", res["summary"], res["samples"], notes=notes + load_note(load_before),
+                        load_avg_before=load_before, name=None if args.engine == "eager" else f"e2e-{args.engine}")
     if before:
         doc = json.loads(path.read_text())
         doc["before"] = before

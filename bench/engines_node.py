@@ -208,9 +208,9 @@ def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 # -- the node and its traffic -------------------------------------------------------------------------------
-def config(case: Case, name: str, engine: str, cache: str | None) -> NodeConfig:
-    """A loopback CPU-backend node with the one app on `engine` at GPU_PCT."""
-    app = sv.app(name, case.model, case.app_id, shape=case.shape, slo_ms=case.slo_ms, gpu_pct=GPU_PCT,
+def config(case: Case, name: str, engine: str, cache: str | None, gpu_pct: int = GPU_PCT) -> NodeConfig:
+    """A loopback CPU-backend node with the one app on `engine` at `gpu_pct`."""
+    app = sv.app(name, case.model, case.app_id, shape=case.shape, slo_ms=case.slo_ms, gpu_pct=gpu_pct,
                  max_batch=case.max_batch, max_wait_ms=case.max_wait_ms)
     app.update(dtype=case.dtype, seed=0, engine=engine)
     node: dict[str, Any] = {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": [0]},
@@ -244,10 +244,10 @@ def instance_view(node: Any, name: str) -> dict[str, Any]:
 
 
 def run_engine(name: str, case: Case, engine: str, *, cache: str | None, light_s: float, trial_s: float,
-               warmup_s: float, max_trials: int, min_requests: int) -> dict[str, Any]:
-    """Light-load p50, then the rate search, on one node running `case` on `engine`."""
+               warmup_s: float, max_trials: int, min_requests: int, gpu_pct: int = GPU_PCT) -> dict[str, Any]:
+    """Light-load p50, then the rate search, on one node running `case` on `engine` at `gpu_pct`."""
     out: dict[str, Any] = {"engine": engine}
-    with sv.running_node(config(case, name, engine, cache)) as node:
+    with sv.running_node(config(case, name, engine, cache, gpu_pct)) as node:
         light = run_traffic(node, case, LIGHT_RPS, light_s, warmup_s)
         ls = trial_stats(light, case.app_id, case.slo_ms, LIGHT_RPS)
         view = instance_view(node, name)
@@ -296,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--light-s", type=float, default=8.0, help="measured seconds at 30 req/s")
     ap.add_argument("--max-trials", type=int, default=8, help="trials per rate search")
     ap.add_argument("--cache", default=None, help="engine cache directory (default: the per-user cache)")
+    ap.add_argument("--gpu-pct", type=int, default=GPU_PCT, choices=[50, 100],
+                    help="every app's share: 50 = one core of two (the example's), 100 = both cores (then the "
+                    "generator, ingest and control loop share them with the model; written as "
+                    "engines_node-gpu100.json)")
     args = ap.parse_args(argv)
     if args.quick:
         cases, engines = ["classify"], ["eager", "onnxruntime"]
@@ -314,17 +318,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in cases:
         case = CASES[name]
         print(f"{name}: {case.model} {'x'.join(map(str, case.shape))} {case.dtype}, max batch {case.max_batch}, "
-              f"SLO {case.slo_ms:g} ms, gpu_pct {GPU_PCT}", flush=True)
+              f"SLO {case.slo_ms:g} ms, gpu_pct {args.gpu_pct}", flush=True)
         results[name] = {}
         for e in engines:
             try:
                 results[name][e] = run_engine(name, case, e, cache=args.cache, light_s=light_s, trial_s=trial_s,
-                                              warmup_s=warmup_s, max_trials=max_trials, min_requests=min_requests)
+                                              warmup_s=warmup_s, max_trials=max_trials, min_requests=min_requests,
+                                              gpu_pct=args.gpu_pct)
             except StartError as err:  # this engine's node did not start: its row says why, the others run
                 print(f"  {name}/{e}: node did not start: {err}", flush=True)
                 results[name][e] = {"engine": e, "error": f"node did not start: {err}"}
     summary = summarise(results)
-    summary.update({f"target_{k}": v for k, v in TARGETS.items()}, gpu_pct=GPU_PCT, light_rps=LIGHT_RPS,
+    summary.update({f"target_{k}": v for k, v in TARGETS.items()}, gpu_pct=args.gpu_pct, light_rps=LIGHT_RPS,
                    attainment_required=ATTAINMENT, trial_s=trial_s, duration_s=round(time.monotonic() - t0, 1))
     for name in cases:
         c = CASES[name]
@@ -332,11 +337,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary[f"{name}.slo_ms"] = c.slo_ms
         summary[f"{name}.max_batch"] = c.max_batch
         summary[f"{name}.max_wait_ms"] = c.max_wait_ms
-    notes = ("Through an in-process node on loopback, one app at gpu_pct 50 (one core) per node, the generator, "
-             "ingest and control loop on the other core: a held rate marked generator_limited is a floor set "
-             "by that path, not the instance's capacity." + load_note(load_before))
-    path = write_result("engines_node", "cpu", summary, results, notes=notes, large_samples=True,
-                        load_avg_before=load_before, name="engines_node-quick" if args.quick else None)
+    if args.gpu_pct == 50:
+        notes = ("Through an in-process node on loopback, one app at gpu_pct 50 (one core) per node, the generator, "
+                 "ingest and control loop on the other core: a held rate marked generator_limited is a floor set "
+                 "by that path, not the instance's capacity.")
+    else:
+        notes = ("Through an in-process node on loopback, one app at gpu_pct 100 (both cores, two threads) per node, "
+                 "eager and every engine alike; the generator, ingest and control loop share the same two cores "
+                 "with the model, so their cost is in every figure.")
+    stem = "engines_node" + ("" if args.gpu_pct == GPU_PCT else f"-gpu{args.gpu_pct}") + ("-quick" if args.quick else "")
+    path = write_result("engines_node", "cpu", summary, results, notes=notes + load_note(load_before),
+                        large_samples=True, load_avg_before=load_before,
+                        name=None if stem == "engines_node" else stem)
     print(path)
     for k, v in summary.items():
         if k.endswith(("max_rate_rps", "ratio_vs_eager", "best_engine", "best_ratio", "p50_at_30rps_ms")):

@@ -173,7 +173,7 @@ def instance_stats(node: Node, app_name: str) -> dict[str, Any]:
     keep = ("received", "ok", "deadline_missed", "errors", "p50_ms", "p99_ms", "slo_attainment", "gpu_pct")
     out = {k: a.get(k) for k in keep}
     out["instances"] = [{k: i.get(k) for k in ("name", "role", "gpu_pct", "cores", "model_p50_ms", "p50_ms",
-                                               "p99_ms", "batch_sizes", "stages")} for i in a["instances"]]
+                                               "p99_ms", "batch_sizes", "stages", "engine")} for i in a["instances"]]
     return out
 
 

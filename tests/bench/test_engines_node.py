@@ -92,6 +92,15 @@ def test_summarise_gives_ratios_against_eager_and_the_best_engine() -> None:
     assert failed["m.best_engine"] is None and "m.eager.error" not in failed
 
 
+def test_config_puts_the_app_on_the_engine_and_the_share_asked() -> None:
+    case = bench.CASES["resnet50"]
+    one = bench.config(case, "resnet50", "onnxruntime", None)
+    both = bench.config(case, "resnet50", "eager", "/tmp/x-cache", gpu_pct=100)
+    assert one.apps[0].gpu_pct == 50 and one.apps[0].engine.kind == "onnxruntime"
+    assert both.apps[0].gpu_pct == 100 and both.apps[0].engine.kind == "eager"
+    assert both.node.engine_cache == "/tmp/x-cache" and one.node.engine_cache != "/tmp/x-cache"
+
+
 @pytest.mark.heavy  # a real node per engine; the node with engines is tests/orchestrator/test_node_engines.py
 def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "results_dir", lambda backend: tmp_path)
