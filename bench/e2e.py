@@ -81,20 +81,8 @@ def model_latency_ms(model_name: str, engine: str, batch: int, *, cores: list[in
     """`sv.torch_latency_ms` on `engine`: back-to-back latency (ms) at `batch` on `cores` with `threads`."""
     if engine == "eager":
         return sv.torch_latency_ms(model_name, SHAPE, batch, cores=cores, threads=threads, reps=reps)
-    import torch
-
     with sv.pinned(cores, threads):
-        model = load_runner(model_name, engine, threads)
-        x = torch.from_numpy(np.random.default_rng(0).random((batch, *SHAPE), dtype=np.float32))
-        out = np.empty(reps)
-        with torch.inference_mode():
-            for _ in range(2):
-                model(x)
-            for i in range(reps):
-                t = time.perf_counter_ns()
-                model(x).float().cpu().numpy()
-                out[i] = (time.perf_counter_ns() - t) / 1e6
-    return out
+        return sv.model_latency_ms(load_runner(model_name, engine, threads), SHAPE, batch, reps=reps)
 
 
 def share() -> tuple[list[int], int]:

@@ -149,21 +149,28 @@ def torch_latency_ms(model_name: str, shape: Sequence[int], batch: int, *, cores
     Times what an instance times around its model call (the forward pass and the copy of the logits
     to numpy), after two warm-up calls.
     """
-    import torch
 
     from apps.zoo import load_model
 
     with pinned(cores, threads):
         model = load_model(model_name, seed=seed, input_shape=tuple(shape)).eval()
-        x = torch.from_numpy(np.random.default_rng(seed).random((batch, *shape), dtype=np.float32))
-        out = np.empty(reps)
-        with torch.inference_mode():
-            for _ in range(2):
-                model(x)
-            for i in range(reps):
-                t = time.perf_counter_ns()
-                model(x).float().cpu().numpy()
-                out[i] = (time.perf_counter_ns() - t) / 1e6
+        return model_latency_ms(model, shape, batch, reps=reps, seed=seed)
+
+
+def model_latency_ms(model: Any, shape: Sequence[int], batch: int, *, reps: int, seed: int = 0) -> np.ndarray:
+    """Latency (ms) of `model` (a torch module or a prepared gpuprims engine) at `batch`, back to back in
+    this thread: the call and the copy of its output to numpy, after two warm-up calls."""
+    import torch
+
+    x = torch.from_numpy(np.random.default_rng(seed).random((batch, *shape), dtype=np.float32))
+    out = np.empty(reps)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(x)
+        for i in range(reps):
+            t = time.perf_counter_ns()
+            model(x).float().cpu().numpy()
+            out[i] = (time.perf_counter_ns() - t) / 1e6
     return out
 
 
