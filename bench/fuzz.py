@@ -50,6 +50,18 @@ class FuzzerUnavailable(RuntimeError):
     """clang++ with libFuzzer is not installed (scripts/install-tools.sh installs it)."""
 
 
+def runtime_package(cxx: str | None = None) -> str:
+    """The Debian package with clang's sanitizer and libFuzzer runtime for the clang++ that is there
+    (``libclang-rt-<major>-dev``; only a Recommends of Debian's clang)."""
+    cxx = cxx or os.environ.get("CXX", "clang++")
+    try:
+        out = subprocess.run([cxx, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    major = out.split(".")[0]
+    return f"libclang-rt-{major}-dev" if major.isdigit() else "libclang-rt-<clang major>-dev"
+
+
 def build(out_dir: Path = ROOT / "build" / "fuzz") -> Path:
     """Build the harness unless the binary is newer than every source; returns its path."""
     exe = out_dir / "fuzz_ingest"
@@ -60,7 +72,9 @@ def build(out_dir: Path = ROOT / "build" / "fuzz") -> Path:
     r = subprocess.run([str(ROOT / "scripts" / "build-fuzz.sh"), str(out_dir)], capture_output=True, text=True)
     if r.returncode != 0:
         if "libclang_rt.fuzzer" in r.stderr or "fsanitize=fuzzer" in r.stderr:
-            raise FuzzerUnavailable(f"clang++ has no libFuzzer: {r.stderr.strip()[-300:]}")
+            pkg = runtime_package()
+            raise FuzzerUnavailable(f"clang++ has no libFuzzer runtime: install {pkg} (apt-get install {pkg}, "
+                                    f"as root; scripts/install-tools.sh does it): {r.stderr.strip()[-300:]}")
         raise RuntimeError(f"building the fuzz harness failed:\n{r.stderr[-3000:]}")
     return exe
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from bench import fuzz
 from bench.fuzz import parse_log
 
 CLEAN = """INFO: Seed: 1000
@@ -28,3 +31,11 @@ def test_sanitizer_reports_and_broken_invariants_are_crashes() -> None:
                    "fuzz_ingest: invariant broken: slot 3 is neither free nor held (leaked)",
                    "==1== ERROR: libFuzzer: deadly signal"):
         assert parse_log(CLEAN + report + "\n")["crashed"], report
+
+
+def test_runtime_package_names_the_debian_package_of_the_clang_there(tmp_path: Path) -> None:
+    fake = tmp_path / "clang++"
+    fake.write_text("#!/bin/sh\necho 19.1.7\n")
+    fake.chmod(0o755)
+    assert fuzz.runtime_package(str(fake)) == "libclang-rt-19-dev"
+    assert fuzz.runtime_package(str(tmp_path / "absent")) == "libclang-rt-<clang major>-dev"  # said, not raised
