@@ -795,6 +795,7 @@ def main() -> None:
     path = write_result("peer", "cpu", summary, samples, notes=CAVEATS, large_samples=True,
                         load_avg_before=load_before, name=("peer-quick" if args.quick else "peer")
                         + ("" if args.engine == "eager" else f"-{args.engine}")
+                        + ("" if set(args.peers) == set(PEERS) else "-" + "-".join(args.peers))
                         + ("" if args.ray_nice is None else f"-ray-nice{args.ray_nice}"))
     plot(res, path.with_suffix(".png"))
     print(path)
