@@ -213,15 +213,18 @@ def sweep(send: Any, slo_ms: float, start_rps: float, steps: int, duration_s: fl
     If none held, halves start_rps (up to HALVINGS times) until one does.
     """
     out: list[dict[str, Any]] = []
-    fails = 0
-    for k in range(steps):
-        rate = round(start_rps * STEP ** k, 1)
+
+    def step(rate: float) -> bool:
         st = send(rate, duration_s)
         st["rate_rps"] = rate
         st["held"] = bool(st["slo_attainment"] is not None and st["slo_attainment"] >= 0.99)
         print(f"  {label:>9} {rate:7.1f} req/s: attainment {st['slo_attainment']}, p99 {st['p99_ms']} ms", flush=True)
         out.append(st)
-        fails = 0 if st["held"] else fails + 1
+        return st["held"]
+
+    fails = 0
+    for k in range(steps):
+        fails = 0 if step(round(start_rps * STEP ** k, 1)) else fails + 1
         if fails == 2:
             break
     # Nothing held from the start (e.g. the plain server's Python receive path far below an engine's model
@@ -231,11 +234,7 @@ def sweep(send: Any, slo_ms: float, start_rps: float, steps: int, duration_s: fl
         if any(s["held"] for s in out):
             break
         rate = round(rate / 2, 1)
-        st = send(rate, duration_s)
-        st["rate_rps"] = rate
-        st["held"] = bool(st["slo_attainment"] is not None and st["slo_attainment"] >= 0.99)
-        print(f"  {label:>9} {rate:7.1f} req/s: attainment {st['slo_attainment']}, p99 {st['p99_ms']} ms", flush=True)
-        out.append(st)
+        step(rate)
     return out
 
 
