@@ -27,7 +27,7 @@ import torch
 from gpuprims.batching import BatchPolicy
 from gpuprims.gather import Gatherer
 from gpuprims.pool import RECORD_DTYPE, PacketPool
-from gpuprims.stats import RequestHistograms, StageClock
+from gpuprims.stats import RequestHistograms, Reservoir, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.messages import BatchDone, RunBatch
 from orchestrator.runner import AppRunner
@@ -54,8 +54,8 @@ class LatencyStats:
 
     def __init__(self, slo_ms: float, window: int = 4096) -> None:
         self.slo_ms = slo_ms
-        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=window)
-        self.model_ms: collections.deque[float] = collections.deque(maxlen=512)
+        self.latencies_ms = Reservoir(window)
+        self.model_ms = Reservoir(512)
         self.counts: collections.Counter[str] = collections.Counter()
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.busy_ms = 0.0  # time spent running the model
@@ -69,6 +69,8 @@ class LatencyStats:
         self.first_ok_ns = 0
         self.last_ok_ns = 0
         self.first_model_ms: float | None = None
+        self._pct_key: tuple[int, int, int] | None = None  # what _pct was computed from
+        self._pct: tuple[Any, ...] = ()
 
     def mark_answered(self, model_ms: float) -> None:
         """Note a batch just answered OK (and the model's run time for it)."""
@@ -79,7 +81,16 @@ class LatencyStats:
         self.last_ok_ns = now
 
     def snapshot(self, queue_len: int, held: int) -> dict[str, Any]:
-        lat = np.asarray(self.latencies_ms, dtype=float)
+        """The heartbeat's view. Taken on the serving thread between batches, so its percentiles are
+        partitions of numpy rings (``gpuprims.stats``), recomputed only when something was answered
+        since the last snapshot (bench/stage_cost ``heartbeat``)."""
+        key = (self.latencies_ms.added, self.model_ms.added, self.stages.batches)
+        if key != self._pct_key:
+            p50, p99 = self.latencies_ms.percentiles((50, 99)) or (None, None)
+            model = self.model_ms.percentiles((50,))
+            self._pct = (p50, p99, model[0] if model else None, self.stages.snapshot())
+            self._pct_key = key
+        p50, p99, model_p50, stages = self._pct
         elapsed = max(time.monotonic() - self.started, 1e-9)
         ok = self.counts["ok"]
         within = self.counts["within_slo"]
@@ -92,9 +103,9 @@ class LatencyStats:
             "errors": self.counts["error"],
             "within_slo": within,
             "slo_attainment": (within / served) if served else None,
-            "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-            "model_p50_ms": float(np.median(self.model_ms)) if self.model_ms else None,
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "model_p50_ms": model_p50,
             "arrival_rps": self.counts["received"] / elapsed,
             "service_rps": served / elapsed,
             "queue_len": queue_len,
@@ -103,7 +114,7 @@ class LatencyStats:
             "batches": sum(self.batch_sizes.values()),
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "hist": self.hist.to_wire(),
-            "stages": self.stages.snapshot(),
+            "stages": stages,
             "first_request_ns": self.first_request_ns,
             "first_ok_ns": self.first_ok_ns,
             "last_ok_ns": self.last_ok_ns,
@@ -142,6 +153,10 @@ class ServingLoop:
     def held(self) -> int:
         """Requests taken off the ring and not answered yet (local queue and later DAG stages)."""
         return len(self.queue) + sum(len(q) for q in self.stage_queues.values())
+
+    def busy(self) -> bool:
+        """Whether a request waits to be served (held here or in the ring)."""
+        return bool(self.queue) or self.held() > 0 or self.consumer.depth() > 0
 
     def snapshot(self) -> dict[str, Any]:
         """The loop's statistics for a heartbeat: the ring's depth plus what it holds."""
@@ -267,7 +282,7 @@ class ServingLoop:
             self._last_error = str(e)
             return None
         model_ms = (time.perf_counter() - t0) * 1e3
-        self.stats.model_ms.append(model_ms)
+        self.stats.model_ms.add(model_ms)
         self.stats.busy_ms += model_ms
         self.stats.batch_sizes[int(recs.size)] += 1
         return out, model_ms
@@ -446,7 +461,7 @@ class ServingLoop:
         self.stats.hist.observe_answered(info["first_ns"], compute_s=compute_s, done_ns=done_ns)
         lat_ms = (done_ns - info["first_ns"].astype(np.int64)) / 1e6
         deadlines = np.where(info["deadline_us"] > 0, info["deadline_us"] / 1e3, self.spec.slo_ms)
-        self.stats.latencies_ms.extend(lat_ms.tolist())
+        self.stats.latencies_ms.extend(lat_ms)
         self.stats.counts["ok"] += int(recs.size)
         self.stats.counts["within_slo"] += int((lat_ms <= deadlines).sum())
 

@@ -12,8 +12,10 @@ from gpuprims.stats import (
     STAGES,
     DurationHistogram,
     RequestHistograms,
+    Reservoir,
     StageClock,
     add_wire,
+    percentiles,
 )
 
 
@@ -144,3 +146,54 @@ def test_scalar_add_follows_observe_rules() -> None:
     assert h.sum_s == pytest.approx(3 * DURATION_BUCKETS_S[2])
     with pytest.raises(ValueError, match="NaN"):
         h.add(float("nan"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 4096])
+def test_partition_percentiles_equal_numpy_and_leave_the_input_alone(n: int) -> None:
+    rng = np.random.default_rng(n)
+    qs = (0, 1, 50, 99, 99.9, 100)
+    v = rng.lognormal(0, 1, n)
+    before = v.copy()
+    np.testing.assert_allclose(percentiles(v, qs), np.percentile(v, qs), rtol=1e-12, atol=0)
+    assert np.array_equal(v, before)
+    rows = rng.integers(0, 10**7, (5, n))  # integer rows (a stage clock's ns), one series per row
+    np.testing.assert_allclose(percentiles(rows, qs), np.percentile(rows, qs, axis=-1).T, rtol=1e-12, atol=0)
+    ties = np.full(n, 2.5)
+    assert percentiles(ties, (50, 99)).tolist() == [2.5, 2.5]
+    with pytest.raises(ValueError, match="empty"):
+        percentiles(np.zeros(0), (50,))
+
+
+def test_reservoir_keeps_the_last_values_in_order_across_wraps() -> None:
+    r = Reservoir(5)
+    assert len(r) == 0 and r.percentiles((50,)) is None and r.values().size == 0
+    with pytest.raises(IndexError):
+        r.last()
+    r.add(1.0)
+    r.extend(np.array([2.0, 3.0]))
+    assert r.values().tolist() == [1.0, 2.0, 3.0] and r.last() == 3.0 and r.added == 3
+    r.extend([4.0, 5.0, 6.0, 7.0])  # wraps: the two oldest go
+    assert r.values().tolist() == [3.0, 4.0, 5.0, 6.0, 7.0] and r.last() == 7.0 and len(r) == 5
+    r.add(8.0)
+    assert r.values().tolist() == [4.0, 5.0, 6.0, 7.0, 8.0]
+    r.extend(np.arange(100, 112, dtype=np.float64))  # more than the ring holds: the newest `size` of them
+    assert r.values().tolist() == [107.0, 108.0, 109.0, 110.0, 111.0] and r.last() == 111.0
+    r.extend([])
+    assert r.added == 20 and len(r) == 5
+    assert r.percentiles((50, 100)) == [109.0, 111.0]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="size"):
+            Reservoir(bad)  # type: ignore[arg-type]
+
+
+def test_reservoir_percentiles_are_numpys_over_the_window() -> None:
+    rng = np.random.default_rng(3)
+    r = Reservoir(4096)
+    seen: list[float] = []
+    for _ in range(700):  # batches of 1-12, wrapping the ring a few times
+        batch = rng.exponential(3.0, int(rng.integers(1, 13)))
+        r.extend(batch)
+        seen.extend(batch.tolist())
+    window = np.asarray(seen[-4096:])
+    assert np.array_equal(r.values(), window)
+    np.testing.assert_allclose(r.percentiles((50, 99)), np.percentile(window, (50, 99)), rtol=1e-12)

@@ -178,7 +178,7 @@ def test_stage_breakdown_of_a_served_batch_is_in_the_stats(setup: tuple[Instance
     # from its first datagram to its answer (the respond stage ends just after that measurement does),
     # and the model stage encloses the model call the instance times.
     assert sum(ms.values()) >= snap["p50_ms"] - 1e-3  # stage figures are rounded to 0.1 us
-    assert ms["model"] >= inst.stats.model_ms[-1] - 1e-3
+    assert ms["model"] >= inst.stats.model_ms.last() - 1e-3
 
 
 def test_a_step_that_just_took_requests_does_not_poll_the_ring_again(
@@ -252,3 +252,60 @@ def test_initgpu_before_the_prewarm_ends_waits_for_it_when_the_thread_can_be_rai
     built = inst._take_prewarmed()
     assert built is not None and callable(built["model"])
     assert inst.prewarm_state == "used" and inst.prewarm_info["raised"] == 1
+
+
+class _Control:
+    """Records what the instance sends (the heartbeat is all this test drives)."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)
+
+
+def test_a_due_heartbeat_waits_for_an_idle_moment_up_to_half_a_period(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    control = _Control()
+    inst.control = control  # type: ignore[assignment]
+    inst.spec.heartbeat_ms = 10_000.0  # the test moves the clock by hand: no beat falls due on its own
+    inst._last_beat = time.monotonic()
+    inst.heartbeat()
+    assert control.sent == []  # not due
+    inst._last_beat = time.monotonic() - 10.5  # due, within the slack
+    _send(ing, sock, 1)
+    deadline = time.monotonic() + 10
+    while not inst.serving.busy() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the ingest reassembles the request into the ring
+    assert inst.serving.busy()
+    inst.heartbeat()
+    assert control.sent == []  # a request waits: the snapshot waits for it to be served
+    assert _answer(inst, sock).status == Status.OK
+    inst.heartbeat()
+    assert len(control.sent) == 1  # idle: sent
+    (beat,) = control.sent
+    assert beat.stats["ok"] == 1 and beat.stats["p50_ms"] > 0  # type: ignore[attr-defined]
+    _send(ing, sock, 2)
+    while not inst.serving.busy() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    inst._last_beat = time.monotonic() - 15.5  # past the slack: sent though a request waits
+    inst.heartbeat()
+    assert len(control.sent) == 2
+    inst.heartbeat(force=True)  # forced (Finish, Shutdown): sent at once
+    assert len(control.sent) == 3
+    assert _answer(inst, sock).status == Status.OK
+
+
+def test_the_heartbeat_recomputes_percentiles_only_after_new_answers(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    _send(ing, sock, 1)
+    assert _answer(inst, sock).status == Status.OK
+    first = inst.serving.snapshot()
+    again = inst.serving.snapshot()
+    assert again["stages"] is first["stages"] and again["p99_ms"] == first["p99_ms"]  # nothing new: reused
+    _send(ing, sock, 2)
+    assert _answer(inst, sock).status == Status.OK
+    after = inst.serving.snapshot()
+    assert after["stages"] is not first["stages"] and after["stages"]["batches"] == 2 and after["ok"] == 2
