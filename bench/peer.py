@@ -529,8 +529,48 @@ async def _drive_async(system: str, port: int, rate: float, duration_s: float, w
             "driver_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)}
 
 
-def _driver(system: str, port: int, cmds: Any, out: Any) -> None:
-    """Child process: serves ("run", rate, duration_s, warmup_s, timeout_s) until ("stop",)."""
+def native_result(samples: dict[str, np.ndarray], duration_s: float, driver_cpu_s: float) -> dict[str, Any]:
+    """A traffic-tool report's measured requests as a driver's block result (the keys `summarise` reads):
+    answered in time -> its status (``ok`` for OK), unanswered or answered after the timeout -> ``lost``,
+    never sent -> ``unsent``."""
+    from gpuprims.wire import Status
+
+    m = ~samples["warmup"] & (samples["app_id"] >= 0)
+    state, status = samples["state"][m], samples["status"][m]
+    answered = state == 1  # gpuprims.traffic.report: 0 none, 1 answered, 2 late
+    names = {int(v): v.name for v in Status}
+    sent, sched = samples["sent_ns"][m], samples["sched_ns"][m]
+    # A request the sender never sent (it stops at the run's end when it has fallen that far behind)
+    # is counted apart, as a failure of the driver: under errors, and against SLO attainment.
+    out_status = ["unsent" if t < 0 else "lost" if not a else
+                  ("ok" if int(c) == int(Status.OK) else names.get(int(c), f"status_{int(c)}"))
+                  for t, a, c in zip(sent.tolist(), answered.tolist(), status.tolist())]
+    lat = np.where(answered, samples["latency_ns"][m] / 1e6, np.nan)
+    lag = (sent[sent >= 0] - sched[sent >= 0]).astype(np.float64)  # a request never sent has no lag
+    lag = (lag - lag.min()) / 1e6 if lag.size else lag  # from the earliest: the clock offset is the run's t0
+    return {"latency_ms": lat.tolist(), "status": out_status, "lag_ms": lag.tolist(), "span_s": duration_s,
+            "sent_total": int(samples["app_id"].size), "driver_cpu_s": driver_cpu_s}
+
+
+def _drive_native(port: int, rate: float, duration_s: float, warmup_s: float, timeout_s: float) -> dict[str, Any]:
+    """gpuprims' own traffic tool (native paced sender, sendmmsg; native receiver): the same constant rate
+    and client timeout as the asyncio driver, a fixed body (``inputs()[0]``: a CNN's time does not
+    depend on the values), without a Python task per request."""
+    from gpuprims.traffic.runner import run
+    from gpuprims.traffic.stream import AppStream, Stream
+
+    stream = AppStream(app_id=APP_ID, shape=SHAPE, dtype="float32", rate=rate, process="constant",
+                       duration_s=duration_s, to=("127.0.0.1", port), body=inputs()[0])
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    report = run(Stream([stream], seed=1, warmup_s=warmup_s), timeout_s=timeout_s, linger_s=timeout_s)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    return native_result(report.samples, duration_s,
+                         (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
+
+
+def _driver(system: str, port: int, cmds: Any, out: Any, native: bool = False) -> None:
+    """Child process: serves ("run", rate, duration_s, warmup_s, timeout_s) until ("stop",); ``native``:
+    gpuprims through its traffic tool instead of the asyncio client."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     while True:
@@ -539,18 +579,22 @@ def _driver(system: str, port: int, cmds: Any, out: Any) -> None:
             return
         _, rate, duration_s, warmup_s, timeout_s = cmd
         try:
-            out.put(asyncio.run(_drive_async(system, port, rate, duration_s, warmup_s, timeout_s)))
+            if native and system == "gpuprims":
+                out.put(_drive_native(port, rate, duration_s, warmup_s, timeout_s))
+            else:
+                out.put(asyncio.run(_drive_async(system, port, rate, duration_s, warmup_s, timeout_s)))
         except BaseException as e:
             out.put({"error": repr(e)})
 
 
 @contextlib.contextmanager
-def drivers(ports: dict[str, int]) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
+def drivers(ports: dict[str, int], native: bool = False) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
     ctx = mp.get_context("spawn")
     out = {}
     for system, port in ports.items():
         cmds, res = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=_driver, args=(system, port, cmds, res), daemon=True, name=f"driver-{system}")
+        p = ctx.Process(target=_driver, args=(system, port, cmds, res, native), daemon=True,
+                        name=f"driver-{system}")
         p.start()
         out[system] = (p, cmds, res)
     try:
@@ -600,7 +644,7 @@ def renice_tree(meter: CpuMeter, nice: int) -> list[dict[str, Any]]:
 
 def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s: float,
             fixed_rates: list[float] | None, ray_nice: int | None = None,
-            systems: Sequence[str] = SYSTEMS, engine: str = "eager") -> dict[str, Any]:
+            systems: Sequence[str] = SYSTEMS, engine: str = "eager", native: bool = False) -> dict[str, Any]:
     import torch
 
     from apps.zoo import load_model
@@ -644,7 +688,7 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
         raw: dict[str, dict[str, list[dict[str, Any]]]] = {lv: {s: [] for s in systems} for lv in LEVELS}
         idle: dict[str, list[float]] = {s: [] for s in systems}
         meters = [procs[s].meter for s in systems]
-        with drivers(ports) as drv, Sampler(meters):
+        with drivers(ports, native) as drv, Sampler(meters):
             for level, system, k in schedule(list(LEVELS), systems, blocks):
                 rate = level_rates[level]
                 quiet_wait_s = wait_quiet([procs[s].meter for s in systems])
@@ -765,6 +809,9 @@ def main() -> None:
                     "at 15) to this niceness once Serve is up; default: leave Ray's own setting")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS),
                     help="the peer systems to run beside gpuprims (default: all)")
+    ap.add_argument("--driver", default="asyncio", choices=["asyncio", "native"],
+                    help="gpuprims' client: the asyncio one (as the peers') or its native traffic tool, which "
+                         "drives rates a Python client cannot on two cores")
     ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
                     help="gpuprims' and LitServe's model runner (the same engine in both; Ray stays eager)")
     args = ap.parse_args()
@@ -774,11 +821,11 @@ def main() -> None:
     blocks = 1 if args.quick else args.blocks
     load_before = os.getloadavg()
     res = {app: run_app(app, APPS[app]["slo_ms"], duration, blocks, args.warmup, args.rates, args.ray_nice, systems,
-                        args.engine) for app in apps}
+                        args.engine, args.driver == "native") for app in apps}
     summary = assemble({app: r["results"] for app, r in res.items()})
     summary.update(systems=list(systems), ray_version=_version("ray"), litserve_version=_version("litserve"), input_shape="x".join(map(str, SHAPE)),
                    gpu_pct=GPU_PCT, max_batch=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, client_timeout_s=CLIENT_TIMEOUT_S,
-                   block_s=duration, blocks=blocks, engine=args.engine,
+                   block_s=duration, blocks=blocks, engine=args.engine, gpuprims_driver=args.driver,
                    litserve_engine=args.engine if "litserve" in systems else None,
                    ray_engine="eager" if "ray" in systems else None)
     for app, r in res.items():
@@ -796,6 +843,8 @@ def main() -> None:
                         load_avg_before=load_before, name=("peer-quick" if args.quick else "peer")
                         + ("" if args.engine == "eager" else f"-{args.engine}")
                         + ("" if set(args.peers) == set(PEERS) else "-" + "-".join(args.peers))
+                        + ("" if args.quick or set(apps) == set(APPS) else "-" + "-".join(apps))
+                        + ("" if args.driver == "asyncio" else f"-{args.driver}")
                         + ("" if args.ray_nice is None else f"-ray-nice{args.ray_nice}"))
     plot(res, path.with_suffix(".png"))
     print(path)

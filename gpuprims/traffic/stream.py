@@ -181,8 +181,8 @@ class AppStream:
             n_warm = math.ceil(warmup_s * r - 1e-9) if warmup_s > 0 else 0
             if self.count is not None:
                 n = n_warm + self.count
-            else:
-                n = n_warm + math.ceil((self.duration_s or 0.0) * r - 1e-9)
+            else:  # every grid point before the horizon: the sender sends none at or after it
+                n = max(n_warm, math.ceil((warmup_s + (self.duration_s or 0.0)) * r - 1e-9))
             return np.round(np.arange(n, dtype=np.float64) * (1e9 / r)).astype(np.int64)
         else:
             r = self.request_rate

@@ -272,3 +272,33 @@ def test_engine_mode_runs_the_same_engine_in_the_node_and_in_litserve(tmp_path: 
     assert eager[eager.index("--engine") + 1] == "eager" and "--engine-cache" not in eager
     plain = parse_config(peer.gpuprims_config("mobilenet_v2", 100.0, 9000), source="peer test")
     assert plain.apps[0].engine.kind == "eager" and plain.node.engine_cache is None
+
+
+def test_the_native_driver_counts_every_request_once_with_its_status() -> None:
+    from gpuprims.traffic.echo import EchoServer
+    from gpuprims.wire import Status
+
+    with EchoServer(drop_every=7) as echo:  # every 7th answer never comes: lost
+        r = peer._drive_native(echo.port, rate=200.0, duration_s=0.5, warmup_s=0.1, timeout_s=2.0)
+    n = len(r["status"])
+    assert n == 100 and r["sent_total"] == 120 and r["span_s"] == 0.5  # 0.1 s of warm-up left out
+    lost = r["status"].count("lost")
+    assert r["status"].count("ok") + lost == n and lost >= n // 7 - 1  # (a late answer is lost too)
+    assert len(r["latency_ms"]) == n and all((s == "ok") == (v == v) for s, v in zip(r["status"], r["latency_ms"]))
+    assert len(r["lag_ms"]) == n and min(r["lag_ms"]) >= 0 and r["driver_cpu_s"] >= 0
+    with EchoServer(status=Status.DEADLINE_MISSED) as echo:  # an error status is counted under its name
+        r = peer._drive_native(echo.port, rate=100.0, duration_s=0.2, warmup_s=0.0, timeout_s=1.0)
+    assert set(r["status"]) == {"DEADLINE_MISSED"}
+    summary = peer.summarise([{**r, "cpu_s": 0.0}], slo_ms=100.0)
+    assert summary["ok"] == 0 and summary["errors"] == {"DEADLINE_MISSED": 20}
+
+
+def test_native_result_counts_a_request_never_sent_apart() -> None:
+    samples = {"app_id": np.array([1, 1, 1, 1]), "warmup": np.array([True, False, False, False]),
+               "state": np.array([1, 1, 0, 0]), "status": np.array([0, 0, 0, 0]),
+               "latency_ns": np.array([1_000_000, 2_000_000, -1, -1]),
+               "sent_ns": np.array([100, 200, 300, -1]), "sched_ns": np.array([0, 90, 190, 290])}
+    r = peer.native_result(samples, duration_s=1.0, driver_cpu_s=0.5)
+    assert r["status"] == ["ok", "lost", "unsent"] and r["sent_total"] == 4
+    assert r["latency_ms"][0] == 2.0 and r["latency_ms"][1] != r["latency_ms"][1]  # NaN: not answered
+    assert r["lag_ms"] == [0.0, 0.0]  # the sent ones, from the earliest

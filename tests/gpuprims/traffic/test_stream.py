@@ -24,6 +24,17 @@ def test_duration_and_warmup() -> None:
     assert plan.span_ns == 2_000_000_000 and plan.stop_at_ns == 2_500_000_000 and plan.warmup_ns == 500_000_000
 
 
+@pytest.mark.parametrize(("rate", "warmup_s", "duration_s", "measured"),
+                         [(233.5, 1.0, 3.0, 700), (1401.2, 1.0, 3.0, 4203), (100.0, 0.5, 2.0, 200), (7.0, 0.3, 1.0, 7)])
+def test_a_constant_schedule_ends_before_the_horizon_the_sender_stops_at(
+        rate: float, warmup_s: float, duration_s: float, measured: int) -> None:
+    # A rate whose grid does not land on the warm-up's end once put an event exactly at warm-up +
+    # duration, which the sender (stopping there) never sent: a request scheduled, never sent.
+    plan = Stream([AppStream(1, (64,), "uint8", rate=rate, duration_s=duration_s, to=TO)], warmup_s=warmup_s).plan()
+    assert plan.ev_time_ns.max() < plan.stop_at_ns
+    assert int((~plan.ev_warmup).sum()) == measured
+
+
 def test_pps_sets_request_rate_from_packets_per_request() -> None:
     app = AppStream(1, (224, 224, 3), "float32", pps=58800, count=3, to=TO)
     assert app.packets_per_request == 588
