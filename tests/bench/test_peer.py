@@ -302,3 +302,28 @@ def test_native_result_counts_a_request_never_sent_apart() -> None:
     assert r["status"] == ["ok", "lost", "unsent"] and r["sent_total"] == 4
     assert r["latency_ms"][0] == 2.0 and r["latency_ms"][1] != r["latency_ms"][1]  # NaN: not answered
     assert r["lag_ms"] == [0.0, 0.0]  # the sent ones, from the earliest
+
+
+def test_paused_stops_a_tree_for_the_block_and_continues_it_even_on_error() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"])
+
+    def status_becomes(want: bool) -> bool:  # a signal is delivered asynchronously: wait for /proc to show it
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if (proc.status() == psutil.STATUS_STOPPED) == want:
+                return True
+            time.sleep(0.01)
+        return False
+
+    try:
+        meter = peer.CpuMeter(child.pid)
+        proc = psutil.Process(child.pid)
+        with pytest.raises(RuntimeError, match="block failed"), peer.paused([meter]) as pids:
+            assert pids == [child.pid]
+            assert status_becomes(True)
+            assert peer.idle_cpu({"x": meter}, window_s=0.5, sleep=time.sleep) == {"x": 0.0}  # stopped: no CPU
+            raise RuntimeError("block failed")
+        assert status_becomes(False)
+    finally:
+        child.kill()
+        child.wait(10)
