@@ -590,10 +590,13 @@ def _drive_native(port: int, rate: float, duration_s: float, warmup_s: float, ti
     from gpuprims.traffic.runner import run
     from gpuprims.traffic.stream import AppStream, Stream
 
+    # The very schedule the asyncio driver sends (send_offsets): the same requests at the same times, so
+    # both clients offer the same count in a block.
+    offsets, n_warm = send_offsets(rate, warmup_s, duration_s)
     stream = AppStream(app_id=APP_ID, shape=SHAPE, dtype="float32", rate=rate, process="constant",
-                       duration_s=duration_s, to=("127.0.0.1", port), body=inputs()[0])
+                       count=len(offsets) - n_warm, to=("127.0.0.1", port), body=inputs()[0])
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    report = run(Stream([stream], seed=1, warmup_s=warmup_s), timeout_s=timeout_s, linger_s=timeout_s)
+    report = run(Stream([stream], seed=1, warmup_s=n_warm / rate), timeout_s=timeout_s, linger_s=timeout_s)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     return native_result(report.samples, duration_s,
                          (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))

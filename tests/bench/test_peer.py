@@ -291,6 +291,11 @@ def test_the_native_driver_counts_every_request_once_with_its_status() -> None:
     assert set(r["status"]) == {"DEADLINE_MISSED"}
     summary = peer.summarise([{**r, "cpu_s": 0.0}], slo_ms=100.0)
     assert summary["ok"] == 0 and summary["errors"] == {"DEADLINE_MISSED": 20}
+    # A rate whose grid misses the warm-up's end: the same count as the asyncio driver's schedule.
+    offsets, n_warm = peer.send_offsets(233.5, 0.1, 0.3)
+    with EchoServer() as echo:
+        r = peer._drive_native(echo.port, rate=233.5, duration_s=0.3, warmup_s=0.1, timeout_s=2.0)
+    assert (len(r["status"]), r["sent_total"]) == (len(offsets) - n_warm, len(offsets)) == (70, 93)
 
 
 def test_native_result_counts_a_request_never_sent_apart() -> None:
