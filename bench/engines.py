@@ -1,6 +1,7 @@
 """Engines against eager: latency, sustainable rate, build time (cold and cached) and memory (issue 23).
 
-    python -m bench.engines [--quick] [--engines eager,onnxruntime,openvino,compile] [--runs N]
+    python -m bench.engines [--quick] [--engines eager,onnxruntime,openvino,compile] [--cases ...] [--runs N]
+                            [--name STEM]
 
 For MobileNetV2 3x64x64 and 3x224x224 and ResNet-50 3x224x224, at batch 1 and max batch, with one and
 two threads, each engine in its own child process (pinned to as many cores as it has threads, so RSS and
@@ -172,14 +173,19 @@ def main(argv: list[str] | None = None) -> Path | None:
     ap.add_argument("--quick", action="store_true", help="MobileNetV2 3x64x64, one thread, eager and onnxruntime, "
                                                           "a few runs: checks the script, measures nothing")
     ap.add_argument("--engines", default=None, help=f"comma-separated (default {','.join(ENGINES)})")
+    ap.add_argument("--cases", default=None, help=f"comma-separated (default {','.join(CASES)})")
     ap.add_argument("--runs", type=int, default=None)
+    ap.add_argument("--name", default=None, help="result file stem (default engines): a partial run kept apart")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return None
     engines = args.engines.split(",") if args.engines else (["eager", "onnxruntime"] if args.quick else list(ENGINES))
-    cases = ["mobilenet_v2_64"] if args.quick else list(CASES)
+    cases = args.cases.split(",") if args.cases else (["mobilenet_v2_64"] if args.quick else list(CASES))
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     threads = [1] if args.quick else list(THREADS)
     runs = args.runs or (5 if args.quick else 200)
     warmup = 2 if args.quick else 20
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> Path | None:
              "same run; build_cached_ms = prepare() in a fresh process on the cache the cold build filled."
              + (" QUICK RUN: a script check, not a measurement." if args.quick else "") + load_note(load_before))
     path = write_result("engines", "cpu", summary, samples, notes=notes, load_avg_before=load_before,
-                        large_samples=not args.quick)
+                        large_samples=not args.quick, name=args.name)
     plot(summary, cases, engines, threads, path.with_suffix(".png"))
     print(path)
     return path

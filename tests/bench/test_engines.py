@@ -61,3 +61,9 @@ def test_measure_builds_the_summary(monkeypatch: pytest.MonkeyPatch) -> None:
         ("eager", False, 1), ("eager", True, 1), ("eager", True, 2),
         ("onnxruntime", False, 1), ("onnxruntime", True, 1), ("onnxruntime", True, 2), ("broken", False, 1)]
     assert len({s["cache"] for s in seen if s["engine"] == "eager"}) == 1
+
+
+def test_an_unknown_case_is_refused_before_anything_is_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_engines.main(["--cases", "mobilenet_v2_64,resnet9000", "--engines", "eager"])
+    assert e.value.code == 2 and "unknown case(s) resnet9000" in capsys.readouterr().err
