@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary[f"{name}.max_wait_ms"] = c.max_wait_ms
     if args.gpu_pct == 50:
         notes = ("Through an in-process node on loopback, one app at gpu_pct 50 (one core) per node, the generator, "
-                 "ingest and control loop on the other core: a held rate marked generator_limited is a floor set "
+                 "ingest and control loop kept on the other core (node.pin_node_threads): a held rate marked generator_limited is a floor set "
                  "by that path, not the instance's capacity.")
     else:
         notes = ("Through an in-process node on loopback, one app at gpu_pct 100 (both cores, two threads) per node, "

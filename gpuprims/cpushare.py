@@ -75,9 +75,87 @@ def _check_cores(cores: object) -> list[int]:
     return list(cores)
 
 
+# Threads of this process kept on some cores (pin_own_threads): each owner's wish, and the affinity set
+# the process had before the first one, which `available_cores` keeps answering while any wish holds.
+_pin_lock = threading.Lock()
+_pin_wishes: dict[int, frozenset[int]] = {}
+_pin_base: list[int] | None = None
+_pin_applied: list[int] | None = None
+
+
 def available_cores() -> list[int]:
-    """The cores this process may run on (its affinity set), in ascending order."""
+    """The cores this process may run on (its affinity set), in ascending order.
+
+    While :func:`pin_own_threads` keeps this process's threads on fewer cores, this is still the set
+    the process had before, so a node that moved its own threads off its instances' cores plans
+    shares (and a second node in the same process plans its own) over every usable core.
+    """
+    with _pin_lock:
+        if _pin_base is not None:
+            return list(_pin_base)
     return sorted(os.sched_getaffinity(0))
+
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread only (threads started later inherit its set)
+        return [threading.get_native_id()]
+
+
+def _set_all_threads(cores: list[int]) -> int:
+    """Set the affinity of every thread of this process to `cores`; returns how many threads took it."""
+    done = 0
+    for tid in _thread_ids():
+        try:
+            os.sched_setaffinity(tid, cores)
+            done += 1
+        except ProcessLookupError:  # the thread ended since the listing
+            continue
+        except OSError as exc:
+            logger.debug("thread %d keeps its cores: %s", tid, exc)
+    return done
+
+
+def pin_own_threads(owner: object, cores: Sequence[int] | None) -> list[int] | None:
+    """Keep every thread of this process on `cores` for `owner` (None withdraws its wish).
+
+    A node calls it with the cores none of its instances holds, so its own threads (ingest, control
+    loop, front door, and anything else in its process) stop taking turns on an instance's core; the
+    instances set their own affinity at start, so they are not affected. Threads started afterwards
+    inherit the set from the thread that starts them. With several owners (two nodes in one process)
+    the threads go on the cores every owner allows; when those are none, or when the last owner
+    withdraws, every thread goes back to the set the process had before the first wish.
+
+    Returns the cores the threads are on now, or None when no wish holds (the original set). A core
+    outside the original set is ignored; the operating system refusing a thread is logged, never raised.
+    """
+    global _pin_base, _pin_applied
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    with _pin_lock:
+        if cores is None:
+            _pin_wishes.pop(id(owner), None)
+        else:
+            if _pin_base is None:
+                _pin_base = sorted(os.sched_getaffinity(0))
+            _pin_wishes[id(owner)] = frozenset(cores)
+        if _pin_base is None:
+            return None
+        allowed = set(_pin_base)
+        for wish in _pin_wishes.values():
+            allowed &= wish
+        target = sorted(allowed) if _pin_wishes and allowed else list(_pin_base)
+        if target != _pin_applied:
+            n = _set_all_threads(target)
+            logger.info("this process's %d thread(s) now run on cores %s%s", n, target,
+                        "" if _pin_wishes and allowed else " (all it may use)")
+            _pin_applied = target
+        if not _pin_wishes:
+            _pin_base = None
+            _pin_applied = None
+            return None
+        return target if allowed else None
 
 
 def cores_for_pct(gpu_pct: int, ncores: int) -> int:

@@ -342,6 +342,8 @@ class NodeSettings(BaseModel):
     reassembly_timeout_ms: float = Field(100.0, gt=0, le=60_000)
     gpus: Gpus = "all"
     allow_oversubscribe: bool = False
+    # CPU backend: the node's own threads run on the cores no instance holds, when there are any.
+    pin_node_threads: bool = True
     mps: Literal["require", "best_effort", "off"] = "best_effort"
     scheduler: Literal["spatial", "spatiotemporal", "temporal"] = "spatial"
     round_ms: float = Field(30.0, gt=0, le=10_000)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuprims.backend import resolve_backend
-from gpuprims.cpushare import CpuShare
+from gpuprims.cpushare import CpuShare, available_cores, pin_own_threads
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from orchestrator.config import AppConfig, NodeConfig, engine_problems
@@ -166,6 +166,8 @@ class Node:
         self.repository: Repository | None = None  # load/unload at run time (node.repository; docs/oip.md)
         self.repository_token: str | None = None
         self.last_errors: dict[str, str] = {}  # instance -> the last Error it reported
+        self.own_cores: list[int] | None = None  # where this process's threads are kept (None: anywhere)
+        self._pin_wish: tuple[int, ...] | None = None
 
     @property
     def changing(self) -> set[str]:
@@ -296,6 +298,7 @@ class Node:
             self.repository = Repository(self)
         if node.frontdoor_enabled:
             self._start_frontdoor()
+        self._pin_threads()
         self.started_at = time.monotonic()
         log.info("node up: %d app(s), %d instance(s), listening on %s:%s, run dir %s", len(self.apps),
                  len(self.instances), node.listen.host, ",".join(map(str, self.ingest.ports)), self.run_dir)
@@ -508,11 +511,31 @@ class Node:
         if self.overflow is not None:
             self._guard("overflow", self.supervisor.refill_overflow, now)
             self._guard("overflow", self.overflow.update, self.instances.values(), self.ingest, now)
+        self._guard("pinning", self._pin_threads)
         if self.monitor is not None and now >= self._next_sample:
             self._next_sample = now + self.monitor.policy.interval_s
             self._guard("monitor", self._autoscale)
         if self.metrics is not None:
             self._guard("metrics", self.metrics.update, self.status())
+
+    def _pin_threads(self) -> None:
+        """CPU backend, ``node.pin_node_threads``: keep this process's threads on the usable cores no
+        instance (nor overflow pool) holds, re-done whenever that set changes (a share change, a
+        restart); anywhere when every core is held. A shadow or a replacement inherits the node's set
+        at spawn and takes its own share before it loads anything."""
+        if self.backend != "cpu" or not self.cfg.node.pin_node_threads:
+            return
+        held: set[int] = set()
+        for st in self.instances.values():
+            held.update(st.spec.cores or ())
+        if self.overflow is not None:
+            for pool in self.overflow.pools.values():
+                held.update(pool.cores)
+        free = tuple(c for c in available_cores() if c not in held)
+        if free == self._pin_wish:
+            return
+        self._pin_wish = free
+        self.own_cores = pin_own_threads(self, free if free else None)
 
     def _guard(self, where: str, fn: Any, *args: Any) -> Any:
         try:
@@ -673,7 +696,9 @@ class Node:
                      "gpus": {str(self._device_label(dev)): pct for dev, pct in
                               sorted(self.placement.device_load().items())},
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
-                     "errors": dict(self.errors)},
+                     "errors": dict(self.errors),
+                     # CPU backend: the cores the node's own threads are kept on (null: any)
+                     "own_cores": self.own_cores},
             "ingest": counters,
             # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
             # buffer until their request's deadline passed.
@@ -748,6 +773,11 @@ class Node:
                 self.pool = None
             if self.params is not None:
                 self.params.remove_all()
+            if self._pin_wish is not None:
+                with contextlib.suppress(Exception):
+                    pin_own_threads(self, None)
+                self._pin_wish = None
+                self.own_cores = None
             if self.run_dir is not None:
                 link = self.run_dir.parent / CURRENT_LINK
                 with contextlib.suppress(OSError):

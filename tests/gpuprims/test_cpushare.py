@@ -14,6 +14,7 @@ from gpuprims.cpushare import (
     available_cores,
     cores_for_pct,
     lower_thread_priority,
+    pin_own_threads,
     plan_cpu_shares,
     raise_low_threads,
     thread_priority,
@@ -305,3 +306,59 @@ def test_a_privileged_process_raises_its_lowered_threads_back() -> None:
     # (a pre-warm's OpenMP workers inherit its nice value), and those are raised too.
     assert raised >= 1 and refused == 0
     assert seen["after"]["policy"] == "other" and seen["after"]["nice"] == 0
+
+
+def _thread_cores() -> dict[int, set[int]]:
+    """The affinity set of every thread of this process."""
+    out: dict[int, set[int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least two usable cores")
+def test_pinning_moves_every_thread_and_withdrawing_restores_them() -> None:
+    base = sorted(os.sched_getaffinity(0))
+    first, last = base[0], base[-1]
+    started = threading.Event()
+    stop = threading.Event()
+
+    def idle() -> None:
+        started.set()
+        stop.wait(30)
+
+    before = threading.Thread(target=idle, daemon=True)  # running before the pin: moved with the rest
+    before.start()
+    assert started.wait(10)
+    owner_a, owner_b = object(), object()
+    try:
+        assert pin_own_threads(owner_a, [last]) == [last]
+        assert all(cores == {last} for cores in _thread_cores().values())
+        assert available_cores() == base  # shares are still planned over every usable core
+        assert plan_cpu_shares([("x", 100)])["x"].cores == base
+        seen: list[set[int]] = []
+        after = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        after.start()
+        after.join(10)
+        assert seen == [{last}]  # a thread started later inherits the set
+        # A second owner: the threads go where both allow; none in common -> anywhere.
+        assert pin_own_threads(owner_b, [first]) is None
+        assert all(cores == set(base) for cores in _thread_cores().values())
+        assert pin_own_threads(owner_b, None) == [last]
+        assert all(cores == {last} for cores in _thread_cores().values())
+    finally:
+        assert pin_own_threads(owner_a, None) is None
+        pin_own_threads(owner_b, None)
+        stop.set()
+        before.join(10)
+    assert all(cores == set(base) for cores in _thread_cores().values())
+    assert available_cores() == base
+
+
+def test_withdrawing_a_wish_never_given_changes_nothing() -> None:
+    base = os.sched_getaffinity(0)
+    assert pin_own_threads(object(), None) is None
+    assert os.sched_getaffinity(0) == base
