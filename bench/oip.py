@@ -30,13 +30,17 @@ of the blocked open-loop runs are given at every rate too (they move with the ma
 load between blocks), and ``added_node_cpu_ms_per_request``: the node process's CPU per request
 over UDP's.
 
-Run: ``python3 -m bench.oip [--quick]``. Reports, never asserts.
+``--engine onnxruntime`` runs the app on ONNX Runtime (issue 23), so the model's ~2.5 ms instead of eager's
+~13 leaves less noise around what the paths add.
+
+Run: ``python3 -m bench.oip [--quick] [--engine onnxruntime --name oip-onnxruntime]``. Reports, never asserts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -49,6 +53,7 @@ import numpy as np
 
 from bench import serving as sv
 from bench.common import write_result
+from gpuprims.cpushare import available_cores
 from orchestrator.frontdoor import start_frontdoor
 
 SHAPE = (3, 64, 64)
@@ -185,15 +190,17 @@ async def _paired_async(targets: dict[str, str], n: int, gap_s: float) -> dict[s
     return {"latency_ms": lat, "failed": int(failed)}
 
 
-def _paired(targets: dict[str, str], n: int, gap_s: float, out: Any) -> None:
+def _paired(targets: dict[str, str], n: int, gap_s: float, out: Any, cores: list[int]) -> None:
+    _on_cores(cores)
     try:
         out.put(asyncio.run(_paired_async(targets, n, gap_s)))
     except BaseException as e:
         out.put({"error": repr(e)})
 
 
-def _driver(path: str, target: str, seed: int, cmds: Any, out: Any) -> None:
+def _driver(path: str, target: str, seed: int, cmds: Any, out: Any, cores: list[int]) -> None:
     """Child process: serves ("run", rate, duration_s, warmup_s, phase_s) commands until ("stop",)."""
+    _on_cores(cores)
     while True:
         cmd = cmds.get()
         if cmd[0] == "stop":
@@ -203,6 +210,13 @@ def _driver(path: str, target: str, seed: int, cmds: Any, out: Any) -> None:
             out.put(asyncio.run(_drive_async(path, target, rate, duration_s, warmup_s, seed, phase_s)))
         except BaseException as e:
             out.put({"error": repr(e)})
+
+
+def _on_cores(cores: list[int]) -> None:
+    """A driver runs where a client on this machine would: on every core, not on the node's own (a
+    process started by the in-process node inherits the cores its threads are kept on)."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cores)
 
 
 def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -258,6 +272,8 @@ def main() -> None:
     ap.add_argument("--door", choices=("pool", "udp"), default="pool",
                     help="how the front door hands rows to the node: into the packet pool (the node's "
                          "way) or as datagrams to its UDP ingest (the way before)")
+    ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
+                    help="the app's engine (issue 23); onnxruntime needs the onnx extra")
     ap.add_argument("--name", default="oip", help="stem of the result file (bench/results/<machine>/<name>.json)")
     args = ap.parse_args()
     duration, warmup = (2.0, 0.5) if args.quick else (args.duration, 0.5)
@@ -265,8 +281,10 @@ def main() -> None:
     paired_n = 20 if args.quick else args.paired
     rates = args.rates[:2] if args.quick else args.rates
     load_before = os.getloadavg()
-    cfg = sv.node_config([sv.app(APP, "mobilenet_v2", APP_ID, shape=SHAPE, slo_ms=SLO_MS, gpu_pct=50,
-                                 max_batch=8, max_wait_ms=2.0)])
+    app = sv.app(APP, "mobilenet_v2", APP_ID, shape=SHAPE, slo_ms=SLO_MS, gpu_pct=50, max_batch=8, max_wait_ms=2.0)
+    app["engine"] = args.engine
+    cfg = sv.node_config([app])
+    cores = available_cores()
     ctx = mp.get_context("spawn")
     results: dict[str, dict[str, Any]] = {}
     samples: dict[str, Any] = {}
@@ -281,7 +299,8 @@ def main() -> None:
             drivers = {}
             for path in PATHS:
                 cmds, out = ctx.Queue(), ctx.Queue()
-                proc = ctx.Process(target=_driver, args=(path, targets[path], 1, cmds, out), daemon=True)
+                proc = ctx.Process(target=_driver, args=(path, targets[path], 1, cmds, out, cores),
+                                   daemon=True)
                 proc.start()
                 drivers[path] = (proc, cmds, out)
             try:
@@ -314,7 +333,7 @@ def main() -> None:
                 # Paired: the three paths in turn, one request at a time, from one driver process.
                 door.stages(reset=True)  # the stage times below are the paired run's alone
                 out = ctx.Queue()
-                proc = ctx.Process(target=_paired, args=(targets, paired_n, 0.02, out), daemon=True)
+                proc = ctx.Process(target=_paired, args=(targets, paired_n, 0.02, out, cores), daemon=True)
                 proc.start()
                 paired = _take(node, (proc, None, out), paired_n * 3 * (CLIENT_TIMEOUT_S + 1) + 120)
                 proc.join(timeout=10)
@@ -371,11 +390,13 @@ def main() -> None:
         summary[f"{door_path}.added_ms_per_request"] = round(float(np.median(d)), 3) if d.size else None
         summary[f"{door_path}.added_ms_per_request_p90"] = round(float(np.percentile(d, 90)), 3) if d.size else None
         summary[f"{door_path}.blocked_added_p50_ms_lowest_rate"] = summary.get(f"{door_path}.{low}.added_p50_ms")
-    summary.update({"model": "mobilenet_v2", "input_shape": "3x64x64", "dtype": "float32", "slo_ms": SLO_MS,
+    summary.update({"engine": args.engine, "model": "mobilenet_v2", "input_shape": "3x64x64", "dtype": "float32", "slo_ms": SLO_MS,
                     "gpu_pct": 50, "max_batch": 8, "rates_rps": rates, "duration_s": duration, "blocks": blocks,
                     "load_avg_before": [round(v, 2) for v in load_before],
                     "load_avg_after": [round(v, 2) for v in load_after]})
-    notes = (f"CPU backend (no GPU). Front door over {args.door}. At each rate the paths take turns in short blocks (order rotated); each "
+    notes = (f"CPU backend (no GPU), engine {args.engine}. Front door over {args.door}. The node keeps its own "
+             "threads (front door included) on the core its instance does not hold; the drivers run on every core."
+             f" At each rate the paths take turns in short blocks (order rotated); each "
              "path's driver is a process of its own. added_ms_per_request = median over the paired run's "
              "triples (one request per path in turn, one at a time) of front-door latency - UDP latency.")
     samples["paired"] = {p: [round(v, 3) for v in paired["latency_ms"][p]] for p in PATHS}

@@ -39,6 +39,14 @@ the share's threads): the same model runner in both, so the rows compare the ser
 eager default (``ray_engine`` in the summary). The rates then come from that engine's batch-8 latency,
 measured here on the same core, and the result is written as ``peer-onnxruntime.json``.
 
+Transports (issue 26): ``--transports udp http grpc`` adds gpuprims reached through its Open Inference
+Protocol front door as rows of their own, the same node (one process tree, one CPU meter) with
+``node.http_port``/``grpc_port`` set: ``gpuprims-http`` driven by the same aiohttp client as the peers,
+posting OIP requests with binary tensor data (the JSON header, then the raw float32 tensor, the output
+asked for in binary: what tritonclient sends), and ``gpuprims-grpc`` by ``tritonclient.grpc.aio``
+(``raw_input_contents``). Their ratios against each peer are ``<figure>_ratio_http`` and
+``<figure>_ratio_grpc``; gpuprims' rows are not compared with each other (bench/oip does that, paired).
+
 Run: ``python3 -m bench.peer [--quick] [--peers ray litserve] [--engine onnxruntime]`` (needs
 ``pip install -e '.[peer]'``; the onnxruntime engine the ``onnx`` extra).
 Reports, never asserts.
@@ -67,6 +75,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +95,9 @@ APP_ID = 1
 APPS = {"mobilenet_v2": {"slo_ms": 100.0}, "resnet50": {"slo_ms": 250.0}}
 LEVELS = {"light": 0.25, "medium": 0.6, "overload": 1.5}
 SYSTEMS = ("gpuprims", "ray", "litserve")
+# gpuprims over each transport: one node, three ways in (its UDP wire, the OIP front door's HTTP and gRPC)
+TRANSPORTS = {"udp": "gpuprims", "http": "gpuprims-http", "grpc": "gpuprims-grpc"}
+OURS = tuple(TRANSPORTS.values())
 #: The peers a run compares with by default (``--peers``).
 PEERS = SYSTEMS[1:]
 N_INPUTS = 16
@@ -169,7 +181,9 @@ def assemble(results: dict[str, dict[str, dict[str, dict[str, Any]]]], ours: str
 
     Keys ``<app>.<level>.<system>.<figure>``, and per peer ``<app>.<level>.<peer>.<figure>_ratio`` with
     >= 1 meaning `ours` is ahead: throughput, goodput and attainment as ours/peer; p50, p99 and CPU
-    per request as peer/ours.
+    per request as peer/ours. gpuprims over its other transports (``gpuprims-http``, ``gpuprims-grpc``)
+    are rows of their own and get ratios against every peer too, ``<figure>_ratio_<transport>``
+    (e.g. ``p50_ratio_http``); gpuprims' rows are never compared with each other.
     """
     out: dict[str, Any] = {}
     figures = ("throughput_rps", "goodput_rps", "p50_ms", "p99_ms", "slo_attainment", "lost", "cpu_s",
@@ -181,17 +195,19 @@ def assemble(results: dict[str, dict[str, dict[str, dict[str, Any]]]], ours: str
             for system, st in systems.items():
                 for f in figures:
                     out[f"{app}.{level}.{system}.{f}"] = st.get(f)
-            mine = systems[ours]
-            for peer, st in systems.items():
-                if peer == ours:
-                    continue
-                p = f"{app}.{level}.{peer}."
-                out[p + "throughput_ratio"] = _ratio(mine["throughput_rps"], st["throughput_rps"])
-                out[p + "goodput_ratio"] = _ratio(mine["goodput_rps"], st["goodput_rps"])
-                out[p + "slo_attainment_ratio"] = _ratio(mine["slo_attainment"], st["slo_attainment"])
-                out[p + "p50_ratio"] = _ratio(st["p50_ms"], mine["p50_ms"])
-                out[p + "p99_ratio"] = _ratio(st["p99_ms"], mine["p99_ms"])
-                out[p + "cpu_ratio"] = _ratio(st["cpu_ms_per_request"], mine["cpu_ms_per_request"])
+            for us in [ours, *(s for s in OURS if s in systems and s != ours)]:
+                mine = systems[us]
+                tail = "" if us == ours else "_" + us.removeprefix("gpuprims-")
+                for peer, st in systems.items():
+                    if peer == ours or peer in OURS:
+                        continue
+                    p = f"{app}.{level}.{peer}."
+                    out[p + "throughput_ratio" + tail] = _ratio(mine["throughput_rps"], st["throughput_rps"])
+                    out[p + "goodput_ratio" + tail] = _ratio(mine["goodput_rps"], st["goodput_rps"])
+                    out[p + "slo_attainment_ratio" + tail] = _ratio(mine["slo_attainment"], st["slo_attainment"])
+                    out[p + "p50_ratio" + tail] = _ratio(st["p50_ms"], mine["p50_ms"])
+                    out[p + "p99_ratio" + tail] = _ratio(st["p99_ms"], mine["p99_ms"])
+                    out[p + "cpu_ratio" + tail] = _ratio(st["cpu_ms_per_request"], mine["cpu_ms_per_request"])
     return out
 
 
@@ -356,14 +372,15 @@ class SystemProc:
 
 
 def gpuprims_config(model: str, slo_ms: float, port: int, engine: str = "eager",
-                    engine_cache: Path | None = None) -> dict[str, Any]:
-    """The node's config (module docstring): the one app on `engine`, the engines kept in `engine_cache`."""
+                    engine_cache: Path | None = None, http_port: int = 0, grpc_port: int = 0) -> dict[str, Any]:
+    """The node's config (module docstring): the one app on `engine`, the engines kept in `engine_cache`;
+    the OIP front door on `http_port`/`grpc_port` where they are not 0."""
     app = sv.app(model, model, APP_ID, shape=SHAPE, slo_ms=slo_ms, gpu_pct=GPU_PCT, max_batch=MAX_BATCH,
                  max_wait_ms=MAX_WAIT_MS)
     app.update(seed=0, engine=engine)
     node: dict[str, Any] = {"backend": "cpu", "listen": {"host": "127.0.0.1", "port": port}, "pool": sv.POOL,
-                            "scheduler": "spatial", "log_level": "warning", "metrics_port": 0, "http_port": 0,
-                            "grpc_port": 0, "autoscale": False}
+                            "scheduler": "spatial", "log_level": "warning", "metrics_port": 0, "http_port": http_port,
+                            "grpc_port": grpc_port, "autoscale": False}
     if engine_cache is not None:
         node["engine_cache"] = str(engine_cache)
     return {"node": node, "apps": [app]}
@@ -405,8 +422,8 @@ def engine_latency_ms(model: str, engine: str, cache: Path, batch: int, *, cores
 
 
 def start_gpuprims(model: str, slo_ms: float, port: int, work: Path, engine: str = "eager",
-                   engine_cache: Path | None = None) -> SystemProc:
-    cfg = gpuprims_config(model, slo_ms, port, engine, engine_cache)
+                   engine_cache: Path | None = None, http_port: int = 0, grpc_port: int = 0) -> SystemProc:
+    cfg = gpuprims_config(model, slo_ms, port, engine, engine_cache, http_port, grpc_port)
     path = work / "gpuprims.yaml"
     path.write_text(yaml.safe_dump(cfg))
     exe = str(Path(sys.executable).parent / "gpuprims-orchestrator")
@@ -468,7 +485,49 @@ def ask_litserve(port: int, x: np.ndarray) -> np.ndarray | None:
         return None
 
 
+def oip_body(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """An Open Inference Protocol request with binary tensor data (what tritonclient sends with
+    ``binary_data=True``): the JSON header, then the raw float32 tensor; the output asked for in binary."""
+    raw = np.ascontiguousarray(x, np.float32).tobytes()
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, *x.shape], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": len(raw)}}],
+                       "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+    return head + raw, {"Inference-Header-Content-Length": str(len(head)),
+                        "Content-Type": "application/octet-stream"}
+
+
+def oip_output(body: bytes, header_length: int) -> np.ndarray:
+    """The binary output of an OIP reply (the bytes after its JSON header)."""
+    return np.frombuffer(body[header_length:], np.float32)
+
+
+def ask_gpuprims_http(model: str, port: int, x: np.ndarray) -> np.ndarray | None:
+    body, headers = oip_body(x)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/infer", data=body, method="POST",
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+            return oip_output(r.read(), int(r.headers.get("Inference-Header-Content-Length", "0")))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def ask_gpuprims_grpc(model: str, port: int, x: np.ndarray) -> np.ndarray | None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
+            i = grpcclient.InferInput("input", [1, *x.shape], "FP32")
+            i.set_data_from_numpy(np.ascontiguousarray(x[None], np.float32))
+            out = c.infer(model, [i], client_timeout=CLIENT_TIMEOUT_S).as_numpy("logits")
+    except InferenceServerException:
+        return None
+    return None if out is None else out.reshape(-1)
+
+
 ASK = {"gpuprims": ask_gpuprims, "ray": ask_ray, "litserve": ask_litserve}
+ASK_OIP = {"gpuprims-http": ask_gpuprims_http, "gpuprims-grpc": ask_gpuprims_grpc}
 
 
 def wait_ready(system: SystemProc, ask: Any, x: np.ndarray, timeout_s: float = READY_TIMEOUT_S) -> np.ndarray:
@@ -486,7 +545,7 @@ def wait_ready(system: SystemProc, ask: Any, x: np.ndarray, timeout_s: float = R
 
 # -- the traffic drivers ------------------------------------------------------------------------------------
 async def _drive_async(system: str, port: int, rate: float, duration_s: float, warmup_s: float,
-                       timeout_s: float) -> dict[str, Any]:
+                       timeout_s: float, model: str = "") -> dict[str, Any]:
     xs = inputs()
     offsets, n_warm = send_offsets(rate, warmup_s, duration_s)
     n = len(offsets)
@@ -504,6 +563,31 @@ async def _drive_async(system: str, port: int, rate: float, duration_s: float, w
 
         async def close() -> None:
             client.close()
+    elif system == "gpuprims-grpc":
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as grpcaio
+        from tritonclient.utils import InferenceServerException
+
+        gclient = grpcaio.InferenceServerClient(f"127.0.0.1:{port}")
+        grpc_inputs = []
+        for x in xs:
+            i = grpcclient.InferInput("input", [1, *x.shape], "FP32")
+            i.set_data_from_numpy(np.ascontiguousarray(x[None], np.float32))
+            grpc_inputs.append(i)
+
+        async def call(i: int) -> str:
+            t = time.monotonic()
+            try:
+                await gclient.infer(model, [grpc_inputs[i]], client_timeout=timeout_s)
+            except InferenceServerException as e:
+                code = str(e.status() or "error").removeprefix("StatusCode.")
+                # the client's own deadline: no answer in time; the node's (a request it shed) comes early
+                return "lost" if code == "DEADLINE_EXCEEDED" and time.monotonic() - t >= 0.99 * timeout_s \
+                    else f"grpc_{code}"
+            return "ok"
+
+        async def close() -> None:
+            await gclient.close()
     else:
         import aiohttp
 
@@ -512,6 +596,10 @@ async def _drive_async(system: str, port: int, rate: float, duration_s: float, w
         if system == "litserve":
             url, headers = f"http://127.0.0.1:{port}/predict", {"Content-Type": "application/json"}
             bodies = [litserve_body(x) for x in xs]
+        elif system == "gpuprims-http":
+            url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
+            pairs = [oip_body(x) for x in xs]
+            bodies, headers = [b for b, _ in pairs], pairs[0][1]  # one tensor size: the same headers
         else:
             url, headers = f"http://127.0.0.1:{port}/infer", {}
             bodies = [x.tobytes() for x in xs]
@@ -602,7 +690,7 @@ def _drive_native(port: int, rate: float, duration_s: float, warmup_s: float, ti
                          (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
 
 
-def _driver(system: str, port: int, cmds: Any, out: Any, native: bool = False) -> None:
+def _driver(system: str, port: int, cmds: Any, out: Any, native: bool = False, model: str = "") -> None:
     """Child process: serves ("run", rate, duration_s, warmup_s, timeout_s) until ("stop",); ``native``:
     gpuprims through its traffic tool instead of the asyncio client."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -616,18 +704,18 @@ def _driver(system: str, port: int, cmds: Any, out: Any, native: bool = False) -
             if native and system == "gpuprims":
                 out.put(_drive_native(port, rate, duration_s, warmup_s, timeout_s))
             else:
-                out.put(asyncio.run(_drive_async(system, port, rate, duration_s, warmup_s, timeout_s)))
+                out.put(asyncio.run(_drive_async(system, port, rate, duration_s, warmup_s, timeout_s, model)))
         except BaseException as e:
             out.put({"error": repr(e)})
 
 
 @contextlib.contextmanager
-def drivers(ports: dict[str, int], native: bool = False) -> Iterator[dict[str, tuple[Any, Any, Any]]]:
+def drivers(ports: dict[str, int], native: bool = False, model: str = "") -> Iterator[dict[str, tuple[Any, Any, Any]]]:
     ctx = mp.get_context("spawn")
     out = {}
     for system, port in ports.items():
         cmds, res = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=_driver, args=(system, port, cmds, res, native), daemon=True,
+        p = ctx.Process(target=_driver, args=(system, port, cmds, res, native, model), daemon=True,
                         name=f"driver-{system}")
         p.start()
         out[system] = (p, cmds, res)
@@ -704,7 +792,11 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
     ports = {s: free_port(socket.SOCK_DGRAM if s == "gpuprims" else socket.SOCK_STREAM) for s in systems}
     procs: dict[str, SystemProc] = {}
     try:
-        procs["gpuprims"] = start_gpuprims(model, slo_ms, ports["gpuprims"], work, engine, cache)
+        procs["gpuprims"] = start_gpuprims(model, slo_ms, ports["gpuprims"], work, engine, cache,
+                                           ports.get("gpuprims-http", 0), ports.get("gpuprims-grpc", 0))
+        for s in systems:
+            if s in OURS:  # one node, several ways in: the same process tree, the same CPU meter
+                procs[s] = procs["gpuprims"]
         if "ray" in systems:
             procs["ray"] = start_ray(model, ports["ray"], cores, threads, work)
         if "litserve" in systems:
@@ -712,7 +804,7 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
         t0 = time.monotonic()
         check = {}
         for name in systems:
-            ask = ASK[name]
+            ask = ASK[name] if name in ASK else partial(ASK_OIP[name], model)
             got = wait_ready(procs[name], lambda x, a=ask, p=ports[name]: a(p, x), xs[0])
             check[name] = {"max_abs_diff_vs_torch": float(np.max(np.abs(got - ref))) if got.shape == ref.shape
                            else None, "ready_s": round(time.monotonic() - t0, 1)}
@@ -722,16 +814,18 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
             print(f"  reniced Ray's processes: {reniced}", flush=True)
         raw: dict[str, dict[str, list[dict[str, Any]]]] = {lv: {s: [] for s in systems} for lv in LEVELS}
         idle: dict[str, list[float]] = {s: [] for s in systems}
-        meters = [procs[s].meter for s in systems]
-        idle_alone = idle_cpu({s: procs[s].meter for s in systems}) if pause else None
-        with drivers(ports, native) as drv, Sampler(meters):
+        trees = {s: procs[s].meter for s in systems if s not in OURS or s == "gpuprims"}  # one per process tree
+        meters = list(trees.values())
+        idle_alone = idle_cpu(trees) if pause else None
+        with drivers(ports, native, model) as drv, Sampler(meters):
             for level, system, k in schedule(list(LEVELS), systems, blocks):
                 rate = level_rates[level]
-                quiet_wait_s = wait_quiet([procs[s].meter for s in systems])
+                quiet_wait_s = wait_quiet(meters)
                 before = {s: procs[s].meter.sample() for s in systems}
                 tb = time.monotonic()
                 load0 = os.getloadavg()[0]
-                others = [procs[s].meter for s in systems if s != system] if pause else []
+                mine = procs[system].meter
+                others = [m for m in meters if m is not mine] if pause else []
                 with paused(others):
                     r = run_block(drv[system], rate, duration_s, warmup_s, CLIENT_TIMEOUT_S)
                 wall = time.monotonic() - tb
@@ -739,8 +833,8 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
                 r.update(cpu_s=after[system] - before[system], block=k, rate_rps=rate, wall_s=round(wall, 3),
                          quiet_wait_s=quiet_wait_s,
                          load1_before=round(load0, 2), load1_after=round(os.getloadavg()[0], 2))
-                for other in systems:
-                    if other != system:
+                for other in trees:
+                    if trees[other] is not mine:
                         r[f"idle_cpu_s_{other}"] = after[other] - before[other]
                         idle[other].append((after[other] - before[other]) / wall)
                 raw[level][system].append(r)
@@ -756,10 +850,10 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
                 "model_b8_ms": b8.tolist(), "cores": cores, "threads": threads, "rates": level_rates,
                 "idle_cpu_s_per_s": idle_alone if idle_alone is not None else
                 {s: round(float(np.mean(v)), 4) if v else None for s, v in idle.items()},
-                "processes": {s: procs[s].meter.processes() for s in systems}, "reniced": reniced,
+                "processes": {s: m.processes() for s, m in trees.items()}, "reniced": reniced,
                 "systems": list(systems)}
     finally:
-        for p in procs.values():
+        for p in {id(p): p for p in procs.values()}.values():  # the node once, whatever its ways in
             p.stop()
             if getattr(p, "tmp", None):
                 shutil.rmtree(p.tmp, ignore_errors=True)  # type: ignore[attr-defined]
@@ -856,8 +950,12 @@ def main() -> None:
                          "alone on the machine (idle CPU is then measured over a window before the blocks)")
     ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
                     help="gpuprims' and LitServe's model runner (the same engine in both; Ray stays eager)")
+    ap.add_argument("--transports", nargs="+", default=["udp"], choices=list(TRANSPORTS),
+                    help="ways into gpuprims, each a row of its own: its UDP wire (always), the OIP front door's "
+                         "HTTP (aiohttp, binary tensor data, as the peers' client) and gRPC (tritonclient.grpc.aio)")
     args = ap.parse_args()
-    systems = ("gpuprims", *args.peers)
+    extra = [TRANSPORTS[t] for t in dict.fromkeys(args.transports) if t != "udp"]
+    systems = ("gpuprims", *extra, *args.peers)
     apps = args.apps[:1] if args.quick else args.apps
     duration = 3.0 if args.quick else args.duration
     blocks = 1 if args.quick else args.blocks
@@ -868,7 +966,7 @@ def main() -> None:
     summary.update(systems=list(systems), ray_version=_version("ray"), litserve_version=_version("litserve"), input_shape="x".join(map(str, SHAPE)),
                    gpu_pct=GPU_PCT, max_batch=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, client_timeout_s=CLIENT_TIMEOUT_S,
                    block_s=duration, blocks=blocks, engine=args.engine, gpuprims_driver=args.driver,
-                   pause_others=args.pause_others,
+                   pause_others=args.pause_others, transports=["udp", *(t for t in args.transports if t != "udp")],
                    litserve_engine=args.engine if "litserve" in systems else None,
                    ray_engine="eager" if "ray" in systems else None)
     for app, r in res.items():
@@ -888,6 +986,10 @@ def main() -> None:
                   "input; gpuprims_driver), the peers by the asyncio HTTP driver as above: a Python client cannot "
                   "offer MobileNetV2's overload rate on two cores beside the server, and what is compared is each "
                   "server with the client its users would run.")
+    if extra:
+        notes += (" TRANSPORTS: gpuprims-http and gpuprims-grpc are the same node as gpuprims, reached through its "
+                  "OIP front door (HTTP: the peers' aiohttp client with binary tensor data; gRPC: "
+                  "tritonclient.grpc.aio); their CPU is the node's tree during their blocks, front door included.")
     if args.pause_others:
         notes += (" PAUSED: during each block every other system's processes are stopped (SIGSTOP, continued "
                   "after the block), so each system is measured alone on the machine instead of beside a peer's "
@@ -900,6 +1002,7 @@ def main() -> None:
                         + ("" if args.quick or set(apps) == set(APPS) else "-" + "-".join(apps))
                         + ("" if args.driver == "asyncio" else f"-{args.driver}")
                         + ("-paused" if args.pause_others else "")
+                        + "".join(f"-{t}" for t in dict.fromkeys(args.transports) if t != "udp")
                         + ("" if args.ray_nice is None else f"-ray-nice{args.ray_nice}"))
     plot(res, path.with_suffix(".png"))
     print(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -332,3 +333,56 @@ def test_paused_stops_a_tree_for_the_block_and_continues_it_even_on_error() -> N
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_gpuprims_over_http_and_grpc_are_rows_of_their_own_with_ratios_against_every_peer() -> None:
+    def st(p50: float) -> dict[str, Any]:
+        return {"throughput_rps": 10.0, "goodput_rps": 10.0, "p50_ms": p50, "p99_ms": 2 * p50,
+                "slo_attainment": 1.0, "lost": 0, "cpu_s": 1.0, "cpu_ms_per_request": 1.0}
+
+    out = peer.assemble({"m": {"light": {"gpuprims": st(1.0), "gpuprims-http": st(2.0), "gpuprims-grpc": st(4.0),
+                                         "litserve": st(4.0)}}})
+    assert out["m.light.litserve.p50_ratio"] == 4.0  # over UDP, the keys as before
+    assert out["m.light.litserve.p50_ratio_http"] == 2.0 and out["m.light.litserve.p50_ratio_grpc"] == 1.0
+    assert out["m.light.gpuprims-http.p50_ms"] == 2.0
+    assert not any(k.startswith(("m.light.gpuprims-http.", "m.light.gpuprims-grpc.")) and "ratio" in k for k in out)
+    cfg = parse_config(peer.gpuprims_config("mobilenet_v2", 100.0, 9000, http_port=8123, grpc_port=8124),
+                       source="peer test")
+    assert (cfg.node.http_port, cfg.node.grpc_port) == (8123, 8124)
+
+
+def test_the_oip_request_carries_the_tensor_as_binary_data_after_its_json_header() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+    body, headers = peer.oip_body(x)
+    n = int(headers["Inference-Header-Content-Length"])
+    head = json.loads(body[:n])
+    assert head["inputs"][0]["shape"] == [1, 3, 2, 2] and head["inputs"][0]["parameters"]["binary_data_size"] == 48
+    assert head["outputs"][0]["parameters"]["binary_data"] is True
+    assert np.array_equal(np.frombuffer(body[n:], np.float32), x.reshape(-1))
+    assert np.array_equal(peer.oip_output(b"{}" + x.tobytes(), 2), x.reshape(-1))
+
+
+@pytest.mark.slow
+def test_the_http_and_grpc_drivers_count_every_request_of_a_real_front_door_once(tmp_path: Path) -> None:
+    """The drivers of gpuprims' OIP rows against a real node's front door: every request answered OK,
+    the same logits on both ways in as on the UDP wire."""
+    import asyncio
+
+    from bench import serving as sv
+    from orchestrator.node import Node
+
+    http, grpc = peer.free_port(socket.SOCK_STREAM), peer.free_port(socket.SOCK_STREAM)
+    raw = peer.gpuprims_config("mobilenet_v2", 2000.0, 0, http_port=http, grpc_port=grpc)
+    raw["node"]["run_dir"] = str(tmp_path / "run")
+    node = Node(parse_config(raw, source="peer test"), warmup=False)
+    with node:
+        x = peer.inputs()[0]
+        ref = peer.ask_gpuprims(sv.port_of(node), x)
+        assert ref is not None
+        for system, port in (("gpuprims-http", http), ("gpuprims-grpc", grpc)):
+            got = peer.ASK_OIP[system]("mobilenet_v2", port, x)
+            assert got is not None and np.allclose(got, ref, atol=1e-5)
+            r = asyncio.run(peer._drive_async(system, port, rate=40.0, duration_s=0.5, warmup_s=0.1, timeout_s=10.0,
+                                              model="mobilenet_v2"))
+            assert r["status"] == ["ok"] * 20 and r["sent_total"] == 24
+            assert all(v == v for v in r["latency_ms"])  # every one timed
