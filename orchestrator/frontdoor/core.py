@@ -10,6 +10,7 @@ Each inference's time is split by stage (:data:`transport.STAGES`) per protocol:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -38,6 +39,22 @@ STATUS_ERRORS: dict[Status, tuple[str, str]] = {
     Status.SHUTTING_DOWN: ("unavailable", "the node is stopping"),
 }
 
+def _never_ready(_name: str) -> bool:
+    return False
+
+
+#: How often the front door's loop measures how far behind it runs (Core.watch_lag), while inferences
+#: come; it stops this long after the last one.
+LAG_TICK_S = 0.01
+LAG_IDLE_AFTER_S = 1.0
+#: An inference is refused at once (unavailable: 503 / UNAVAILABLE) while the front door's loop runs
+#: more than this fraction of the model's SLO behind (and at least SHED_MIN_LAG_MS): its request has
+#: waited at least that long before being looked at, so decoding and placing it would spend the
+#: loop's time on an answer that comes too late, while everything behind it waits longer still.
+SHED_LAG_FRACTION = 0.5
+SHED_MIN_LAG_MS = 10.0
+
+
 class OipError(Exception):
     """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
 
@@ -64,7 +81,8 @@ class Core:
 
     def __init__(self, infos: list[ModelInfo], client: Transport | AsyncClient, *, timeout_s: float | None = None,
                  ready: Callable[[str], bool] | None = None,
-                 statistics: Mapping[str, AppStatistics] | None = None) -> None:
+                 statistics: Mapping[str, AppStatistics] | None = None,
+                 shed_lag_fraction: float | None = SHED_LAG_FRACTION) -> None:
         self.models = {m.name: m for m in infos}
         self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
@@ -73,6 +91,68 @@ class Core:
         self.stats = {m.name: given.get(m.name) or AppStatistics() for m in infos}
         #: Stage durations of the last 1024 inferences answered OK, per protocol (http, grpc).
         self.clocks: dict[str, StageClock] = {}
+        #: Overload shedding (:meth:`admit`): None turns it off.
+        self.shed_lag_fraction = shed_lag_fraction
+        self._lag_s = 0.0  # how late the last tick of watch_lag ran
+        self._tick_due: float | None = None  # loop.time() when its next tick is due (None: not watching)
+        self._wake: asyncio.Event | None = None  # set by admit to wake an idle watch_lag
+        self._last_admit = 0.0
+        #: watch_lag stops ticking this long after the last inference (and starts at the next).
+        self.lag_idle_after_s = LAG_IDLE_AFTER_S
+        #: Inferences refused by admit, per model.
+        self.shed: dict[str, int] = {}
+
+    async def watch_lag(self, tick_s: float = LAG_TICK_S) -> None:
+        """Run on the front door's loop until cancelled: measure how late a timer of ``tick_s`` fires,
+        which is how long the loop takes to come round to a request waiting for it. It ticks only while
+        inferences come (within ``lag_idle_after_s`` of the last): an idle node's loop is not woken."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._last_admit = loop.time()
+        try:
+            while True:
+                if loop.time() - self._last_admit > self.lag_idle_after_s:
+                    self._tick_due, self._lag_s = None, 0.0
+                    self._wake.clear()
+                    await self._wake.wait()
+                self._tick_due = loop.time() + tick_s
+                await asyncio.sleep(tick_s)
+                self._lag_s = max(0.0, loop.time() - self._tick_due)
+        finally:
+            self._tick_due, self._lag_s, self._wake = None, 0.0, None
+
+    def lag_s(self) -> float:
+        """How far behind the loop runs now (on the loop): the last tick's lateness, or, while a tick is
+        overdue (the loop is in a long turn), how overdue it is. 0 when nothing watches."""
+        if self._tick_due is None:
+            return 0.0
+        return max(self._lag_s, asyncio.get_running_loop().time() - self._tick_due)
+
+    def admit(self, info: ModelInfo) -> None:
+        """Refuse an inference of ``info`` (OipError unavailable, counted in ``shed`` and in the app's
+        statistics as a ``SHED`` status) while the loop runs too far behind for its SLO (see
+        :data:`SHED_LAG_FRACTION`); called before the request is decoded."""
+        if self.shed_lag_fraction is None:
+            return
+        if self._wake is not None:
+            self._last_admit = asyncio.get_running_loop().time()
+            if not self._wake.is_set():
+                self._wake.set()
+        lag_ms = self.lag_s() * 1e3
+        limit_ms = max(SHED_MIN_LAG_MS, self.shed_lag_fraction * info.slo_ms)
+        if lag_ms <= limit_ms:
+            return
+        self.shed[info.name] = self.shed.get(info.name, 0) + 1
+        self.stats[info.name].record_inference(rows=0, duration_ns=0, ok=False, statuses={"SHED": 1})
+        raise OipError("unavailable", f"model {info.name!r}: front door overloaded (its loop runs "
+                                      f"{lag_ms:.0f} ms behind, over {limit_ms:.0f} ms for this model's "
+                                      f"{info.slo_ms:g} ms SLO); retry later")
+
+    def release(self) -> None:
+        """Hold nothing of the node any more (the front door has stopped): a server that keeps its
+        handlers past its stop (grpc does) must not keep the node, its pool or its ingest alive through
+        ``ready``. Every model reads as not ready from now on."""
+        self._ready = _never_ready
 
     def commit(self, protocol: str, marks: Marks) -> None:
         """Add one answered inference's stage durations to ``protocol``'s clock."""

@@ -85,6 +85,7 @@ class Servicer:
             raise OipError("invalid", f"ModelInferRequest does not parse: {e}") from None
         marks.lap("parse")
         info = self.core.model(req.model_name, req.model_version)
+        self.core.admit(info)  # before the tensor is checked, decoded and placed
         size = req.ByteSize()
         if size > info.max_message_bytes:
             raise OipError("too_large", f"request of {size} bytes is larger than model {info.name!r} can take "

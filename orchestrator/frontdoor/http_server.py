@@ -220,6 +220,7 @@ async def infer(request: web.Request) -> web.Response:
         resp = _error(e)
         resp.force_close()  # the rest of the body is not read: the connection cannot carry another request
         return resp
+    core.admit(info)  # after the body is read (the connection stays usable), before it is decoded
     req, binary = _parse_body(body, request.headers.get(HEADER_LENGTH))
     marks.lap("parse")
     x = _input_array(core, info, req, binary)

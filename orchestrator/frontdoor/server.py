@@ -51,6 +51,7 @@ class FrontDoor:
         self.models = infos
         self.udp_target = udp_target
         self.ingest = ingest
+        self._via = "pool" if ingest is not None else f"udp={udp_target}"
         self.host = host
         self.http_url: str | None = None
         self.grpc_target: str | None = None
@@ -85,6 +86,7 @@ class FrontDoor:
                          statistics=self._statistics)
         runner: web.AppRunner | None = None
         grpc_server = None
+        lag = asyncio.ensure_future(self.core.watch_lag())  # for overload shedding (Core.admit)
         try:
             host_url = f"[{self.host}]" if ":" in self.host else self.host
             if self._http_port is not None:
@@ -113,11 +115,15 @@ class FrontDoor:
             self._started.set()
             await self._stop.wait()
         finally:
+            lag.cancel()
             if grpc_server is not None:
                 await grpc_server.stop(grace=STOP_GRACE_S)
             if runner is not None:
                 await runner.cleanup()
             transport.close()
+            self.core.release()
+            # Nothing of the node outlives the stop (its ingest, its readiness, its repository).
+            self.ingest, self._ready, self._repository = None, None, None
 
     def _start(self) -> FrontDoor:
         self._thread.start()
@@ -179,8 +185,7 @@ class FrontDoor:
         self.close()
 
     def __repr__(self) -> str:
-        via = "pool" if self.ingest is not None else f"udp={self.udp_target}"
-        return f"FrontDoor(http={self.http_url}, grpc={self.grpc_target}, {via})"
+        return f"FrontDoor(http={self.http_url}, grpc={self.grpc_target}, {self._via})"
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, stop: asyncio.Event) -> None:

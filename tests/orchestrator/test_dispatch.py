@@ -30,7 +30,7 @@ node:
 apps:
   - name: recog
     slo_ms: 5000
-    max_batch: 8
+    max_batch: 4
     app_id: 5
     input_shape: [3, 32, 32]
     seed: 3

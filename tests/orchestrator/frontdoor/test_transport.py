@@ -7,10 +7,13 @@ every protocol's inferences are split into the stages of ``transport.STAGES``.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -188,3 +191,86 @@ def test_grpc_infer_bytes_that_do_not_parse_are_invalid_argument(stack: Stack) -
         with pytest.raises(grpc.RpcError) as e:
             call(b"\xff\xff\xff\xff", timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in e.value.details()
+
+
+class _Node:
+    """Stands for the node a front door is given: its readiness is a bound method of it."""
+
+    def ready(self, name: str) -> bool:
+        return True
+
+
+def test_a_closed_front_door_holds_nothing_of_the_node(pool: Pool) -> None:
+    """grpc keeps its handlers (and so the front door's core) past the server's stop: after close, none
+    of them may keep the node, its ingest or its pool alive, and every model reads as not ready."""
+    node = _Node()
+    door = start_frontdoor([APP], pool.address, http_port=0, grpc_port=0, ready=node.ready, ingest=pool.ingest)
+    core = door.core
+    assert core is not None and core.model_ready(APP.name)
+    with grpcclient.InferenceServerClient(door.grpc_target) as g:  # type: ignore[arg-type]
+        assert g.is_model_ready(APP.name)
+    door.close()
+    assert not core.model_ready(APP.name) and not core.server_ready()
+    assert door.ingest is None and "pool" in repr(door)
+    gone = weakref.ref(node)
+    del node
+    gc.collect()
+    assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+
+
+def test_inferences_are_shed_while_the_loop_runs_behind_and_admitted_once_it_catches_up(pool: Pool) -> None:
+    """A front door whose loop runs more than half the model's SLO behind refuses inferences at once
+    (503 / UNAVAILABLE, counted as SHED), before decoding them; once it catches up it places them again.
+    The lag is made by a task on the door's loop that blocks it for 0.4 s at every turn (APP's SLO is
+    500 ms: the limit is 250 ms), whatever the machine's speed."""
+    door = start_frontdoor([APP], pool.address, http_port=0, grpc_port=0, ingest=pool.ingest, timeout_s=REACT_S)
+    core = door.core
+    assert core is not None and door.http_url is not None
+    core.lag_idle_after_s = 3600.0  # keeps watching from the start, however slowly the test reaches its calls
+    stop, blocking = threading.Event(), threading.Event()
+
+    async def block() -> None:
+        while not stop.is_set():
+            blocking.set()
+            time.sleep(0.4)  # the loop's turn takes 0.4 s: everything waiting on it waits as long
+            await asyncio.sleep(0)
+
+    x = np.ones((1, 3, 8, 8), np.float32)
+    try:
+        asyncio.run_coroutine_threadsafe(block(), door._loop)
+        assert blocking.wait(REACT_S)
+        with httpclient.InferenceServerClient(door.http_url.removeprefix("http://"), network_timeout=REACT_S) as h:
+            t = httpclient.InferInput("input", list(x.shape), "FP32")
+            t.set_data_from_numpy(x, binary_data=True)
+            with pytest.raises(InferenceServerException) as e:
+                h.infer(APP.name, [t])
+            assert e.value.status() == "503" and "front door overloaded" in str(e.value)
+        with grpcclient.InferenceServerClient(door.grpc_target) as g:  # type: ignore[arg-type]
+            t = grpcclient.InferInput("input", list(x.shape), "FP32")
+            t.set_data_from_numpy(x)
+            with pytest.raises(InferenceServerException) as e:
+                g.infer(APP.name, [t], client_timeout=REACT_S)
+            assert e.value.status() == "StatusCode.UNAVAILABLE" and "front door overloaded" in str(e.value)
+        assert core.shed == {APP.name: 2}
+        assert pool.pool.consumer(0).depth() == 0  # nothing shed reached the node
+        assert core.stats[APP.name].totals()["oip"]["statuses"] == {"SHED": 2}
+        stop.set()
+
+        async def lag() -> float:
+            return core.lag_s()
+
+        deadline = time.monotonic() + REACT_S
+        while asyncio.run_coroutine_threadsafe(lag(), door._loop).result(REACT_S) >= 0.25:
+            assert time.monotonic() < deadline, "the front door's loop never caught up"
+            time.sleep(0.01)
+        # Caught up: the next inference is placed (nobody consumes, so it waits in the queue).
+        out: list[BaseException | None] = []
+        caller = threading.Thread(target=_call_http, args=(door.http_url, x, out))
+        caller.start()
+        pool.held(1)
+        assert core.shed == {APP.name: 2}
+    finally:
+        stop.set()
+        door.close()
+    caller.join(REACT_S)
+    assert not caller.is_alive() and out and out[0] is not None  # closed with its row in flight: an error
