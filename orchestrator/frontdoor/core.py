@@ -44,14 +44,18 @@ def _never_ready(_name: str) -> bool:
 
 
 #: How often the front door's loop measures how far behind it runs (Core.watch_lag), while inferences
-#: come; it stops this long after the last one.
-LAG_TICK_S = 0.01
+#: come: half the smallest shedding limit of its models, within these bounds; it stops ticking this long
+#: after the last inference.
+LAG_TICK_MIN_S = 0.005
+LAG_TICK_MAX_S = 0.05
 LAG_IDLE_AFTER_S = 1.0
 #: An inference is refused at once (unavailable: 503 / UNAVAILABLE) while the front door's loop runs
 #: more than this fraction of the model's SLO behind (and at least SHED_MIN_LAG_MS): its request has
-#: waited at least that long before being looked at, so decoding and placing it would spend the
-#: loop's time on an answer that comes too late, while everything behind it waits longer still.
-SHED_LAG_FRACTION = 0.5
+#: waited at least that long before being looked at, so it cannot be answered within its SLO, and
+#: decoding and placing it would spend the loop's time on a late answer while everything behind it
+#: waits longer still. At 1 no request that could still make its SLO is refused (at 0.5, tried first,
+#: bench/peer's medium load lost a few percent of its attainment to spells of lag).
+SHED_LAG_FRACTION = 1.0
 SHED_MIN_LAG_MS = 10.0
 
 
@@ -102,10 +106,19 @@ class Core:
         #: Inferences refused by admit, per model.
         self.shed: dict[str, int] = {}
 
-    async def watch_lag(self, tick_s: float = LAG_TICK_S) -> None:
-        """Run on the front door's loop until cancelled: measure how late a timer of ``tick_s`` fires,
-        which is how long the loop takes to come round to a request waiting for it. It ticks only while
-        inferences come (within ``lag_idle_after_s`` of the last): an idle node's loop is not woken."""
+    def shed_limit_ms(self, info: ModelInfo) -> float:
+        """How far behind the loop may run before inferences of ``info`` are shed (see :meth:`admit`)."""
+        return max(SHED_MIN_LAG_MS, (self.shed_lag_fraction or 0.0) * info.slo_ms)
+
+    def _tick_s(self) -> float:
+        limits = [self.shed_limit_ms(m) for m in self.models.values()] or [SHED_MIN_LAG_MS]
+        return min(LAG_TICK_MAX_S, max(LAG_TICK_MIN_S, min(limits) / 2e3))
+
+    async def watch_lag(self, tick_s: float | None = None) -> None:
+        """Run on the front door's loop until cancelled: measure how late a timer of ``tick_s`` fires
+        (default: half the smallest shedding limit of the models, 5-50 ms), which is how long the loop
+        takes to come round to a request waiting for it; a stall shows within one tick. It ticks only
+        while inferences come (within ``lag_idle_after_s`` of the last): an idle node's loop is not woken."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._last_admit = loop.time()
@@ -115,8 +128,9 @@ class Core:
                     self._tick_due, self._lag_s = None, 0.0
                     self._wake.clear()
                     await self._wake.wait()
-                self._tick_due = loop.time() + tick_s
-                await asyncio.sleep(tick_s)
+                tick = tick_s if tick_s is not None else self._tick_s()
+                self._tick_due = loop.time() + tick
+                await asyncio.sleep(tick)
                 self._lag_s = max(0.0, loop.time() - self._tick_due)
         finally:
             self._tick_due, self._lag_s, self._wake = None, 0.0, None
@@ -139,7 +153,7 @@ class Core:
             if not self._wake.is_set():
                 self._wake.set()
         lag_ms = self.lag_s() * 1e3
-        limit_ms = max(SHED_MIN_LAG_MS, self.shed_lag_fraction * info.slo_ms)
+        limit_ms = self.shed_limit_ms(info)
         if lag_ms <= limit_ms:
             return
         self.shed[info.name] = self.shed.get(info.name, 0) + 1

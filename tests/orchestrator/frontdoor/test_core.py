@@ -26,6 +26,7 @@ def test_admit_sheds_only_while_the_loop_runs_behind_and_the_watch_sleeps_when_i
     info = ModelInfo(name="m", app_id=1, input_shape=(3,), dtype="float32", output_dim=2, max_batch=4,
                      max_wait_ms=1.0, slo_ms=100.0, instances=1)
     core = Core([info], client=None)  # type: ignore[arg-type]  # admission needs no transport
+    assert core.shed_limit_ms(info) == 100.0 and core._tick_s() == 0.05  # the SLO; a tick of half that
 
     async def run() -> None:
         core.lag_idle_after_s = 0.05
@@ -41,7 +42,7 @@ def test_admit_sheds_only_while_the_loop_runs_behind_and_the_watch_sleeps_when_i
             while core._tick_due is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.001)
-            time.sleep(0.2)  # the loop's turn takes 200 ms: the tick is overdue by more than 50 ms (SLO / 2)
+            time.sleep(0.3)  # the loop's turn takes 300 ms: the tick is overdue by more than the 100 ms SLO
             with pytest.raises(OipError) as e:
                 core.admit(info)
             assert e.value.kind == "unavailable" and "100 ms SLO" in str(e.value)
@@ -49,7 +50,7 @@ def test_admit_sheds_only_while_the_loop_runs_behind_and_the_watch_sleeps_when_i
             core.shed_lag_fraction = None  # shedding off: admitted however late
             time.sleep(0.2)
             core.admit(info)
-            core.shed_lag_fraction = 0.5
+            core.shed_lag_fraction = 1.0
             while core.lag_s() > 0.05:  # caught up once a tick runs on time
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.001)
