@@ -11,6 +11,7 @@ Each inference's time is split by stage (:data:`transport.STAGES`) per protocol:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,6 +50,10 @@ def _never_ready(_name: str) -> bool:
 LAG_TICK_MIN_S = 0.005
 LAG_TICK_MAX_S = 0.05
 LAG_IDLE_AFTER_S = 1.0
+#: The loop counts as behind only when this many ticks in a row were late: one stall (a GC pause, the
+#: thread not scheduled on a busy machine) leaves nothing queued behind it, and shedding on it would
+#: refuse a lone request that would have been served.
+LAG_SUSTAINED_TICKS = 3
 #: An inference is refused at once (unavailable: 503 / UNAVAILABLE) while the front door's loop runs
 #: more than this fraction of the model's SLO behind (and at least SHED_MIN_LAG_MS): its request has
 #: waited at least that long before being looked at, so it cannot be answered within its SLO, and
@@ -97,7 +102,7 @@ class Core:
         self.clocks: dict[str, StageClock] = {}
         #: Overload shedding (:meth:`admit`): None turns it off.
         self.shed_lag_fraction = shed_lag_fraction
-        self._lag_s = 0.0  # how late the last tick of watch_lag ran
+        self._late: collections.deque[float] = collections.deque(maxlen=LAG_SUSTAINED_TICKS)  # recent ticks' lateness
         self._tick_due: float | None = None  # loop.time() when its next tick is due (None: not watching)
         self._wake: asyncio.Event | None = None  # set by admit to wake an idle watch_lag
         self._last_admit = 0.0
@@ -117,7 +122,7 @@ class Core:
     async def watch_lag(self, tick_s: float | None = None) -> None:
         """Run on the front door's loop until cancelled: measure how late a timer of ``tick_s`` fires
         (default: half the smallest shedding limit of the models, 5-50 ms), which is how long the loop
-        takes to come round to a request waiting for it; a stall shows within one tick. It ticks only
+        takes to come round to a request waiting for it (see :meth:`lag_s`). It ticks only
         while inferences come (within ``lag_idle_after_s`` of the last): an idle node's loop is not woken."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -125,22 +130,24 @@ class Core:
         try:
             while True:
                 if loop.time() - self._last_admit > self.lag_idle_after_s:
-                    self._tick_due, self._lag_s = None, 0.0
+                    self._tick_due = None
+                    self._late.clear()
                     self._wake.clear()
                     await self._wake.wait()
                 tick = tick_s if tick_s is not None else self._tick_s()
                 self._tick_due = loop.time() + tick
                 await asyncio.sleep(tick)
-                self._lag_s = max(0.0, loop.time() - self._tick_due)
+                self._late.append(max(0.0, loop.time() - self._tick_due))
         finally:
-            self._tick_due, self._lag_s, self._wake = None, 0.0, None
+            self._tick_due, self._wake = None, None
+            self._late.clear()
 
     def lag_s(self) -> float:
-        """How far behind the loop runs now (on the loop): the last tick's lateness, or, while a tick is
-        overdue (the loop is in a long turn), how overdue it is. 0 when nothing watches."""
-        if self._tick_due is None:
+        """How far behind the loop runs, sustained: the least lateness of the last
+        :data:`LAG_SUSTAINED_TICKS` ticks (0 before there are that many, and when nothing watches)."""
+        if len(self._late) < LAG_SUSTAINED_TICKS:
             return 0.0
-        return max(self._lag_s, asyncio.get_running_loop().time() - self._tick_due)
+        return min(self._late)
 
     def admit(self, info: ModelInfo) -> None:
         """Refuse an inference of ``info`` (OipError unavailable, counted in ``shed`` and in the app's
