@@ -100,6 +100,24 @@ def main() -> int:
     return rc
 
 
+def run_forked() -> int:
+    """An instance forked from the fork server (`orchestrator.forkserver`), its environment already
+    taken: the code is imported, so only what :func:`main` does around the import is left. Its
+    import info says it was forked (``import_ms`` 0, ``forked`` true)."""
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:  # the server died before the request above took effect
+        return 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    instance = importlib.import_module(INSTANCE_MODULE)
+    try:
+        rc = int(instance.main(import_info={"nice": None, "import_ms": 0.0, "forked": True}))
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    logging.shutdown()
+    return rc
+
+
 def exit_now(rc: int) -> None:
     """Leave without the interpreter's teardown. The instance has closed what it holds (pool, control
     socket, its last words sent) by now; tearing down torch's modules would cost about 0.35 s of one

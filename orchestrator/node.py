@@ -49,7 +49,7 @@ from orchestrator.control import (
 from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
-from orchestrator.launcher import Launcher, SubprocessLauncher
+from orchestrator.launcher import ForkLauncher, Launcher
 from orchestrator.messages import (
     BatchDone,
     Ended,
@@ -128,7 +128,7 @@ class Node:
         self.stop_timeout_s = stop_timeout_s
         self.python = python
         # How instances are started: python -m orchestrator.launch, or a test's double.
-        self.launcher: Launcher = launcher if launcher is not None else SubprocessLauncher(python)
+        self.launcher: Launcher = launcher if launcher is not None else ForkLauncher(python)
         self.control_kind = control_kind
         self.heartbeat_ms = heartbeat_ms
         self.warmup = warmup

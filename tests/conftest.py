@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_servers_reaped() -> Iterator[None]:
+    """The nodes of this session share this process's fork servers (orchestrator.launcher.ForkLauncher);
+    they end, and are reaped, with the session."""
+    yield
+    from orchestrator.launcher import ForkLauncher
+
+    ForkLauncher.close_all()
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> object:
     """This process on the fake CUDA runtime (gpuprims.cuda.fake) for one test; a fresh runtime whose

@@ -170,9 +170,17 @@ def _gone(pids: list[int], timeout: float) -> bool:
     return False
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _instance_pids(rec: rundir.NodeRecord) -> list[int]:
-    kids = Path(f"/proc/{rec.pid}/task/{rec.pid}/children").read_text().split()
-    return [int(k) for k in kids]
+    """The node's child processes and theirs: instances, started or forked by its fork server."""
+    kids = _children(rec.pid)
+    return kids + [g for k in kids for g in _children(k)]
 
 
 def _segments(rec: rundir.NodeRecord, run_dir: Path) -> list[Path]:

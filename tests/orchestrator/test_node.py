@@ -24,6 +24,7 @@ from gpuprims.ingest import packet_balance
 from gpuprims.wire import Status
 from orchestrator.config import load_config
 from orchestrator.control import connect_command, control_address, read_token
+from orchestrator.launcher import ForkedProcess, ForkLauncher
 from orchestrator.messages import StatusRequest
 from orchestrator.node import Node, StartError
 
@@ -212,6 +213,48 @@ def test_sigkill_instance_is_restarted_and_loss_is_bounded(tmp_path: Path) -> No
         # After the restart the app serves again.
         late = {rid: client.responses[rid][0].status for rid in range(60, 80)}
         assert all(v == Status.OK for v in late.values()), late
+    finally:
+        client.close()
+        n.stop()
+
+
+def test_with_the_fork_server_ready_instances_are_forked_answer_like_torch_and_restart_forked(
+        tmp_path: Path) -> None:
+    cfg = load_config(write_config(tmp_path))
+    n = Node(cfg, warmup=False).start()  # starts the fork servers for its instances' environments
+    try:
+        # An import at nice 10 beside busy loops takes minutes (orchestrator.forkserver).
+        deadline = time.monotonic() + 300
+        while ForkLauncher.starting() and time.monotonic() < deadline:
+            n.step(50)
+        assert not ForkLauncher.starting(), "the fork servers did not finish importing"
+    finally:
+        n.stop()
+    n = Node(cfg, warmup=False, heartbeat_ms=100).start()
+    client = Client(n.ingest.ports[0])
+    try:
+        assert all(isinstance(st.proc, ForkedProcess) for st in n.instances.values())  # the shadows too
+        assert all(st.info["import"]["forked"] for st in n.instances.values() if st.role == "active")
+        rng = np.random.default_rng(3)
+        inputs = {rid: (1 + rid % 2, make_input(1 + rid % 2, rng)) for rid in range(40)}
+        for rid in range(20):
+            client.send(inputs[rid][0], rid, inputs[rid][1])
+        client.collect(20, n)
+        os.kill(n.instances["cls-0"].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                st.name.startswith("cls-r") and st.ready for st in n.instances.values()):
+            n.step(50)
+        (new,) = [st for st in n.instances.values() if st.name.startswith("cls-r")]
+        assert isinstance(new.proc, ForkedProcess) and n.status()["apps"]["cls"]["restarts"] == 1
+        for rid in range(20, 40):
+            client.send(inputs[rid][0], rid, inputs[rid][1])
+        client.collect(40, n)
+        assert sorted(client.responses) == list(range(40)) and all(len(v) == 1 for v in client.responses.values())
+        for rid, (app, x) in inputs.items():
+            (resp,) = client.responses[rid]
+            assert resp.status == Status.OK and resp.app_id == app
+            np.testing.assert_allclose(resp.array(), reference(app, x), rtol=1e-4, atol=1e-5)
     finally:
         client.close()
         n.stop()
