@@ -48,7 +48,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.launch import import_at_nice
+from orchestrator.launch import die_with_parent, import_at_nice
 
 __all__ = ["PRELOAD", "main", "serve"]
 
@@ -76,11 +76,16 @@ def _entry(spec: str) -> Callable[[], int]:
     return fn  # type: ignore[no-any-return]
 
 
-def _child(sock: socket.socket, wake: tuple[int, int], env: dict[str, str], entry: Callable[[], int]) -> None:
+def _child(sock: socket.socket, wake: tuple[int, int], env: dict[str, str], entry: Callable[[], int],
+           server_pid: int) -> None:
     """In the forked child: drop the server's descriptors and handlers, take ``env``, run ``entry``;
     never returns."""
     rc = 1
     try:
+        # Before anything else: a child must not outlive the server (nor, through it, the orchestrator).
+        die_with_parent()
+        if os.getppid() != server_pid:  # the server died before the request above took effect
+            os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
@@ -118,6 +123,7 @@ def serve(sock: socket.socket, entry: Callable[[], int], import_ms: float) -> in
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wfd)
     children: set[int] = set()
+    server = os.getpid()
     buf = b""
     _send(sock, {"op": "ready", "pid": os.getpid(), "import_ms": import_ms})
     while True:
@@ -166,7 +172,7 @@ def serve(sock: socket.socket, entry: Callable[[], int], import_ms: float) -> in
                     _send(sock, {"op": "error", "id": msg.get("id"), "error": f"fork failed: {e}"})
                     continue
                 if pid == 0:
-                    _child(sock, (rfd, wfd), env, entry)
+                    _child(sock, (rfd, wfd), env, entry, server)
                 children.add(pid)
                 _send(sock, {"op": "forked", "id": msg.get("id"), "pid": pid})
             elif msg.get("op") == "signal":

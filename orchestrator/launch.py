@@ -104,11 +104,7 @@ def run_forked() -> int:
     """An instance forked from the fork server (`orchestrator.forkserver`), its environment already
     taken: the code is imported, so only what :func:`main` does around the import is left. Its
     import info says it was forked (``import_ms`` 0, ``forked`` true)."""
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent:  # the server died before the request above took effect
-        return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the server forked it already dying with its parent)
     instance = importlib.import_module(INSTANCE_MODULE)
     try:
         rc = int(instance.main(import_info={"nice": None, "import_ms": 0.0, "forked": True}))
