@@ -273,6 +273,8 @@ def _fds(pid: int) -> int | None:
 def node_pids(status: dict[str, Any]) -> dict[str, int]:
     """{'orchestrator': pid, '<instance>': pid, ...} from a status snapshot."""
     pids = {"orchestrator": int(status["node"]["pid"])}
+    for i, fs in enumerate(status["node"].get("fork_servers", [])):
+        pids[f"fork_server_{i}"] = int(fs["pid"])
     for app in status["apps"].values():
         for inst in app["instances"]:
             if inst.get("pid"):

@@ -250,6 +250,11 @@ class _ForkServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
 
+    def live(self) -> int:
+        """How many of its children are alive."""
+        with self._lock:
+            return len(self._children)
+
     def idle(self) -> bool:
         """Whether it has no child alive (it may be ended without ending an instance)."""
         with self._lock:
@@ -368,6 +373,14 @@ class ForkLauncher:
         ``timeout_s`` passes or it dies (False)."""
         server = self.server_for(env)
         return server is not None and server.ready.wait(timeout_s) and not server.dead.is_set()
+
+    @staticmethod
+    def describe() -> list[dict[str, Any]]:
+        """This process's fork servers: pid, whether ready, its import's milliseconds, its live children."""
+        with _SERVERS_LOCK:
+            servers = list(_SERVERS.values())
+        return [{"pid": s.proc.pid, "ready": s.ready.is_set() and not s.dead.is_set(), "import_ms": s.import_ms,
+                 "children": s.live()} for s in servers]
 
     @staticmethod
     def starting() -> int:

@@ -698,7 +698,10 @@ class Node:
                      "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
                      "errors": dict(self.errors),
                      # CPU backend: the cores the node's own threads are kept on (null: any)
-                     "own_cores": self.own_cores},
+                     "own_cores": self.own_cores,
+                     # The fork servers instances are forked from (orchestrator/forkserver.py): their
+                     # memory is the node's too.
+                     "fork_servers": self.launcher.describe() if isinstance(self.launcher, ForkLauncher) else []},
             "ingest": counters,
             # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
             # buffer until their request's deadline passed.

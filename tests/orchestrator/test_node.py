@@ -235,6 +235,9 @@ def test_with_the_fork_server_ready_instances_are_forked_answer_like_torch_and_r
     try:
         assert all(isinstance(st.proc, ForkedProcess) for st in n.instances.values())  # the shadows too
         assert all(st.info["import"]["forked"] for st in n.instances.values() if st.role == "active")
+        servers = n.status()["node"]["fork_servers"]  # their memory is the node's too: status names them
+        assert all(fs["ready"] and fs["pid"] > 0 for fs in servers)
+        assert sum(fs["children"] for fs in servers) == len(n.instances)
         rng = np.random.default_rng(3)
         inputs = {rid: (1 + rid % 2, make_input(1 + rid % 2, rng)) for rid in range(40)}
         for rid in range(20):
