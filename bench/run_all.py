@@ -37,7 +37,8 @@ class Experiment:
 EXPERIMENTS = (
     Experiment("gather"), Experiment("ingest"), Experiment("traffic"), Experiment("kernel_host"),
     Experiment("footprint"), Experiment("stage_cost"), Experiment("e2e"), Experiment("model_inside"),
-    Experiment("dma"), Experiment("sync"), Experiment("share"), Experiment("overlap"), Experiment("monitor"),
+    Experiment("dma"), Experiment("sync"), Experiment("share"), Experiment("overlap"), Experiment("launch"),
+    Experiment("monitor"),
     Experiment("multi"), Experiment("css"), Experiment("knee"), Experiment("sched"), Experiment("sched_live"),
     Experiment("coexec"), Experiment("opara"), Experiment("oip"), Experiment("flood"), Experiment("chaos"),
     Experiment("engines", lambda: _missing_modules("onnxruntime", extra="onnx")),

@@ -185,6 +185,7 @@ class _ForkServer:
         self.import_ms: float | None = None
         self.last_used = time.monotonic()
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._waiting: dict[int, threading.Event] = {}
@@ -262,7 +263,9 @@ class _ForkServer:
 
     def _send(self, msg: dict[str, Any]) -> None:
         data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
-        with self._lock:
+        # Its own lock: a send that blocks on a full socket must not keep the reader from draining
+        # the server's replies (which take self._lock), or both sides would wait on each other.
+        with self._send_lock:
             self.sock.sendall(data)
 
     def fork(self, env: Mapping[str, str], timeout_s: float = 30.0) -> ForkedProcess:
