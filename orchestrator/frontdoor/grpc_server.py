@@ -40,6 +40,17 @@ CONTENTS_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents", "FP16": Non
                   "FP64": "fp64_contents", "INT32": "int_contents", "INT8": "int_contents", "BOOL": "bool_contents"}
 
 
+def call_deadline_us(ctx: Any) -> int | None:
+    """Microseconds left before the call's gRPC deadline (0: passed), or None without one. A deadline
+    further than the OIP ``timeout`` parameter can say (2**32 µs, 71 min) counts as none: grpc reports
+    a call without a deadline as one in the far future on some versions."""
+    time_remaining = getattr(ctx, "time_remaining", None)
+    left = time_remaining() if time_remaining is not None else None
+    if left is None or left * 1e6 >= 2**32 - 1:
+        return None
+    return max(0, int(left * 1e6))
+
+
 class Servicer:
     """The RPC implementations over one Core."""
 
@@ -86,6 +97,9 @@ class Servicer:
         marks.lap("parse")
         info = self.core.model(req.model_name, req.model_version)
         self.core.admit(info)  # before the tensor is checked, decoded and placed
+        left_us = call_deadline_us(ctx)
+        if left_us == 0:  # it waited out its deadline before it reached the loop: no work is spent on it
+            raise OipError("deadline", f"the call's deadline passed before model {info.name!r} was asked")
         size = req.ByteSize()
         if size > info.max_message_bytes:
             raise OipError("too_large", f"request of {size} bytes is larger than model {info.name!r} can take "
@@ -118,6 +132,8 @@ class Servicer:
         timeout = req.parameters["timeout"].int64_param if "timeout" in req.parameters else 0
         if not 0 <= timeout < 2**32:
             raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout}")
+        if left_us is not None:  # the client's own deadline bounds the node's too
+            timeout = left_us if timeout == 0 else min(timeout, left_us)
         marks.lap("decode")
         out = await self.core.infer(info, x, deadline_us=timeout, marks=marks)
         resp = pb.ModelInferResponse(
