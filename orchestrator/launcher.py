@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator import forkserver
 from orchestrator.spec import InstanceSpec
 
 __all__ = ["ForkLauncher", "ForkedProcess", "InstanceProcess", "Launcher", "SubprocessLauncher", "import_env_key"]
@@ -166,8 +167,6 @@ class _ForkServer:
     replies to requests and exits to `ForkedProcess` handles."""
 
     def __init__(self, python: str, env: Mapping[str, str], preload: str | None, entry: str | None) -> None:
-        from orchestrator import forkserver  # (light: the server module imports nothing heavy)
-
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
         args = [python, "-m", "orchestrator.forkserver"]
@@ -300,10 +299,8 @@ class _ForkServer:
         return child
 
     def signal(self, pid: int, sig: int) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the server is gone: _lost() kills and reports its children
             self._send({"op": "signal", "pid": pid, "sig": int(sig)})
-        except OSError:
-            pass  # the server is gone; _lost() kills and reports its children
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End the server (end of file on its socket); it exits and its children get SIGTERM."""
