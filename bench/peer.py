@@ -12,13 +12,22 @@ as bench/e2e), both systems run at once, each as its own process tree started by
   ``OMP_*``) and batches with ``@serve.batch`` at the same max batch size and wait;
 - **litserve**: ``python -m bench.peer_litserve``: LitServe with one API server process and one
   inference worker process (cpu, one device, one worker) that loads the same model, applies the same
-  ``apply_cpu_share`` and batches with ``LitAPI(max_batch_size, batch_timeout)`` at the same settings.
+  ``apply_cpu_share`` and batches with ``LitAPI(max_batch_size, batch_timeout)`` at the same settings;
+- **mlserver**: MLServer (``mlserver start`` on a repository written here, ``mlserver_repository``), the
+  server that speaks the Open Inference Protocol natively (what a KServe user would pick): one inference
+  worker process (``bench.peer_mlserver.ZooModel``) that loads the same model and applies the same
+  ``apply_cpu_share``, with MLServer's adaptive batching at the same max batch size and wait. It runs from
+  its own environment (``scripts/setup-mlserver.sh`` makes ``.venv-mlserver``; ``GPUPRIMS_MLSERVER_VENV``
+  points elsewhere): MLServer pins fastapi, starlette and protobuf below what Ray Serve 2.60 and the
+  ``peer`` extra's tritonclient need.
 
 Before measuring, one fixed input goes to both and to the model in this process: the logits must
 agree (same weights, same inputs). Traffic is open loop at constant rate from a driver process per
 system (one asyncio loop; each request starts at its scheduled time whatever the earlier ones are
 doing): ``gpuprims.client.AsyncClient`` over the node's UDP wire, and aiohttp (no connection limit)
-posting the raw tensor to Serve, or LitServe's JSON (the tensor in base64) to LitServe. Both cycle through the same 16 seeded inputs in the same order, and
+posting the raw tensor to Serve, or LitServe's JSON (the tensor in base64) to LitServe; MLServer is driven
+over OIP/gRPC by ``tritonclient.grpc.aio`` with ``raw_input_contents`` (its fastest way in: its HTTP path has
+no binary tensor extension), the client and encoding of gpuprims' own gRPC row. Both cycle through the same 16 seeded inputs in the same order, and
 give up on an answer after the same client timeout (counted ``lost``). Rates: ``light``, ``medium``
 and ``overload`` = 0.25, 0.6 and 1.5 x the model's batch-8 capacity on its core, measured here in
 torch first. At each rate the systems take turns in short blocks (the order alternates), so a
@@ -35,7 +44,8 @@ recorded too. Ratios are gpuprims over the peer oriented so that >= 1 means gpup
 Engines (issue 23): ``--engine onnxruntime`` runs gpuprims' app on ``engine: onnxruntime`` and LitServe's
 worker on the very same engine (``bench.peer_litserve --engine onnxruntime``: gpuprims' ONNX Runtime engine
 built from the same model into the same engine cache, so the same ONNX file, the same session options and
-the share's threads): the same model runner in both, so the rows compare the servers. Ray stays on its
+the share's threads), and MLServer's worker on it too: the same model runner in each, so the rows compare
+the servers. Ray stays on its
 eager default (``ray_engine`` in the summary). The rates then come from that engine's batch-8 latency,
 measured here on the same core, and the result is written as ``peer-onnxruntime.json``.
 
@@ -94,7 +104,7 @@ MAX_WAIT_MS = 2.0
 APP_ID = 1
 APPS = {"mobilenet_v2": {"slo_ms": 100.0}, "resnet50": {"slo_ms": 250.0}}
 LEVELS = {"light": 0.25, "medium": 0.6, "overload": 1.5}
-SYSTEMS = ("gpuprims", "ray", "litserve")
+SYSTEMS = ("gpuprims", "ray", "litserve", "mlserver")
 # gpuprims over each transport: one node, three ways in (its UDP wire, the OIP front door's HTTP and gRPC)
 TRANSPORTS = {"udp": "gpuprims", "http": "gpuprims-http", "grpc": "gpuprims-grpc"}
 OURS = tuple(TRANSPORTS.values())
@@ -111,6 +121,8 @@ CPU_SAMPLE_S = 0.2
 QUIET_CPU = 0.5
 QUIET_MAX_S = 45.0
 READY_TIMEOUT_S = 300.0
+#: MLServer's own environment (scripts/setup-mlserver.sh), unless GPUPRIMS_MLSERVER_VENV names another.
+MLSERVER_VENV = ROOT / ".venv-mlserver"
 
 
 # -- pure logic (tests/bench/test_peer.py) --------------------------------------------------------------
@@ -386,6 +398,38 @@ def gpuprims_config(model: str, slo_ms: float, port: int, engine: str = "eager",
     return {"node": node, "apps": [app]}
 
 
+def mlserver_venv() -> Path:
+    """MLServer's environment (``GPUPRIMS_MLSERVER_VENV`` or ``.venv-mlserver``); a clear error if it is not
+    there."""
+    venv = Path(os.environ.get("GPUPRIMS_MLSERVER_VENV") or MLSERVER_VENV)
+    if not (venv / "bin" / "mlserver").exists():
+        raise SystemExit(f"the mlserver peer needs MLServer's own environment at {venv}: run scripts/setup-mlserver.sh "
+                         "(or set GPUPRIMS_MLSERVER_VENV), or leave it out with --peers ray litserve")
+    return venv
+
+
+def mlserver_repository(root: Path, model: str, grpc_port: int, http_port: int, cores: list[int], threads: int,
+                        engine: str = "eager", engine_cache: Path | None = None) -> Path:
+    """MLServer's repository under `root` (bench.peer_mlserver says which defaults change and why): the server's
+    ``settings.json`` and the model's ``<model>/model-settings.json``, with the node's batching, share and
+    engine; `root`."""
+    settings = {"debug": False, "host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
+                "metrics_endpoint": None, "parallel_workers": 1, "load_models_at_startup": True}
+    model_settings = {
+        "name": model, "implementation": "bench.peer_mlserver.ZooModel",
+        "max_batch_size": MAX_BATCH, "max_batch_time": MAX_WAIT_MS / 1e3,
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, *SHAPE]}],
+        "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, -1]}],
+        "parameters": {"extra": {"model": model, "shape": list(SHAPE), "cores": list(cores), "threads": threads,
+                                 "max_batch": MAX_BATCH, "engine": engine,
+                                 "engine_cache": None if engine_cache is None else str(engine_cache)}},
+    }
+    (root / model).mkdir(parents=True, exist_ok=True)
+    (root / "settings.json").write_text(json.dumps(settings, indent=1))
+    (root / model / "model-settings.json").write_text(json.dumps(model_settings, indent=1))
+    return root
+
+
 def litserve_argv(model: str, port: int, cores: list[int], threads: int, engine: str = "eager",
                   engine_cache: Path | None = None) -> list[str]:
     """LitServe's command line (bench.peer_litserve): the same model, share, batching and engine as the node."""
@@ -448,6 +492,15 @@ def start_litserve(model: str, port: int, cores: list[int], threads: int, work: 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return SystemProc("litserve", litserve_argv(model, port, cores, threads, engine, engine_cache), env,
                       work / "litserve.log")
+
+
+def start_mlserver(model: str, port: int, cores: list[int], threads: int, work: Path, engine: str = "eager",
+                   engine_cache: Path | None = None) -> SystemProc:
+    venv = mlserver_venv()
+    repo = mlserver_repository(work / "mlserver", model, port, free_port(socket.SOCK_STREAM), cores, threads, engine,
+                               engine_cache)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VIRTUAL_ENV": str(venv)}
+    return SystemProc("mlserver", [str(venv / "bin" / "mlserver"), "start", str(repo)], env, work / "mlserver.log")
 
 
 def ask_gpuprims(port: int, x: np.ndarray) -> np.ndarray | None:
@@ -527,7 +580,8 @@ def ask_gpuprims_grpc(model: str, port: int, x: np.ndarray) -> np.ndarray | None
 
 
 ASK = {"gpuprims": ask_gpuprims, "ray": ask_ray, "litserve": ask_litserve}
-ASK_OIP = {"gpuprims-http": ask_gpuprims_http, "gpuprims-grpc": ask_gpuprims_grpc}
+#: Over the Open Inference Protocol: the model's name in the path. MLServer's gRPC is asked as the node's is.
+ASK_OIP = {"gpuprims-http": ask_gpuprims_http, "gpuprims-grpc": ask_gpuprims_grpc, "mlserver": ask_gpuprims_grpc}
 
 
 def wait_ready(system: SystemProc, ask: Any, x: np.ndarray, timeout_s: float = READY_TIMEOUT_S) -> np.ndarray:
@@ -563,7 +617,7 @@ async def _drive_async(system: str, port: int, rate: float, duration_s: float, w
 
         async def close() -> None:
             client.close()
-    elif system == "gpuprims-grpc":
+    elif system in ("gpuprims-grpc", "mlserver"):
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as grpcaio
         from tritonclient.utils import InferenceServerException
@@ -801,6 +855,8 @@ def run_app(model: str, slo_ms: float, duration_s: float, blocks: int, warmup_s:
             procs["ray"] = start_ray(model, ports["ray"], cores, threads, work)
         if "litserve" in systems:
             procs["litserve"] = start_litserve(model, ports["litserve"], cores, threads, work, engine, cache)
+        if "mlserver" in systems:
+            procs["mlserver"] = start_mlserver(model, ports["mlserver"], cores, threads, work, engine, cache)
         t0 = time.monotonic()
         check = {}
         for name in systems:
@@ -882,7 +938,10 @@ CAVEATS = (
     "carry the tensor in base64 (about a third larger, plus encoding on both sides: part of what LitServe "
     "is, as HTTP is part of Ray Serve); no queue bound is set, and its own request timeout (30 s by "
     "default) is longer than the client's, so above capacity it too keeps requests until the client gives "
-    "up. gpuprims sheds late work by design, so compare goodput and attainment, not raw throughput, "
+    "up. MLServer 1.7.1 (its own environment): its defaults except the ports, debug off and no metrics "
+    "server (the node runs without one too), with adaptive batching at the node's batch size and wait (off "
+    "by default in MLServer); driven over gRPC with raw tensor contents, as gpuprims-grpc; no queue bound "
+    "is set. gpuprims sheds late work by design, so compare goodput and attainment, not raw throughput, "
     "above capacity. Shared 2-core machine: other sessions' load is recorded per block (load1_*) and "
     "falls on every system alike through the interleaving, but moves every absolute figure. Before each "
     "block the bench waits (up to 45 s, quiet_wait_s per block) until no system's tree uses half a core: "
@@ -898,7 +957,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
     apps = list(res)
     fig, axes = plt.subplots(len(apps), 4, figsize=(16, 3.6 * len(apps)), squeeze=False)
-    colors = {"gpuprims": "tab:blue", "ray": "tab:orange", "litserve": "tab:green"}
+    colors = {"gpuprims": "tab:blue", "ray": "tab:orange", "litserve": "tab:green", "mlserver": "tab:red"}
     for i, app in enumerate(apps):
         results = res[app]["results"]
         levels = list(results)
@@ -949,7 +1008,7 @@ def main() -> None:
                     help="stop (SIGSTOP) the other systems' processes during each block, so that each is measured "
                          "alone on the machine (idle CPU is then measured over a window before the blocks)")
     ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
-                    help="gpuprims' and LitServe's model runner (the same engine in both; Ray stays eager)")
+                    help="gpuprims', LitServe's and MLServer's model runner (the same engine in each; Ray stays eager)")
     ap.add_argument("--transports", nargs="+", default=["udp"], choices=list(TRANSPORTS),
                     help="ways into gpuprims, each a row of its own: its UDP wire (always), the OIP front door's "
                          "HTTP (aiohttp, binary tensor data, as the peers' client) and gRPC (tritonclient.grpc.aio)")
@@ -968,6 +1027,8 @@ def main() -> None:
                    block_s=duration, blocks=blocks, engine=args.engine, gpuprims_driver=args.driver,
                    pause_others=args.pause_others, transports=["udp", *(t for t in args.transports if t != "udp")],
                    litserve_engine=args.engine if "litserve" in systems else None,
+                   mlserver_version=mlserver_version() if "mlserver" in systems else None,
+                   mlserver_engine=args.engine if "mlserver" in systems else None,
                    ray_engine="eager" if "ray" in systems else None)
     for app, r in res.items():
         summary[f"{app}.slo_ms"] = APPS[app]["slo_ms"]
@@ -1009,6 +1070,14 @@ def main() -> None:
     for k, v in summary.items():
         if "ratio" in k or k.endswith(("slo_attainment", "p50_ms", "p99_ms", "cpu_ms_per_request")):
             print(f"{k:>55}: {v}")
+
+
+def mlserver_version() -> str | None:
+    """MLServer's version, asked of its own environment (it is not importable here)."""
+    python = mlserver_venv() / "bin" / "python"
+    r = subprocess.run([str(python), "-c", "from importlib.metadata import version; print(version('mlserver'))"],
+                       capture_output=True, text=True, timeout=60)
+    return r.stdout.strip() or None if r.returncode == 0 else None
 
 
 def _version(dist: str) -> str | None:

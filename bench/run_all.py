@@ -9,17 +9,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def _missing_modules(*names: str, extra: str = "peer") -> str | None:
     gone = [n for n in names if importlib.util.find_spec(n) is None]
     return f"needs {', '.join(gone)} (pip install -e '.[{extra}]')" if gone else None
+
+
+def _missing_peers() -> str | None:
+    """bench.peer's peers: Ray Serve and LitServe from the `peer` extra, MLServer from its own environment."""
+    from bench.peer import MLSERVER_VENV
+
+    venv = Path(os.environ.get("GPUPRIMS_MLSERVER_VENV") or MLSERVER_VENV)
+    missing = [] if (venv / "bin" / "mlserver").exists() else [f"MLServer's environment (scripts/setup-mlserver.sh makes {venv})"]
+    why = _missing_modules("ray", "litserve")
+    return "; ".join([*([why] if why else []), *missing]) or None
 
 
 def _missing_clang() -> str | None:
@@ -47,7 +59,7 @@ EXPERIMENTS = (
                "python -m bench.engines_gpu --quick --fake checks the script here"),
     Experiment("fleet", lambda: _missing_modules("ray", extra="fleet")),
     Experiment("fuzz", _missing_clang),
-    Experiment("peer", lambda: _missing_modules("ray", "litserve")),
+    Experiment("peer", _missing_peers),
     Experiment("soak", lambda: "runs for an hour; run it alone: python -m bench.soak (smoke: --duration 60 --sample-s 5)"),
 )
 ORDER = [e.name for e in EXPERIMENTS]

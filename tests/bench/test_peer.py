@@ -220,7 +220,7 @@ def test_litserve_request_is_json_with_the_raw_tensor_in_base64() -> None:
 
 
 def test_three_systems_are_interleaved_and_each_peer_gets_its_ratios() -> None:
-    order = peer.schedule(["light"], list(peer.SYSTEMS), 3)
+    order = peer.schedule(["light"], ["gpuprims", "ray", "litserve"], 3)
     assert [s for _, s, k in order if k == 0] == ["gpuprims", "ray", "litserve"]
     assert [s for _, s, k in order if k == 1] == ["ray", "litserve", "gpuprims"]
     ours = peer.summarise([_block([10.0, 20.0], ["ok", "ok"])], 100.0)
@@ -386,3 +386,65 @@ def test_the_http_and_grpc_drivers_count_every_request_of_a_real_front_door_once
                                               model="mobilenet_v2"))
             assert r["status"] == ["ok"] * 20 and r["sent_total"] == 24
             assert all(v == v for v in r["latency_ms"])  # every one timed
+
+
+def test_mlserver_is_a_peer_by_default_and_its_repository_batches_and_confines_like_the_node(tmp_path: Path) -> None:
+    assert "mlserver" in peer.PEERS and peer.ASK_OIP["mlserver"] is peer.ask_gpuprims_grpc
+    cache = tmp_path / "engines"
+    root = peer.mlserver_repository(tmp_path / "repo", "mobilenet_v2", 9001, 9002, [1], 1, "onnxruntime", cache)
+    settings = json.loads((root / "settings.json").read_text())
+    assert settings["grpc_port"] == 9001 and settings["http_port"] == 9002 and settings["host"] == "127.0.0.1"
+    assert settings["parallel_workers"] == 1 and settings["metrics_endpoint"] is None and settings["debug"] is False
+    model = json.loads((root / "mobilenet_v2" / "model-settings.json").read_text())
+    assert model["name"] == "mobilenet_v2" and model["implementation"] == "bench.peer_mlserver.ZooModel"
+    assert model["max_batch_size"] == peer.MAX_BATCH and model["max_batch_time"] == pytest.approx(peer.MAX_WAIT_MS / 1e3)
+    extra = model["parameters"]["extra"]
+    assert extra == {"model": "mobilenet_v2", "shape": list(peer.SHAPE), "cores": [1], "threads": 1,
+                     "max_batch": peer.MAX_BATCH, "engine": "onnxruntime", "engine_cache": str(cache)}
+    assert [i["name"] for i in model["inputs"]] == ["input"] and [o["name"] for o in model["outputs"]] == ["logits"]
+    # the class the worker loads is where the settings say (the module imports mlserver, so not imported here)
+    assert (Path(peer.ROOT) / "bench" / "peer_mlserver.py").read_text().count("class ZooModel(MLModel)") == 1
+
+
+def test_without_mlservers_environment_the_bench_says_how_to_make_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPRIMS_MLSERVER_VENV", str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit, match=r"scripts/setup-mlserver\.sh"):
+        peer.mlserver_venv()
+
+
+def _mlserver_missing() -> str | None:
+    venv = Path(os.environ.get("GPUPRIMS_MLSERVER_VENV") or peer.MLSERVER_VENV)
+    return None if (venv / "bin" / "mlserver").exists() else \
+        f"MLServer's environment is not at {venv} (scripts/setup-mlserver.sh makes it; make test does not)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_mlserver_missing() is not None, reason=str(_mlserver_missing()))
+def test_mlserver_peer_answers_each_batched_request_with_its_own_logits(tmp_path: Path) -> None:
+    """MLServer started as the bench starts it answers over gRPC like torch, and requests its adaptive
+    batcher merges each get their own row back."""
+    import concurrent.futures
+
+    import torch
+
+    from apps.zoo import load_model
+
+    xs = peer.inputs()[:8]
+    with torch.inference_mode():
+        ref = load_model("mobilenet_v2", seed=0, input_shape=peer.SHAPE).eval()(torch.from_numpy(xs)).numpy()
+    port = peer.free_port(socket.SOCK_STREAM)
+    proc = peer.start_mlserver("mobilenet_v2", port, [0], 1, tmp_path)
+    try:
+        first = peer.wait_ready(proc, lambda x: peer.ask_gpuprims_grpc("mobilenet_v2", port, x), xs[0], timeout_s=240)
+        np.testing.assert_allclose(first, ref[0], atol=1e-4)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda x: peer.ask_gpuprims_grpc("mobilenet_v2", port, x), xs))
+        for k, out in enumerate(outs):
+            assert out is not None, f"request {k} unanswered"
+            np.testing.assert_allclose(out, ref[k], atol=1e-4)
+        tree = proc.meter._tree()
+        assert len(tree) >= 2, "MLServer's inference worker is a process of its own"
+    finally:
+        proc.stop()
+    assert not proc.alive() and not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

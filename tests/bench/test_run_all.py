@@ -10,7 +10,7 @@ from bench import run_all
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules of bench/ that are not experiments: shared helpers, the runner, the peer servers bench.peer starts.
-HELPERS = {"__init__", "common", "serving", "run_all", "peer_ray", "peer_litserve"}
+HELPERS = {"__init__", "common", "serving", "run_all", "peer_ray", "peer_litserve", "peer_mlserver"}
 
 
 def test_every_experiment_is_run_or_skipped_with_a_reason() -> None:
