@@ -367,6 +367,9 @@ class NodeSettings(BaseModel):
     engine_cache: str | None = None
     # The model-repository API on the front door (load/unload apps at run time; docs/oip.md).
     repository: RepositoryConfig = RepositoryConfig()
+    # A fleet's routing table (http://host:routes_port of agents; docs/fleet.md): the front door forwards a
+    # request for an app this node does not host to its owner over the wire format. A fleet's agent sets it.
+    fleet_routes: tuple[str, ...] = ()
 
     @field_validator("mps", mode="before")
     @classmethod
@@ -389,6 +392,25 @@ class NodeSettings(BaseModel):
             if port and port in seen:
                 raise _problem(key, f"port {port} is also node.{seen[port]}; each TCP service needs its own port")
             seen.setdefault(port, key)
+        return self
+
+    @field_validator("fleet_routes", mode="before")
+    @classmethod
+    def _fleet_routes_list(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("fleet_routes")
+    @classmethod
+    def _fleet_routes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for url in v:
+            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+                raise ValueError(f"{url!r} is not a routes URL (http://host:routes_port of a fleet agent)")
+        return v
+
+    @model_validator(mode="after")
+    def _forwarding_needs_a_front_door(self) -> NodeSettings:
+        if self.fleet_routes and not (self.http_port or self.grpc_port):
+            raise _problem("fleet_routes", "forwarding is done by the OIP front door; set node.http_port or grpc_port")
         return self
 
     @model_validator(mode="after")

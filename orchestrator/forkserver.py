@@ -48,7 +48,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.launch import die_with_parent, import_at_nice
+from orchestrator.launch import die_with_parent, exit_status, import_at_nice
 
 __all__ = ["PRELOAD", "main", "serve"]
 
@@ -95,7 +95,7 @@ def _child(sock: socket.socket, wake: tuple[int, int], env: dict[str, str], entr
         os.environ.update(env)
         rc = int(entry())
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        rc = exit_status(e)
     except BaseException:  # the child's own failure: said on its stderr, as a started process would
         with contextlib.suppress(Exception):
             traceback.print_exc()

@@ -96,7 +96,7 @@ def main() -> int:
     try:
         rc = int(instance.main(import_info=info))
     except SystemExit as e:  # SIGTERM's handler, or a bad spec: main has closed what it held
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        rc = exit_status(e)
     return rc
 
 
@@ -109,9 +109,15 @@ def run_forked() -> int:
     try:
         rc = int(instance.main(import_info={"nice": None, "import_ms": 0.0, "forked": True}))
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        rc = exit_status(e)
     logging.shutdown()
     return rc
+
+
+def exit_status(e: SystemExit) -> int:
+    """The process exit status a SystemExit stands for, as the interpreter would make it: its int
+    code, 0 for none, 1 for anything else (a message)."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
 def exit_now(rc: int) -> None:

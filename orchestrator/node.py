@@ -329,7 +329,8 @@ class Node:
                 grpc_port=node.grpc_port or None, host=h,
                 ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
                 statistics={name: a.stats for name, a in self.apps.items()},
-                ingest=ingest, repository=self.repository, repository_token=self.repository_token)
+                ingest=ingest, repository=self.repository, repository_token=self.repository_token,
+                fleet_routes=node.fleet_routes)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 

@@ -78,17 +78,20 @@ class Agent:
         tok.write_text(self.token)
         tok.chmod(0o600)
         self.http_port = free_port(host)
+        self.routes: dict[str, Any] = {"version": 0, "apps": {}}
+        self._routes_server: ThreadingHTTPServer | None = self._serve_routes(routes_port)
+        url_host = f"[{host}]" if ":" in host else host
+        # The node's front door forwards requests for apps it does not host by this agent's table.
         node = {**node_settings, "listen": {"host": host, "port": 0}, "http_port": self.http_port,
                 "run_dir": str(self.run_dir),
-                "repository": {"enabled": True, "token_file": str(tok)}}
+                "repository": {"enabled": True, "token_file": str(tok)},
+                "fleet_routes": [f"http://{url_host}:{self.routes_port}"]}
         node.setdefault("autoscale", False)
         self.config_path = self.dir / "apps.yaml"
         self.config_path.write_text(yaml.safe_dump({"node": node, "apps": []}))
         self.loaded: dict[str, dict[str, Any]] = {}
-        self.routes: dict[str, Any] = {"version": 0, "apps": {}}
         self.started = time.monotonic()
         self.log_path = self.dir / "orchestrator.log"
-        self._routes_server: ThreadingHTTPServer | None = self._serve_routes(routes_port)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen([python, "-m", "orchestrator.cli", "start", str(self.config_path)],
                                      stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,

@@ -35,7 +35,7 @@ from orchestrator.config import ConfigError, parse_config
 #: Keys of a fleet app entry that are the fleet's, not the node's.
 FLEET_APP_KEYS = ("rate_rps", "standby")
 #: Node keys the agent sets itself.
-AGENT_NODE_KEYS = ("listen", "http_port", "run_dir", "repository")
+AGENT_NODE_KEYS = ("listen", "http_port", "run_dir", "repository", "fleet_routes")
 
 
 class RayConfig(BaseModel):

@@ -38,6 +38,7 @@ from gpuprims.profile import ProfileError, load_profile
 from orchestrator.fleet.agent import Agent
 from orchestrator.fleet.config import FleetConfig
 from orchestrator.fleet.plan import AppDemand, Assignment, NodeView, Planner, route_table
+from orchestrator.frontdoor.forward import route_model
 from orchestrator.placement import model_key
 
 log = logging.getLogger("gpuprims.fleet")
@@ -73,6 +74,8 @@ class Controller:
         self.demands = {a["name"]: AppDemand(a["name"], self.cfg.node_entry(a), a.get("rate_rps"))
                         for a in self.cfg.apps}
         self.wants_standby = {a["name"]: bool(a.get("standby", True)) for a in self.cfg.apps}
+        # What any node's front door needs to take an app's requests and forward them (routing table).
+        self.models = {name: route_model(d.entry) for name, d in self.demands.items()}
         self.assignments: dict[str, Assignment] = {}
         self.app_ids: dict[str, int] = {}
         self.version = 0
@@ -287,7 +290,7 @@ class Controller:
         addresses = {nid: {"host": i["host"], "udp_port": i["udp_port"], "http_port": i["http_port"]}
                      for nid, i in self.info.items() if self.alive.get(nid)}
         return route_table(self.version, self.assignments, self.demands, self.app_ids, addresses,
-                           suspects=self.suspects)
+                           suspects=self.suspects, models=self.models)
 
     def _push_routes(self) -> None:
         if self.pushed == self.version:

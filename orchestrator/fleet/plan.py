@@ -279,10 +279,12 @@ class Planner:
 
 def route_table(version: int, assignments: Mapping[str, Assignment], apps: Mapping[str, AppDemand],
                 app_ids: Mapping[str, int], addresses: Mapping[str, Mapping[str, Any]],
-                suspects: Iterable[str] = ()) -> dict[str, Any]:
+                suspects: Iterable[str] = (), models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The routing table clients fetch: per app its wire app id and where to send (``primary``) and
     where to send again on a timeout (``standby``), each with the node's UDP and HTTP addresses. A
-    primary on a suspected node is routed to its standby (the flip)."""
+    primary on a suspected node is routed to its standby (the flip). ``models`` (per app: input shape,
+    dtype, output size, batch, SLO; ``orchestrator.frontdoor.forward.route_model``) goes into each entry
+    as ``model``, so that any node's front door can take the app's requests and forward them."""
     bad = set(suspects)
     out: dict[str, Any] = {}
     for name, a in sorted(assignments.items()):
@@ -295,6 +297,8 @@ def route_table(version: int, assignments: Mapping[str, Assignment], apps: Mappi
                      "primary": {**addresses[order[0].node], "node": order[0].node, "gpu": order[0].gpu},
                      "standby": ({**addresses[order[1].node], "node": order[1].node, "gpu": order[1].gpu}
                                  if len(order) > 1 else None)}
+        if models and name in models:
+            out[name]["model"] = dict(models[name])
     return {"version": version, "apps": out}
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
 from gpuprims.stats import StageClock
 from gpuprims.wire import Status
+from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
 from orchestrator.metrics import AppStatistics
@@ -85,14 +86,17 @@ class Core:
     whether the node serves a model now (default: always); ``timeout_s`` is how long one row waits
     for its answer (default: the larger of 2 s and 3 x the app's SLO). ``statistics`` maps each model
     to its app's `AppStatistics`, where every inference is counted and the statistics extension reads
-    (default: a record of the front door's own per model).
+    (default: a record of the front door's own per model). ``forwarder`` (a fleet's routing table,
+    orchestrator/frontdoor/forward.py) serves the models this node does not host by forwarding them to
+    their owners; a model it hosts is never forwarded.
     """
 
     def __init__(self, infos: list[ModelInfo], client: Transport | AsyncClient, *, timeout_s: float | None = None,
                  ready: Callable[[str], bool] | None = None,
                  statistics: Mapping[str, AppStatistics] | None = None,
-                 shed_lag_fraction: float | None = SHED_LAG_FRACTION) -> None:
+                 shed_lag_fraction: float | None = SHED_LAG_FRACTION, forwarder: Forwarder | None = None) -> None:
         self.models = {m.name: m for m in infos}
+        self.forwarder = forwarder
         self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
         self._ready = ready
@@ -196,15 +200,26 @@ class Core:
 
     def model(self, name: str, version: str = "") -> ModelInfo:
         info = self.models.get(name)
+        if info is None and self.forwarder is not None:
+            info = self.forwarder.info(name)
+            if info is not None:
+                self.stats.setdefault(name, AppStatistics())
         if info is None:
-            raise OipError("not_found", f"unknown model {name!r}; models: {', '.join(sorted(self.models))}")
+            where = " (nor in the fleet's routing table)" if self.forwarder is not None else ""
+            raise OipError("not_found", f"unknown model {name!r}{where}; models: {', '.join(sorted(self.models))}")
         if version not in ("", "1"):
             raise OipError("not_found", f"model {name!r} has no version {version!r} (only '1')")
         return info
 
     def model_ready(self, name: str, version: str = "") -> bool:
         self.model(name, version)
+        if name not in self.models:  # forwarded: ready while the table routes it somewhere
+            return self.forwarder is not None and self.forwarder.route(name) is not None
         return self._ready is None or bool(self._ready(name))
+
+    def forwarded(self, info: ModelInfo) -> bool:
+        """Whether inferences of ``info`` go to another node (it is not hosted here)."""
+        return self.forwarder is not None and self.models.get(info.name) is not info
 
     def server_ready(self) -> bool:
         return all(self.model_ready(n) for n in self.models)
@@ -241,8 +256,13 @@ class Core:
         marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:
-            results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us,
-                                                timeout_s=self.row_timeout_s(info, deadline_us), marks=marks)
+            timeout_s = self.row_timeout_s(info, deadline_us)
+            if self.forwarded(info):
+                assert self.forwarder is not None
+                results = await self.forwarder.rows(info, x, deadline_us=deadline_us, timeout_s=timeout_s, marks=marks)
+            else:
+                results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us, timeout_s=timeout_s,
+                                                    marks=marks)
             t_node = time.monotonic_ns()
             out = self._collect(info, results, statuses)
         except OipError:

@@ -24,6 +24,7 @@ from gpuprims.client import AsyncClient
 from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor.core import Core
+from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
@@ -47,8 +48,10 @@ class FrontDoor:
     def __init__(self, infos: list[ModelInfo], udp_target: tuple[str, int], host: str,
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
                  ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None = None,
-                 ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None) -> None:
+                 ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None,
+                 fleet_routes: Sequence[str] = ()) -> None:
         self.models = infos
+        self.fleet_routes = list(fleet_routes)
         self.udp_target = udp_target
         self.ingest = ingest
         self._via = "pool" if ingest is not None else f"udp={udp_target}"
@@ -82,8 +85,9 @@ class FrontDoor:
             transport = PoolTransport(self.ingest).open()
         else:
             transport = UdpTransport(await AsyncClient(self.udp_target, bind_host=self.udp_target[0]).open())
+        forwarder = await Forwarder(self.fleet_routes).open() if self.fleet_routes else None
         self.core = Core(self.models, transport, timeout_s=self._timeout_s, ready=self._ready,
-                         statistics=self._statistics)
+                         statistics=self._statistics, forwarder=forwarder)
         runner: web.AppRunner | None = None
         grpc_server = None
         lag = asyncio.ensure_future(self.core.watch_lag())  # for overload shedding (Core.admit)
@@ -121,6 +125,8 @@ class FrontDoor:
             if runner is not None:
                 await runner.cleanup()
             transport.close()
+            if forwarder is not None:
+                await forwarder.aclose()
             self.core.release()
             # Nothing of the node outlives the stop (its ingest, its readiness, its repository).
             self.ingest, self._ready, self._repository = None, None, None
@@ -201,7 +207,8 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
                     grpc_port: int | None, host: str = "127.0.0.1", *, timeout_s: float | None = None,
                     ready: Callable[[str], bool] | None = None,
                     statistics: Mapping[str, AppStatistics] | None = None, ingest: Ingest | None = None,
-                    repository: Any = None, repository_token: str | None = None) -> FrontDoor:
+                    repository: Any = None, repository_token: str | None = None,
+                    fleet_routes: Sequence[str] = ()) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
@@ -212,7 +219,9 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     without it each app gets a record of its own. With ``ingest`` (the node's own, in this process) rows go
     straight into its packet pool and their answers come back in-process; ``udp_target`` is then only
     shown in logs. ``repository`` (with its bearer ``repository_token``, or None for none) adds the
-    model-repository load/unload routes (docs/oip.md). Returns once both servers listen, or raises
+    model-repository load/unload routes (docs/oip.md). ``fleet_routes`` (seed URLs of a fleet's routing
+    table, docs/fleet.md) forwards requests for models this node does not host to their owners
+    (orchestrator/frontdoor/forward.py). Returns once both servers listen, or raises
     FrontDoorError; ``close()`` stops it.
     """
     if http_port is None and grpc_port is None:
@@ -223,4 +232,4 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     infos = [model_info(a) for a in apps]
     return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
                      timeout_s=timeout_s, ready=ready, statistics=statistics, ingest=ingest,
-                     repository=repository, repository_token=repository_token)._start()
+                     repository=repository, repository_token=repository_token, fleet_routes=fleet_routes)._start()

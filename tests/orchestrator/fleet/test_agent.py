@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from gpuprims.client import Client
 from gpuprims.wire import Status
 from orchestrator.fleet.agent import Agent
+from orchestrator.frontdoor.forward import route_model
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +38,21 @@ def _gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _until_ok(url: str, body: dict[str, object], timeout_s: float) -> dict[str, object]:
+    """POST ``body`` until it is answered 200 (the front door fetches its table every second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return dict(json.loads(resp.read()))
+        except urllib.error.HTTPError as e:
+            if e.code != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
 
 
 def test_the_agent_runs_a_node_and_applies_app_sets(tmp_path: Path) -> None:
@@ -56,6 +73,15 @@ def test_the_agent_runs_a_node_and_applies_app_sets(tmp_path: Path) -> None:
         assert agent.set_routes({"version": 2, "apps": {}}) == 3  # an older table is ignored
         with urllib.request.urlopen(f"http://127.0.0.1:{info['routes_port']}/fleet/routes", timeout=10) as resp:
             assert json.loads(resp.read())["version"] == 3
+        # The node's front door follows its agent's table: an app it does not host by that name ("far",
+        # routed to this node's own ingest as app 7) is forwarded over the wire format and answered.
+        route = {"app_id": 7, "primary": {"host": "127.0.0.1", "udp_port": info["udp_port"], "http_port": 0,
+                                          "node": "node-a", "gpu": 0}, "standby": None, "model": route_model(ENTRY)}
+        agent.set_routes({"version": 4, "apps": {"far": route}})
+        doc = _until_ok(f"http://127.0.0.1:{info['http_port']}/v2/models/far/infer",
+                        {"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                     "data": [0.0] * 3072}]}, timeout_s=30)
+        assert doc["model_name"] == "far" and doc["outputs"][0]["shape"] == [1, 10]
         assert agent.apply({}) == {"cls": "ok"} and agent.state()["apps"] == {}
     finally:
         agent.stop()
