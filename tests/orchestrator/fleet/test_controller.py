@@ -5,11 +5,14 @@ request is still answered exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -28,9 +31,11 @@ pytestmark = pytest.mark.slow
 
 APP = {"name": "cls", "model": "mobilenet_v2", "input_shape": [3, 32, 32], "num_classes": 10, "seed": 3,
        "slo_ms": 5000, "gpu_pct": 50, "max_batch": 4, "shadow": False}
+# One machine only: any other machine's front door takes its requests by forwarding them there.
+SOLO = {**APP, "name": "solo", "standby": False}
 FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
          "node": {"backend": "cpu", "pool": {"slot_count": 2048, "max_chunks": 64, "record_count": 256}},
-         "apps": [APP]}
+         "apps": [APP, SOLO]}
 
 
 def _wait(what: str, cond: Any, timeout_s: float) -> Any:
@@ -53,6 +58,28 @@ def _placed_and_applied(ctl: Any) -> dict[str, Any] | None:
     return st if {a["primary"]["node"], a["standby"]["node"]} <= applied and route else None
 
 
+def _applied(ctl: Any, app: str) -> dict[str, Any] | None:
+    st = ray.get(ctl.status.remote(), timeout=30)
+    a = st["apps"].get(app)
+    done = {d.get("node") for d in st["decisions"] if d["action"] == "applied" and d["app"] == app}
+    return st if a is not None and a["primary"]["node"] in done and app in st["routes"]["apps"] else None
+
+
+def _post_until_ok(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST until answered 200: a front door fetches its agent's routing table every second."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return dict(json.loads(resp.read()))
+        except urllib.error.HTTPError as e:
+            if e.code != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: RayFleet) -> None:
     ctl = controller_actor(parse_fleet_config(FLEET, source="test"))
     st = _wait("cls placed with a standby and loaded on both machines", lambda: _placed_and_applied(ctl), 300)
@@ -70,6 +97,13 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
         r = client.infer("cls", xs[0])
         assert r.status == Status.OK and client.failovers == 0
         np.testing.assert_allclose(r.output, want[0], rtol=1e-4, atol=1e-4)
+        # "solo" runs on one machine; the other machine's front door forwards its requests there.
+        solo = _wait("solo placed and loaded", lambda: _applied(ctl, "solo"), 300)
+        other = next(n for nid, n in solo["nodes"].items() if nid != solo["apps"]["solo"]["primary"]["node"])
+        doc = _post_until_ok(f"http://{other['host']}:{other['http_port']}/v2/models/solo/infer",
+                             {"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                          "data": xs[0].reshape(-1).tolist()}]}, 60)
+        np.testing.assert_allclose(np.asarray(doc["outputs"][0]["data"], np.float32), want[0], rtol=1e-4, atol=1e-4)
         # The primary's machine dies whole: orchestrator and its instances, agent, raylet.
         info = st["nodes"][primary["node"]]
         os.killpg(int(info["node_pid"]), signal.SIGKILL)
