@@ -7,7 +7,9 @@ UNIMPLEMENTED. Errors abort the call with the code of :data:`GRPC_CODE`.
 
 Messages are bounded by what the models can take (:attr:`ModelInfo.max_message_bytes`): gRPC itself
 refuses one larger than the largest model's bound with RESOURCE_EXHAUSTED before it is parsed, and
-ModelInfer refuses one larger than its own model's bound the same way.
+ModelInfer refuses one larger than its own model's bound the same way. A front door whose models can
+change while it runs takes messages up to :data:`CHANGING_MODELS_MESSAGE_BYTES` before ModelInfer's
+own check (:func:`max_message_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.Stat
              "unauthenticated": grpc.StatusCode.UNAUTHENTICATED}
 #: Send limit of the server (an answer is max_batch x K floats; gRPC's default send limit is unbounded).
 MAX_SEND_BYTES = 256 << 20
+#: gRPC's receive limit at least, when models can be loaded or routed after the server starts: 64 MiB
+#: (eight 3x1024x1024 float32 rows would not fit; such a model's requests over gRPC are refused
+#: RESOURCE_EXHAUSTED, over HTTP served). ModelInfer still holds each message to its model's own bound.
+CHANGING_MODELS_MESSAGE_BYTES = 64 << 20
 #: Typed contents field of each datatype.
 CONTENTS_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents", "FP16": None, "INT64": "int64_contents",
                   "FP64": "fp64_contents", "INT32": "int_contents", "INT8": "int_contents", "BOOL": "bool_contents"}
@@ -178,14 +184,21 @@ def make_handler(core: Core) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
-def max_message_bytes(core: Core) -> int:
-    """gRPC's receive limit: the largest message any model can take (each ModelInfer has its own)."""
-    return max((m.max_message_bytes for m in core.models.values()), default=4 << 20)
+def max_message_bytes(core: Core, *, models_change: bool = False) -> int:
+    """gRPC's receive limit: the largest message any model can take (each ModelInfer has its own).
+    gRPC fixes it when the server starts, so a front door whose models can change while it runs (the
+    repository API loads them, a fleet's table routes them) takes at least
+    :data:`CHANGING_MODELS_MESSAGE_BYTES`: a model loaded or routed later is held to its own bound by
+    ModelInfer, not refused by a limit made for the models of the start."""
+    bound = max((m.max_message_bytes for m in core.models.values()), default=4 << 20)
+    return max(bound, CHANGING_MODELS_MESSAGE_BYTES) if models_change else bound
 
 
-def make_server(core: Core) -> grpc.aio.Server:
-    """A grpc.aio server with the service added (add a port, then ``await start()``)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes(core)),
+def make_server(core: Core, *, models_change: bool = False) -> grpc.aio.Server:
+    """A grpc.aio server with the service added (add a port, then ``await start()``); ``models_change``:
+    see :func:`max_message_bytes`."""
+    limit = max_message_bytes(core, models_change=models_change)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", MAX_SEND_BYTES)])
     server.add_generic_rpc_handlers((make_handler(core),))
     return server

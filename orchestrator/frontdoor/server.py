@@ -106,7 +106,8 @@ class FrontDoor:
                 port = runner.addresses[0][1]
                 self.http_url = f"http://{host_url}:{port}"
             if self._grpc_port is not None:
-                grpc_server = make_server(self.core)
+                grpc_server = make_server(self.core, models_change=self._repository is not None
+                                                                    or forwarder is not None)
                 try:
                     port = grpc_server.add_insecure_port(f"{host_url}:{self._grpc_port}")
                 except RuntimeError as e:

@@ -227,6 +227,31 @@ def test_what_the_table_does_not_route_and_bad_input_are_refused_before_anything
         door.close()
 
 
+def test_a_routed_model_larger_than_any_at_the_start_passes_grpcs_limit(owner: tuple[LoopNode, torch.nn.Module],
+                                                                       routes: Routes) -> None:
+    """gRPC fixes its receive limit at start, when the door has no model: a routed model's full batch
+    (8 x 3x224x224 float32, 4.8 MB, above gRPC's 4 MiB default) still reaches its own checks and the owner."""
+    node, _ = owner
+    big = {**ENTRY, "name": "big", "input_shape": [3, 224, 224], "max_batch": 8}
+    target = {"host": node.address[0], "udp_port": node.address[1], "http_port": 0, "node": "o", "gpu": 0}
+    # routed as app 1, whose rows at the owner are 3x32x32: the owner refuses these rows as BAD_REQUEST
+    routes.table = {"version": 1, "apps": {"big": {"app_id": CLASSIFY.app_id, "slo_ms": 500, "primary": target,
+                                                   "standby": None, "model": route_model(big)}}}
+    door = _door(routes)
+    try:
+        x = np.zeros((8, 3, 224, 224), np.float32)
+        with grpcclient.InferenceServerClient(door.grpc_target) as g:
+            gi = grpcclient.InferInput("input", list(x.shape), "FP32")
+            gi.set_data_from_numpy(x)
+            with pytest.raises(InferenceServerException) as e:
+                g.infer("big", [gi], client_timeout=30)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "BAD_REQUEST" in e.value.message()
+        fwd = door.core.forwarder
+        assert fwd is not None and fwd.forwarded == 8
+    finally:
+        door.close()
+
+
 def test_a_front_door_whose_seeds_do_not_answer_starts_and_refuses_unknown_models() -> None:
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))

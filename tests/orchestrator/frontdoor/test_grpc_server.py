@@ -14,7 +14,12 @@ from tritonclient.utils import InferenceServerException
 
 from orchestrator.frontdoor import oip_pb2 as pb
 from orchestrator.frontdoor.core import OipError
-from orchestrator.frontdoor.grpc_server import Servicer, call_deadline_us, max_message_bytes
+from orchestrator.frontdoor.grpc_server import (
+    CHANGING_MODELS_MESSAGE_BYTES,
+    Servicer,
+    call_deadline_us,
+    max_message_bytes,
+)
 from orchestrator.frontdoor.models import model_info
 
 from .conftest import APPS, Stack
@@ -39,6 +44,10 @@ def test_receive_limit_is_the_largest_models_bound() -> None:
     classify, detect = infos
     assert classify.max_message_bytes == 4 * 3 * 32 * 32 * 4 + (64 << 10)
     assert detect.max_message_bytes == 4 * 3 * 32 * 32 * 2 + (64 << 10)  # uint8 as 2-byte varints
+    # Models loaded (repository) or routed (a fleet's table) after the start may be larger: the limit
+    # the server is made with does not refuse them; each ModelInfer is held to its own model's bound.
+    assert max_message_bytes(core, models_change=True) == CHANGING_MODELS_MESSAGE_BYTES  # type: ignore[arg-type]
+    assert max_message_bytes(SimpleNamespace(models={}), models_change=False) == 4 << 20  # type: ignore[arg-type]
 
 
 def test_oversized_messages_are_refused_with_resource_exhausted(stack: Stack) -> None:
