@@ -5,7 +5,7 @@ front doors beside it:
 
 - ``direct``: the node's own front door (rows into its packet pool), as bench/oip runs it;
 - ``forwarded``: a front door that hosts no app and has the fleet's routing table
-  (``fleet_routes``, served here by a stand-in for an agent's routes server). It takes the request,
+  (``fleet_routes``, served here by the agents' own routes server class). It takes the request,
   checks and decodes it, and sends its rows to the owner's UDP ingest over the wire format
   (orchestrator/frontdoor/forward.py): what any other node of a fleet does for an app it does not host.
 
@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -38,6 +35,7 @@ from bench import serving as sv
 from bench.common import write_result
 from bench.oip import _on_cores, _take
 from gpuprims.cpushare import available_cores
+from orchestrator.fleet.routes import RoutesServer
 from orchestrator.frontdoor import start_frontdoor
 from orchestrator.frontdoor.forward import route_model
 
@@ -46,32 +44,6 @@ SLO_MS = 200.0
 APP, APP_ID = "classify", 1
 WAYS = ("direct-http", "forwarded-http", "direct-grpc", "forwarded-grpc")
 CLIENT_TIMEOUT_S = 5.0
-
-
-class RoutesServer:
-    """An agent's routes server stand-in: ``GET /fleet/routes`` serves one table."""
-
-    def __init__(self, table: dict[str, Any]) -> None:
-        body = json.dumps(table).encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def route_table(entry: dict[str, Any], udp_port: int) -> dict[str, Any]:
@@ -164,7 +136,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     with sv.running_node(cfg) as node:
         port = sv.port_of(node)
-        routes = RoutesServer(route_table(entry, port))
+        table = route_table(entry, port)
+        routes = RoutesServer(lambda: table)  # an agent's routes server, as the agent runs it
         direct = start_frontdoor(cfg.apps, ("127.0.0.1", port), http_port=0, grpc_port=0, ingest=node.ingest)
         fwd = start_frontdoor([], ("127.0.0.1", port), http_port=0, grpc_port=0, fleet_routes=[routes.url])
         try:

@@ -26,17 +26,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from orchestrator.control import connect_command, control_address, read_token
+from orchestrator.fleet.routes import RoutesServer
 from orchestrator.launch import die_with_parent
 from orchestrator.messages import StatusReply, StatusRequest
 from orchestrator.rundir import read_record
@@ -79,13 +78,13 @@ class Agent:
         tok.chmod(0o600)
         self.http_port = free_port(host)
         self.routes: dict[str, Any] = {"version": 0, "apps": {}}
-        self._routes_server: ThreadingHTTPServer | None = self._serve_routes(routes_port)
-        url_host = f"[{host}]" if ":" in host else host
+        self._routes_server: RoutesServer | None = RoutesServer(lambda: self.routes, host, routes_port)
+        self.routes_port = self._routes_server.port
         # The node's front door forwards requests for apps it does not host by this agent's table.
         node = {**node_settings, "listen": {"host": host, "port": 0}, "http_port": self.http_port,
                 "run_dir": str(self.run_dir),
                 "repository": {"enabled": True, "token_file": str(tok)},
-                "fleet_routes": [f"http://{url_host}:{self.routes_port}"]}
+                "fleet_routes": [self._routes_server.url]}
         node.setdefault("autoscale", False)
         self.config_path = self.dir / "apps.yaml"
         self.config_path.write_text(yaml.safe_dump({"node": node, "apps": []}))
@@ -213,35 +212,8 @@ class Agent:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         if self._routes_server is not None:
-            self._routes_server.shutdown()
-            self._routes_server.server_close()
+            self._routes_server.close()
             self._routes_server = None
         with contextlib.suppress(OSError):
             self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    # -- the routing table over HTTP -------------------------------------------------------------------
-    def _serve_routes(self, port: int) -> ThreadingHTTPServer:
-        agent = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.rstrip("/") != "/fleet/routes":
-                    self.send_error(404, "only GET /fleet/routes")
-                    return
-                body = json.dumps(agent.routes).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        cls = type("Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6 if ":" in self.host
-                                                      else socket.AF_INET, "daemon_threads": True})
-        srv = cls((self.host, port), Handler)
-        self.routes_port = int(srv.server_address[1])
-        threading.Thread(target=srv.serve_forever, name="gpuprims-fleet-routes", daemon=True).start()
-        return srv

@@ -19,7 +19,7 @@ def test_the_table_routes_the_app_to_the_node_with_what_a_front_door_needs() -> 
     assert route["primary"]["udp_port"] == 9123 and route["standby"] is None and route["app_id"] == forward.APP_ID
     info = model_info_from_route(forward.APP, route)
     assert info is not None and info.input_shape == forward.SHAPE and info.output_dim == 1000
-    server = forward.RoutesServer(table)
+    server = forward.RoutesServer(lambda: table)
     try:
         with urllib.request.urlopen(server.url + "/fleet/routes", timeout=10) as r:
             assert json.loads(r.read()) == table

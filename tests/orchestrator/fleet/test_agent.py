@@ -21,6 +21,7 @@ from gpuprims.client import Client
 from gpuprims.wire import Status
 from orchestrator.fleet.agent import Agent
 from orchestrator.frontdoor.forward import route_model
+from tests.orchestrator.fleet.helpers import post_until_ok
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +39,6 @@ def _gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _until_ok(url: str, body: dict[str, object], timeout_s: float) -> dict[str, object]:
-    """POST ``body`` until it is answered 200 (the front door fetches its table every second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return dict(json.loads(resp.read()))
-        except urllib.error.HTTPError as e:
-            if e.code != 404 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.1)
 
 
 def test_the_agent_runs_a_node_and_applies_app_sets(tmp_path: Path) -> None:
@@ -78,7 +64,7 @@ def test_the_agent_runs_a_node_and_applies_app_sets(tmp_path: Path) -> None:
         route = {"app_id": 7, "primary": {"host": "127.0.0.1", "udp_port": info["udp_port"], "http_port": 0,
                                           "node": "node-a", "gpu": 0}, "standby": None, "model": route_model(ENTRY)}
         agent.set_routes({"version": 4, "apps": {"far": route}})
-        doc = _until_ok(f"http://127.0.0.1:{info['http_port']}/v2/models/far/infer",
+        doc = post_until_ok(f"http://127.0.0.1:{info['http_port']}/v2/models/far/infer",
                         {"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
                                      "data": [0.0] * 3072}]}, timeout_s=30)
         assert doc["model_name"] == "far" and doc["outputs"][0]["shape"] == [1, 10]

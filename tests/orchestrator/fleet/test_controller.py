@@ -5,14 +5,11 @@ request is still answered exactly once."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
@@ -26,6 +23,7 @@ from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
 from orchestrator.fleet.controller import controller_actor
 from tests.orchestrator.fleet.conftest import RayFleet, ray
+from tests.orchestrator.fleet.helpers import post_until_ok
 
 pytestmark = pytest.mark.slow
 
@@ -65,21 +63,6 @@ def _applied(ctl: Any, app: str) -> dict[str, Any] | None:
     return st if a is not None and a["primary"]["node"] in done and app in st["routes"]["apps"] else None
 
 
-def _post_until_ok(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """POST until answered 200: a front door fetches its agent's routing table every second."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return dict(json.loads(resp.read()))
-        except urllib.error.HTTPError as e:
-            if e.code != 404 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
-
-
 def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: RayFleet) -> None:
     ctl = controller_actor(parse_fleet_config(FLEET, source="test"))
     st = _wait("cls placed with a standby and loaded on both machines", lambda: _placed_and_applied(ctl), 300)
@@ -100,7 +83,7 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
         # "solo" runs on one machine; the other machine's front door forwards its requests there.
         solo = _wait("solo placed and loaded", lambda: _applied(ctl, "solo"), 300)
         other = next(n for nid, n in solo["nodes"].items() if nid != solo["apps"]["solo"]["primary"]["node"])
-        doc = _post_until_ok(f"http://{other['host']}:{other['http_port']}/v2/models/solo/infer",
+        doc = post_until_ok(f"http://{other['host']}:{other['http_port']}/v2/models/solo/infer",
                              {"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
                                           "data": xs[0].reshape(-1).tolist()}]}, 60)
         np.testing.assert_allclose(np.asarray(doc["outputs"][0]["data"], np.float32), want[0], rtol=1e-4, atol=1e-4)

@@ -5,12 +5,9 @@ to the standby, and what the table does not route is refused as before."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -25,6 +22,7 @@ from gpuprims.client import Result
 from gpuprims.wire import Status
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.fleet.plan import Assignment, Slot, route_table
+from orchestrator.fleet.routes import RoutesServer
 from orchestrator.frontdoor import start_frontdoor
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.forward import Forwarder, model_info_from_route, route_model
@@ -40,30 +38,12 @@ ENTRY = {"name": CLASSIFY.name, "model": CLASSIFY.model, "input_shape": list(CLA
 
 
 class Routes:
-    """A fleet agent's routes server stand-in: GET /fleet/routes serves ``table``."""
+    """A fleet agent's routes server (the agents' own class) serving ``table``, which a test may change."""
 
     def __init__(self) -> None:
         self.table: dict[str, Any] = {"version": 0, "apps": {}}
-        self.gets = 0
-        routes = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                routes.gets += 1
-                body = json.dumps(routes.table).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+        self.server = RoutesServer(lambda: self.table)
+        self.url = self.server.url
 
     def route(self, version: int, primary: tuple[str, int], standby: tuple[str, int] | None) -> None:
         def target(a: tuple[str, int] | None) -> dict[str, Any] | None:
@@ -75,8 +55,7 @@ class Routes:
             "standby": target(standby), "model": route_model(ENTRY)}}}
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @pytest.fixture(scope="module")
