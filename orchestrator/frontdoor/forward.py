@@ -32,6 +32,7 @@ import aiohttp
 import numpy as np
 
 from gpuprims.client import FAILOVER_STATUSES, AsyncClient, RequestLost, Result
+from gpuprims.wire import Status
 from orchestrator.config import AppConfig
 from orchestrator.frontdoor.models import ModelInfo, output_dim
 from orchestrator.frontdoor.transport import Marks
@@ -156,7 +157,8 @@ class Forwarder:
         """Each row of ``x`` to the owner of ``info``'s app (and again to the standby on a failover)."""
         route = self.route(info.name)
         if route is None or _address(route.get("primary")) is None:
-            return [RequestLost(info.app_id, 0, 0.0, 0) for _ in range(len(x))]
+            # The table stopped routing it since the request was looked up: nowhere serves it now.
+            return [Result(info.app_id, 0, Status.UNKNOWN_APP, None, 0.0, 0) for _ in range(len(x))]
         self.forwarded += len(x)
         tasks = [asyncio.ensure_future(self._one(info, route, row, deadline_us, timeout_s)) for row in x]
         try:

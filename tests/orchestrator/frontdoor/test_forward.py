@@ -283,6 +283,11 @@ def test_a_model_the_node_hosts_is_never_forwarded_whatever_the_table_says() -> 
     assert other.app_id == 10 and core.forwarded(other) and core.model_ready("other")
     with pytest.raises(OipError, match="no version"):
         core.model("other", "2")
+    # The table stops routing it between the lookup and the send: unavailable (503), not a timeout.
+    del fwd.table["apps"]["other"]
+    with pytest.raises(OipError, match="UNKNOWN_APP") as e:
+        asyncio.run(core.infer(other, np.zeros((1, *CLASSIFY.input_shape), np.float32)))
+    assert e.value.kind == "unavailable" and fwd.forwarded == 0
 
 
 def test_the_routing_table_carries_what_a_front_door_needs_to_take_the_app() -> None:
