@@ -8,7 +8,9 @@ primary machine:
 
 - ``kill``: SIGKILL of the whole machine (its raylet, the agent, the orchestrator and its instances:
   ``Cluster.remove_node(allow_graceful=False)``);
-- ``stop``: SIGSTOP of the same processes (a silent machine), SIGCONT after the run.
+- ``stop``: SIGSTOP of the same processes (a silent machine), SIGCONT after the run;
+- ``head``: SIGKILL of the head (its GCS, its raylet and the controller on it): serving must go on;
+- ``none``: no fault: a soak (run it beside busy loops, ``--after 600``) counting false suspicions.
 
 Per run: seconds from the fault to the controller's suspicion, to the route flip (the first table
 version pushed after it), to Ray's confirmation, to the first OK of a request sent after the fault;
@@ -16,7 +18,8 @@ sent / OK / errors / unanswered / duplicates suppressed at the client; p50/p99 l
 after the fault. Targets (issue 25): suspicion <= 1.5 s, first OK <= 2 s, 0 unanswered, 0 answered
 twice. Reports, never asserts.
 
-Run: ``python -m bench.fleet [--quick] [--runs N] [--faults kill,stop]``. Needs the ``fleet`` extra.
+Run: ``python -m bench.fleet [--quick] [--runs N] [--faults kill,stop,head]``; the soak:
+``contended python -m bench.fleet --faults none --runs 1 --after 600 --name fleet-soak``. Needs the ``fleet`` extra.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 PLACE_TIMEOUT_S = 300.0
+FAULTS = ("kill", "stop", "head", "none")
 
 
 def _placed(ctl: Any) -> dict[str, Any] | None:
@@ -72,8 +76,9 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
     token = secrets.token_hex(32)
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
     reset_auth_token_state()
+    system = {**FAST_HEALTH, **parse_fleet_config(FLEET, source="bench").ray.system_config()}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "_system_config": FAST_HEALTH})
+                                                            "_system_config": system})
     stopped: list[int] = []
     try:
         workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
@@ -112,7 +117,14 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
             t_start = time.time()
             t_fault = t_start + before_s
             t_end = t_fault + after_s
-            faulted = False
+            faulted = fault == "none"
+            decisions: list[dict[str, Any]] = []
+            if fault == "head":
+                # The driver lets go of Ray first: it may be attached to the head's raylet, and a Ray
+                # driver whose raylet dies exits. The controller dies with the head; its decisions so
+                # far are what is kept.
+                decisions = ray.get(ctl.status.remote(), timeout=30)["decisions"]
+                ray.shutdown()
             futs = []
             nxt = time.time()
             while nxt < t_end:
@@ -120,7 +132,10 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
                 if not faulted and now >= t_fault:
                     t_fault = now
                     w = next(w for w in workers if w.node_id == primary)
-                    if fault == "kill":
+                    if fault == "head":
+                        # The head whole (GCS, its raylet, the controller on it), without warning.
+                        cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
+                    elif fault == "kill":
                         # The whole machine at once: its orchestrator (and instances, one process group),
                         # the agent, then the raylet and the rest of the Ray node.
                         info = st["nodes"][primary]
@@ -150,19 +165,21 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
             concurrent.futures.wait(futs, timeout=60)
             pool.shutdown(wait=True, cancel_futures=True)
             duplicates, failovers = client.duplicates, client.failovers
-        decisions = ray.get(find_controller().status.remote(), timeout=30)["decisions"]
+        if fault != "head":
+            decisions = ray.get(find_controller().status.remote(), timeout=30)["decisions"]
     finally:
         for pid in stopped:
             try:
                 os.killpg(-pid, signal.SIGCONT) if pid < 0 else os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        try:
-            c = find_controller()
-            ray.get(c.shutdown.remote(), timeout=120)
-            ray.kill(c)
-        except Exception:
-            pass
+        if ray.is_initialized():
+            try:
+                c = find_controller()
+                ray.get(c.shutdown.remote(), timeout=120)
+                ray.kill(c)
+            except Exception:
+                pass
         ray.shutdown()
         cluster.shutdown()
 
@@ -171,6 +188,8 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         return round(min(ts) - t_fault, 3) if ts else None
 
     t_suspect = first("suspect", t_fault)
+    faulted_node = primary if fault in ("kill", "stop") else None
+    false_suspicions = [d for d in decisions if d["action"] == "suspect" and d.get("node") != faulted_node]
     flip = first("routes", t_fault + (t_suspect or 0.0))
     after = [r for r in rows if r["sent"] >= t_fault]
     oks_after = [r["done"] for r in after if r["status"] == "OK"]
@@ -184,6 +203,7 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         "errors": sum(r["status"] not in ("OK", "UNANSWERED") for r in rows),
         "unanswered": sum(r["status"] == "UNANSWERED" for r in rows),
         "duplicates_suppressed": duplicates, "failovers": failovers,
+        "false_suspicions": len(false_suspicions), "run_s": round(t_end - t_start, 1),
         "p50_ms_before": percentiles(before, (50,)).get("p50") if before else None,
         "p99_ms_before": percentiles(before, (99,)).get("p99") if before else None,
         "p50_ms_after": percentiles(later, (50,)).get("p50") if later else None,
@@ -196,16 +216,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one short run per fault at a low rate")
     ap.add_argument("--runs", type=int, default=10, help="runs per fault (ignored with --quick)")
-    ap.add_argument("--faults", default="kill,stop", help="comma-separated: kill, stop")
+    ap.add_argument("--faults", default="kill,stop,head", help=f"comma-separated: {', '.join(FAULTS)}")
     ap.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
+    ap.add_argument("--before", type=float, help="seconds of traffic before the fault (default 10, quick 3)")
+    ap.add_argument("--after", type=float, help="seconds of traffic after it (default 20, quick 8)")
+    ap.add_argument("--name", default="fleet", help="result name (fleet-soak for a 'none' soak beside busy loops)")
     args = ap.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
-    bad = sorted(set(faults) - {"kill", "stop"})
+    bad = sorted(set(faults) - set(FAULTS))
     if bad:
-        ap.error(f"unknown fault(s) {bad}; choose from kill, stop")
+        ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)}")
     runs = 1 if args.quick else args.runs
     rate = 5.0 if args.quick else args.rate
     before_s, after_s = (3.0, 8.0) if args.quick else (10.0, 20.0)
+    before_s = before_s if args.before is None else args.before
+    after_s = after_s if args.after is None else args.after
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -216,18 +241,19 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # e.g. Ray's head not starting on an overloaded machine: reported, not hidden
                 print(f"run {i} of fault {f} could not run: {e}")
                 failed.append({"fault": f, "run": i, "error": str(e)})
-    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed)}
+    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed),
+                               "before_s": before_s, "after_s": after_s}
     for f in faults:
         rs = [r for r in results if r["fault"] == f]
         for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
             vals = [r[key] for r in rs if r[key] is not None]
             summary[f"{f}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
-        for key in ("sent", "ok", "errors", "unanswered", "duplicates_suppressed"):
+        for key in ("sent", "ok", "errors", "unanswered", "duplicates_suppressed", "false_suspicions"):
             summary[f"{f}_{key}"] = sum(r[key] for r in rs)
     notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
              "FleetClient with failover_s 0.5." + (" QUICK run: a smoke test, not figures." if args.quick else "")
              + load_note(load_before))
-    path = write_result("fleet", "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
+    path = write_result(args.name, "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
                         large_samples=True)
     print(path)
     for k, v in summary.items():

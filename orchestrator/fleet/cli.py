@@ -76,7 +76,7 @@ def start(config: str, address: str | None) -> None:
         click.echo(f"fleet controller started on {address}; `gpuprims-fleet status --address {address}`")
         return
     ray.init(namespace=NAMESPACE, include_dashboard=False, resources={cfg.ray.resource: 1},
-             logging_level="WARNING")
+             logging_level="WARNING", _system_config=cfg.ray.system_config())
     ctl = controller_actor(cfg)
     ray.get(ctl.ping.remote())
     click.echo("local fleet up (Ctrl-C stops it); `gpuprims-fleet status` in another shell")

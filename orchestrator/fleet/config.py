@@ -44,6 +44,14 @@ class RayConfig(BaseModel):
     address: str | None = None
     token_file: str | None = None
     resource: str = "gpuprims"
+    #: How long the gpuprims machines keep serving while the head is gone: Ray's raylets and workers
+    #: (the agents, and with them the nodes) give up on a lost GCS after this (Ray's default, 60 s,
+    #: would stop the whole fleet a minute after the head dies).
+    head_outage_s: int = Field(86400, ge=60, le=30 * 86400)
+
+    def system_config(self) -> dict[str, int]:
+        """Ray's ``_system_config`` for the head this fleet starts (docs/fleet.md: ``ray start``)."""
+        return {"gcs_rpc_server_reconnect_timeout_s": self.head_outage_s}
 
 
 class FleetConfig(BaseModel):

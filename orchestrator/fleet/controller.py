@@ -48,6 +48,7 @@ CONTROLLER_NAME = "gpuprims-fleet-controller"
 AGENT_PREFIX = "gpuprims-agent-"
 STATE_KEY = b"gpuprims-fleet/state"
 DECISIONS_KEPT = 200
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node only
 #: Decisions about machines (not apps), kept in their own list too.
 NODE_EVENTS = frozenset({"suspect", "unsuspect", "confirm_dead", "agent", "agent_failed", "drain", "restart"})
 
@@ -340,15 +341,25 @@ class Controller:
         internal_kv._internal_kv_del(STATE_KEY)
 
 
+def head_node_id(nodes: list[dict[str, Any]]) -> str | None:
+    """The live head node's id in Ray's node table (``ray.nodes()``), or None when none is alive."""
+    for n in nodes:
+        if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}):
+            return str(n["NodeID"])
+    return None
+
+
 def controller_actor(cfg: FleetConfig) -> Any:
     """Start (or find) the detached, restartable controller actor."""
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         pass
-    # On the machine that starts it (the head, normally), not on a gpuprims machine whose failure it
-    # must survive and report (soft: elsewhere if that machine is gone when Ray restarts it).
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    # On the head, not on a gpuprims machine whose failure it must survive and report (soft: elsewhere
+    # if the head cannot take it). A driver on a machine with several Ray nodes (a local cluster) may be
+    # attached to any of them, so the head is found in the node table, not taken from the driver.
+    node_id = head_node_id(ray.nodes()) or ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True)
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0,
         max_concurrency=4, get_if_exists=True, scheduling_strategy=here,

@@ -22,6 +22,24 @@ def test_a_bad_fleet_yaml_is_refused_with_the_key(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "No such file" in r.output
 
 
+def test_a_local_fleet_starts_ray_so_its_machines_outlive_a_dead_head(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "fleet.yaml"
+    p.write_text("ray: {head_outage_s: 3600}\napps: []\n")
+    seen: dict = {}
+
+    def init(**kw: object) -> None:
+        seen.update(kw)
+        raise RuntimeError("stopped before Ray starts")
+
+    monkeypatch.setattr(cli, "secure_ray_env", lambda token_file: None)
+    monkeypatch.setattr(cli.ray, "init", init)
+    r = CliRunner().invoke(cli.main, ["start", str(p)])
+    assert isinstance(r.exception, RuntimeError)
+    assert seen["_system_config"] == {"gcs_rpc_server_reconnect_timeout_s": 3600}
+    assert seen["include_dashboard"] is False
+
+
 def test_the_commands_are_there() -> None:
     r = CliRunner().invoke(cli.main, ["--help"])
     assert r.exit_code == 0

@@ -20,6 +20,10 @@ def test_a_good_fleet_yaml_loads(tmp_path: Path) -> None:
     assert cfg.apps[0]["rate_rps"] == 20 and cfg.node_entry(cfg.apps[0]) == {"name": "cls", "model": "mobilenet_v2",
                                                                              "slo_ms": 50}
     assert parse_fleet_config(GOOD).suspect_after_s == 1.0
+    # The machines outlive a dead head by a day, not Ray's default minute.
+    assert parse_fleet_config(GOOD).ray.system_config() == {"gcs_rpc_server_reconnect_timeout_s": 86400}
+    assert parse_fleet_config({**GOOD, "ray": {"head_outage_s": 600}}).ray.system_config() == {
+        "gcs_rpc_server_reconnect_timeout_s": 600}
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -31,6 +35,7 @@ def test_a_good_fleet_yaml_loads(tmp_path: Path) -> None:
     ({"node": {"http_port": 8000}}, "set by each machine's agent"),
     ({"suspect_after_s": 0}, "suspect_after_s"),
     ({"pings": 3}, "pings"),
+    ({"ray": {"head_outage_s": 5}}, "ray.head_outage_s"),
 ])
 def test_a_bad_fleet_yaml_names_the_key(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=r"fleet\.yaml") as e:

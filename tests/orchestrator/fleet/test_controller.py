@@ -21,7 +21,7 @@ from gpuprims.client import FleetClient
 from gpuprims.gather import preprocess
 from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
-from orchestrator.fleet.controller import controller_actor
+from orchestrator.fleet.controller import HEAD_RESOURCE, controller_actor, head_node_id
 from tests.orchestrator.fleet.conftest import RayFleet, ray
 from tests.orchestrator.fleet.helpers import post_until_ok
 
@@ -108,6 +108,8 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
         return s if any(d["action"] == "confirm_dead" for d in s["node_events"]) else None
 
     st = _wait("Ray confirms the death", confirmed, 120)
+    # The controller runs on the head, so the machine's death did not take it along (no restart).
+    assert not any(d["action"] == "restart" for d in st["node_events"]), st["node_events"]
     dead = [d for d in st["node_events"] if d.get("node") == primary["node"]]
     actions = [d["action"] for d in dead]
     # The controller's pings normally suspect it first (Ray's checks are slower, conftest); on a very
@@ -148,3 +150,11 @@ def test_a_ray_client_without_the_token_is_refused(ray_fleet: RayFleet) -> None:
     env_ok = {**env_wrong, "RAY_AUTH_TOKEN": ray_fleet.token}
     r = subprocess.run([sys.executable, "-c", probe], env=env_ok, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ADMITTED" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
+def test_the_controller_is_pinned_to_the_live_head_found_in_the_node_table() -> None:
+    worker = {"NodeID": "w", "Alive": True, "Resources": {"CPU": 1.0, "gpuprims": 1.0}}
+    head = {"NodeID": "h", "Alive": True, "Resources": {"CPU": 1.0, HEAD_RESOURCE: 1.0}}
+    assert head_node_id([worker, head]) == "h"
+    assert head_node_id([worker, {**head, "Alive": False}]) is None  # then the driver's own node
+    assert head_node_id([]) is None
