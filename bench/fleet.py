@@ -26,18 +26,25 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 from ray._private.authentication_test_utils import reset_auth_token_state
 from ray.cluster_utils import Cluster
 
+from apps.zoo.registry import build_model
 from bench.common import load_note, percentiles, write_result
 from gpuprims.client import FleetClient, RequestLost
 from gpuprims.wire import Status
@@ -70,6 +77,34 @@ def _placed(ctl: Any) -> dict[str, Any] | None:
 def _pids_of(worker: Any, node_info: dict[str, Any]) -> list[int]:
     pids = [p.process.pid for procs in worker.all_processes.values() for p in procs if p.process is not None]
     return [*pids, int(node_info["pid"])]
+
+
+
+def drive(send: Callable[[], None], inject: Callable[[], None] | None, *, rate_rps: float, before_s: float,
+          after_s: float, rng: np.random.Generator) -> tuple[float, float, float]:
+    """Poisson traffic through ``send`` from a pool of threads, ``inject`` run once after ``before_s``;
+    waits for every request sent. Returns the start, the fault's and the end's wall times."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
+    t_start = time.time()
+    t_fault = t_start + before_s
+    t_end = t_fault + after_s
+    faulted = inject is None
+    futs = []
+    nxt = time.time()
+    while nxt < t_end:
+        now = time.time()
+        if not faulted and now >= t_fault:
+            t_fault = now
+            assert inject is not None
+            inject()
+            faulted = True
+        if now >= nxt:
+            futs.append(pool.submit(send))
+            nxt += rng.exponential(1.0 / rate_rps)
+        time.sleep(max(0.0, min(nxt, t_end) - time.time()))
+    concurrent.futures.wait(futs, timeout=60)
+    pool.shutdown(wait=True, cancel_futures=True)
+    return t_start, t_fault, t_end
 
 
 def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
@@ -113,11 +148,6 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
                 with lock:
                     rows.append(row)
 
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
-            t_start = time.time()
-            t_fault = t_start + before_s
-            t_end = t_fault + after_s
-            faulted = fault == "none"
             decisions: list[dict[str, Any]] = []
             if fault == "head":
                 # The driver lets go of Ray first: it may be attached to the head's raylet, and a Ray
@@ -125,45 +155,37 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
                 # far are what is kept.
                 decisions = ray.get(ctl.status.remote(), timeout=30)["decisions"]
                 ray.shutdown()
-            futs = []
-            nxt = time.time()
-            while nxt < t_end:
-                now = time.time()
-                if not faulted and now >= t_fault:
-                    t_fault = now
-                    w = next(w for w in workers if w.node_id == primary)
-                    if fault == "head":
-                        # The head whole (GCS, its raylet, the controller on it), without warning.
-                        cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
-                    elif fault == "kill":
-                        # The whole machine at once: its orchestrator (and instances, one process group),
-                        # the agent, then the raylet and the rest of the Ray node.
-                        info = st["nodes"][primary]
-                        for fn, pid in ((os.killpg, int(info["node_pid"])), (os.kill, int(info["pid"]))):
-                            try:
-                                fn(pid, signal.SIGKILL)
-                            except ProcessLookupError:
-                                pass
-                        cluster.remove_node(w, allow_graceful=False)
-                    else:
-                        for pid in _pids_of(w, st["nodes"][primary]):
-                            try:
-                                os.kill(pid, signal.SIGSTOP)
-                                stopped.append(pid)
-                            except ProcessLookupError:
-                                pass
+
+            def inject() -> None:
+                w = next(w for w in workers if w.node_id == primary)
+                if fault == "head":
+                    # The head whole (GCS, its raylet, the controller on it), without warning.
+                    cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
+                elif fault == "kill":
+                    # The whole machine at once: its orchestrator (and instances, one process group),
+                    # the agent, then the raylet and the rest of the Ray node.
+                    info = st["nodes"][primary]
+                    for fn, pid in ((os.killpg, int(info["node_pid"])), (os.kill, int(info["pid"]))):
                         try:
-                            os.killpg(int(st["nodes"][primary]["node_pid"]), signal.SIGSTOP)
-                            stopped.append(-int(st["nodes"][primary]["node_pid"]))
+                            fn(pid, signal.SIGKILL)
                         except ProcessLookupError:
                             pass
-                    faulted = True
-                if now >= nxt:
-                    futs.append(pool.submit(send))
-                    nxt += rng.exponential(1.0 / rate_rps)
-                time.sleep(max(0.0, min(nxt, t_end) - time.time()))
-            concurrent.futures.wait(futs, timeout=60)
-            pool.shutdown(wait=True, cancel_futures=True)
+                    cluster.remove_node(w, allow_graceful=False)
+                elif fault == "stop":
+                    for pid in _pids_of(w, st["nodes"][primary]):
+                        try:
+                            os.kill(pid, signal.SIGSTOP)
+                            stopped.append(pid)
+                        except ProcessLookupError:
+                            pass
+                    try:
+                        os.killpg(int(st["nodes"][primary]["node_pid"]), signal.SIGSTOP)
+                        stopped.append(-int(st["nodes"][primary]["node_pid"]))
+                    except ProcessLookupError:
+                        pass
+
+            t_start, t_fault, t_end = drive(send, inject if fault != "none" else None, rate_rps=rate_rps,
+                                            before_s=before_s, after_s=after_s, rng=rng)
             duplicates, failovers = client.duplicates, client.failovers
         if fault != "head":
             decisions = ray.get(find_controller().status.remote(), timeout=30)["decisions"]
@@ -190,26 +212,138 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
     t_suspect = first("suspect", t_fault)
     faulted_node = primary if fault in ("kill", "stop") else None
     false_suspicions = [d for d in decisions if d["action"] == "suspect" and d.get("node") != faulted_node]
-    flip = first("routes", t_fault + (t_suspect or 0.0))
+    return {
+        "system": "gpuprims", "fault": fault, "time_to_suspect_s": t_suspect,
+        "time_to_flip_s": first("routes", t_fault + (t_suspect or 0.0)),
+        "time_to_confirm_s": first("confirm_dead", t_fault),
+        **client_view(rows, t_start, t_fault, t_end),
+        "duplicates_suppressed": duplicates, "failovers": failovers,
+        "false_suspicions": len(false_suspicions), "decisions": decisions,
+    }
+
+
+def client_view(rows: list[dict[str, Any]], t_start: float, t_fault: float, t_end: float) -> dict[str, Any]:
+    """What the clients saw: counts by outcome, the first OK after the fault, latency before and after."""
     after = [r for r in rows if r["sent"] >= t_fault]
     oks_after = [r["done"] for r in after if r["status"] == "OK"]
     before = [r["latency_ms"] for r in rows if r["sent"] < t_fault and r["status"] == "OK"]
     later = [r["latency_ms"] for r in after if r["status"] == "OK"]
     return {
-        "fault": fault, "time_to_suspect_s": t_suspect, "time_to_flip_s": flip,
-        "time_to_confirm_s": first("confirm_dead", t_fault),
         "time_to_first_ok_s": round(min(oks_after) - t_fault, 3) if oks_after else None,
         "sent": len(rows), "ok": sum(r["status"] == "OK" for r in rows),
         "errors": sum(r["status"] not in ("OK", "UNANSWERED") for r in rows),
         "unanswered": sum(r["status"] == "UNANSWERED" for r in rows),
-        "duplicates_suppressed": duplicates, "failovers": failovers,
-        "false_suspicions": len(false_suspicions), "run_s": round(t_end - t_start, 1),
+        "run_s": round(t_end - t_start, 1),
         "p50_ms_before": percentiles(before, (50,)).get("p50") if before else None,
         "p99_ms_before": percentiles(before, (99,)).get("p99") if before else None,
         "p50_ms_after": percentiles(later, (50,)).get("p50") if later else None,
         "p99_ms_after": percentiles(later, (99,)).get("p99") if later else None,
-        "requests": rows, "decisions": decisions,
+        "requests": rows,
     }
+
+
+class ServeModel:
+    """The app as a Ray Serve deployment (the peer row): the same model, seed and input, no batching."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.model = build_model(APP["model"], seed=APP["seed"], num_classes=APP["num_classes"],
+                                 input_shape=tuple(APP["input_shape"])).eval()
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        x = np.frombuffer(await request.body(), np.float32).reshape(1, *APP["input_shape"])
+        with self.torch.inference_mode():
+            y = self.model(self.torch.from_numpy(x.copy())).numpy()
+        return Response(y.tobytes(), media_type="application/octet-stream")
+
+
+def one_run_rayserve(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
+    """The same machine fault on Ray Serve: the app as a deployment with one replica on each gpuprims
+    machine (its way to keep a warm copy), Serve's defaults otherwise, its HTTP proxy on the head, a
+    plain HTTP client (timeout 10 s, no retry of its own: Serve's router is what fails over)."""
+    from ray import serve  # the peer extra (ray[serve]); the gpuprims rows need only ray core
+
+    token = secrets.token_hex(32)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
+    reset_auth_token_state()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "_system_config": FAST_HEALTH})
+    stopped: list[int] = []
+    try:
+        workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="gpuprims-bench-serve", log_to_driver=False)
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        dep = serve.deployment(ServeModel, num_replicas=2,
+                               ray_actor_options={"num_cpus": 0, "resources": {"gpuprims": 1}})
+        serve.run(dep.bind(), name="cls", route_prefix="/cls")
+        url = f"http://127.0.0.1:{port}/cls"
+        rng = np.random.default_rng(seed)
+        body = rng.random((3, 32, 32), dtype=np.float32).tobytes()
+        rows: list[dict[str, Any]] = []
+        lock = threading.Lock()
+
+        def send() -> None:
+            t0 = time.time()
+            row: dict[str, Any] = {"sent": t0}
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=10.0) as r:
+                    r.read()
+                row["status"] = "OK"
+            except urllib.error.HTTPError as e:  # an answer: an error status
+                row["status"] = f"HTTP_{e.code}"
+            except OSError:  # refused, reset or timed out: no answer
+                row["status"] = "UNANSWERED"
+            row["done"] = time.time()
+            row["latency_ms"] = (row["done"] - t0) * 1e3
+            with lock:
+                rows.append(row)
+
+        victim = workers[0]
+
+        def inject() -> None:
+            if fault == "kill":
+                cluster.remove_node(victim, allow_graceful=False)
+            else:
+                # The machine's Ray processes and their children (the replica's worker among them).
+                top = [p.process.pid for ps in victim.all_processes.values() for p in ps if p.process is not None]
+                pids = set(top)
+                for pid in top:
+                    with contextlib.suppress(psutil.Error):
+                        pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped.append(pid)
+
+        while True:  # the proxy answers once both replicas are up
+            send()
+            ok = rows.pop()["status"] == "OK"
+            if ok:
+                break
+            time.sleep(0.2)
+        t_start, t_fault, t_end = drive(send, inject, rate_rps=rate_rps, before_s=before_s, after_s=after_s, rng=rng)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        try:
+            serve.shutdown()
+        except Exception:
+            pass
+        ray.shutdown()
+        cluster.shutdown()
+    return {"system": "rayserve", "fault": fault, **client_view(rows, t_start, t_fault, t_end)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,11 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before", type=float, help="seconds of traffic before the fault (default 10, quick 3)")
     ap.add_argument("--after", type=float, help="seconds of traffic after it (default 20, quick 8)")
     ap.add_argument("--name", default="fleet", help="result name (fleet-soak for a 'none' soak beside busy loops)")
+    ap.add_argument("--rayserve", default="kill,stop",
+                    help="faults also run on Ray Serve, the peer row (kill, stop; '' for none; needs the peer extra)")
     args = ap.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
-    bad = sorted(set(faults) - set(FAULTS))
+    serve_faults = [f for f in args.rayserve.split(",") if f]
+    bad = sorted(set(faults) - set(FAULTS)) + sorted(set(serve_faults) - {"kill", "stop"})
     if bad:
-        ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)}")
+        ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)} (Ray Serve: kill, stop)")
     runs = 1 if args.quick else args.runs
     rate = 5.0 if args.quick else args.rate
     before_s, after_s = (3.0, 8.0) if args.quick else (10.0, 20.0)
@@ -234,24 +371,32 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
-    for f in faults:
+    plan = [("gpuprims", f, one_run) for f in faults] + [("rayserve", f, one_run_rayserve) for f in serve_faults]
+    for system, f, run in plan:
         for i in range(runs):
             try:
-                results.append(one_run(f, rate_rps=rate, before_s=before_s, after_s=after_s, seed=i))
+                results.append(run(f, rate_rps=rate, before_s=before_s, after_s=after_s, seed=i))
+                print(f"{system} {f} run {i}: " + ", ".join(
+                    f"{k} {v}" for k, v in results[-1].items() if k not in ("requests", "decisions")), flush=True)
             except Exception as e:  # e.g. Ray's head not starting on an overloaded machine: reported, not hidden
-                print(f"run {i} of fault {f} could not run: {e}")
-                failed.append({"fault": f, "run": i, "error": str(e)})
+                print(f"run {i} of {system} fault {f} could not run: {e}", flush=True)
+                failed.append({"system": system, "fault": f, "run": i, "error": str(e)})
     summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed),
                                "before_s": before_s, "after_s": after_s}
-    for f in faults:
-        rs = [r for r in results if r["fault"] == f]
+    for system, f, _ in plan:
+        rs = [r for r in results if r["fault"] == f and r["system"] == system]
+        prefix = f if system == "gpuprims" else f"rayserve_{f}"
         for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
-            vals = [r[key] for r in rs if r[key] is not None]
-            summary[f"{f}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
-        for key in ("sent", "ok", "errors", "unanswered", "duplicates_suppressed", "false_suspicions"):
-            summary[f"{f}_{key}"] = sum(r[key] for r in rs)
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            if system == "gpuprims" or key == "time_to_first_ok_s":
+                summary[f"{prefix}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
+        counted = ("sent", "ok", "errors", "unanswered") + (
+            ("duplicates_suppressed", "false_suspicions") if system == "gpuprims" else ())
+        for key in counted:
+            summary[f"{prefix}_{key}"] = sum(r[key] for r in rs)
     notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
-             "FleetClient with failover_s 0.5." + (" QUICK run: a smoke test, not figures." if args.quick else "")
+             "FleetClient with failover_s 0.5. Ray Serve rows: the app as a deployment with a replica on each "
+             "gpuprims machine, proxy on the head, a plain HTTP client with a 10 s timeout and no retry." + (" QUICK run: a smoke test, not figures." if args.quick else "")
              + load_note(load_before))
     path = write_result(args.name, "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
                         large_samples=True)

@@ -312,7 +312,8 @@ class Controller:
             return {"nodes": nodes, "apps": {k: a.to_dict() for k, a in self.assignments.items()},
                     "routes": self.routes(), "decisions": self.decisions[-50:],
                     "node_events": self.node_events[-50:],
-                    "pending": sorted(set(self.demands) - set(self.assignments))}
+                    "pending": sorted(set(self.demands) - set(self.assignments)),
+                    "controller_node": ray.get_runtime_context().get_node_id()}
 
     def drain(self, node: str) -> str:
         """Move every app off ``node`` (a node id or its prefix); returns the node id drained."""
@@ -341,28 +342,19 @@ class Controller:
         internal_kv._internal_kv_del(STATE_KEY)
 
 
-def head_node_id(nodes: list[dict[str, Any]]) -> str | None:
-    """The live head node's id in Ray's node table (``ray.nodes()``), or None when none is alive."""
-    for n in nodes:
-        if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}):
-            return str(n["NodeID"])
-    return None
-
-
 def controller_actor(cfg: FleetConfig) -> Any:
     """Start (or find) the detached, restartable controller actor."""
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         pass
-    # On the head, not on a gpuprims machine whose failure it must survive and report (soft: elsewhere
-    # if the head cannot take it). A driver on a machine with several Ray nodes (a local cluster) may be
-    # attached to any of them, so the head is found in the node table, not taken from the driver.
-    node_id = head_node_id(ray.nodes()) or ray.get_runtime_context().get_node_id()
-    here = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True)
+    # On the head, never on a gpuprims machine whose failure it must survive and report: a sliver of the
+    # resource only the head has (as Ray Serve pins its own controller). Not a soft node affinity: Ray
+    # places an actor that asks for no resource on a random node whatever its soft affinity says, and
+    # on a one-machine cluster the starting driver's node may be any of them.
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0,
-        max_concurrency=4, get_if_exists=True, scheduling_strategy=here,
+        resources={HEAD_RESOURCE: 0.001}, max_concurrency=4, get_if_exists=True,
     ).remote(cfg.model_dump())
 
 

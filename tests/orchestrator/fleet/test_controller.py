@@ -21,7 +21,7 @@ from gpuprims.client import FleetClient
 from gpuprims.gather import preprocess
 from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
-from orchestrator.fleet.controller import HEAD_RESOURCE, controller_actor, head_node_id
+from orchestrator.fleet.controller import controller_actor
 from tests.orchestrator.fleet.conftest import RayFleet, ray
 from tests.orchestrator.fleet.helpers import post_until_ok
 
@@ -68,6 +68,7 @@ def test_a_fleet_places_serves_and_fails_over_when_a_machine_dies(ray_fleet: Ray
     st = _wait("cls placed with a standby and loaded on both machines", lambda: _placed_and_applied(ctl), 300)
     primary, standby = st["apps"]["cls"]["primary"], st["apps"]["cls"]["standby"]
     assert primary["node"] != standby["node"]
+    assert st["controller_node"] == ray_fleet.cluster.head_node.node_id  # never on a gpuprims machine
     seeds = [f"http://{n['host']}:{n['routes_port']}" for n in st["nodes"].values()]
     model = build_model("mobilenet_v2", seed=3, num_classes=10, input_shape=(3, 32, 32)).eval()
     xs = np.random.default_rng(0).random((6, 3, 32, 32), dtype=np.float32)
@@ -151,10 +152,3 @@ def test_a_ray_client_without_the_token_is_refused(ray_fleet: RayFleet) -> None:
     r = subprocess.run([sys.executable, "-c", probe], env=env_ok, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ADMITTED" in r.stdout, (r.stdout, r.stderr[-2000:])
 
-
-def test_the_controller_is_pinned_to_the_live_head_found_in_the_node_table() -> None:
-    worker = {"NodeID": "w", "Alive": True, "Resources": {"CPU": 1.0, "gpuprims": 1.0}}
-    head = {"NodeID": "h", "Alive": True, "Resources": {"CPU": 1.0, HEAD_RESOURCE: 1.0}}
-    assert head_node_id([worker, head]) == "h"
-    assert head_node_id([worker, {**head, "Alive": False}]) is None  # then the driver's own node
-    assert head_node_id([]) is None
