@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -363,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(faults) - set(FAULTS)) + sorted(set(serve_faults) - {"kill", "stop"})
     if bad:
         ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)} (Ray Serve: kill, stop)")
+    serve_skipped = None
+    if serve_faults and importlib.util.find_spec("ray.serve") is None:
+        serve_skipped = "Ray Serve rows skipped: ray[serve] is not installed (pip install -e '.[peer]')"
+        print(serve_skipped)
+        serve_faults = []
     runs = 1 if args.quick else args.runs
     rate = 5.0 if args.quick else args.rate
     before_s, after_s = (3.0, 8.0) if args.quick else (10.0, 20.0)
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"run {i} of {system} fault {f} could not run: {e}", flush=True)
                 failed.append({"system": system, "fault": f, "run": i, "error": str(e)})
     summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed),
-                               "before_s": before_s, "after_s": after_s}
+                               "before_s": before_s, "after_s": after_s, "rayserve_skipped": serve_skipped}
     for system, f, _ in plan:
         rs = [r for r in results if r["fault"] == f and r["system"] == system]
         prefix = f if system == "gpuprims" else f"rayserve_{f}"

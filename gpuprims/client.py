@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import random
 import select
@@ -506,6 +507,7 @@ class FleetClient:
         self.failovers = 0  # requests sent a second time
         self.refreshes = 0
         self._lock = threading.Lock()
+        self._refreshing: threading.Thread | None = None
         self._client = Client(("127.0.0.1", 9), timeout_s=timeout_s, bind_host=bind_host)
         self.refresh()
 
@@ -514,12 +516,16 @@ class FleetClient:
         older table than the one held is ignored). Raises ConnectionError when no seed answers."""
         errors = []
         best: dict[str, Any] | None = None
-        for url in self.seeds:
+        for url in list(self.seeds):
             try:
                 with urllib.request.urlopen(url.rstrip("/") + "/fleet/routes", timeout=self.fetch_timeout_s) as r:
                     t = json.loads(r.read())
             except (OSError, ValueError) as e:
                 errors.append(f"{url}: {e}")
+                with self._lock:  # a seed that did not answer is asked last next time (a dead machine's)
+                    if url in self.seeds:
+                        self.seeds.remove(url)
+                        self.seeds.append(url)
                 continue
             if best is None or int(t.get("version", -1)) > int(best.get("version", -1)):
                 best = t
@@ -570,17 +576,36 @@ class FleetClient:
         return None
 
     def _second(self, app: str, route: dict[str, Any]) -> Address | None:
-        """Where to send again: the refreshed table's primary if it moved, else the standby."""
+        """Where to send again: the standby the table already names, at once (the table is refreshed
+        beside it, so the next requests follow a flip; a silent machine's routes server must not hold
+        the re-send for a fetch timeout); without one, the refreshed table's primary if it moved."""
+        old = (route["primary"]["host"], route["primary"]["udp_port"])
+        standby = route.get("standby")
+        if standby and (standby["host"], standby["udp_port"]) != old:
+            self._refresh_beside()
+            return (standby["host"], standby["udp_port"])
         try:
             self.refresh()
             new = self._route(app)
         except (ConnectionError, KeyError):
             new = route
-        old = (route["primary"]["host"], route["primary"]["udp_port"])
-        for cand in (new.get("primary"), new.get("standby"), route.get("standby")):
+        for cand in (new.get("primary"), new.get("standby")):
             if cand and (cand["host"], cand["udp_port"]) != old:
                 return (cand["host"], cand["udp_port"])
         return None
+
+    def _refresh_beside(self) -> None:
+        """Refresh the table on a thread of its own, one at a time."""
+        with self._lock:
+            if self._refreshing is not None and self._refreshing.is_alive():
+                return
+
+            def run() -> None:
+                with contextlib.suppress(ConnectionError):
+                    self.refresh()
+
+            self._refreshing = threading.Thread(target=run, name="fleet-refresh", daemon=True)
+            self._refreshing.start()
 
     def _first_answer(self, futs: list[concurrent.futures.Future[Result]], t0: float) -> concurrent.futures.Future[Result]:
         pending = set(futs)
@@ -602,6 +627,9 @@ class FleetClient:
                 self.duplicates += 1
 
     def close(self) -> None:
+        t = self._refreshing
+        if t is not None:  # a refresh in flight ends within its fetch timeouts
+            t.join(timeout=self.fetch_timeout_s * len(self.seeds) + 1.0)
         self._client.close()
 
     def __enter__(self) -> FleetClient:

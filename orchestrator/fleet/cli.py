@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 import ray
+from ray._raylet import AuthenticationTokenLoader
+from ray._raylet import Config as RayConfig
 
 from orchestrator.config import ConfigError
 from orchestrator.fleet.config import FleetConfig, load_fleet_config
@@ -34,18 +36,22 @@ def secure_ray_env(token_file: str | None) -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     if token_file:
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(Path(token_file).expanduser())
-        return
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return
-    if TOKEN_FILE.exists():
+    elif os.environ.get("RAY_AUTH_TOKEN"):
+        pass
+    elif TOKEN_FILE.exists():
         os.environ["RAY_AUTH_TOKEN"] = TOKEN_FILE.read_text().strip()
-        return
-    TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(32)
-    fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    os.environ["RAY_AUTH_TOKEN"] = token
+    else:
+        TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(32)
+        fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        os.environ["RAY_AUTH_TOKEN"] = token
+    # Ray read its settings (the auth mode among them) when it was imported, before these were set:
+    # read them again and drop any token it cached, or this process would start a cluster that wants
+    # a token and then present none (what Ray 2.60's own test helper does between tests).
+    RayConfig.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def connect(address: str | None, token_file: str | None) -> None:
@@ -79,13 +85,19 @@ def start(config: str, address: str | None) -> None:
              logging_level="WARNING", _system_config=cfg.ray.system_config())
     ctl = controller_actor(cfg)
     ray.get(ctl.ping.remote())
-    click.echo("local fleet up (Ctrl-C stops it); `gpuprims-fleet status` in another shell")
+    gcs = ray.get_runtime_context().gcs_address
+    click.echo(f"local fleet up at {gcs} (Ctrl-C stops it); `gpuprims-fleet status --address {gcs}` in another "
+               "shell")
     done = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: done.set())
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     done.wait()
-    ray.get(ctl.shutdown.remote(), timeout=120)
+    try:
+        ray.get(ctl.shutdown.remote(), timeout=120)
+    except (ray.exceptions.RayError, TimeoutError):  # already stopped (`gpuprims-fleet stop`)
+        pass
     ray.shutdown()
+    click.echo("local fleet stopped")
 
 
 def _print_status(st: dict[str, Any]) -> None:
@@ -152,3 +164,6 @@ def _call(address: str | None, token_file: str | None, method: str, *args: Any) 
 
 
 __all__ = ["FleetConfig", "main"]
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ ray:
   address: null        # null: start a local Ray cluster (for trying it); "auto" or host:port: join one
   token_file: null     # Ray's token (RAY_AUTH_MODE=token); a local cluster without one generates it
   resource: gpuprims   # the custom resource that marks machines that run gpuprims
+  head_outage_s: 86400 # how long the machines keep serving while the head is gone (>= 60)
 host: 127.0.0.1        # what each node listens on (clients must reach it); "auto": the Ray node's IP
 gpus_per_node: 1
 ping_interval_s: 0.2   # the controller's own pings of every agent

@@ -250,12 +250,41 @@ def test_fleet_client_fails_over_to_the_standby_when_the_owner_is_silent() -> No
             with FleetClient(["http://127.0.0.1:9", routes.url], failover_s=0.2, timeout_s=5) as c:
                 routes.table = _table(2, s, None)  # the controller flipped the route meanwhile
                 r = c.infer("cls", _input(1))
-                assert r.ok and c.failovers == 1 and c.table["version"] == 2
-                assert s.counters.requests == 1
-                # The next request goes straight to the new owner.
+                assert r.ok and c.failovers == 1 and s.counters.requests == 1
+                assert c.seeds[0] == routes.url  # the seed that did not answer is asked last now
+                # The table is refreshed beside the re-send; then the next request goes straight to the
+                # new owner.
+                assert _wait_for(lambda: c.table["version"] == 2, 10)
                 assert c.infer("cls", _input(2)).ok and c.failovers == 1 and s.counters.requests == 2
         finally:
             routes.close()
+
+
+def test_fleet_client_fails_over_without_waiting_for_a_silent_routes_server() -> None:
+    # A stopped machine's routes server accepts the connection and never answers: the re-send to the
+    # standby the table names must not wait for that fetch (it would add a fetch timeout per request).
+    release = threading.Event()
+    with EchoServer(drop_every=1) as p, EchoServer() as s:
+        routes = _Routes(_table(1, p, s))
+        silent = _Routes(_table(1, p, s))
+        original = silent.srv.RequestHandlerClass.do_GET
+
+        def hang(handler: http.server.BaseHTTPRequestHandler) -> None:
+            release.wait(30)
+            original(handler)
+
+        silent.srv.RequestHandlerClass.do_GET = hang  # type: ignore[method-assign]
+        try:
+            with FleetClient([routes.url, silent.url], failover_s=0.2, timeout_s=10, fetch_timeout_s=30) as c:
+                c.seeds[:] = [silent.url, routes.url]  # the silent one is asked first from now on
+                # Waiting for the fetch (30 s) would leave the re-send no time of the request's 10 s.
+                r = c.infer("cls", _input(6))
+                assert r.ok and c.failovers == 1 and s.counters.requests == 1
+                release.set()
+        finally:
+            release.set()
+            routes.close()
+            silent.close()
 
 
 def test_fleet_client_returns_the_first_answer_once_and_counts_the_late_one() -> None:

@@ -1,5 +1,6 @@
 """A real multi-node Ray cluster on loopback (ray.cluster_utils.Cluster) with token authentication:
-a head and two gpuprims machines (the custom resource), small CPU counts for a two-core machine."""
+a head and two gpuprims machines (the custom resource), small CPU counts for a two-core machine.
+Only the tests that use it (and the modules that import ray) skip where Ray is not installed."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the fleet extra is not installed (pip install -e '.[fleet]')")
-cluster_utils = pytest.importorskip("ray.cluster_utils", reason="the fleet extra is not installed")
-reset_auth_token_state = pytest.importorskip("ray._private.authentication_test_utils").reset_auth_token_state
+#: Why the Ray tests skip where Ray is not installed (the tests of the parts that need no Ray still run).
+NO_RAY = "the fleet extra is not installed (pip install -e '.[fleet]')"
 
 #: Ray's own failure detection made quicker for the tests (defaults take tens of seconds), but slower
 #: than the controller's suspicion (1 s), as on a real site.
@@ -32,6 +32,10 @@ class RayFleet:
 
 @pytest.fixture
 def ray_fleet(monkeypatch: pytest.MonkeyPatch) -> Iterator[RayFleet]:
+    ray = pytest.importorskip("ray", reason=NO_RAY)
+    cluster_utils = pytest.importorskip("ray.cluster_utils", reason=NO_RAY)
+    reset_auth_token_state = pytest.importorskip("ray._private.authentication_test_utils",
+                                                 reason=NO_RAY).reset_auth_token_state
     token = secrets.token_hex(32)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", token)

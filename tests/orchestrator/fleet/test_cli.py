@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 from click.testing import CliRunner
+
+from gpuprims.client import FleetClient
+from gpuprims.wire import Status
 
 pytest.importorskip("ray", reason="the fleet extra is not installed (pip install -e '.[fleet]')")
 
@@ -77,3 +93,73 @@ def test_status_shows_nodes_apps_routes_and_reasons(monkeypatch: pytest.MonkeyPa
     for text in ("routing table version 4", "10.0.0.1:udp 9000", "suspected", "cls: primary aaaaaaaaaaaa/gpu1 1x50%",
                  "no standby", "big: not placed", "did not answer pings", "gpu_pct from its entry"):
         assert text in r.output
+
+
+def _fleet_cli(*args: str, env: dict[str, str], timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.fleet.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.slow
+def test_the_readme_commands_start_show_answer_and_stop_a_local_fleet() -> None:
+    # A short private directory for Ray's sessions (its socket paths must stay under 108 bytes) and
+    # for the fleet's token, never the user's /tmp/ray or their own token.
+    tmp = Path(tempfile.mkdtemp(prefix="gf", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_TMPDIR=str(tmp / "ray"), XDG_RUNTIME_DIR=str(tmp), RAY_USAGE_STATS_ENABLED="0")
+    (tmp / "fleet.yaml").write_text(
+        "node: {backend: cpu}\n"
+        "apps:\n  - {name: cls, model: mobilenet_v2, input_shape: [3, 32, 32], num_classes: 10, slo_ms: 2000,\n"
+        "     gpu_pct: 50, max_batch: 4, shadow: false}\n")
+    lines: queue.Queue[str] = queue.Queue()
+    start = subprocess.Popen([sys.executable, "-m", "orchestrator.fleet.cli", "start", str(tmp / "fleet.yaml")],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             start_new_session=True)
+    threading.Thread(target=lambda: [lines.put(line) for line in start.stdout], daemon=True).start()  # type: ignore[union-attr]
+    node_pid = None
+    try:
+        deadline = time.monotonic() + 180
+        address = None
+        while address is None:
+            left = deadline - time.monotonic()
+            assert left > 0 and start.poll() is None, "the local fleet did not come up"
+            with contextlib.suppress(queue.Empty):
+                m = re.search(r"local fleet up at (\S+)", lines.get(timeout=min(left, 1.0)))
+                address = m.group(1) if m else None
+        assert (tmp / "gpuprims-fleet.token").stat().st_mode & 0o777 == 0o600
+        deadline = time.monotonic() + 300
+        while True:  # placed and loaded on the one machine (no standby: there is no other machine)
+            r = _fleet_cli("status", "--address", address, "--json", env=env)
+            st = json.loads(r.stdout) if r.returncode == 0 else {}
+            if any(d["action"] == "applied" and d.get("app") == "cls" for d in st.get("decisions", [])):
+                break
+            assert time.monotonic() < deadline, f"cls not placed: {r.stdout[-2000:]} {r.stderr[-2000:]}"
+            time.sleep(1)
+        (node,) = st["nodes"].values()
+        node_pid = int(node["node_pid"])
+        with FleetClient([f"http://{node['host']}:{node['routes_port']}"], timeout_s=60.0) as client:
+            assert client.refresh() >= 0 and "cls" in client.table["apps"]
+            x = np.random.default_rng(0).random((3, 32, 32), dtype=np.float32)
+            assert client.infer("cls", x).status == Status.OK
+        r = _fleet_cli("status", "--address", address, env=env)
+        assert r.returncode == 0 and "cls: primary" in r.stdout and "no standby" in r.stdout, r.stdout
+        r = _fleet_cli("stop", "--address", address, env=env)
+        assert r.returncode == 0 and "fleet stopped" in r.stdout, r.stdout + r.stderr
+        start.send_signal(signal.SIGINT)  # Ctrl-C: the local cluster goes down with the start command
+        assert start.wait(timeout=180) == 0
+        deadline = time.monotonic() + 60
+        while psutil.pid_exists(node_pid) and psutil.Process(node_pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the node outlived its fleet"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(start.pid, signal.SIGKILL)
+        start.wait(timeout=60)
+        for p in psutil.process_iter(["cmdline"]):  # anything of this Ray cluster still running
+            if any(str(tmp) in a for a in p.info["cmdline"] or ()):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        if node_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(node_pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -43,6 +43,11 @@ def test_a_bad_fleet_yaml_names_the_key(change: dict, message: str) -> None:
     assert message in str(e.value)
 
 
+def test_the_bundled_fleet_yaml_is_valid() -> None:
+    cfg = load_fleet_config(Path(__file__).parents[3] / "examples" / "fleet.yaml")
+    assert cfg.ray.address is None and [a["name"] for a in cfg.apps] == ["classify"]
+
+
 def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="No such file"):
         load_fleet_config(tmp_path / "nope.yaml")

@@ -16,13 +16,18 @@ import numpy as np
 import pytest
 import torch
 
+from tests.orchestrator.fleet.conftest import NO_RAY, RayFleet
+
+pytest.importorskip("ray", reason=NO_RAY)
+
+import ray
+
 from apps.zoo import build_model
 from gpuprims.client import FleetClient
 from gpuprims.gather import preprocess
 from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
 from orchestrator.fleet.controller import controller_actor
-from tests.orchestrator.fleet.conftest import RayFleet, ray
 from tests.orchestrator.fleet.helpers import post_until_ok
 
 pytestmark = pytest.mark.slow
