@@ -58,6 +58,7 @@ EXPERIMENTS = (
     Experiment("engines_gpu", lambda: "needs a GPU: run it on a GPU host (scripts/gpu-engines.sh); "
                "python -m bench.engines_gpu --quick --fake checks the script here"),
     Experiment("fleet", lambda: _missing_modules("ray", extra="fleet")),
+    Experiment("fleet_plan"),
     Experiment("fuzz", _missing_clang),
     Experiment("peer", _missing_peers),
     Experiment("soak", lambda: "runs for an hour; run it alone: python -m bench.soak (smoke: --duration 60 --sample-s 5)"),

@@ -8,7 +8,9 @@ Pure bookkeeping (no Ray, no processes), so the controller's decisions are testa
   that share; without a profile it gets ``default_pct``.
 - **Bins** are (node, GPU) pairs with 100 % each. The primary and the (warm) standby both hold their
   share: a standby is a loaded copy, so a route flip needs no start.
-- **Packing**: best fit (the fullest bin it still fits), apps taken largest first; Param-Share
+- **Packing**: best fit (the fullest bin it still fits), apps taken largest first (and, when that
+  leaves apps out, smallest first and by expected load per percent too, keeping whichever places the
+  most expected load); Param-Share
   partners (same model, seed, classes and input shape) prefer a bin that already holds their model,
   so they map one copy of the weights; a standby never goes on its primary's machine.
 - **Scoring**: with profiles, each candidate bin is run in the project's simulator
@@ -205,11 +207,40 @@ class Planner:
             if standby is not None:
                 take(app, standby)
             out.assignments[app.name] = Assignment(app.name, primary, standby)
-        # 2. New or lost apps, largest share first (best-fit decreasing).
+        # 2. New or lost apps, largest share first (best-fit decreasing). When that leaves some out,
+        #    smallest first and most expected load per percent are tried too, and the packing that
+        #    places the most expected load (then the most apps) wins: largest first fills two GPUs with
+        #    a 60 % app each where two 50 % apps and one 60 % app would fit.
         sized = {a.name: size_app(a, self.profiles.get(a.model), default_pct=self.default_pct) for a in todo}
-        for app in sorted(todo, key=lambda a: -sized[a.name][0] * sized[a.name][1]):
+
+        def share(a: AppDemand) -> int:
+            return sized[a.name][0] * sized[a.name][1]
+
+        def pack(order: list[AppDemand]) -> dict[str, Slot]:
+            trial_load, trial_held = dict(load), {b: list(v) for b, v in held.items()}
+            placed: dict[str, Slot] = {}
+            for app in order:
+                n, pct, _ = sized[app.name]
+                slot = self._choose(app, n, pct, views, usable, trial_load, trial_held, avoid=None)
+                if slot is not None:
+                    trial_load[slot.bin] = trial_load.get(slot.bin, 0) + slot.held
+                    trial_held.setdefault(slot.bin, []).append((app, slot))
+                    placed[app.name] = slot
+            return placed
+
+        order = sorted(todo, key=lambda a: -share(a))
+        placed = pack(order)
+        if len(placed) < len(todo):
+            def value(p: dict[str, Slot]) -> tuple[float, int]:
+                return sum(float(a.rate_rps or 0) for a in todo if a.name in p), len(p)
+
+            for other in (sorted(todo, key=share), sorted(todo, key=lambda a: -float(a.rate_rps or 0) / share(a))):
+                trial = pack(other)
+                if value(trial) > value(placed):
+                    order, placed = other, trial
+        for app in order:
             n, pct, why = sized[app.name]
-            slot = self._choose(app, n, pct, views, usable, load, held, avoid=None)
+            slot = placed.get(app.name)
             if slot is None:
                 out.unplaced[app.name] = (f"no GPU has {n * pct}% free ({n} x {pct}%, {why}) on the "
                                           f"{len(usable)} usable node(s)")

@@ -112,3 +112,18 @@ def test_the_route_table_flips_a_suspected_primary_to_its_standby() -> None:
     t = route_table(2, {"a": a}, demands, {"a": 7}, addr, suspects={"n1"})
     assert t["apps"]["a"]["primary"]["node"] == "n2" and t["apps"]["a"]["standby"]["node"] == "n1"
     assert route_table(3, {"a": a}, demands, {"a": 7}, {"n2": addr["n2"]})["apps"]["a"]["standby"] is None
+
+
+def test_when_not_every_app_fits_the_packing_that_places_the_most_expected_load_wins() -> None:
+    # Largest first would give each GPU one 60 % app (460 req/s placed); two 50 % apps share a GPU and
+    # a 60 % app takes the other (1,069 req/s placed). bench/fleet_plan found such cases.
+    rates = {"a0": (50, 536.0), "a1": (50, 235.0), "a2": (60, 298.0), "a3": (60, 162.0)}
+    apps = [AppDemand(n, {"name": n, "model": "resnet50", "slo_ms": 100, "gpu_pct": pct, "standby": False},
+                      rate_rps=r) for n, (pct, r) in rates.items()]
+    plan = Planner().plan(apps, [NodeView("n1", gpus=1), NodeView("n2", gpus=1)])
+    assert set(plan.assignments) == {"a0", "a1", "a2"} and set(plan.unplaced) == {"a3"}
+    assert plan.assignments["a0"].primary.node == plan.assignments["a1"].primary.node
+    assert "no GPU has 60% free" in plan.unplaced["a3"]
+    # Everything fits: largest first, as before (the other orders are not tried).
+    small = Planner().plan(apps[:2], [NodeView("n1", gpus=1), NodeView("n2", gpus=1)])
+    assert set(small.assignments) == {"a0", "a1"} and not small.unplaced
