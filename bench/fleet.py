@@ -108,17 +108,26 @@ def drive(send: Callable[[], None], inject: Callable[[], None] | None, *, rate_r
     return t_start, t_fault, t_end
 
 
-def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
-    token = secrets.token_hex(32)
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
+def start_cluster(system_config: dict[str, Any]) -> tuple[Cluster, list[Any]]:
+    """A fresh Ray cluster on this machine with token authentication on: a head and two gpuprims
+    machines with one CPU each. Returns it and its two machines."""
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
     reset_auth_token_state()
-    system = {**FAST_HEALTH, **parse_fleet_config(FLEET, source="bench").ray.system_config()}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "_system_config": system})
-    stopped: list[int] = []
+                                                            "_system_config": system_config})
     try:
         workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
         cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster, workers
+
+
+def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
+    cluster, workers = start_cluster({**FAST_HEALTH, **parse_fleet_config(FLEET, source="bench").ray.system_config()})
+    stopped: list[int] = []
+    try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
         ctl = controller_actor(parse_fleet_config(FLEET, source="bench"))
         deadline = time.monotonic() + PLACE_TIMEOUT_S
@@ -269,15 +278,9 @@ def one_run_rayserve(fault: str, *, rate_rps: float, before_s: float, after_s: f
     plain HTTP client (timeout 10 s, no retry of its own: Serve's router is what fails over)."""
     from ray import serve  # the peer extra (ray[serve]); the gpuprims rows need only ray core
 
-    token = secrets.token_hex(32)
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
-    reset_auth_token_state()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "_system_config": FAST_HEALTH})
+    cluster, workers = start_cluster(FAST_HEALTH)
     stopped: list[int] = []
     try:
-        workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
-        cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="gpuprims-bench-serve", log_to_driver=False)
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
