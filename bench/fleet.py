@@ -9,6 +9,9 @@ primary machine:
 - ``kill``: SIGKILL of the whole machine (its raylet, the agent, the orchestrator and its instances:
   ``Cluster.remove_node(allow_graceful=False)``);
 - ``stop``: SIGSTOP of the same processes (a silent machine), SIGCONT after the run;
+- ``share``: an operator's change of the app's share (``set_share``, 50 % -> 40 %: an Overlapped-
+  Execution change on both machines), then the ``kill`` of the primary's machine while its node is
+  making the change (timed from the kill);
 - ``head``: SIGKILL of the head (its GCS, its raylet and the controller on it): serving must go on;
 - ``none``: no fault: a soak (run it beside busy loops, ``--after 600``) counting false suspicions.
 
@@ -50,7 +53,7 @@ from bench.common import load_note, percentiles, write_result
 from gpuprims.client import FleetClient, RequestLost
 from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
-from orchestrator.fleet.controller import NAMESPACE, controller_actor, find_controller
+from orchestrator.fleet.controller import NAMESPACE, agent_name, controller_actor, find_controller
 
 APP = {"name": "cls", "model": "mobilenet_v2", "input_shape": [3, 32, 32], "num_classes": 10, "seed": 3,
        "slo_ms": 2000, "gpu_pct": 50, "max_batch": 4, "shadow": False}
@@ -60,7 +63,8 @@ FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 PLACE_TIMEOUT_S = 300.0
-FAULTS = ("kill", "stop", "head", "none")
+FAULTS = ("kill", "stop", "head", "share", "none")
+SHARE_TO = 40  # the ``share`` fault's new share (the app runs at 50)
 
 
 def _placed(ctl: Any) -> dict[str, Any] | None:
@@ -83,13 +87,16 @@ def _pids_of(worker: Any, node_info: dict[str, Any]) -> list[int]:
 
 def drive(send: Callable[[], None], inject: Callable[[], None] | None, *, rate_rps: float, before_s: float,
           after_s: float, rng: np.random.Generator) -> tuple[float, float, float]:
-    """Poisson traffic through ``send`` from a pool of threads, ``inject`` run once after ``before_s``;
-    waits for every request sent. Returns the start, the fault's and the end's wall times."""
+    """Poisson traffic through ``send`` from a pool of threads, ``inject`` run once after ``before_s``
+    on a thread of its own (the traffic goes on while it works); waits for it and every request sent.
+    Returns the start, the fault's (when ``inject`` began) and the end's wall times."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
     t_start = time.time()
     t_fault = t_start + before_s
     t_end = t_fault + after_s
     faulted = inject is None
+    injector: threading.Thread | None = None
+    failed: list[BaseException] = []
     futs = []
     nxt = time.time()
     while nxt < t_end:
@@ -97,15 +104,27 @@ def drive(send: Callable[[], None], inject: Callable[[], None] | None, *, rate_r
         if not faulted and now >= t_fault:
             t_fault = now
             assert inject is not None
-            inject()
+            injector = threading.Thread(target=lambda: _catching(inject, failed), name="fault")
+            injector.start()
             faulted = True
         if now >= nxt:
             futs.append(pool.submit(send))
             nxt += rng.exponential(1.0 / rate_rps)
         time.sleep(max(0.0, min(nxt, t_end) - time.time()))
+    if injector is not None:
+        injector.join()
     concurrent.futures.wait(futs, timeout=60)
     pool.shutdown(wait=True, cancel_futures=True)
+    if failed:
+        raise RuntimeError(f"the fault could not be made: {failed[0]}") from failed[0]
     return t_start, t_fault, t_end
+
+
+def _catching(fn: Callable[[], None], errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except Exception as e:  # re-raised by drive once its traffic is done
+        errors.append(e)
 
 
 def start_cluster(system_config: dict[str, Any]) -> tuple[Cluster, list[Any]]:
@@ -166,12 +185,35 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
                 decisions = ray.get(ctl.status.remote(), timeout=30)["decisions"]
                 ray.shutdown()
 
+            killed_at: list[float] = []
+            change_seen: list[dict[str, Any] | None] = []
+
+            def cls_on(node: str) -> dict[str, Any]:
+                agent = ray.get_actor(agent_name(node), namespace=NAMESPACE)
+                return dict((ray.get(agent.status.remote(), timeout=30).get("apps") or {}).get("cls") or {})
+
+            def under_way() -> bool:
+                """The primary's node is making the change (or has made it: then it is too late)."""
+                a = cls_on(primary)
+                if a.get("change") or a.get("gpu_pct") == SHARE_TO:
+                    change_seen.append(a.get("change"))
+                    return True
+                return False
+
             def inject() -> None:
                 w = next(w for w in workers if w.node_id == primary)
+                if fault == "share":
+                    ray.get(ctl.set_share.remote("cls", SHARE_TO), timeout=30)
+                    deadline = time.monotonic() + 120
+                    while not under_way():
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the change of share did not begin within 120 s")
+                        time.sleep(0.05)
+                killed_at.append(time.time())
                 if fault == "head":
                     # The head whole (GCS, its raylet, the controller on it), without warning.
                     cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
-                elif fault == "kill":
+                elif fault in ("kill", "share"):
                     # The whole machine at once: its orchestrator (and instances, one process group),
                     # the agent, then the raylet and the rest of the Ray node.
                     info = st["nodes"][primary]
@@ -196,6 +238,19 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
 
             t_start, t_fault, t_end = drive(send, inject if fault != "none" else None, rate_rps=rate_rps,
                                             before_s=before_s, after_s=after_s, rng=rng)
+            if fault != "none":
+                if not killed_at:
+                    raise RuntimeError(f"the {fault} fault did not happen")
+                t_fault = killed_at[0]  # the share fault is timed from its kill, not from the change
+            share_after = None
+            if fault == "share":  # the promoted standby's node ends at the new share
+                deadline = time.monotonic() + 120
+                while True:
+                    a = cls_on(st["apps"]["cls"]["standby"]["node"])
+                    share_after = a.get("gpu_pct")
+                    if (share_after == SHARE_TO and not a.get("change")) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
             duplicates, failovers = client.duplicates, client.failovers
         if fault != "head":
             decisions = ray.get(find_controller().status.remote(), timeout=30)["decisions"]
@@ -220,7 +275,7 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         return round(min(ts) - t_fault, 3) if ts else None
 
     t_suspect = first("suspect", t_fault)
-    faulted_node = primary if fault in ("kill", "stop") else None
+    faulted_node = primary if fault in ("kill", "stop", "share") else None
     false_suspicions = [d for d in decisions if d["action"] == "suspect" and d.get("node") != faulted_node]
     return {
         "system": "gpuprims", "fault": fault, "time_to_suspect_s": t_suspect,
@@ -229,6 +284,8 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         **client_view(rows, t_start, t_fault, t_end),
         "duplicates_suppressed": duplicates, "failovers": failovers,
         "false_suspicions": len(false_suspicions), "decisions": decisions,
+        **({"change_at_kill": change_seen[0] if change_seen else None, "share_after": share_after}
+           if fault == "share" else {}),
     }
 
 
@@ -354,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one short run per fault at a low rate")
     ap.add_argument("--runs", type=int, default=10, help="runs per fault (ignored with --quick)")
-    ap.add_argument("--faults", default="kill,stop,head", help=f"comma-separated: {', '.join(FAULTS)}")
+    ap.add_argument("--faults", default="kill,stop,head,share", help=f"comma-separated: {', '.join(FAULTS)}")
     ap.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
     ap.add_argument("--before", type=float, help="seconds of traffic before the fault (default 10, quick 3)")
     ap.add_argument("--after", type=float, help="seconds of traffic after it (default 20, quick 8)")
@@ -403,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
             ("duplicates_suppressed", "false_suspicions") if system == "gpuprims" else ())
         for key in counted:
             summary[f"{prefix}_{key}"] = sum(r[key] for r in rs)
+        if system == "gpuprims" and f == "share":  # killed mid-change (not after it); standby at the new share
+            summary["share_killed_mid_change"] = sum(r.get("change_at_kill") is not None for r in rs)
+            summary["share_standby_at_new_share"] = sum(r.get("share_after") == SHARE_TO for r in rs)
     notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
              "FleetClient with failover_s 0.5. Ray Serve rows: the app as a deployment with a replica on each "
              "gpuprims machine, proxy on the head, a plain HTTP client with a 10 s timeout and no retry." + (" QUICK run: a smoke test, not figures." if args.quick else "")

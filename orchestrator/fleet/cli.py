@@ -141,6 +141,20 @@ def drain(node: str, address: str | None, token_file: str | None) -> None:
     click.echo(f"draining {_call(address, token_file, 'drain', node)}")
 
 
+@main.command("set-gpu")
+@click.argument("app")
+@click.argument("gpu_pct", type=click.IntRange(1, 100))
+@click.option("--address", default=None)
+@click.option("--token-file", default=None)
+def set_gpu(app: str, gpu_pct: int, address: str | None, token_file: str | None) -> None:
+    """Change APP's share to GPU_PCT per instance on its primary and its standby (each node makes an
+    Overlapped-Execution change: the app serves throughout)."""
+    a = _call(address, token_file, "set_share", app, gpu_pct)
+    where = " and ".join(f"{s['node'][:12]}/gpu{s['gpu']}" for s in (a["primary"], a.get("standby")) if s)
+    click.echo(f"{app}: {a['primary']['instances']} x {gpu_pct}% on {where}; `gpuprims-fleet status` shows "
+               "each node's `applied`")
+
+
 @main.command()
 @click.option("--address", default=None)
 @click.option("--token-file", default=None)

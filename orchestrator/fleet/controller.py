@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from gpuprims.profile import ProfileError, load_profile
 from orchestrator.fleet.agent import Agent
 from orchestrator.fleet.config import FleetConfig
-from orchestrator.fleet.plan import AppDemand, Assignment, NodeView, Planner, route_table
+from orchestrator.fleet.plan import AppDemand, Assignment, NodeView, Planner, reshare, route_table
 from orchestrator.frontdoor.forward import route_model
 from orchestrator.placement import model_key
 
@@ -79,6 +79,7 @@ class Controller:
         self.models = {name: route_model(d.entry) for name, d in self.demands.items()}
         self.assignments: dict[str, Assignment] = {}
         self.app_ids: dict[str, int] = {}
+        self.shares: dict[str, int] = {}  # app -> gpu_pct an operator set (set_share)
         self.version = 0
         self.draining: set[str] = set()
         self.decisions: list[dict[str, Any]] = []
@@ -115,11 +116,15 @@ class Controller:
         self.version = int(d.get("version", 0)) + 1
         self.draining = set(d.get("draining", []))
         self.decisions = list(d.get("decisions", []))
+        for name, pct in d.get("shares", {}).items():  # operators' changes of share outlive a restart
+            if name in self.demands:
+                self._override_share(name, int(pct))
         self._decide("restart", "", f"controller restarted; {len(self.assignments)} assignment(s) recovered")
 
     def _save_state(self) -> None:
         d = {"assignments": {k: a.to_dict() for k, a in self.assignments.items()}, "app_ids": self.app_ids,
-             "version": self.version, "draining": sorted(self.draining), "decisions": self.decisions[-50:]}
+             "version": self.version, "draining": sorted(self.draining), "decisions": self.decisions[-50:],
+             "shares": self.shares}
         internal_kv._internal_kv_put(STATE_KEY, json.dumps(d).encode(), overwrite=True)
 
     def _decide(self, action: str, app: str, reason: str, **extra: Any) -> None:
@@ -326,6 +331,30 @@ class Controller:
             self._decide("drain", "", f"node {match[0][:12]} drained by the operator", node=match[0])
             self.dirty.add("*")
             return match[0]
+
+    def set_share(self, app: str, gpu_pct: int) -> dict[str, Any]:
+        """An operator's change of ``app``'s share: its primary and its standby keep their (node, GPU)
+        and get ``gpu_pct`` per instance, each node applying it as an Overlapped-Execution change (the
+        app serves throughout); a later re-placement sizes it at that share too. Refused (ValueError)
+        when it does not fit beside the other apps. Returns the new assignment; the ``applied``
+        decisions (``status``) say when each node has it."""
+        with self._lock:
+            new = reshare(self.assignments, app, int(gpu_pct))
+            old = self.assignments[app]
+            self.assignments[app] = new
+            self._override_share(app, new.primary.gpu_pct)
+            self._decide("share", app, f"{old.primary.instances} x {old.primary.gpu_pct}% -> "
+                                       f"{new.primary.gpu_pct}% by the operator")
+            self._save_state()
+            for s in (new.primary, new.standby):
+                if s is not None:
+                    self._apply(s.node)
+            return new.to_dict()
+
+    def _override_share(self, app: str, gpu_pct: int) -> None:
+        d = self.demands[app]
+        self.demands[app] = AppDemand(app, {**d.entry, "gpu_pct": gpu_pct}, d.rate_rps)
+        self.shares[app] = gpu_pct
 
     def ping(self) -> bool:
         return True

@@ -333,6 +333,32 @@ def route_table(version: int, assignments: Mapping[str, Assignment], apps: Mappi
     return {"version": version, "apps": out}
 
 
+def reshare(assignments: Mapping[str, Assignment], app: str, gpu_pct: int) -> Assignment:
+    """``app``'s assignment with ``gpu_pct`` per instance on its primary and its standby (an operator's
+    change of share: the same bins, so nothing moves; each node applies it as an Overlapped-Execution
+    change). ValueError when the app is not placed, the share is outside 1..100, or it does not fit
+    one of its bins beside what the other apps hold there."""
+    if not 1 <= gpu_pct <= 100:
+        raise ValueError(f"gpu_pct must be in 1..100, got {gpu_pct}")
+    cur = assignments.get(app)
+    if cur is None:
+        raise ValueError(f"app {app!r} is not placed; placed: {', '.join(sorted(assignments)) or 'none'}")
+    held: dict[tuple[str, int], int] = {}
+    for name, a in assignments.items():
+        if name == app:
+            continue
+        for s in (a.primary, a.standby):
+            if s is not None:
+                held[s.bin] = held.get(s.bin, 0) + s.held
+    def moved(s: Slot) -> Slot:
+        if held.get(s.bin, 0) + s.instances * gpu_pct > 100:
+            raise ValueError(f"app {app!r} at {s.instances} x {gpu_pct}% does not fit GPU {s.gpu} of node "
+                             f"{s.node[:12]}: the other apps hold {held.get(s.bin, 0)}% of it")
+        return Slot(s.node, s.gpu, gpu_pct, s.instances)
+
+    return Assignment(app, moved(cur.primary), moved(cur.standby) if cur.standby else None)
+
+
 def free_pct(assignments: Iterable[Assignment], nodes: Iterable[NodeView]) -> dict[str, dict[int, int]]:
     """GPU% left on each (node, GPU) once the assignments hold their shares."""
     out = {n.name: dict.fromkeys(range(n.gpus), 100) for n in nodes}

@@ -59,7 +59,7 @@ def test_a_local_fleet_starts_ray_so_its_machines_outlive_a_dead_head(tmp_path: 
 def test_the_commands_are_there() -> None:
     r = CliRunner().invoke(cli.main, ["--help"])
     assert r.exit_code == 0
-    for cmd in ("start", "status", "stop", "drain"):
+    for cmd in ("start", "status", "stop", "drain", "set-gpu"):
         assert cmd in r.output
 
 
@@ -141,8 +141,15 @@ def test_the_readme_commands_start_show_answer_and_stop_a_local_fleet() -> None:
             assert client.refresh() >= 0 and "cls" in client.table["apps"]
             x = np.random.default_rng(0).random((3, 32, 32), dtype=np.float32)
             assert client.infer("cls", x).status == Status.OK
+        r = _fleet_cli("set-gpu", "cls", "101", "--address", address, env=env)
+        assert r.returncode == 2 and "101 is not in the range 1<=x<=100" in r.stderr, r.stderr
+        r = _fleet_cli("set-gpu", "nope", "30", "--address", address, env=env)
+        assert r.returncode == 1 and "'nope' is not placed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = _fleet_cli("set-gpu", "cls", "30", "--address", address, env=env)
+        assert r.returncode == 0 and "cls: 1 x 30% on" in r.stdout, r.stdout + r.stderr
         r = _fleet_cli("status", "--address", address, env=env)
-        assert r.returncode == 0 and "cls: primary" in r.stdout and "no standby" in r.stdout, r.stdout
+        assert r.returncode == 0 and "cls: primary" in r.stdout and "1x30%" in r.stdout and "no standby" in r.stdout, \
+            r.stdout
         r = _fleet_cli("stop", "--address", address, env=env)
         assert r.returncode == 0 and "fleet stopped" in r.stdout, r.stdout + r.stderr
         start.send_signal(signal.SIGINT)  # Ctrl-C: the local cluster goes down with the start command

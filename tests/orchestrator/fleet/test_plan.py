@@ -12,6 +12,7 @@ from orchestrator.fleet.plan import (
     Planner,
     Slot,
     free_pct,
+    reshare,
     route_table,
     size_app,
 )
@@ -127,3 +128,20 @@ def test_when_not_every_app_fits_the_packing_that_places_the_most_expected_load_
     # Everything fits: largest first, as before (the other orders are not tried).
     small = Planner().plan(apps[:2], [NodeView("n1", gpus=1), NodeView("n2", gpus=1)])
     assert set(small.assignments) == {"a0", "a1"} and not small.unplaced
+
+
+def test_a_change_of_share_keeps_both_bins_and_refuses_what_does_not_fit() -> None:
+    cur = {"a": Assignment("a", Slot("n1", 0, 40, 2), Slot("n2", 1, 40, 2)),
+           "b": Assignment("b", Slot("n1", 0, 10), Slot("n2", 0, 70))}
+    a = reshare(cur, "a", 45)
+    assert a == Assignment("a", Slot("n1", 0, 45, 2), Slot("n2", 1, 45, 2))  # same bins, same instances
+    assert reshare(cur, "b", 20) == Assignment("b", Slot("n1", 0, 20), Slot("n2", 0, 20))  # 80 + 20 fits
+    solo = reshare({"s": Assignment("s", Slot("n1", 0, 50))}, "s", 100)
+    assert solo.primary.gpu_pct == 100 and solo.standby is None
+    with pytest.raises(ValueError, match=r"2 x 46% does not fit GPU 0 of node n1: the other apps hold 10%"):
+        reshare(cur, "a", 46)
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match=r"1\.\.100"):
+            reshare(cur, "a", bad)
+    with pytest.raises(ValueError, match="'zz' is not placed; placed: a, b"):
+        reshare(cur, "zz", 10)
