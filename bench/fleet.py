@@ -1,8 +1,9 @@
 """bench/fleet: a fleet losing a machine, and what its clients see.
 
-A Ray cluster on this machine (``ray.cluster_utils.Cluster``, token authentication on: a head and two
+A Ray cluster on this machine (``ray.cluster_utils.Cluster``, token authentication on: a head and three
 gpuprims machines with one CPU each), the fleet controller, one app (MobileNetV2 on 3x32x32 float32
-requests, CPU backend, 50 %) placed with a warm standby on the other machine. A ``FleetClient``
+requests, CPU backend, 50 %) placed with a warm standby on another machine; the third machine is
+where the fleet restores the standby once a machine is lost (full re-placement). A ``FleetClient``
 sends Poisson traffic from a pool of threads; after ``--before`` seconds one fault hits the app's
 primary machine:
 
@@ -16,7 +17,8 @@ primary machine:
 - ``none``: no fault: a soak (run it beside busy loops, ``--after 600``) counting false suspicions.
 
 Per run: seconds from the fault to the controller's suspicion, to the route flip (the first table
-version pushed after it), to Ray's confirmation, to the first OK of a request sent after the fault;
+version pushed after it), to Ray's confirmation, to full re-placement (the app loaded on the third
+machine), to the first OK of a request sent after the fault;
 sent / OK / errors / unanswered / duplicates suppressed at the client; p50/p99 latency before and
 after the fault. Targets (issue 25): suspicion <= 1.5 s, first OK <= 2 s, 0 unanswered, 0 answered
 twice. Reports, never asserts.
@@ -127,15 +129,15 @@ def _catching(fn: Callable[[], None], errors: list[BaseException]) -> None:
         errors.append(e)
 
 
-def start_cluster(system_config: dict[str, Any]) -> tuple[Cluster, list[Any]]:
-    """A fresh Ray cluster on this machine with token authentication on: a head and two gpuprims
-    machines with one CPU each. Returns it and its two machines."""
+def start_cluster(system_config: dict[str, Any], machines: int = 3) -> tuple[Cluster, list[Any]]:
+    """A fresh Ray cluster on this machine with token authentication on: a head and ``machines``
+    gpuprims machines with one CPU each. Returns it and its machines."""
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
     reset_auth_token_state()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "_system_config": system_config})
     try:
-        workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(2)]
+        workers = [cluster.add_node(num_cpus=1, resources={"gpuprims": 1}) for _ in range(machines)]
         cluster.wait_for_nodes()
     except BaseException:
         cluster.shutdown()
@@ -275,12 +277,18 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         return round(min(ts) - t_fault, 3) if ts else None
 
     t_suspect = first("suspect", t_fault)
+    # Full re-placement: the app loaded on a third machine (its new standby) after the fault.
+    ab = st["apps"]["cls"]
+    old = {ab["primary"]["node"], (ab.get("standby") or {}).get("node")}
+    t_replaced = [d["t"] for d in decisions if d["action"] == "applied" and d["app"] == "cls"
+                  and d.get("node") not in old and d["t"] >= t_fault]
     faulted_node = primary if fault in ("kill", "stop", "share") else None
     false_suspicions = [d for d in decisions if d["action"] == "suspect" and d.get("node") != faulted_node]
     return {
         "system": "gpuprims", "fault": fault, "time_to_suspect_s": t_suspect,
         "time_to_flip_s": first("routes", t_fault + (t_suspect or 0.0)),
         "time_to_confirm_s": first("confirm_dead", t_fault),
+        "time_to_replaced_s": round(min(t_replaced) - t_fault, 3) if t_replaced else None,
         **client_view(rows, t_start, t_fault, t_end),
         "duplicates_suppressed": duplicates, "failovers": failovers,
         "false_suspicions": len(false_suspicions), "decisions": decisions,
@@ -319,6 +327,7 @@ class ServeModel:
         self.torch = torch
         self.model = build_model(APP["model"], seed=APP["seed"], num_classes=APP["num_classes"],
                                  input_shape=tuple(APP["input_shape"])).eval()
+        self.node = ray.get_runtime_context().get_node_id()  # the bench kills a machine that holds one
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import Response
@@ -326,12 +335,12 @@ class ServeModel:
         x = np.frombuffer(await request.body(), np.float32).reshape(1, *APP["input_shape"])
         with self.torch.inference_mode():
             y = self.model(self.torch.from_numpy(x.copy())).numpy()
-        return Response(y.tobytes(), media_type="application/octet-stream")
+        return Response(y.tobytes(), media_type="application/octet-stream", headers={"x-node": self.node})
 
 
 def one_run_rayserve(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
-    """The same machine fault on Ray Serve: the app as a deployment with one replica on each gpuprims
-    machine (its way to keep a warm copy), Serve's defaults otherwise, its HTTP proxy on the head, a
+    """The same machine fault on Ray Serve: the app as a deployment with two replicas on the gpuprims
+    machines (its way to keep a warm copy; the machine killed holds one), Serve's defaults otherwise, its HTTP proxy on the head, a
     plain HTTP client (timeout 10 s, no retry of its own: Serve's router is what fails over)."""
     from ray import serve  # the peer extra (ray[serve]); the gpuprims rows need only ray core
 
@@ -368,14 +377,14 @@ def one_run_rayserve(fault: str, *, rate_rps: float, before_s: float, after_s: f
             with lock:
                 rows.append(row)
 
-        victim = workers[0]
+        victim: list[Any] = []
 
         def inject() -> None:
             if fault == "kill":
-                cluster.remove_node(victim, allow_graceful=False)
+                cluster.remove_node(victim[0], allow_graceful=False)
             else:
                 # The machine's Ray processes and their children (the replica's worker among them).
-                top = [p.process.pid for ps in victim.all_processes.values() for p in ps if p.process is not None]
+                top = [p.process.pid for ps in victim[0].all_processes.values() for p in ps if p.process is not None]
                 pids = set(top)
                 for pid in top:
                     with contextlib.suppress(psutil.Error):
@@ -385,11 +394,15 @@ def one_run_rayserve(fault: str, *, rate_rps: float, before_s: float, after_s: f
                         os.kill(pid, signal.SIGSTOP)
                         stopped.append(pid)
 
-        while True:  # the proxy answers once both replicas are up
-            send()
-            ok = rows.pop()["status"] == "OK"
-            if ok:
-                break
+        deadline = time.monotonic() + PLACE_TIMEOUT_S
+        while not victim:  # the proxy answers once the replicas are up; the victim is a machine with one
+            with contextlib.suppress(OSError):
+                req = urllib.request.Request(url, data=body, method="POST")
+                with urllib.request.urlopen(req, timeout=10.0) as r:
+                    r.read()
+                    victim.extend(w for w in workers if w.node_id == r.headers.get("x-node"))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray Serve did not answer within {PLACE_TIMEOUT_S:g} s")
             time.sleep(0.2)
         t_start, t_fault, t_end = drive(send, inject, rate_rps=rate_rps, before_s=before_s, after_s=after_s, rng=rng)
     finally:
@@ -452,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     for system, f, _ in plan:
         rs = [r for r in results if r["fault"] == f and r["system"] == system]
         prefix = f if system == "gpuprims" else f"rayserve_{f}"
-        for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s"):
+        for key in ("time_to_suspect_s", "time_to_flip_s", "time_to_confirm_s", "time_to_first_ok_s",
+                    "time_to_replaced_s"):
             vals = [r[key] for r in rs if r.get(key) is not None]
             if system == "gpuprims" or key == "time_to_first_ok_s":
                 summary[f"{prefix}_{key.removesuffix('_s')}_max_s"] = max(vals) if vals else None
@@ -463,9 +477,10 @@ def main(argv: list[str] | None = None) -> None:
         if system == "gpuprims" and f == "share":  # killed mid-change (not after it); standby at the new share
             summary["share_killed_mid_change"] = sum(r.get("change_at_kill") is not None for r in rs)
             summary["share_standby_at_new_share"] = sum(r.get("share_after") == SHARE_TO for r in rs)
-    notes = ("Ray cluster on one machine (head + 2 gpuprims machines, 1 CPU each, token auth), CPU backend, "
-             "FleetClient with failover_s 0.5. Ray Serve rows: the app as a deployment with a replica on each "
-             "gpuprims machine, proxy on the head, a plain HTTP client with a 10 s timeout and no retry." + (" QUICK run: a smoke test, not figures." if args.quick else "")
+    notes = ("Ray cluster on one machine (head + 3 gpuprims machines, 1 CPU each, token auth), CPU backend, "
+             "FleetClient with failover_s 0.5; replaced = the app loaded on the third machine (its new standby). "
+             "Ray Serve rows: the app as a deployment with two replicas on the gpuprims machines (the "
+             "machine killed holds one), proxy on the head, a plain HTTP client with a 10 s timeout and no retry." + (" QUICK run: a smoke test, not figures." if args.quick else "")
              + load_note(load_before))
     path = write_result(args.name, "cpu", summary, {"runs": results, "failed": failed}, notes=notes, load_avg_before=load_before,
                         large_samples=True)
