@@ -32,8 +32,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
+import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -66,19 +69,39 @@ FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500
                "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 PLACE_TIMEOUT_S = 300.0
 FAULTS = ("kill", "stop", "head", "share", "none")
-SHARE_TO = 40  # the ``share`` fault's new share (the app runs at 50)
+SHARE_TO = 40  # the ``share`` fault's new share (the app runs at 50, or 30 with --apps > 1)
 
 
-def _placed(ctl: Any) -> dict[str, Any] | None:
+def fleet_config(apps: int) -> dict[str, Any]:
+    """The fleet of ``apps`` apps: ``cls`` (the app whose primary's machine the faults hit) and, beside
+    it, copies of it under other names and seeds; with more than one, each at 30 % so that three
+    apps with their standbys (180 %) still fit on two machines once one is lost."""
+    if apps == 1:
+        return FLEET
+    entries = [{**APP, "name": "cls" if i == 0 else f"cls{i + 1}", "seed": APP["seed"] + i, "gpu_pct": 30}
+               for i in range(apps)]
+    return {**FLEET, "apps": entries}
+
+
+def oip_body(x: np.ndarray) -> bytes:
+    """An OIP/HTTP JSON infer request of one row ``x``."""
+    return json.dumps({"inputs": [{"name": "input", "shape": [1, *x.shape], "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}).encode()
+
+
+def _placed(ctl: Any, names: list[str]) -> dict[str, Any] | None:
     try:
         st = ray.get(ctl.status.remote(), timeout=30)
     except (ray.exceptions.RayError, TimeoutError):  # starting, or restarting
         return None
-    a = st["apps"].get("cls")
-    if a is None or a.get("standby") is None:
-        return None
-    applied = {d.get("node") for d in st["decisions"] if d["action"] == "applied" and d["app"] == "cls"}
-    return st if {a["primary"]["node"], a["standby"]["node"]} <= applied else None
+    for name in names:
+        a = st["apps"].get(name)
+        if a is None or a.get("standby") is None or name not in st["routes"]["apps"]:
+            return None
+        applied = {d.get("node") for d in st["decisions"] if d["action"] == "applied" and d["app"] == name}
+        if not {a["primary"]["node"], a["standby"]["node"]} <= applied:
+            return None
+    return st
 
 
 def _pids_of(worker: Any, node_info: dict[str, Any]) -> list[int]:
@@ -145,37 +168,61 @@ def start_cluster(system_config: dict[str, Any], machines: int = 3) -> tuple[Clu
     return cluster, workers
 
 
-def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int) -> dict[str, Any]:
-    cluster, workers = start_cluster({**FAST_HEALTH, **parse_fleet_config(FLEET, source="bench").ray.system_config()})
+def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, seed: int, apps: int = 1,
+            http_share: float = 0.0) -> dict[str, Any]:
+    cfg = parse_fleet_config(fleet_config(apps), source="bench")
+    names = [a["name"] for a in cfg.apps]
+    cluster, workers = start_cluster({**FAST_HEALTH, **cfg.ray.system_config()})
     stopped: list[int] = []
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        ctl = controller_actor(parse_fleet_config(FLEET, source="bench"))
+        ctl = controller_actor(cfg)
         deadline = time.monotonic() + PLACE_TIMEOUT_S
         st = None
         while st is None and time.monotonic() < deadline:
-            st = _placed(ctl)
+            st = _placed(ctl, names)
             time.sleep(0.5)
         if st is None:
-            raise RuntimeError(f"the app was not placed within {PLACE_TIMEOUT_S:g} s")
+            raise RuntimeError(f"the apps were not placed within {PLACE_TIMEOUT_S:g} s")
         primary = st["apps"]["cls"]["primary"]["node"]
         seeds = [f"http://{n['host']}:{n['routes_port']}" for n in st["nodes"].values()]
+        # The front door requests go to the machine that holds no copy of cls: it forwards them.
+        held = {st["apps"]["cls"]["primary"]["node"], st["apps"]["cls"]["standby"]["node"]}
+        door = next(n for nid, n in st["nodes"].items() if nid not in held)
+        door_url = f"http://{door['host']}:{door['http_port']}/v2/models/{{}}/infer"
         rng = np.random.default_rng(seed)
         x = rng.random((3, 32, 32), dtype=np.float32)
+        body = oip_body(x)
         rows: list[dict[str, Any]] = []
         lock = threading.Lock()
+        pick = random.Random(seed)
         with FleetClient(seeds, failover_s=0.5, timeout_s=10.0) as client:
-            while client.refresh() <= 0 or "cls" not in client.table["apps"]:
+            while client.refresh() <= 0 or not set(names) <= set(client.table["apps"]):
                 time.sleep(0.2)
+            for name in names if http_share > 0 else ():  # the door's table has every app (a 404 until then)
+                deadline = time.monotonic() + 60
+                while (got := http_infer(door_url.format(name), body)) != "OK":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the front door at {door_url.format(name)} did not answer OK within "
+                                           f"60 s: {got}")
+                    time.sleep(0.2)
 
             def send() -> None:
+                with lock:
+                    app, http = pick.choice(names), pick.random() < http_share
                 t0 = time.time()
-                try:
-                    r = client.infer("cls", x)
-                    row = {"sent": t0, "done": time.time(), "status": Status(r.status).name,
-                           "latency_ms": r.latency_ms, "attempts": r.attempts}
-                except RequestLost:
-                    row = {"sent": t0, "done": time.time(), "status": "UNANSWERED"}
+                row: dict[str, Any] = {"sent": t0, "app": app, "transport": "http" if http else "udp"}
+                if http:
+                    row["status"] = http_infer(door_url.format(app), body)
+                    row["done"] = time.time()
+                    row["latency_ms"] = (row["done"] - t0) * 1e3
+                else:
+                    try:
+                        r = client.infer(app, x)
+                        row.update(done=time.time(), status=Status(r.status).name, latency_ms=r.latency_ms,
+                                   attempts=r.attempts)
+                    except RequestLost:
+                        row.update(done=time.time(), status="UNANSWERED")
                 with lock:
                     rows.append(row)
 
@@ -290,11 +337,27 @@ def one_run(fault: str, *, rate_rps: float, before_s: float, after_s: float, see
         "time_to_confirm_s": first("confirm_dead", t_fault),
         "time_to_replaced_s": round(min(t_replaced) - t_fault, 3) if t_replaced else None,
         **client_view(rows, t_start, t_fault, t_end),
+        "by_transport": {t: {k: v for k, v in client_view([r for r in rows if r.get("transport") == t], t_start,
+                                                          t_fault, t_end).items() if k != "requests"}
+                         for t in ("udp", "http")},
         "duplicates_suppressed": duplicates, "failovers": failovers,
         "false_suspicions": len(false_suspicions), "decisions": decisions,
         **({"change_at_kill": change_seen[0] if change_seen else None, "share_after": share_after}
            if fault == "share" else {}),
     }
+
+
+def http_infer(url: str, body: bytes, timeout_s: float = 10.0) -> str:
+    """One OIP/HTTP request: "OK", "HTTP_<code>" (an answer: an error status) or "UNANSWERED"."""
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+        return "OK"
+    except urllib.error.HTTPError as e:
+        return f"HTTP_{e.code}"
+    except OSError:  # refused, reset or timed out: no answer
+        return "UNANSWERED"
 
 
 def client_view(rows: list[dict[str, Any]], t_start: float, t_fault: float, t_end: float) -> dict[str, Any]:
@@ -428,6 +491,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
     ap.add_argument("--before", type=float, help="seconds of traffic before the fault (default 10, quick 3)")
     ap.add_argument("--after", type=float, help="seconds of traffic after it (default 20, quick 8)")
+    ap.add_argument("--apps", type=int, default=1, help="apps in the fleet (cls, and cls2.. beside it at 30 %% each)")
+    ap.add_argument("--http-share", type=float, default=0.0,
+                    help="fraction of requests sent over OIP/HTTP to the front door of the machine holding no "
+                         "copy of cls (it forwards them); the rest over UDP by the FleetClient")
     ap.add_argument("--name", default="fleet", help="result name (fleet-soak for a 'none' soak beside busy loops)")
     ap.add_argument("--rayserve", default="kill,stop",
                     help="faults also run on Ray Serve, the peer row (kill, stop; '' for none; needs the peer extra)")
@@ -437,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(faults) - set(FAULTS)) + sorted(set(serve_faults) - {"kill", "stop"})
     if bad:
         ap.error(f"unknown fault(s) {bad}; choose from {', '.join(FAULTS)} (Ray Serve: kill, stop)")
+    if not 1 <= args.apps <= 3 or not 0.0 <= args.http_share <= 1.0:
+        ap.error(f"need 1 <= --apps <= 3 and 0 <= --http-share <= 1, got {args.apps} and {args.http_share}")
     serve_skipped = None
     if serve_faults and importlib.util.find_spec("ray.serve") is None:
         serve_skipped = "Ray Serve rows skipped: ray[serve] is not installed (pip install -e '.[peer]')"
@@ -450,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
-    plan = [("gpuprims", f, one_run) for f in faults] + [("rayserve", f, one_run_rayserve) for f in serve_faults]
+    gp = functools.partial(one_run, apps=args.apps, http_share=args.http_share)
+    plan = [("gpuprims", f, gp) for f in faults] + [("rayserve", f, one_run_rayserve) for f in serve_faults]
     for system, f, run in plan:
         for i in range(runs):
             try:
@@ -460,7 +530,8 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # e.g. Ray's head not starting on an overloaded machine: reported, not hidden
                 print(f"run {i} of {system} fault {f} could not run: {e}", flush=True)
                 failed.append({"system": system, "fault": f, "run": i, "error": str(e)})
-    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "runs_failed_to_start": len(failed),
+    summary: dict[str, Any] = {"rate_rps": rate, "runs_per_fault": runs, "apps": args.apps,
+                               "http_share": args.http_share, "runs_failed_to_start": len(failed),
                                "before_s": before_s, "after_s": after_s, "rayserve_skipped": serve_skipped}
     for system, f, _ in plan:
         rs = [r for r in results if r["fault"] == f and r["system"] == system]
@@ -474,10 +545,15 @@ def main(argv: list[str] | None = None) -> None:
             ("duplicates_suppressed", "false_suspicions") if system == "gpuprims" else ())
         for key in counted:
             summary[f"{prefix}_{key}"] = sum(r[key] for r in rs)
+        if system == "gpuprims" and args.http_share > 0:
+            for key in ("sent", "ok", "errors", "unanswered"):
+                summary[f"{prefix}_http_{key}"] = sum(r["by_transport"]["http"][key] for r in rs)
         if system == "gpuprims" and f == "share":  # killed mid-change (not after it); standby at the new share
             summary["share_killed_mid_change"] = sum(r.get("change_at_kill") is not None for r in rs)
             summary["share_standby_at_new_share"] = sum(r.get("share_after") == SHARE_TO for r in rs)
-    notes = ("Ray cluster on one machine (head + 3 gpuprims machines, 1 CPU each, token auth), CPU backend, "
+    notes = (f"{args.apps} app(s), {args.http_share:.0%} of requests over OIP/HTTP to the front door of the "
+             "machine holding no copy of cls (forwarded), the rest over UDP. "
+             "Ray cluster on one machine (head + 3 gpuprims machines, 1 CPU each, token auth), CPU backend, "
              "FleetClient with failover_s 0.5; replaced = the app loaded on the third machine (its new standby). "
              "Ray Serve rows: the app as a deployment with two replicas on the gpuprims machines (the "
              "machine killed holds one), proxy on the head, a plain HTTP client with a 10 s timeout and no retry." + (" QUICK run: a smoke test, not figures." if args.quick else "")

@@ -205,6 +205,10 @@ class Controller:
                 continue
             self.last_ok[nid] = time.monotonic()
             self.dirty.add("*")
+            if self.pushed >= 0:
+                # A machine that joins after the table's last change (nothing placed on it moves a
+                # version) gets the table now: its front door forwards by it, clients may seed from it.
+                self.agents[nid].set_routes.remote(self.routes())
 
     def _ping(self, now: float) -> None:
         for nid, handle in list(self.agents.items()):

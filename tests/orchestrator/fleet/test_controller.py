@@ -27,7 +27,9 @@ from gpuprims.client import FleetClient
 from gpuprims.gather import preprocess
 from gpuprims.wire import Status
 from orchestrator.fleet.config import parse_fleet_config
-from orchestrator.fleet.controller import NAMESPACE, agent_name, controller_actor
+from orchestrator.fleet.controller import NAMESPACE, Controller, agent_name, controller_actor
+from orchestrator.fleet.plan import AppDemand, Assignment, Slot
+from orchestrator.frontdoor.forward import route_model
 from tests.orchestrator.fleet.helpers import post_until_ok
 
 pytestmark = pytest.mark.slow
@@ -181,3 +183,47 @@ def test_a_ray_client_without_the_token_is_refused(ray_fleet: RayFleet) -> None:
         assert rc != 0 and "ADMITTED" not in stdout, (name, stdout, stderr[-2000:])
     (stdout, stderr), rc = out["ok"]
     assert rc == 0 and "ADMITTED" in stdout, (stdout, stderr[-2000:])
+
+
+class _Remote:
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def remote(self, *args: Any) -> object:
+        self.calls.append(args)
+        return object()
+
+
+class _Agent:
+    """An agent's handle as the controller uses it: records the tables it is sent."""
+
+    def __init__(self) -> None:
+        self.tables: list[tuple[Any, ...]] = []
+        self.set_routes = _Remote(self.tables)
+
+
+def test_a_machine_that_joins_after_the_last_change_gets_the_routing_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by bench/fleet with three machines: the third, on which nothing was placed, joined after the
+    # table's last version was pushed, never got it, and its front door answered 404 for every app.
+    ctl = object.__new__(Controller)  # its logic only: no loop thread, no Ray state
+    agents = {"n1": _Agent(), "n2": _Agent()}
+    ctl.agents, ctl.pending_info = dict(agents), {"n2": "ref"}
+    ctl.info = {"n1": {"node": "n1", "host": "127.0.0.1", "udp_port": 9001, "http_port": 8001, "gpus": 1}}
+    ctl.alive, ctl.suspects, ctl.last_ok, ctl.dirty = {"n1": True, "n2": True}, {}, {}, set()
+    ctl.decisions, ctl.node_events = [], []
+    ctl.assignments = {"cls": Assignment("cls", Slot("n1", 0, 50))}
+    ctl.demands, ctl.app_ids = {"cls": AppDemand("cls", APP)}, {"cls": 1}
+    ctl.models = {"cls": route_model(APP)}
+    ctl.version = ctl.pushed = 3
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: (list(refs), []))
+    monkeypatch.setattr(ray, "get", lambda ref: {"node": "n2", "host": "127.0.0.1", "udp_port": 9002,
+                                                 "http_port": 8002, "gpus": 1})
+    ctl._collect_infos()
+    ((table,),) = agents["n2"].tables
+    assert table["version"] == 3 and table["apps"]["cls"]["primary"]["udp_port"] == 9001
+    assert table["apps"]["cls"]["model"] == route_model(APP)
+    assert agents["n1"].tables == []  # it has this version already
+    # Before any table is pushed, the first push (to every agent with its info) is the loop's.
+    ctl.pending_info, ctl.pushed = {"n2": "ref"}, -1
+    ctl._collect_infos()
+    assert len(agents["n2"].tables) == 1
