@@ -23,7 +23,11 @@ sent / OK / errors / unanswered / duplicates suppressed at the client; p50/p99 l
 after the fault. Targets (issue 25): suspicion <= 1.5 s, first OK <= 2 s, 0 unanswered, 0 answered
 twice. Reports, never asserts.
 
-Run: ``python -m bench.fleet [--quick] [--runs N] [--faults kill,stop,head]``; the soak:
+With ``--apps 3`` the fleet has three apps (30 % each) and with ``--http-share F`` that fraction of
+requests goes over OIP/HTTP to the front door of the machine holding no copy of ``cls``, which
+forwards them to their owners; sent / OK / errors / unanswered are also counted per transport.
+
+Run: ``python -m bench.fleet [--quick] [--runs N] [--faults kill,stop,head,share] [--apps 3 --http-share 0.5]``; the soak:
 ``contended python -m bench.fleet --faults none --runs 1 --after 600 --name fleet-soak``. Needs the ``fleet`` extra.
 """
 
