@@ -38,6 +38,9 @@ RECORD_DTYPE = np.dtype(
     }
 )
 
+#: A record as an opaque item of RECORD_DTYPE's size (see PacketPool.requests).
+_RAW_RECORD = np.dtype((np.void, RECORD_DTYPE.itemsize))
+
 REC_FREE, REC_FILLING, REC_DELIVERED = 0, 1, 2
 
 
@@ -55,6 +58,9 @@ class PacketPool:
     def __init__(self, native: Any) -> None:
         self._native = native
         self._records = native.region("records").view(RECORD_DTYPE)
+        # The same records as opaque 128-byte items: copying those is one memcpy each, where a copy of
+        # the structured dtype (explicit offsets) goes field by field (about 5x slower per request).
+        self._records_raw = self._records.view(_RAW_RECORD)
         # A dropped pool unmaps (and, for the creator, unlinks) even without close().
         self._finalizer = weakref.finalize(self, PacketPool._finalize, native)
 
@@ -132,7 +138,7 @@ class PacketPool:
 
     def requests(self, recs: np.ndarray) -> np.ndarray:
         """Copies of the records ``recs`` (RECORD_DTYPE): ids, sizes, client address, timestamps."""
-        return self._records[np.asarray(recs, dtype=np.intp)].copy()
+        return self._records_raw.take(np.asarray(recs, dtype=np.intp)).view(RECORD_DTYPE)
 
     def peek(self, consumer: int, from_pos: int = 0, max_n: int | None = None) -> tuple[np.ndarray, int, int]:
         """Look at consumer ``consumer``'s queue without taking anything: ``(recs, head, tail)``.
@@ -171,6 +177,7 @@ class PacketPool:
     def close(self) -> None:
         """Unmap the pool (and remove its name if this process created it)."""
         self._records = np.empty(0, RECORD_DTYPE)
+        self._records_raw = self._records.view(_RAW_RECORD)
         self._finalizer()
 
     def __enter__(self) -> PacketPool:

@@ -96,3 +96,26 @@ def test_gather_refuses_undelivered_records() -> None:
             pool.gather(np.array([0], np.uint32), np.zeros((1, 8), np.uint8))
         with pytest.raises(ValueError, match="rows"):
             pool.gather(np.array([0, 1], np.uint32), np.zeros((1, 8), np.uint8))
+
+
+def test_requests_are_copies_of_the_records_in_the_order_asked() -> None:
+    """`requests` copies the records as opaque items: every field as in the shared records, in the order
+    of ``recs``, and nothing later written to the records shows through (the ingest reuses them)."""
+    pool = PacketPool.create(slot_count=16, max_payload=1024, record_count=8, max_chunks=4, consumer_count=1)
+    try:
+        recs = pool._records
+        recs["request_id"] = np.arange(100, 108)
+        recs["first_ns"] = np.arange(8) * 1_000_003
+        recs["addr"][:, 3] = np.arange(8)
+        got = pool.requests(np.array([5, 2, 5], np.uint32))
+        assert got.dtype == RECORD_DTYPE and got.shape == (3,)
+        assert got["request_id"].tolist() == [105, 102, 105]
+        assert got["first_ns"].tolist() == [5_000_015, 2_000_006, 5_000_015]
+        assert got["addr"][:, 3].tolist() == [5, 2, 5]
+        for name in RECORD_DTYPE.names:
+            assert np.array_equal(got[name], recs[name][[5, 2, 5]]), name
+        recs["request_id"] = 0
+        assert got["request_id"].tolist() == [105, 102, 105]
+        assert pool.requests(np.array([], np.uint32)).shape == (0,)
+    finally:
+        pool.close()
