@@ -25,6 +25,14 @@ Per case and engine:
    (targets: >= 5x for MobileNetV2 64, >= 1.7x for ResNet-50). ``best_engine`` is the non-eager engine
    with the highest held rate.
 
+Per case, before any node starts, **the engines on their own** (`model_only`): each engine's run time
+in a plain loop at batch 1 and at the max batch, on the instance's cores with its threads, the engines
+taking turns round by round (``MODEL_ONLY_ROUNDS``). ``model_rate_ratio_b<max>`` is the engine's own
+gain over eager at the max batch: the most ``ratio_vs_eager`` can be for an instance that runs full
+batches, whatever the server. ``node_over_model_ratio`` (the node's ratio over that ceiling) says how
+much of the engine's gain the node keeps. This machine's speed drifts by tens of percent within minutes,
+so only ratios taken in one run are compared.
+
 The traffic generator is ``gpuprims.traffic`` (native paced sender with sendmmsg and UDP GSO, native
 receiver), in a thread of this process beside the node's native ingest; the models run in the
 instance process on its own core. bench/traffic measured the sender at about 500,000 datagrams/s into
@@ -63,9 +71,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from bench import serving as sv
 from bench.common import load_note, write_result
 from gpuprims import wire
+from gpuprims.cpushare import plan_cpu_shares
+from gpuprims.engines import EngineCache, EngineError, ModelSource, Target, make_engine
 from gpuprims.traffic.report import RATE_TOLERANCE, Report
 from gpuprims.traffic.stream import AppStream
 from orchestrator.config import NodeConfig, parse_config
@@ -98,6 +110,10 @@ ATTAINMENT = 0.99
 REL_TOL = 0.1
 #: A trial whose sends lag their schedule by more than this fraction of the SLO at p99 did not offer its load.
 LAG_SLO_FRACTION = 0.1
+#: The model-only measurement (`model_only`): rounds, each running every engine in turn, and runs per
+#: engine and batch size in a round (the round's figure is their median).
+MODEL_ONLY_ROUNDS = 8
+MODEL_ONLY_REPS = 30
 #: Targets of issue 23 (reported beside the figures, never asserted).
 TARGETS = {"classify_ratio": 5.0, "resnet50_ratio": 1.7, "classify_p50_ratio": 0.5}
 
@@ -205,6 +221,78 @@ def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         out[f"{case}.best_engine"] = best
         out[f"{case}.best_ratio"] = out.get(f"{case}.{best}.ratio_vs_eager") if best else None
     return out
+
+
+def model_only_summary(times: dict[str, dict[str, list[float]]], max_batch: int) -> dict[str, Any]:
+    """Per engine, from `model_only`'s ``times[engine]["b1"|"b<max>"]`` (ms per round): the median of the
+    rounds (``model_b1_ms``, ``model_b<max>_ms``) and, against eager, ``model_rate_ratio_b<max>``: how
+    many times eager's rate the engine's own run gives at the max batch, the ceiling of ``ratio_vs_eager``
+    for an instance that runs full batches (each round's eager time over the engine's in the same round,
+    then the median: a round is seconds long, so a drift of the machine's speed cancels)."""
+    out: dict[str, Any] = {}
+    top = f"b{max_batch}"
+    eager = times.get("eager", {})
+    for engine, t in times.items():
+        for b, v in t.items():
+            if v:
+                out[f"{engine}.model_{b}_ms"] = round(float(np.median(v)), 3)
+        if engine == "eager" or not t.get(top) or not eager.get(top):
+            continue
+        pairs = [e / x for e, x in zip(eager[top], t[top]) if x > 0]
+        out[f"{engine}.model_rate_ratio_{top}"] = round(float(np.median(pairs)), 3) if pairs else None
+    return out
+
+
+def model_only(case: Case, engines: Sequence[str], *, cache: str | None, gpu_pct: int = GPU_PCT,
+               rounds: int = MODEL_ONLY_ROUNDS, reps: int = MODEL_ONLY_REPS) -> dict[str, Any]:
+    """Each engine's own run time (ms) at batch 1 and at the case's max batch, with no node running: in
+    this thread, on the cores and with the threads the case's share gives its instance
+    (`plan_cpu_shares`), a plain loop of ``engine.run`` on one seeded float32 batch (what the gather
+    hands the model; a uint8 app's bytes arrive scaled to float32). The engines take turns round by round.
+    Returns ``{"times": {engine: {"b1": [...], "b<max>": [...]}}, "errors": {engine: why}, "cores": [...]}``."""
+    import torch
+
+    share = plan_cpu_shares([("model-only", gpu_pct)])["model-only"]
+    threads = share.threads
+    source = ModelSource(case.model, case.shape, max_batch=case.max_batch, seed=0)
+    made: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for e in engines:
+        try:
+            eng = make_engine(e, source, Target("cpu", threads=threads), cache=EngineCache(cache) if cache else None)
+            eng.prepare()
+            made[e] = eng
+        except (EngineError, ImportError, RuntimeError) as err:
+            errors[e] = f"{type(err).__name__}: {err}"
+    gen = torch.Generator().manual_seed(0)
+    batches = {f"b{b}": torch.rand((b, *case.shape), generator=gen) for b in sorted({1, case.max_batch})}
+    times: dict[str, dict[str, list[float]]] = {e: {b: [] for b in batches} for e in made}
+    affinity, torch_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, set(share.cores))
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for eng in made.values():
+                for x in batches.values():
+                    for _ in range(5):
+                        eng.run(x)
+            for _ in range(rounds):
+                for e, eng in made.items():
+                    for b, x in batches.items():
+                        runs = []
+                        for _ in range(reps):
+                            t0 = time.perf_counter()
+                            eng.run(x)
+                            runs.append((time.perf_counter() - t0) * 1e3)
+                        times[e][b].append(round(float(np.median(runs)), 4))
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(torch_threads)
+        for eng in made.values():
+            close = getattr(eng, "close", None)
+            if callable(close):
+                close()
+    return {"times": times, "errors": errors, "cores": list(share.cores), "threads": threads}
 
 
 # -- the node and its traffic -------------------------------------------------------------------------------
@@ -315,11 +403,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_before = os.getloadavg()
     t0 = time.monotonic()
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    model_only_results: dict[str, dict[str, Any]] = {}
     for name in cases:
         case = CASES[name]
         print(f"{name}: {case.model} {'x'.join(map(str, case.shape))} {case.dtype}, max batch {case.max_batch}, "
               f"SLO {case.slo_ms:g} ms, gpu_pct {args.gpu_pct}", flush=True)
         results[name] = {}
+        mo = model_only(case, engines, cache=args.cache, gpu_pct=args.gpu_pct,
+                        rounds=2 if args.quick else MODEL_ONLY_ROUNDS, reps=5 if args.quick else MODEL_ONLY_REPS)
+        model_only_results[name] = mo
+        for k, v in model_only_summary(mo["times"], case.max_batch).items():
+            print(f"  {name}.{k}: {v}", flush=True)
         for e in engines:
             try:
                 results[name][e] = run_engine(name, case, e, cache=args.cache, light_s=light_s, trial_s=trial_s,
@@ -337,6 +431,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary[f"{name}.slo_ms"] = c.slo_ms
         summary[f"{name}.max_batch"] = c.max_batch
         summary[f"{name}.max_wait_ms"] = c.max_wait_ms
+        mo = model_only_results[name]
+        for k, v in model_only_summary(mo["times"], c.max_batch).items():
+            summary[f"{name}.{k}"] = v
+        for e in results[name]:
+            ratio, ceiling = summary.get(f"{name}.{e}.ratio_vs_eager"), summary.get(f"{name}.{e}.model_rate_ratio_b{c.max_batch}")
+            if ratio and ceiling:
+                # how much of the engine's own gain at the max batch the node keeps (1: all of it)
+                summary[f"{name}.{e}.node_over_model_ratio"] = round(ratio / ceiling, 3)
+        results[name]["model_only"] = mo  # raw rounds, in the samples file
     if args.gpu_pct == 50:
         notes = ("Through an in-process node on loopback, one app at gpu_pct 50 (one core) per node, the generator, "
                  "ingest and control loop kept on the other core (node.pin_node_threads): a held rate marked generator_limited is a floor set "

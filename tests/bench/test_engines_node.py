@@ -123,3 +123,33 @@ def test_generator_limited_by_rate_or_by_lag_behind_the_schedule() -> None:
     assert bench.generator_limited(97.0, 100.0, 500.0, 200.0)  # more than 2 % short of the target
     assert bench.generator_limited(100.0, 100.0, 20_001.0, 200.0)  # sends 20 ms late: a tenth of a 200 ms SLO
     assert not bench.generator_limited(100.0, 100.0, None, 200.0)
+
+
+def test_model_only_summary_pairs_each_round_and_takes_the_median() -> None:
+    times = {"eager": {"b1": [10.0, 12.0, 11.0], "b4": [20.0, 40.0, 30.0]},
+             "onnxruntime": {"b1": [2.0, 3.0, 2.5], "b4": [5.0, 8.0, 10.0]},
+             "openvino": {"b1": [], "b4": []}}
+    s = bench.model_only_summary(times, 4)
+    assert s["eager.model_b1_ms"] == 11.0 and s["eager.model_b4_ms"] == 30.0
+    assert s["onnxruntime.model_b4_ms"] == 8.0
+    # rounds paired: 20/5, 40/8, 30/10 -> 4, 5, 3 -> median 4 (not 30/8 of the two medians)
+    assert s["onnxruntime.model_rate_ratio_b4"] == 4.0
+    assert "openvino.model_rate_ratio_b4" not in s and "openvino.model_b4_ms" not in s  # nothing measured
+    assert "eager.model_rate_ratio_b4" not in s
+    assert bench.model_only_summary({"onnxruntime": {"b4": [1.0]}}, 4) == {"onnxruntime.model_b4_ms": 1.0}
+
+
+def test_model_only_times_each_engine_on_the_share_and_restores_the_thread(tmp_path: Path) -> None:
+    import os
+
+    import torch
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    case = bench.CASES["classify"]
+    mo = bench.model_only(case, ["eager", "onnxruntime", "no-such-engine"], cache=str(tmp_path / "cache"),
+                          rounds=2, reps=2)
+    assert set(mo["times"]) == {"eager", "onnxruntime"} and "no-such-engine" in mo["errors"]
+    for t in mo["times"].values():
+        assert set(t) == {"b1", "b4"} and all(len(v) == 2 and min(v) > 0 for v in t.values())
+    assert mo["threads"] >= 1 and mo["cores"]
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
