@@ -116,6 +116,11 @@ def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch:
         assert r["light"]["once"] == r["light"]["sent_all"] > 0 and r["light"]["lost"] == 0
         assert r["history"] and all("latency_ms" in h and h["sent_all"] > 0 for h in r["history"])
         assert s[f"classify.{engine}.p50_at_30rps_ms"] > 0
+    # the engines' trials took turns: eager's first, then onnxruntime's, and so on
+    turns = {e: [h["turn"] for h in samples["classify"][e]["history"]] for e in ("eager", "onnxruntime")}
+    assert turns["eager"][0] == 0 and turns["onnxruntime"][0] == 1
+    assert not set(turns["eager"]) & set(turns["onnxruntime"])
+    assert s["classify.onnxruntime.model_rate_ratio_b4"] > 0
 
 
 def test_generator_limited_by_rate_or_by_lag_behind_the_schedule() -> None:
@@ -153,3 +158,31 @@ def test_model_only_times_each_engine_on_the_share_and_restores_the_thread(tmp_p
         assert set(t) == {"b1", "b4"} and all(len(v) == 2 and min(v) > 0 for v in t.values())
     assert mo["threads"] >= 1 and mo["cores"]
     assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+
+
+def test_rate_search_takes_one_trial_at_a_time_and_ends() -> None:
+    search = bench.RateSearch(100.0, max_trials=3)
+    assert search.rate == 100.0 and not search.done
+    search.record({"passed": True})
+    assert search.rate == 200.0
+    search.record({"passed": False})
+    assert search.rate == pytest.approx(141.42, abs=0.01)
+    search.record({"passed": True})
+    assert search.done and search.best is not None and search.best["rate_rps"] == pytest.approx(141.42, abs=0.01)
+    assert [h["rate_rps"] for h in search.history][:2] == [100.0, 200.0]
+    with pytest.raises(RuntimeError, match="over"):
+        search.record({"passed": True})
+
+
+def test_the_pump_steps_every_node_in_turn() -> None:
+    calls: list[tuple[str, float]] = []
+
+    class Node:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def step(self, timeout_ms: float) -> None:
+            calls.append((self.name, timeout_ms))
+
+    bench._Pump([Node("a"), Node("b")]).step(50)
+    assert calls == [("a", 25.0), ("b", 25.0)]
