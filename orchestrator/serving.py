@@ -41,10 +41,6 @@ PROBE_AFTER_S = 1.0
 #: after a whole window of new measurements of each size, which at one probe a second took half a
 #: minute of DEADLINE_MISSED answers (measured in bench/overlap).
 LATENCY_MEMORY_S = 5.0
-#: How often the latency model's old batch times are dropped: each drop walks every size's window, so
-#: doing it before every batch cost tens of microseconds a batch (bench/stage_cost); a quarter of a second
-#: late is nothing against LATENCY_MEMORY_S.
-FORGET_EVERY_S = 0.25
 #: How many batches deep (x max_batch) an instance looks for a backlog's early drop.
 EARLY_DROP_SCAN = 4
 #: The most requests one poll of the ring takes into the local queue.
@@ -144,7 +140,6 @@ class ServingLoop:
         self._dtype_ok = np.zeros(256, dtype=bool)
         self._dtype_ok[[self.wire_dtype, int(DType.BYTES)]] = True
         self._last_served = 0.0
-        self._last_forget = 0.0
         # Dispatched mode: requests routed to a later DAG stage, held until a RunBatch for it.
         self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
         self._last_error: str | None = None
@@ -200,9 +195,7 @@ class ServingLoop:
         forgotten first.
         """
         now_s = time.monotonic()
-        if now_s - self._last_forget >= FORGET_EVERY_S:
-            self.policy.model.forget(now_s - LATENCY_MEMORY_S)
-            self._last_forget = now_s
+        self.policy.model.forget(now_s - LATENCY_MEMORY_S)
         predictive = now_s - self._last_served < PROBE_AFTER_S
         expired = []
         while self.queue:
