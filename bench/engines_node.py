@@ -1,6 +1,6 @@
 """bench/engines_node: engines through the node (issue 23, "Through the node"): eager against the CPU engines.
 
-    python -m bench.engines_node [--quick] [--cases classify detect resnet50] [--engines eager onnxruntime openvino]
+    python -m bench.engines_node [--quick] [--cases classify detect resnet50] [--engines eager onnxruntime openvino] [--name STEM]
 
 For each case, one node per engine (CPU backend, in this process as bench/e2e's, on loopback, all
 started at once) runs the one app at the example's share (``gpu_pct`` 50: one core of two, as many
@@ -453,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--light-s", type=float, default=8.0, help="measured seconds at 30 req/s")
     ap.add_argument("--max-trials", type=int, default=8, help="trials per rate search")
     ap.add_argument("--cache", default=None, help="engine cache directory (default: the per-user cache)")
+    ap.add_argument("--name", default=None, help="result file stem (default engines_node, engines_node-gpu100 with "
+                    "--gpu-pct 100, -quick appended with --quick): a partial run (--cases) kept beside the full one")
     ap.add_argument("--gpu-pct", type=int, default=GPU_PCT, choices=[50, 100],
                     help="every app's share: 50 = one core of two (the example's), 100 = both cores (then the "
                     "generator, ingest and control loop share them with the model; written as "
@@ -512,7 +514,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         notes = ("Through an in-process node on loopback, one app at gpu_pct 100 (both cores, two threads) per node, "
                  "eager and every engine alike; the generator, ingest and control loop share the same two cores "
                  "with the model, so their cost is in every figure.")
-    stem = "engines_node" + ("" if args.gpu_pct == GPU_PCT else f"-gpu{args.gpu_pct}") + ("-quick" if args.quick else "")
+    stem = args.name or ("engines_node" + ("" if args.gpu_pct == GPU_PCT else f"-gpu{args.gpu_pct}")
+                         + ("-quick" if args.quick else ""))
     path = write_result("engines_node", "cpu", summary, results, notes=notes + load_note(load_before),
                         large_samples=True, load_avg_before=load_before,
                         name=None if stem == "engines_node" else stem)

@@ -104,12 +104,13 @@ def test_config_puts_the_app_on_the_engine_and_the_share_asked() -> None:
 @pytest.mark.heavy  # a real node per engine; the node with engines is tests/orchestrator/test_node_engines.py
 def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "results_dir", lambda backend: tmp_path)
-    bench.main(["--quick", "--cache", str(tmp_path / "cache")])
-    doc = json.loads((tmp_path / "engines_node-quick.json").read_text())
+    bench.main(["--quick", "--cache", str(tmp_path / "cache"), "--name", "engines_node-smoke"])
+    assert not (tmp_path / "engines_node-quick.json").exists()
+    doc = json.loads((tmp_path / "engines_node-smoke.json").read_text())
     s = doc["summary"]
     assert doc["experiment"] == "engines_node" and "load_avg_before" in doc["machine"]
     assert s["classify.eager.engine_kind"] == "eager" and s["classify.onnxruntime.engine_kind"] == "onnxruntime"
-    samples = json.loads((tmp_path / "engines_node-quick.samples.json").read_text())
+    samples = json.loads((tmp_path / "engines_node-smoke.samples.json").read_text())
     for engine in ("eager", "onnxruntime"):
         r = samples["classify"][engine]
         # at 30 req/s on an idle-enough core every request is answered exactly once
