@@ -324,3 +324,45 @@ def ingest_set_cost(ingest: Ingest, consumer: int, fixed_us: float, per_request_
 
 def ingest_cost(ingest: Ingest, consumer: int) -> tuple[float, float]:
     """(fixed_us, per_request_us) of consumer; fixed_us < 0 when it has none."""
+
+class Ledger:
+    def __init__(self, pool: Pool, consumer: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def pull(self, max_n: int, timeout_us: int, spin_us: int = 50) -> list[float]:
+        """
+        Queue copies of up to max_n delivered records (waiting up to timeout_us); their completion times in ms.
+        """
+
+    def first_ns(self, i: int) -> int: ...
+
+    def set_first_ns(self, i: int, ns: int) -> None: ...
+
+    def deadline_ms(self, i: int, default_ms: float) -> float: ...
+
+    def expire(self, now_ns: int, default_ms: float, need_ms: float, timeout_us: int) -> int: ...
+
+    def fail_head(self, k: int, status: int, timeout_us: int) -> int: ...
+
+    def take(self, k: int, row_bytes: int, dtype_ok: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], timeout_us: int, recs_out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')]) -> int:
+        """
+        Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a dtype dtype_ok allows are answered BAD_REQUEST); its record indices go to recs_out. Its size.
+        """
+
+    def batch_recs(self) -> Annotated[NDArray[numpy.uint32], dict(shape=(None,), writable=False)]:
+        """
+        The current batch's record indices (a read-only view, valid until the next take).
+        """
+
+    def batch_records(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None, None), writable=False)]:
+        """
+        The current batch's record copies as bytes (a read-only view, valid until the next take).
+        """
+
+    def answer_batch(self, body: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], dtype: int, default_ms: float, timeout_us: int, lat_ms: Annotated[NDArray[numpy.float64], dict(shape=(None,), order='C', device='cpu')]) -> tuple:
+        """
+        Answer the current batch OK with one row each: (answered within their deadline, done_ns, the oldest request's first_ns and complete_ns).
+        """
+
+    def clear_batch(self) -> None: ...

@@ -268,3 +268,49 @@ class Consumer:
     def depth(self) -> int:
         """Complete requests waiting in this consumer's queue."""
         return int(self.pool.native.queue_depth(self.index))
+
+
+class LocalQueue:
+    """A serving loop's local queue of one consumer, and its per-batch bookkeeping, in native code.
+
+    It holds copies of the records polled from the consumer's ring, oldest first, and answers through
+    the consumer's answer ring. Each step of a batch is one native call (issue 26): :meth:`pull`
+    (poll and copy), :meth:`expire` (answer DEADLINE_MISSED at the head), :meth:`fail_head`,
+    :meth:`take` (the next batch; bodies that are not the app's input are answered BAD_REQUEST) and
+    :meth:`answer_batch` (OK with the results; each latency written to ``lat_ms``). The batch's
+    records are :meth:`batch_recs` and :meth:`batch_info` (views valid until the next :meth:`take`).
+
+    A request leaves the queue only with its answer published, or into the current batch, which the
+    caller answers (:meth:`answer_batch`, or :meth:`Consumer.answer` on the batch's views, then
+    :meth:`clear_batch`). If the process dies, the ingest answers what it held (INSTANCE_FAILED or a
+    requeue), so each request is answered once. Not thread-safe: one serving thread owns it.
+
+    ``timeout_us`` arguments bound the wait for room in the answer ring; RuntimeError if the ingest
+    took nothing for that long (it is gone or stuck), ValueError if a result row can never fit it.
+    """
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self._native = _native.Ledger(consumer.pool.native, consumer.index)
+        n = self._native
+        # The native methods themselves (no Python frame per call on the hot path).
+        self.pull = n.pull  #: pull(max_n, timeout_us, spin_us=50) -> completion times (ms) of those queued
+        self.expire = n.expire  #: expire(now_ns, default_ms, need_ms, timeout_us) -> how many answered
+        self.fail_head = n.fail_head  #: fail_head(k, status, timeout_us) -> how many answered
+        self.take = n.take  #: take(k, row_bytes, dtype_ok[256] uint8, timeout_us, recs_out) -> batch size
+        self.answer_batch = n.answer_batch  #: answer_batch(body, dtype, default_ms, timeout_us, lat_ms)
+        self.batch_recs = n.batch_recs  #: the current batch's record indices (uint32 view)
+        self.clear_batch = n.clear_batch  #: forget the current batch (answered another way)
+        self.first_ns = n.first_ns  #: first_ns(i): arrival (CLOCK_MONOTONIC ns) of queued request i
+        self.set_first_ns = n.set_first_ns  #: set_first_ns(i, ns): re-time queued request i
+        self.deadline_ms = n.deadline_ms  #: deadline_ms(i, default_ms): its deadline after arrival
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def __bool__(self) -> bool:
+        return len(self._native) > 0
+
+    def batch_info(self) -> np.ndarray:
+        """The current batch's records (RECORD_DTYPE view, valid until the next :meth:`take`)."""
+        return self._native.batch_records().view(RECORD_DTYPE).reshape(-1)

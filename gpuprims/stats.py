@@ -236,6 +236,23 @@ class RequestHistograms:
         compute_ns = max(0, round(compute_s * 1e9))
         self.observe_batch(first_ns, start_ns=done_ns - compute_ns, end_ns=done_ns, done_ns=done_ns)
 
+    def observe_latencies(self, latency_ms: np.ndarray, *, compute_s: float) -> None:
+        """`observe_answered` from each request's latency (ms, arrival to answer) instead of its arrival:
+        the request duration is the latency, the queue duration the latency less ``compute_s``."""
+        lat = np.asarray(latency_ms, dtype=np.float64).reshape(-1)
+        if lat.size == 0:
+            return
+        compute_s = max(0.0, float(compute_s))
+        if lat.size <= _SMALL:
+            for ms in lat.tolist():
+                self.request.add(ms / 1e3)
+                self.queue.add(ms / 1e3 - compute_s)
+            self.compute.add(compute_s, lat.size)
+            return
+        self.request.observe(lat / 1e3)
+        self.queue.observe(lat / 1e3 - compute_s)
+        self.compute.observe(np.full(lat.size, compute_s))
+
     def to_wire(self) -> dict[str, Any]:
         """The heartbeat form: ``{"request": {...}, "queue": {...}, "compute": {...}}``."""
         return {k: getattr(self, k).to_wire() for k in HISTOGRAMS}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from gpuprims.batching import BatchPolicy
 from gpuprims.gather import Gatherer
-from gpuprims.pool import RECORD_DTYPE, PacketPool
+from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
 from gpuprims.stats import RequestHistograms, Reservoir, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.messages import BatchDone, RunBatch
@@ -45,6 +46,8 @@ LATENCY_MEMORY_S = 5.0
 EARLY_DROP_SCAN = 4
 #: The most requests one poll of the ring takes into the local queue.
 PULL_MAX = 64
+#: How long an answer may wait for room in the answer ring before the ingest counts as gone (us).
+ANSWER_TIMEOUT_US = 5_000_000
 
 log = logging.getLogger("gpuprims.instance")
 
@@ -133,12 +136,17 @@ class ServingLoop:
         self.consumer = pool.consumer(spec.consumer)
         self.policy = BatchPolicy(spec.max_batch, spec.max_wait_ms, spec.slo_ms, margin_ms=0.3)
         self.stats = LatencyStats(spec.slo_ms)
-        self.queue: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        # The local queue: copies of the records taken off the ring, oldest first, and the per-batch
+        # bookkeeping (expiry, the batch's records, answers and latencies) in one native call per step.
+        self.queue = LocalQueue(self.consumer)
         self.row_bytes = int(np.prod(spec.input_shape)) * (1 if spec.dtype == "uint8" else 4)
         self.wire_dtype = int(DType.UINT8 if spec.dtype == "uint8" else DType.FLOAT32)
         # Wire dtypes a body may name (by code): the app's, or untyped BYTES.
         self._dtype_ok = np.zeros(256, dtype=bool)
         self._dtype_ok[[self.wire_dtype, int(DType.BYTES)]] = True
+        self._dtype_ok_u8 = self._dtype_ok.astype(np.uint8)
+        self._lat_ms = np.empty(pool.layout["record_count"], dtype=np.float64)  # a batch's latencies
+        self._recs = np.empty(pool.layout["record_count"], dtype=np.uint32)  # a batch's record indices
         self._last_served = 0.0
         # Dispatched mode: requests routed to a later DAG stage, held until a RunBatch for it.
         self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
@@ -167,18 +175,17 @@ class ServingLoop:
     # -- the queue -----------------------------------------------------------------------------------
     def _pull(self, timeout_ms: float) -> int:
         """Take up to PULL_MAX complete requests into the local queue; returns how many."""
-        recs = self.consumer.poll(PULL_MAX, timeout_ms)
-        if recs.size:
+        arrivals = self.queue.pull(PULL_MAX, int(timeout_ms * 1000))
+        n = len(arrivals)
+        if n:
             if not self.stats.stages.running:
                 self.stats.stages.start()  # the next batch's clock starts when its first request is taken
-            info = self.pool.requests(recs)
-            self.policy.note_arrivals((info["complete_ns"] / 1e6).tolist())  # whether waiting will pay
-            self.stats.counts["received"] += int(recs.size)
+            self.policy.note_arrivals(arrivals)  # whether waiting will pay
+            self.stats.counts["received"] += n
             if not self.stats.first_request_ns:
-                self.stats.first_request_ns = int(info["first_ns"].min())
-            for r, row in zip(recs.tolist(), info):
-                self.queue.append((r, row))
-        return int(recs.size)
+                q = len(self.queue)
+                self.stats.first_request_ns = min(self.queue.first_ns(i) for i in range(q - n, q))
+        return n
 
     def _deadline_ms(self, row: np.ndarray) -> float:
         d = int(row["deadline_us"])
@@ -197,35 +204,29 @@ class ServingLoop:
         now_s = time.monotonic()
         self.policy.model.forget(now_s - LATENCY_MEMORY_S)
         predictive = now_s - self._last_served < PROBE_AFTER_S
-        expired = []
-        while self.queue:
-            row = self.queue[0][1]
-            age_ms = max(0.0, (now_ns - int(row["first_ns"])) / 1e6)
-            deadline_ms = self._deadline_ms(row)
-            if age_ms < deadline_ms and not (predictive and self.policy.expired(age_ms, deadline_ms)):
-                break
-            expired.append(self.queue.popleft())
-        if expired:
-            self.fail(np.array([r for r, _ in expired], np.uint32),
-                      np.array([row for _, row in expired], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+        # BatchPolicy.expired's rule: past its deadline, or (while the prediction is fresh) its age plus
+        # a batch of one's predicted time past it.
+        need_ms = self.policy.predict(1) if predictive and self.policy.model.known else -1.0
+        n = self.queue.expire(now_ns, self.spec.slo_ms, need_ms, ANSWER_TIMEOUT_US)
+        if n:
+            self.stats.counts["deadline_missed"] += n
 
     def _early_drop(self, now_ns: int) -> None:
         """Under a backlog, answer DEADLINE_MISSED the head requests whose deadline would hold the
         instance to small batches while a full batch behind them can still be served in time
         (`BatchPolicy.early_drop`). Looks at most ``EARLY_DROP_SCAN`` batches deep."""
-        if len(self.queue) <= self.spec.max_batch or not self.policy.model.known:
+        q, slo = self.queue, self.spec.slo_ms
+        if len(q) <= self.spec.max_batch or not self.policy.model.known:
             return
-        row0 = self.queue[0][1]
-        if (now_ns - int(row0["first_ns"])) / 1e6 + self.policy.predict(self.spec.max_batch) <= self._deadline_ms(row0):
+        if (now_ns - q.first_ns(0)) / 1e6 + self.policy.predict(self.spec.max_batch) <= q.deadline_ms(0, slo):
             return  # a full batch fits the oldest request: no backlog to cut (the common case, kept cheap)
-        head = [self.queue[i][1] for i in range(min(len(self.queue), EARLY_DROP_SCAN * self.spec.max_batch))]
-        ages = [max(0.0, (now_ns - int(row["first_ns"])) / 1e6) for row in head]
-        k = self.policy.early_drop(ages, [self._deadline_ms(row) for row in head])
+        m = min(len(q), EARLY_DROP_SCAN * self.spec.max_batch)
+        ages = [max(0.0, (now_ns - q.first_ns(i)) / 1e6) for i in range(m)]
+        k = self.policy.early_drop(ages, [q.deadline_ms(i, slo) for i in range(m)])
         if k:
-            dropped = [self.queue.popleft() for _ in range(k)]
+            k = q.fail_head(k, int(Status.DEADLINE_MISSED), ANSWER_TIMEOUT_US)
             self.stats.counts["early_dropped"] += k
-            self.fail(np.array([r for r, _ in dropped], np.uint32),
-                      np.array([row for _, row in dropped], dtype=RECORD_DTYPE), Status.DEADLINE_MISSED)
+            self.stats.counts["deadline_missed"] += k
 
     # -- the data path: one seam per step (gather, run, answer) ---------------------------------------------
     def gather(self, items: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, Any] | None:
@@ -270,15 +271,17 @@ class ServingLoop:
         key = "deadline_missed" if status == Status.DEADLINE_MISSED else "error"
         self.stats.counts[key] += int(recs.size)
 
-    def _timed_run(self, fn: Any, x: Any, what: str, recs: np.ndarray, info: np.ndarray) -> tuple[Any, float] | None:
+    def _timed_run(self, fn: Any, x: Any, what: str, recs: np.ndarray,
+                   info: np.ndarray | Callable[[], np.ndarray]) -> tuple[Any, float] | None:
         """:meth:`run` with its model time; a failing model answers its batch INTERNAL (None is returned)
-        and the instance carries on."""
+        and the instance carries on. ``info`` is the batch's records, or what returns them (made only if
+        the model fails)."""
         t0 = time.perf_counter()
         try:
             out = self.run(fn, x)
         except Exception as e:
             log.error("%s failed on a batch of %d: %s", what, recs.size, e)
-            self.fail(recs, info, Status.INTERNAL)
+            self.fail(recs, info() if callable(info) else info, Status.INTERNAL)
             self._last_error = str(e)
             return None
         model_ms = (time.perf_counter() - t0) * 1e3
@@ -293,41 +296,90 @@ class ServingLoop:
         return out if isinstance(out, list) else [(np.arange(n), out)]
 
     def _serve_batch(self, take: int) -> None:
+        """Serve the oldest ``take`` queued requests as one batch: the local queue's native calls take
+        them (answering bodies that are not the app's input BAD_REQUEST) and answer them with their
+        results; only a batch the gather refuses rows of, or a DAG app's groups, answer through
+        :meth:`_answer` (a numpy copy of the batch's records)."""
         clock = self.stats.stages
         if not clock.running:
             clock.start()
         clock.lap("wait")
-        gathered = self.gather([self.queue.popleft() for _ in range(take)])
-        if gathered is None:
+        q = self.queue
+        n = q.take(take, self.row_bytes, self._dtype_ok_u8, ANSWER_TIMEOUT_US, self._recs)
+        if n < take:
+            self.stats.counts["error"] += take - n  # answered BAD_REQUEST by take
+        if not n:
             clock.cancel()
             return
-        recs, info, x = gathered
+        recs = self._recs[:n]
+        info: np.ndarray | None = None  # the batch's records as numpy, once a path needs them
+        assert self.gatherer is not None
+        x = self.gatherer.gather(recs)  # valid until the next gather
+        if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
+            ok = self.gatherer.statuses == 0
+            info = q.batch_info()
+            self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
+            recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]  # copies
+            q.clear_batch()
+            if not recs.size:
+                clock.cancel()
+                return
         clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
-        done = self._timed_run(self.runner.model, x, "model", recs, info)
+        done = self._timed_run(self.runner.model, x, "model", recs, info if info is not None else q.batch_info)
         if done is None:
+            q.clear_batch()
             clock.cancel()
             return
         clock.lap("model")
         out, model_ms = done
         self.policy.model.observe(recs.size, model_ms, at_s=time.monotonic())
-        if isinstance(out, list):  # a DAG app's groups of rows
-            for rows, group in out:
+        if isinstance(out, list) or info is not None:  # a DAG app's groups of rows, or a batch with rows refused
+            if info is None:
+                info = q.batch_info().copy()
+                recs = recs.copy()
+                q.clear_batch()
+            for rows, group in self._groups(out, recs.size):
                 self._answer(recs[rows], info[rows], group.float().cpu().numpy().reshape(len(rows), -1),
                              compute_s=model_ms / 1e3)
-        else:  # one model: the whole batch, without copying its records into groups
-            self._answer(recs, info, out.float().cpu().numpy().reshape(recs.size, -1), compute_s=model_ms / 1e3)
+            oldest = info[int(np.argmin(info["first_ns"]))]
+            first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
+        else:  # one model, the whole batch: one native call answers it and measures its latencies
+            first, complete = self._answer_batch(out.float().cpu().numpy().reshape(n, -1), model_ms)
         self.stats.mark_answered(model_ms)
         clock.lap("respond")
-        self._clock_ingest(info)
+        self._clock_ingest(first, complete)
         clock.end()
         if self.queue:
             clock.start()  # requests left in the local queue: the next batch's wait starts now
 
-    def _clock_ingest(self, info: np.ndarray) -> None:
-        """The ingest-side stages of the batch's oldest request: reassembly (first datagram to complete)
-        and delivery (complete to taken off the ring by this instance)."""
-        oldest = info[int(np.argmin(info["first_ns"]))]
-        first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
+    def _answer_batch(self, body: np.ndarray, model_ms: float) -> tuple[int, int]:
+        """Answer the local queue's current batch OK with ``body`` (one row each) and count it; returns
+        the oldest request's (first_ns, complete_ns). A row the answer ring cannot take answers the batch
+        INTERNAL (a config problem, logged)."""
+        q = self.queue
+        n = len(body)
+        try:
+            within, _, first, complete = q.answer_batch(
+                np.ascontiguousarray(body, np.float32).view(np.uint8), int(DType.FLOAT32), self.spec.slo_ms,
+                ANSWER_TIMEOUT_US, self._lat_ms)
+        except ValueError as e:
+            log.error("%s: cannot answer %d requests: %s", self.spec.name, n, e)
+            info = q.batch_info()
+            self.fail(self._recs[:n], info, Status.INTERNAL)
+            oldest = info[int(np.argmin(info["first_ns"]))]
+            q.clear_batch()
+            return int(oldest["first_ns"]), int(oldest["complete_ns"])
+        lat_ms = self._lat_ms[:n]
+        self.stats.hist.observe_latencies(lat_ms, compute_s=model_ms / 1e3)
+        self.stats.latencies_ms.extend(lat_ms)
+        self.stats.counts["ok"] += n
+        self.stats.counts["within_slo"] += within
+        return first, complete
+
+    def _clock_ingest(self, first: int, complete: int) -> None:
+        """The ingest-side stages of the batch's oldest request (its first and last datagram in):
+        reassembly (first datagram to complete) and delivery (complete to taken off the ring by this
+        instance)."""
         if complete >= first > 0:
             self.stats.stages.observe("reassembly", complete - first)
             self.stats.stages.observe("delivery", self.stats.stages.start_ns - complete)
@@ -337,7 +389,7 @@ class ServingLoop:
         now = time.monotonic_ns()
         pulled = 0
         if self.queue:
-            oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+            oldest_age = max(0.0, (now - self.queue.first_ns(0)) / 1e6)
             decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
             if decision.take == 0:
                 pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
@@ -353,7 +405,7 @@ class ServingLoop:
             return
         self._early_drop(time.monotonic_ns())
         now = time.monotonic_ns()
-        oldest_age = max(0.0, (now - int(self.queue[0][1]["first_ns"])) / 1e6)
+        oldest_age = max(0.0, (now - self.queue.first_ns(0)) / 1e6)
         decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
         if decision.take:
             self._serve_batch(min(decision.take, len(self.queue)))

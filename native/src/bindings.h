@@ -10,4 +10,5 @@ void bind_pool(nb::module_& m);
 void bind_cuda(nb::module_& m);
 void bind_traffic(nb::module_& m);
 void bind_ingest_cost(nb::module_& m);
+void bind_ledger(nb::module_& m);
 }  // namespace gpuprims

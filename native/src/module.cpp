@@ -15,4 +15,5 @@ NB_MODULE(_native, m) {
   gpuprims::bind_cuda(m);
   gpuprims::bind_traffic(m);
   gpuprims::bind_ingest_cost(m);
+  gpuprims::bind_ledger(m);
 }

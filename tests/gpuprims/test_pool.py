@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from gpuprims import _native
-from gpuprims.pool import RECORD_DTYPE, PacketPool
+from gpuprims import _native, wire
+from gpuprims.ingest import Ingest
+from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
+from gpuprims.wire import Status
 
 
 def test_record_dtype_matches_native_layout() -> None:
@@ -119,3 +124,169 @@ def test_requests_are_copies_of_the_records_in_the_order_asked() -> None:
         assert pool.requests(np.array([], np.uint32)).shape == (0,)
     finally:
         pool.close()
+
+
+# -- LocalQueue: the serving loop's native local queue and per-batch bookkeeping -----------------------
+
+#: How long the ingest may take to react on a busy machine; waits end as soon as their condition holds.
+REACT_S = 30.0
+ROW = 64  # bytes of the app's input in these tests (16 float32)
+
+
+class _Node:
+    """A pool, an ingest routing app 1 to consumer 0, a client socket and the consumer's LocalQueue."""
+
+    def __init__(self, answer_ring_bytes: int = 1 << 20) -> None:
+        self.pool = PacketPool.create(slot_count=256, record_count=32, max_chunks=8, consumer_count=1,
+                                      answer_ring_bytes=answer_ring_bytes)
+        self.ingest = Ingest(self.pool, [("127.0.0.1", 0)], timeout_ms=REACT_S * 1000,
+                             answer_hold_ms=REACT_S * 1000).start()
+        self.ingest.set_route(1, [0])
+        self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.client.bind(("127.0.0.1", 0))
+        self.client.settimeout(REACT_S)
+        self.q = LocalQueue(self.pool.consumer(0))
+
+    def send(self, rid: int, body: np.ndarray | bytes, deadline_us: int = 0) -> None:
+        for d in wire.encode_request(1, rid, body, deadline_us=deadline_us):
+            self.client.sendto(d, ("127.0.0.1", self.ingest.ports[0]))
+
+    def pull(self, n: int) -> list[float]:
+        got: list[float] = []
+        end = time.monotonic() + REACT_S
+        while len(got) < n and time.monotonic() < end:
+            got += self.q.pull(64, 100_000)
+        assert len(got) == n and len(self.q) == n
+        return got
+
+    def responses(self, n: int) -> dict[int, wire.Response]:
+        """The next n responses by request id; a second answer to any request fails the test."""
+        asm, out = wire.ResponseAssembler(), {}
+        while len(out) < n:
+            r = asm.feed(self.client.recv(65536))
+            if r is not None:
+                assert r.request_id not in out, f"request {r.request_id} answered twice"
+                out[r.request_id] = r
+        return out
+
+    def no_more_responses(self) -> None:
+        self.client.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            self.client.recv(65536)
+        self.client.settimeout(REACT_S)
+
+    def close(self) -> None:
+        self.ingest.stop()
+        self.client.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def lq() -> Iterator[_Node]:
+    n = _Node()
+    yield n
+    n.close()
+
+
+def _ok_dtypes() -> np.ndarray:
+    ok = np.zeros(256, np.uint8)
+    ok[[int(wire.DType.FLOAT32), int(wire.DType.BYTES)]] = 1
+    return ok
+
+
+def test_local_queue_pulls_copies_and_takes_a_batch_answering_bad_bodies(lq: _Node) -> None:
+    x = np.arange(16, dtype=np.float32)
+    lq.send(1, x, deadline_us=7_000)
+    lq.send(2, b"\x00" * 10)  # not the app's input size
+    lq.send(3, np.repeat(x.astype(np.uint8), 4))  # the right size, but a uint8 body
+    lq.send(4, x)
+    arrivals = lq.pull(4)
+    assert len(lq.q) == 4 and bool(lq.q)
+    assert lq.q.deadline_ms(0, 50.0) == 7.0 and lq.q.deadline_ms(3, 50.0) == 50.0
+    assert all(a > 0 for a in arrivals) and lq.q.first_ns(0) <= lq.q.first_ns(3)
+    with pytest.raises(IndexError):
+        lq.q.first_ns(4)
+    recs = np.zeros(32, np.uint32)
+    ok = _ok_dtypes()
+    ok[int(wire.DType.UINT8)] = 0
+    n = lq.q.take(4, ROW, ok, 5_000_000, recs)
+    assert n == 2 and len(lq.q) == 0
+    info = lq.q.batch_info()
+    assert info.dtype == RECORD_DTYPE and info["request_id"].tolist() == [1, 4]
+    assert np.array_equal(lq.q.batch_recs(), recs[:2])
+    got = lq.responses(2)
+    assert {rid: r.status for rid, r in got.items()} == {2: Status.BAD_REQUEST, 3: Status.BAD_REQUEST}
+    # The batch's answer: OK with each row, latencies measured, the oldest request's timestamps.
+    body = np.stack([x, x * 2]).astype(np.float32)
+    lat = np.full(32, -1.0)
+    within, done_ns, first, complete = lq.q.answer_batch(body.view(np.uint8), int(wire.DType.FLOAT32), 1e6,
+                                                         5_000_000, lat)
+    assert within == 2 and first == int(info["first_ns"].min()) and complete >= first
+    assert done_ns >= complete
+    assert np.allclose(lat[:2], (done_ns - info["first_ns"].astype(np.int64)) / 1e6) and lat[2] == -1.0
+    got = lq.responses(2)
+    assert got[1].status == Status.OK and np.array_equal(got[1].array(), x)
+    assert got[4].status == Status.OK and np.array_equal(got[4].array(), x * 2)
+    # Answered: the batch is empty, so a second answer sends nothing.
+    assert lq.q.batch_recs().size == 0
+    assert lq.q.answer_batch(np.zeros((0, 64), np.uint8), int(wire.DType.FLOAT32), 1e6, 5_000_000, lat)[0] == 0
+    lq.no_more_responses()
+
+
+def test_local_queue_expires_the_head_that_cannot_make_it_and_stops_at_the_first_that_can(lq: _Node) -> None:
+    x = np.zeros(16, np.float32)
+    for rid, d in [(1, 1_000), (2, 0), (3, 1_000), (4, 100_000)]:
+        lq.send(rid, x, deadline_us=d)
+    lq.pull(4)
+    for i in range(4):
+        lq.q.set_first_ns(i, 1_000_000_000)
+    now = 1_000_000_000 + 5_000_000  # each is 5 ms old; deadlines 1 ms, 50 ms (the app's), 1 ms, 100 ms
+    assert lq.q.expire(now, 50.0, -1.0, 5_000_000) == 1  # past its deadline: only the first
+    assert len(lq.q) == 3 and lq.q.deadline_ms(0, 50.0) == 50.0
+    assert lq.q.expire(now, 50.0, 44.0, 5_000_000) == 0  # 5 + 44 <= 50: the head can make it, so nothing
+    assert lq.q.expire(now, 50.0, 46.0, 5_000_000) == 2  # 5 + 46 > 50 and the 1 ms one: both; 100 ms stays
+    assert len(lq.q) == 1 and lq.q.deadline_ms(0, 50.0) == 100.0
+    assert lq.q.expire(now - 10_000_000, 50.0, -1.0, 5_000_000) == 0  # a clock read before the arrival: age 0
+    assert lq.q.fail_head(5, int(Status.INTERNAL), 5_000_000) == 1 and len(lq.q) == 0
+    got = lq.responses(4)
+    assert {rid: r.status for rid, r in got.items()} == {
+        1: Status.DEADLINE_MISSED, 2: Status.DEADLINE_MISSED, 3: Status.DEADLINE_MISSED, 4: Status.INTERNAL}
+    lq.no_more_responses()
+
+
+def test_local_queue_keeps_a_batch_whose_rows_cannot_fit_so_it_is_answered_once_with_an_error() -> None:
+    node = _Node(answer_ring_bytes=4096)
+    try:
+        node.send(9, np.zeros(16, np.float32))
+        node.pull(1)
+        recs = np.zeros(32, np.uint32)
+        assert node.q.take(1, ROW, _ok_dtypes(), 5_000_000, recs) == 1
+        lat = np.zeros(32)
+        with pytest.raises(ValueError, match="does not fit the answer ring"):
+            node.q.answer_batch(np.zeros((1, 8192), np.uint8), int(wire.DType.BYTES), 50.0, 5_000_000, lat)
+        info = node.q.batch_info()  # still the current batch: answer it with an error instead
+        assert info["request_id"].tolist() == [9]
+        node.pool.consumer(0).answer_status(recs[:1], info, Status.INTERNAL)
+        node.q.clear_batch()
+        assert node.q.batch_recs().size == 0
+        assert node.responses(1)[9].status == Status.INTERNAL
+        node.no_more_responses()
+    finally:
+        node.close()
+
+
+def test_local_queue_refuses_bad_arguments(lq: _Node) -> None:
+    with pytest.raises(ValueError, match="dtype_ok"):
+        lq.q.take(1, ROW, np.zeros(8, np.uint8), 1000, np.zeros(4, np.uint32))
+    lq.send(1, np.zeros(16, np.float32))
+    lq.pull(1)
+    with pytest.raises(ValueError, match="recs_out"):
+        lq.q.take(1, ROW, _ok_dtypes(), 1000, np.zeros(0, np.uint32))
+    assert len(lq.q) == 1  # nothing was taken
+    assert lq.q.take(1, ROW, _ok_dtypes(), 1000, np.zeros(1, np.uint32)) == 1
+    with pytest.raises(ValueError, match="one body row"):
+        lq.q.answer_batch(np.zeros((2, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 1000, np.zeros(4))
+    with pytest.raises(ValueError, match="lat_ms"):
+        lq.q.answer_batch(np.zeros((1, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 1000, np.zeros(0))
+    lq.q.answer_batch(np.zeros((1, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 5_000_000, np.zeros(1))
+    assert lq.responses(1)[1].status == Status.OK

@@ -108,8 +108,8 @@ def test_a_backlog_gives_up_its_head_so_a_full_batch_makes_it(setup: tuple[Insta
     assert len(inst.queue) == 12
     inst.policy.model = LatencyModel(profile={1: 6.0, 4: 16.0})
     now = time.monotonic_ns()
-    for _, row in inst.queue:  # the instance's own copies of the records: set their ages exactly
-        row["first_ns"] = now - 25_000_000
+    for i in range(len(inst.queue)):  # the instance's own copies of the records: set their ages exactly
+        inst.queue.set_first_ns(i, now - 25_000_000)
     inst._early_drop(now)
     assert len(inst.queue) == 6 and inst.stats.counts["early_dropped"] == 6
     got: dict[int, int] = {}
@@ -132,7 +132,7 @@ def test_expire_tolerates_a_request_newer_than_its_clock(setup: tuple[Instance, 
     while not inst.queue and time.monotonic() < deadline:
         inst._pull(50)
     assert inst.queue
-    before = int(inst.queue[0][1]["first_ns"]) - 1_000_000  # a clock read taken before the arrival
+    before = inst.queue.first_ns(0) - 1_000_000  # a clock read taken before the arrival
     inst._expire(before)  # must not raise on the negative age
     assert len(inst.queue) == 1
     assert _answer(inst, sock).status == Status.OK
@@ -185,13 +185,13 @@ def test_a_step_that_just_took_requests_does_not_poll_the_ring_again(
         setup: tuple[Instance, Ingest, socket.socket]) -> None:
     inst, ing, sock = setup
     polls: list[float] = []
-    poll = inst.consumer.poll
+    pull = inst.queue.pull
 
-    def counting(max_n: int = 32, timeout_ms: float = 100.0, **kw: int) -> np.ndarray:
-        polls.append(timeout_ms)
-        return poll(max_n, timeout_ms, **kw)
+    def counting(max_n: int, timeout_us: int, spin_us: int = 50) -> list[float]:
+        polls.append(timeout_us / 1000)
+        return pull(max_n, timeout_us, spin_us)
 
-    inst.consumer.poll = counting  # type: ignore[method-assign]
+    inst.queue.pull = counting  # the local queue's poll of the ring
     _send(ing, sock, 21)
     deadline = time.monotonic() + 10
     while inst.stats.counts["ok"] == 0 and time.monotonic() < deadline:
