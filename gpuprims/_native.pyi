@@ -345,9 +345,9 @@ class Ledger:
 
     def fail_head(self, k: int, status: int, timeout_us: int) -> int: ...
 
-    def take(self, k: int, row_bytes: int, dtype_ok: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], timeout_us: int, recs_out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')]) -> int:
+    def take(self, k: int, row_bytes: int, dtype_ok: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], timeout_us: int, recs_out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')], rows: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu')] | None = None) -> int:
         """
-        Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a dtype dtype_ok allows are answered BAD_REQUEST); its record indices go to recs_out. Its size.
+        Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a dtype dtype_ok allows are answered BAD_REQUEST); its record indices go to recs_out and, with rows, its payloads to rows (the CPU gather). Its size.
         """
 
     def batch_recs(self) -> Annotated[NDArray[numpy.uint32], dict(shape=(None,), writable=False)]:
@@ -360,9 +360,9 @@ class Ledger:
         The current batch's record copies as bytes (a read-only view, valid until the next take).
         """
 
-    def answer_batch(self, body: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], dtype: int, default_ms: float, timeout_us: int, lat_ms: Annotated[NDArray[numpy.float64], dict(shape=(None,), order='C', device='cpu')]) -> tuple:
+    def answer_batch(self, body: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu', writable=False)], dtype: int, default_ms: float, timeout_us: int, lat_ms: Annotated[NDArray[numpy.float64], dict(shape=(None,), order='C', device='cpu')], compute_s: float, bounds: Annotated[NDArray[numpy.float64], dict(shape=(None,), order='C', device='cpu', writable=False)], request: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], queue: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], compute: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple:
         """
-        Answer the current batch OK with one row each: (answered within their deadline, done_ns, the oldest request's first_ns and complete_ns).
+        Answer the current batch OK with one row each, each latency (ms) to lat_ms and each request counted in the request, queue and compute histograms over bounds (seconds): (answered within their deadline, done_ns, the oldest request's first_ns and complete_ns, and the three histograms' added sums).
         """
 
     def clear_batch(self) -> None: ...

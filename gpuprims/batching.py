@@ -227,7 +227,8 @@ class ArrivalGaps:
 
     def note(self, times_ms: Sequence[float]) -> None:
         """Arrival times (ms, one monotonic clock) of requests just taken, in any order."""
-        for t in sorted(float(t) for t in times_ms):
+        for t in (times_ms if len(times_ms) == 1 else sorted(times_ms)):  # one at a time: the common case
+            t = float(t)
             if not math.isfinite(t):
                 raise ValueError(f"arrival times must be finite milliseconds, got {t!r}")
             if self.times_ms and t < self.times_ms[-1]:

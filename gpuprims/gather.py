@@ -139,8 +139,18 @@ class HostGatherer:
         The result is valid until the next gather."""
         arr = _records(recs, self.max_batch)
         self.pool.gather(arr, self._bytes)
-        host = self._rows[arr.size]
-        self.statuses = self._ok[:arr.size]
+        return self.gathered(arr.size)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The batch buffer as ``(max_batch, row bytes)`` uint8, for a caller that copies the payloads in
+        itself (the serving loop's :meth:`gpuprims.pool.LocalQueue.take`), then calls :meth:`gathered`."""
+        return self._bytes
+
+    def gathered(self, n: int) -> Any:
+        """What :meth:`gather` returns, for ``n`` rows already copied into :attr:`rows`."""
+        host = self._rows[n]
+        self.statuses = self._ok[:n]
         if self.clock is not None:
             self.clock.lap("gather")
         out = preprocess(host, self.dtype)

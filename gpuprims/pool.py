@@ -277,7 +277,8 @@ class LocalQueue:
     the consumer's answer ring. Each step of a batch is one native call (issue 26): :meth:`pull`
     (poll and copy), :meth:`expire` (answer DEADLINE_MISSED at the head), :meth:`fail_head`,
     :meth:`take` (the next batch; bodies that are not the app's input are answered BAD_REQUEST) and
-    :meth:`answer_batch` (OK with the results; each latency written to ``lat_ms``). The batch's
+    :meth:`answer_batch` (OK with the results; each latency written to ``lat_ms`` and counted in the
+    request, queue and compute duration histograms' count arrays, whose added sums it returns). The batch's
     records are :meth:`batch_recs` and :meth:`batch_info` (views valid until the next :meth:`take`).
 
     A request leaves the queue only with its answer published, or into the current batch, which the
@@ -298,7 +299,8 @@ class LocalQueue:
         self.expire = n.expire  #: expire(now_ns, default_ms, need_ms, timeout_us) -> how many answered
         self.fail_head = n.fail_head  #: fail_head(k, status, timeout_us) -> how many answered
         self.take = n.take  #: take(k, row_bytes, dtype_ok[256] uint8, timeout_us, recs_out) -> batch size
-        self.answer_batch = n.answer_batch  #: answer_batch(body, dtype, default_ms, timeout_us, lat_ms)
+        #: answer_batch(body, dtype, default_ms, timeout_us, lat_ms, compute_s, bounds, request, queue, compute)
+        self.answer_batch = n.answer_batch
         self.batch_recs = n.batch_recs  #: the current batch's record indices (uint32 view)
         self.clear_batch = n.clear_batch  #: forget the current batch (answered another way)
         self.first_ns = n.first_ns  #: first_ns(i): arrival (CLOCK_MONOTONIC ns) of queued request i

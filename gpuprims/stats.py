@@ -26,13 +26,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DURATION_BUCKETS_S", "HISTOGRAMS", "STAGES", "DurationHistogram", "RequestHistograms", "Reservoir",
+__all__ = ["DURATION_BOUNDS_S", "DURATION_BUCKETS_S", "HISTOGRAMS", "STAGES", "DurationHistogram", "RequestHistograms", "Reservoir",
            "StageClock", "add_wire", "percentiles"]
 
 #: Upper bounds (seconds) of the duration buckets; a last, implicit bucket is +Inf.
 DURATION_BUCKETS_S: tuple[float, ...] = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 )
+#: The same bounds as a read-only float64 array (what the serving loop's native answer counts over).
+DURATION_BOUNDS_S = np.array(DURATION_BUCKETS_S, dtype=np.float64)
+DURATION_BOUNDS_S.flags.writeable = False
 #: The histograms of one instance, by wire key.
 HISTOGRAMS = ("request", "queue", "compute")
 #: Up to this many durations at once are counted one by one in Python: an instance's batch is small,
@@ -235,23 +238,6 @@ class RequestHistograms:
         that ended just before the answers went out (what an instance measures with perf_counter)."""
         compute_ns = max(0, round(compute_s * 1e9))
         self.observe_batch(first_ns, start_ns=done_ns - compute_ns, end_ns=done_ns, done_ns=done_ns)
-
-    def observe_latencies(self, latency_ms: np.ndarray, *, compute_s: float) -> None:
-        """`observe_answered` from each request's latency (ms, arrival to answer) instead of its arrival:
-        the request duration is the latency, the queue duration the latency less ``compute_s``."""
-        lat = np.asarray(latency_ms, dtype=np.float64).reshape(-1)
-        if lat.size == 0:
-            return
-        compute_s = max(0.0, float(compute_s))
-        if lat.size <= _SMALL:
-            for ms in lat.tolist():
-                self.request.add(ms / 1e3)
-                self.queue.add(ms / 1e3 - compute_s)
-            self.compute.add(compute_s, lat.size)
-            return
-        self.request.observe(lat / 1e3)
-        self.queue.observe(lat / 1e3 - compute_s)
-        self.compute.observe(np.full(lat.size, compute_s))
 
     def to_wire(self) -> dict[str, Any]:
         """The heartbeat form: ``{"request": {...}, "queue": {...}, "compute": {...}}``."""

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from gpuprims.batching import BatchPolicy
-from gpuprims.gather import Gatherer
+from gpuprims.gather import Gatherer, HostGatherer
 from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
-from gpuprims.stats import RequestHistograms, Reservoir, StageClock
+from gpuprims.stats import DURATION_BOUNDS_S, RequestHistograms, Reservoir, StageClock
 from gpuprims.wire import DType, Status
 from orchestrator.messages import BatchDone, RunBatch
 from orchestrator.runner import AppRunner
@@ -304,8 +304,10 @@ class ServingLoop:
         if not clock.running:
             clock.start()
         clock.lap("wait")
-        q = self.queue
-        n = q.take(take, self.row_bytes, self._dtype_ok_u8, ANSWER_TIMEOUT_US, self._recs)
+        q, g = self.queue, self.gatherer
+        assert g is not None
+        host = isinstance(g, HostGatherer)  # then take copies the payloads into its batch buffer too
+        n = q.take(take, self.row_bytes, self._dtype_ok_u8, ANSWER_TIMEOUT_US, self._recs, g.rows if host else None)
         if n < take:
             self.stats.counts["error"] += take - n  # answered BAD_REQUEST by take
         if not n:
@@ -313,10 +315,9 @@ class ServingLoop:
             return
         recs = self._recs[:n]
         info: np.ndarray | None = None  # the batch's records as numpy, once a path needs them
-        assert self.gatherer is not None
-        x = self.gatherer.gather(recs)  # valid until the next gather
-        if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
-            ok = self.gatherer.statuses == 0
+        x = g.gathered(n) if host else g.gather(recs)  # valid until the next gather
+        if g.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
+            ok = g.statuses == 0
             info = q.batch_info()
             self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
             recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]  # copies
@@ -356,12 +357,13 @@ class ServingLoop:
         """Answer the local queue's current batch OK with ``body`` (one row each) and count it; returns
         the oldest request's (first_ns, complete_ns). A row the answer ring cannot take answers the batch
         INTERNAL (a config problem, logged)."""
-        q = self.queue
+        q, h = self.queue, self.stats.hist
         n = len(body)
         try:
-            within, _, first, complete = q.answer_batch(
+            within, _, first, complete, request_s, queue_s, compute_s = q.answer_batch(
                 np.ascontiguousarray(body, np.float32).view(np.uint8), int(DType.FLOAT32), self.spec.slo_ms,
-                ANSWER_TIMEOUT_US, self._lat_ms)
+                ANSWER_TIMEOUT_US, self._lat_ms, model_ms / 1e3, DURATION_BOUNDS_S, h.request.counts,
+                h.queue.counts, h.compute.counts)
         except ValueError as e:
             log.error("%s: cannot answer %d requests: %s", self.spec.name, n, e)
             info = q.batch_info()
@@ -369,9 +371,10 @@ class ServingLoop:
             oldest = info[int(np.argmin(info["first_ns"]))]
             q.clear_batch()
             return int(oldest["first_ns"]), int(oldest["complete_ns"])
-        lat_ms = self._lat_ms[:n]
-        self.stats.hist.observe_latencies(lat_ms, compute_s=model_ms / 1e3)
-        self.stats.latencies_ms.extend(lat_ms)
+        h.request.sum_s += request_s
+        h.queue.sum_s += queue_s
+        h.compute.sum_s += compute_s
+        self.stats.latencies_ms.extend(self._lat_ms[:n])
         self.stats.counts["ok"] += n
         self.stats.counts["within_slo"] += within
         return first, complete

@@ -1,6 +1,7 @@
 // The instance's local queue and per-batch bookkeeping (see ledger.h).
 #include "ledger.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -94,12 +95,13 @@ size_t Ledger::expire(uint64_t now_ns, double default_ms, double need_ms, int64_
 
 size_t Ledger::fail_head(size_t k, uint16_t status, int64_t timeout_us) { return pop_answer(k, status, timeout_us); }
 
-size_t Ledger::take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us) {
+size_t Ledger::take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us, uint8_t* rows) {
   if (k > count_) k = count_;
   size_t good = 0, bad = 0;
   for (size_t i = 0; i < k; ++i) {
     const Slot& s = ring_[(head_ + i) % ring_.size()];
-    if (s.rec.total_len == row_bytes && dtype_ok[s.rec.dtype]) {
+    if (s.rec.total_len == row_bytes && dtype_ok[s.rec.dtype] &&
+        (rows == nullptr || pool_->gather(&s.index, 1, rows + good * size_t(row_bytes), row_bytes).empty())) {
       batch_recs_[good] = s.index;
       batch_[good] = s.rec;
       ++good;
@@ -117,8 +119,17 @@ size_t Ledger::take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64
   return good;
 }
 
+namespace {
+// Count v (seconds) in `counts` over `bounds`; returns what it adds to the sum.
+double count_duration(const double* bounds, size_t n, int64_t* counts, double v) {
+  if (!(v > 0.0)) v = 0.0;
+  counts[std::lower_bound(bounds, bounds + n, v) - bounds] += 1;
+  return v;
+}
+}  // namespace
+
 Answered Ledger::answer_batch(const uint8_t* body, size_t row_bytes, uint8_t dtype, double default_ms,
-                              int64_t timeout_us, double* lat_ms) {
+                              int64_t timeout_us, double* lat_ms, Histograms* hist) {
   const size_t n = batch_n_;
   for (size_t i = 0; i < n; ++i) {
     tmp_gens_[i] = batch_[i].generation;
@@ -141,6 +152,11 @@ Answered Ledger::answer_batch(const uint8_t* body, size_t row_bytes, uint8_t dty
     lat_ms[i] = lat;
     const double deadline = r.deadline_us ? r.deadline_us / 1e3 : default_ms;
     if (lat <= deadline) ++a.within;
+    if (hist) {
+      hist->request_sum += count_duration(hist->bounds, hist->bounds_n, hist->request, lat / 1e3);
+      hist->queue_sum += count_duration(hist->bounds, hist->bounds_n, hist->queue, lat / 1e3 - hist->compute_s);
+      hist->compute_sum += count_duration(hist->bounds, hist->bounds_n, hist->compute, hist->compute_s);
+    }
     if (i == 0 || r.first_ns < a.oldest_first_ns) {
       a.oldest_first_ns = r.first_ns;
       a.oldest_complete_ns = r.complete_ns;

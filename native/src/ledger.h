@@ -54,6 +54,19 @@ struct Answered {
   uint64_t oldest_complete_ns = 0;  // and last datagram in (reassembled)
 };
 
+// Duration histograms (seconds) an answered batch adds to: counts per bucket of `bounds` (+Inf last, so
+// bounds_n + 1 counts each), as gpuprims.stats.DurationHistogram.add counts (a bucket is the first bound
+// >= the value; negative values count as 0). The sums are added to the *_sum fields.
+struct Histograms {
+  const double* bounds = nullptr;
+  size_t bounds_n = 0;
+  int64_t* request = nullptr;  // arrival to answer
+  int64_t* queue = nullptr;    // arrival to the start of the compute (the latency less compute_s)
+  int64_t* compute = nullptr;  // compute_s, once per request
+  double compute_s = 0.0;
+  double request_sum = 0.0, queue_sum = 0.0, compute_sum = 0.0;
+};
+
 class Ledger {
  public:
   // The local queue of `consumer` of `pool`; holds at most the pool's record count.
@@ -75,15 +88,18 @@ class Ledger {
   size_t fail_head(size_t k, uint16_t status, int64_t timeout_us);
   // Move the oldest k queued requests into the current batch; those whose body is not row_bytes long or
   // whose wire dtype `dtype_ok` refuses are answered BAD_REQUEST instead. Returns the batch's size.
-  size_t take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us);
+  // With `rows` (row_bytes apart, room for k), the batch's payloads are copied there too (the CPU
+  // gather, Pool::gather); a record the pool refuses then is answered BAD_REQUEST like a bad body.
+  size_t take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us, uint8_t* rows = nullptr);
   const uint32_t* batch_recs() const { return batch_recs_.data(); }
   const RecordCopy* batch_records() const { return batch_.data(); }
   size_t batch_size() const { return batch_n_; }
   // Answer the current batch OK with one result row each (row_bytes apart in body), then empty it.
   // lat_ms (batch_size entries) gets each request's latency in ms. Throws std::length_error if a row can
   // never fit the answer ring (nothing published then), std::runtime_error if the ingest took nothing.
+  // With `hist`, each answered request is counted there too.
   Answered answer_batch(const uint8_t* body, size_t row_bytes, uint8_t dtype, double default_ms,
-                        int64_t timeout_us, double* lat_ms);
+                        int64_t timeout_us, double* lat_ms, Histograms* hist = nullptr);
   // Forget the current batch (its requests were answered another way).
   void clear_batch() { batch_n_ = 0; }
 

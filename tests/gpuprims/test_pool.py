@@ -11,6 +11,7 @@ import pytest
 from gpuprims import _native, wire
 from gpuprims.ingest import Ingest
 from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
+from gpuprims.stats import DURATION_BOUNDS_S, RequestHistograms
 from gpuprims.wire import Status
 
 
@@ -188,6 +189,13 @@ def lq() -> Iterator[_Node]:
     n.close()
 
 
+def _answer(q: LocalQueue, body: np.ndarray, dtype: wire.DType, default_ms: float, lat: np.ndarray,
+            hist: RequestHistograms | None = None, compute_s: float = 0.0) -> tuple[int, ...]:
+    h = hist or RequestHistograms()
+    return q.answer_batch(body, int(dtype), default_ms, 5_000_000, lat, compute_s, DURATION_BOUNDS_S,
+                          h.request.counts, h.queue.counts, h.compute.counts)
+
+
 def _ok_dtypes() -> np.ndarray:
     ok = np.zeros(256, np.uint8)
     ok[[int(wire.DType.FLOAT32), int(wire.DType.BYTES)]] = 1
@@ -219,17 +227,25 @@ def test_local_queue_pulls_copies_and_takes_a_batch_answering_bad_bodies(lq: _No
     # The batch's answer: OK with each row, latencies measured, the oldest request's timestamps.
     body = np.stack([x, x * 2]).astype(np.float32)
     lat = np.full(32, -1.0)
-    within, done_ns, first, complete = lq.q.answer_batch(body.view(np.uint8), int(wire.DType.FLOAT32), 1e6,
-                                                         5_000_000, lat)
+    hist = RequestHistograms()
+    within, done_ns, first, complete, request_s, queue_s, compute_s = _answer(
+        lq.q, body.view(np.uint8), wire.DType.FLOAT32, 1e6, lat, hist, compute_s=0.004)
     assert within == 2 and first == int(info["first_ns"].min()) and complete >= first
     assert done_ns >= complete
     assert np.allclose(lat[:2], (done_ns - info["first_ns"].astype(np.int64)) / 1e6) and lat[2] == -1.0
+    # Counted as observe_answered counts the same batch (request, queue and compute histograms).
+    want = RequestHistograms()
+    want.observe_answered(info["first_ns"], compute_s=0.004, done_ns=done_ns)
+    for k, added in [("request", request_s), ("queue", queue_s), ("compute", compute_s)]:
+        assert getattr(hist, k).counts.tolist() == getattr(want, k).counts.tolist(), k
+        assert added == pytest.approx(getattr(want, k).sum_s, rel=1e-6, abs=1e-9), k
     got = lq.responses(2)
     assert got[1].status == Status.OK and np.array_equal(got[1].array(), x)
     assert got[4].status == Status.OK and np.array_equal(got[4].array(), x * 2)
     # Answered: the batch is empty, so a second answer sends nothing.
     assert lq.q.batch_recs().size == 0
-    assert lq.q.answer_batch(np.zeros((0, 64), np.uint8), int(wire.DType.FLOAT32), 1e6, 5_000_000, lat)[0] == 0
+    assert _answer(lq.q, np.zeros((0, 64), np.uint8), wire.DType.FLOAT32, 1e6, lat, hist)[0] == 0
+    assert hist.request.count == 2
     lq.no_more_responses()
 
 
@@ -263,7 +279,7 @@ def test_local_queue_keeps_a_batch_whose_rows_cannot_fit_so_it_is_answered_once_
         assert node.q.take(1, ROW, _ok_dtypes(), 5_000_000, recs) == 1
         lat = np.zeros(32)
         with pytest.raises(ValueError, match="does not fit the answer ring"):
-            node.q.answer_batch(np.zeros((1, 8192), np.uint8), int(wire.DType.BYTES), 50.0, 5_000_000, lat)
+            _answer(node.q, np.zeros((1, 8192), np.uint8), wire.DType.BYTES, 50.0, lat)
         info = node.q.batch_info()  # still the current batch: answer it with an error instead
         assert info["request_id"].tolist() == [9]
         node.pool.consumer(0).answer_status(recs[:1], info, Status.INTERNAL)
@@ -285,8 +301,30 @@ def test_local_queue_refuses_bad_arguments(lq: _Node) -> None:
     assert len(lq.q) == 1  # nothing was taken
     assert lq.q.take(1, ROW, _ok_dtypes(), 1000, np.zeros(1, np.uint32)) == 1
     with pytest.raises(ValueError, match="one body row"):
-        lq.q.answer_batch(np.zeros((2, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 1000, np.zeros(4))
+        _answer(lq.q, np.zeros((2, ROW), np.uint8), wire.DType.FLOAT32, 50.0, np.zeros(4))
     with pytest.raises(ValueError, match="lat_ms"):
-        lq.q.answer_batch(np.zeros((1, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 1000, np.zeros(0))
-    lq.q.answer_batch(np.zeros((1, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 5_000_000, np.zeros(1))
+        _answer(lq.q, np.zeros((1, ROW), np.uint8), wire.DType.FLOAT32, 50.0, np.zeros(0))
+    with pytest.raises(ValueError, match="one count per bound"):
+        lq.q.answer_batch(np.zeros((1, ROW), np.uint8), int(wire.DType.FLOAT32), 50.0, 1000, np.zeros(1), 0.0,
+                          DURATION_BOUNDS_S, np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64))
+    _answer(lq.q, np.zeros((1, ROW), np.uint8), wire.DType.FLOAT32, 50.0, np.zeros(1))
     assert lq.responses(1)[1].status == Status.OK
+
+
+def test_local_queue_take_copies_the_batch_payloads_in_order_when_given_rows(lq: _Node) -> None:
+    xs = [np.arange(16, dtype=np.float32) * (i + 1) for i in range(3)]
+    lq.send(1, xs[0])
+    lq.send(2, b"\x00" * 8)  # refused: its row is left to the next good request
+    lq.send(3, xs[1])
+    lq.send(4, xs[2])
+    lq.pull(4)
+    rows = np.full((32, ROW), 0xEE, np.uint8)
+    recs = np.zeros(32, np.uint32)
+    assert lq.q.take(4, ROW, _ok_dtypes(), 5_000_000, recs, rows) == 3
+    assert np.array_equal(rows[:3].view(np.float32), np.stack(xs))
+    assert (rows[3:] == 0xEE).all()  # nothing written past the batch
+    with pytest.raises(ValueError, match="rows needs room"):
+        lq.q.take(1, ROW, _ok_dtypes(), 1000, recs, np.zeros((1, ROW + 1), np.uint8))
+    assert lq.responses(1)[2].status == Status.BAD_REQUEST
+    _answer(lq.q, rows[:3], wire.DType.FLOAT32, 50.0, np.zeros(3))
+    assert {rid: r.status for rid, r in lq.responses(3).items()} == {1: Status.OK, 3: Status.OK, 4: Status.OK}

@@ -198,21 +198,3 @@ def test_reservoir_percentiles_are_numpys_over_the_window() -> None:
     assert np.array_equal(r.values(), window)
     np.testing.assert_allclose(r.percentiles((50, 99)), np.percentile(window, (50, 99)), rtol=1e-12)
 
-
-@pytest.mark.parametrize("n", [1, 3, 40])
-def test_observe_latencies_counts_as_observe_answered(n: int) -> None:
-    """The serving loop's native answer gives each request's latency instead of its arrival: the same
-    request, queue and compute observations as observe_answered (small batches and large)."""
-    rng = np.random.default_rng(n)
-    done_ns = 10_000_000_000
-    first = done_ns - rng.integers(0, 3_000_000_000, n)
-    compute_s = 0.0042
-    a, b = RequestHistograms(), RequestHistograms()
-    a.observe_answered(first, compute_s=compute_s, done_ns=done_ns)
-    b.observe_latencies((done_ns - first) / 1e6, compute_s=compute_s)
-    for k in ("request", "queue", "compute"):
-        ha, hb = getattr(a, k), getattr(b, k)
-        assert ha.counts.tolist() == hb.counts.tolist(), k
-        assert ha.sum_s == pytest.approx(hb.sum_s, rel=1e-9, abs=1e-9), k
-    b.observe_latencies(np.zeros(0), compute_s=compute_s)  # nothing answered: nothing observed
-    assert b.request.count == n
