@@ -309,3 +309,77 @@ def test_the_heartbeat_recomputes_percentiles_only_after_new_answers(
     assert _answer(inst, sock).status == Status.OK
     after = inst.serving.snapshot()
     assert after["stages"] is not first["stages"] and after["stages"]["batches"] == 2 and after["ok"] == 2
+
+
+def _serve_all(inst: Instance, sock: socket.socket, n: int) -> dict[int, wire.Response]:
+    """Step the instance until n responses arrived (each request id once) or a deadline passes."""
+    asm, got = wire.ResponseAssembler(), {}
+    sock.settimeout(0.01)
+    deadline = time.monotonic() + 30
+    while len(got) < n and time.monotonic() < deadline:
+        inst.step(max_wait_ms=10)
+        try:
+            r = asm.feed(sock.recv(65536))
+        except TimeoutError:
+            continue
+        if r is not None:
+            assert r.request_id not in got, f"request {r.request_id} answered twice"
+            got[r.request_id] = r
+    assert len(got) == n, f"{len(got)} of {n} answered"
+    return got
+
+
+class _RefusingGatherer:
+    """A gather with per-row verdicts (as GPU-DMA's): the host gather, refusing the batch's first row."""
+
+    method = "refusing"
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.clock = None
+        self.statuses = np.zeros(0, np.int32)
+
+    def gather(self, recs: np.ndarray) -> object:
+        x = self.inner.gather(recs)  # type: ignore[attr-defined]
+        self.statuses = np.zeros(len(recs), np.int32)
+        self.statuses[0] = 3  # a bad chunk header, say
+        return x
+
+    def close(self) -> None:
+        self.inner.close()  # type: ignore[attr-defined]
+
+
+def test_rows_a_gather_refuses_are_answered_bad_request_and_the_rest_ok_once(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    inst.serving.gatherer = _RefusingGatherer(inst.serving.gatherer)  # type: ignore[assignment]
+    inst.policy.model = LatencyModel(profile={1: 1.0, 4: 2.0})  # known and fast: the three go as one batch
+    for rid in range(3):
+        _send(ing, sock, rid)
+    deadline = time.monotonic() + 30
+    while len(inst.queue) < 3 and time.monotonic() < deadline:
+        inst._pull(50)
+    got = _serve_all(inst, sock, 3)
+    statuses = sorted(int(r.status) for r in got.values())
+    assert statuses == [Status.OK, Status.OK, Status.BAD_REQUEST]
+    assert got[0].status == Status.BAD_REQUEST  # the oldest: the first row of the one batch of three
+    assert inst.stats.counts["ok"] == 2 and inst.stats.counts["error"] == 1
+    assert inst.stats.hist.request.count == 2
+
+
+def test_a_failing_model_answers_its_batch_internal_once_and_the_next_batch_is_served(
+        setup: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, sock = setup
+    model = inst.runner.model
+
+    def failing(x: object) -> object:
+        raise RuntimeError("boom")
+
+    inst.runner.model = failing
+    _send(ing, sock, 1)
+    assert _serve_all(inst, sock, 1)[1].status == Status.INTERNAL
+    inst.runner.model = model
+    _send(ing, sock, 2)
+    assert _serve_all(inst, sock, 1)[2].status == Status.OK
+    assert inst.stats.counts["error"] == 1 and inst.stats.counts["ok"] == 1
+    assert len(inst.queue) == 0 and inst.serving.held() == 0
