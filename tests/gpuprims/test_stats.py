@@ -197,4 +197,3 @@ def test_reservoir_percentiles_are_numpys_over_the_window() -> None:
     window = np.asarray(seen[-4096:])
     assert np.array_equal(r.values(), window)
     np.testing.assert_allclose(r.percentiles((50, 99)), np.percentile(window, (50, 99)), rtol=1e-12)
-
