@@ -325,6 +325,8 @@ def ingest_set_cost(ingest: Ingest, consumer: int, fixed_us: float, per_request_
 def ingest_cost(ingest: Ingest, consumer: int) -> tuple[float, float]:
     """(fixed_us, per_request_us) of consumer; fixed_us < 0 when it has none."""
 
+LEDGER_ANY_SIZE: int = 4294967295
+
 class Ledger:
     def __init__(self, pool: Pool, consumer: int) -> None: ...
 
@@ -347,7 +349,7 @@ class Ledger:
 
     def take(self, k: int, row_bytes: int, dtype_ok: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], timeout_us: int, recs_out: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu')], rows: Annotated[NDArray[numpy.uint8], dict(shape=(None, None), order='C', device='cpu')] | None = None) -> int:
         """
-        Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a dtype dtype_ok allows are answered BAD_REQUEST); its record indices go to recs_out and, with rows, its payloads to rows (the CPU gather). Its size.
+        Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a dtype dtype_ok allows are answered BAD_REQUEST; row_bytes LEDGER_ANY_SIZE takes any size, without rows); its record indices go to recs_out and, with rows, its payloads to rows (the CPU gather). Its size.
         """
 
     def batch_recs(self) -> Annotated[NDArray[numpy.uint32], dict(shape=(None,), writable=False)]:

@@ -43,6 +43,10 @@ _RAW_RECORD = np.dtype((np.void, RECORD_DTYPE.itemsize))
 
 REC_FREE, REC_FILLING, REC_DELIVERED = 0, 1, 2
 
+#: ``row_bytes`` for :meth:`LocalQueue.take` that takes bodies of any length (multi-tensor bodies, whose
+#: size varies per request); the dtype check still applies and ``rows`` must be None (no row to copy to).
+ANY_SIZE: int = _native.LEDGER_ANY_SIZE
+
 
 def _fresh_name() -> str:
     return f"/gpuprims-{os.getpid()}-{secrets.token_hex(4)}"
@@ -298,7 +302,9 @@ class LocalQueue:
         self.pull = n.pull  #: pull(max_n, timeout_us, spin_us=50) -> completion times (ms) of those queued
         self.expire = n.expire  #: expire(now_ns, default_ms, need_ms, timeout_us) -> how many answered
         self.fail_head = n.fail_head  #: fail_head(k, status, timeout_us) -> how many answered
-        self.take = n.take  #: take(k, row_bytes, dtype_ok[256] uint8, timeout_us, recs_out) -> batch size
+        #: take(k, row_bytes, dtype_ok[256] uint8, timeout_us, recs_out, rows=None) -> batch size;
+        #: row_bytes ANY_SIZE takes bodies of any length (rows None then)
+        self.take = n.take
         #: answer_batch(body, dtype, default_ms, timeout_us, lat_ms, compute_s, bounds, request, queue, compute)
         self.answer_batch = n.answer_batch
         self.batch_recs = n.batch_recs  #: the current batch's record indices (uint32 view)

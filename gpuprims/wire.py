@@ -59,17 +59,22 @@ HEADER_DTYPE = np.dtype(
 
 
 class DType(enum.IntEnum):
-    """Element type of a request or response body."""
+    """Element type of a request or response body.
+
+    TENSORS is a multi-tensor body: named tensors of any datatype, encoded and decoded by
+    ``gpuprims.tensorwire`` (docs/wire-format.md, "Multi-tensor bodies"); as elements it is bytes.
+    """
 
     BYTES = 0
     FLOAT32 = 1
     UINT8 = 2
     FLOAT16 = 3
     INT64 = 4
+    TENSORS = 5
 
     @property
     def numpy(self) -> np.dtype:
-        return np.dtype({0: np.uint8, 1: np.float32, 2: np.uint8, 3: np.float16, 4: np.int64}[int(self)])
+        return _NUMPY_OF[self]
 
     @classmethod
     def from_numpy(cls, dtype: np.dtype | str) -> DType:
@@ -80,7 +85,12 @@ class DType(enum.IntEnum):
         return found
 
 
-#: numpy dtype -> wire dtype (built once: every answer looks its result's dtype up).
+_NUMPY_OF: dict[DType, np.dtype] = {DType.BYTES: np.dtype(np.uint8), DType.FLOAT32: np.dtype(np.float32),
+                                    DType.UINT8: np.dtype(np.uint8), DType.FLOAT16: np.dtype(np.float16),
+                                    DType.INT64: np.dtype(np.int64), DType.TENSORS: np.dtype(np.uint8)}
+
+#: numpy dtype -> wire dtype (built once: every answer looks its result's dtype up). TENSORS is never
+#: inferred from an array: a uint8 array is UINT8, a multi-tensor body is asked for by name.
 _WIRE_DTYPES: dict[np.dtype, DType] = {np.dtype(np.float32): DType.FLOAT32, np.dtype(np.uint8): DType.UINT8,
                                        np.dtype(np.float16): DType.FLOAT16, np.dtype(np.int64): DType.INT64}
 

@@ -96,11 +96,14 @@ size_t Ledger::expire(uint64_t now_ns, double default_ms, double need_ms, int64_
 size_t Ledger::fail_head(size_t k, uint16_t status, int64_t timeout_us) { return pop_answer(k, status, timeout_us); }
 
 size_t Ledger::take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us, uint8_t* rows) {
+  const bool any_size = row_bytes == kAnySize;
+  // Checked before anything leaves the queue: with no row size there is nowhere to copy a body to.
+  if (any_size && rows != nullptr) throw std::invalid_argument("take: rows must be None with row_bytes ANY_SIZE");
   if (k > count_) k = count_;
   size_t good = 0, bad = 0;
   for (size_t i = 0; i < k; ++i) {
     const Slot& s = ring_[(head_ + i) % ring_.size()];
-    if (s.rec.total_len == row_bytes && dtype_ok[s.rec.dtype] &&
+    if ((any_size || s.rec.total_len == row_bytes) && dtype_ok[s.rec.dtype] &&
         (rows == nullptr || pool_->gather(&s.index, 1, rows + good * size_t(row_bytes), row_bytes).empty())) {
       batch_recs_[good] = s.index;
       batch_[good] = s.rec;

@@ -86,10 +86,13 @@ class Ledger {
   size_t expire(uint64_t now_ns, double default_ms, double need_ms, int64_t timeout_us);
   // Answer the oldest k queued requests with `status`.
   size_t fail_head(size_t k, uint16_t status, int64_t timeout_us);
-  // Move the oldest k queued requests into the current batch; those whose body is not row_bytes long or
-  // whose wire dtype `dtype_ok` refuses are answered BAD_REQUEST instead. Returns the batch's size.
-  // With `rows` (row_bytes apart, room for k), the batch's payloads are copied there too (the CPU
-  // gather, Pool::gather); a record the pool refuses then is answered BAD_REQUEST like a bad body.
+  // row_bytes for take: bodies of any length (a multi-tensor body, whose size varies per request).
+  static constexpr uint32_t kAnySize = UINT32_MAX;
+  // Move the oldest k queued requests into the current batch; those whose body is not row_bytes long
+  // (unless row_bytes is kAnySize) or whose wire dtype `dtype_ok` refuses are answered BAD_REQUEST
+  // instead. Returns the batch's size. With `rows` (row_bytes apart, room for k), the batch's payloads
+  // are copied there too (the CPU gather, Pool::gather); a record the pool refuses then is answered
+  // BAD_REQUEST like a bad body. Throws std::invalid_argument for rows with kAnySize (no row size).
   size_t take(size_t k, uint32_t row_bytes, const uint8_t* dtype_ok, int64_t timeout_us, uint8_t* rows = nullptr);
   const uint32_t* batch_recs() const { return batch_recs_.data(); }
   const RecordCopy* batch_records() const { return batch_.data(); }

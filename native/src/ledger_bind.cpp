@@ -27,6 +27,7 @@ using I64Out = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 }  // namespace
 
 void bind_ledger(nb::module_& m) {
+  m.attr("LEDGER_ANY_SIZE") = Ledger::kAnySize;
   nb::class_<Ledger>(m, "Ledger")
       .def(nb::init<Pool*, uint32_t>(), nb::arg("pool"), nb::arg("consumer"), nb::keep_alive<1, 2>())
       .def("__len__", &Ledger::size)
@@ -68,6 +69,8 @@ void bind_ledger(nb::module_& m) {
             const size_t want = std::min(k, l.size());
             if (recs_out.shape(0) < want) throw std::invalid_argument("recs_out needs room for every request taken");
             uint8_t* dst = nullptr;
+            if (row_bytes == Ledger::kAnySize && rows)
+              throw std::invalid_argument("rows must be None with row_bytes ANY_SIZE (bodies of any size have no row)");
             if (rows) {
               if (rows->shape(0) < want || rows->shape(1) != row_bytes)
                 throw std::invalid_argument("rows needs room for every request taken, row_bytes each");
@@ -85,8 +88,9 @@ void bind_ledger(nb::module_& m) {
           nb::arg("k"), nb::arg("row_bytes"), nb::arg("dtype_ok"), nb::arg("timeout_us"), nb::arg("recs_out"),
           nb::arg("rows").none() = nb::none(),
           "Take the oldest k queued requests as the current batch (bodies that are not row_bytes of a "
-          "dtype dtype_ok allows are answered BAD_REQUEST); its record indices go to recs_out and, with rows, "
-          "its payloads to rows (the CPU gather). Its size.")
+          "dtype dtype_ok allows are answered BAD_REQUEST; row_bytes LEDGER_ANY_SIZE takes any size, without "
+          "rows); its record indices go to recs_out and, with rows, its payloads to rows (the CPU gather). "
+          "Its size.")
       .def(
           "batch_recs",
           [](nb::handle self) {

@@ -10,7 +10,7 @@ import pytest
 
 from gpuprims import _native, wire
 from gpuprims.ingest import Ingest
-from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
+from gpuprims.pool import ANY_SIZE, RECORD_DTYPE, LocalQueue, PacketPool
 from gpuprims.stats import DURATION_BOUNDS_S, RequestHistograms
 from gpuprims.wire import Status
 
@@ -309,6 +309,37 @@ def test_local_queue_refuses_bad_arguments(lq: _Node) -> None:
                           DURATION_BOUNDS_S, np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64))
     _answer(lq.q, np.zeros((1, ROW), np.uint8), wire.DType.FLOAT32, 50.0, np.zeros(1))
     assert lq.responses(1)[1].status == Status.OK
+
+
+def test_local_queue_take_any_size_takes_bodies_of_every_length_and_still_checks_the_dtype(lq: _Node) -> None:
+    # Multi-tensor bodies (wire dtype TENSORS) differ in size from request to request: the ingest admits
+    # them, and take with ANY_SIZE batches them whatever their length (one datagram or several).
+    sizes = {1: 8, 2: 3000, 3: 64, 5: 1}
+    body = {rid: bytes(range(256)) * (size // 256) + bytes(size % 256) for rid, size in sizes.items()}
+    for rid in sizes:
+        for d in wire.encode_request(1, rid, body[rid], dtype=wire.DType.TENSORS):
+            lq.client.sendto(d, ("127.0.0.1", lq.ingest.ports[0]))
+    lq.send(4, np.zeros(16, np.float32))  # a dtype the app does not take: still BAD_REQUEST
+    lq.pull(5)
+    ok = np.zeros(256, np.uint8)
+    ok[int(wire.DType.TENSORS)] = 1
+    recs = np.zeros(32, np.uint32)
+    with pytest.raises(ValueError, match="rows must be None"):
+        lq.q.take(5, ANY_SIZE, ok, 5_000_000, recs, np.zeros((5, 64), np.uint8))
+    assert len(lq.q) == 5  # nothing was taken
+    assert lq.q.take(5, ANY_SIZE, ok, 5_000_000, recs) == 4 and len(lq.q) == 0
+    info = lq.q.batch_info()
+    assert dict(zip(info["request_id"].tolist(), info["total_len"].tolist())) == sizes
+    assert (info["dtype"] == int(wire.DType.TENSORS)).all()
+    assert {rid: r.status for rid, r in lq.responses(1).items()} == {4: Status.BAD_REQUEST}
+    for rec, rid in zip(lq.q.batch_recs(), info["request_id"].tolist()):  # each body whole, in its own size
+        got_body = lq.pool.gather(np.array([rec], np.uint32), np.zeros((1, sizes[rid]), np.uint8))
+        assert got_body.tobytes() == body[rid]
+    _answer(lq.q, np.zeros((4, 8), np.uint8), wire.DType.TENSORS, 50.0, np.zeros(4))
+    got = lq.responses(4)
+    assert set(got) == set(sizes) and all(r.status == Status.OK and r.dtype == wire.DType.TENSORS
+                                          for r in got.values())
+    lq.no_more_responses()
 
 
 def test_local_queue_take_copies_the_batch_payloads_in_order_when_given_rows(lq: _Node) -> None:

@@ -94,6 +94,7 @@ def _patch(buf: bytes, field: str, value: int) -> bytes:
         (_patch(_patch(_valid(), "chunk_count", 0), "chunk_index", 0), Verdict.BAD_CHUNK),
         (_patch(_valid(), "total_len", 9000), Verdict.BAD_TOTAL),
         (_patch(_valid(), "dtype", 99), Verdict.BAD_DTYPE),
+        (_patch(_valid(), "dtype", int(max(DType)) + 1), Verdict.BAD_DTYPE),
     ],
 )
 def test_bad_datagrams_same_verdict_both_decoders(datagram: bytes, verdict: Verdict) -> None:
@@ -102,6 +103,19 @@ def test_bad_datagrams_same_verdict_both_decoders(datagram: bytes, verdict: Verd
     with pytest.raises(WireError) as ei:
         wire.decode_request(datagram)
     assert ei.value.verdict == verdict
+
+
+def test_every_dtype_code_is_accepted_by_both_parsers_and_the_next_is_not() -> None:
+    # TENSORS (5), a multi-tensor body, is the newest code; both parsers must move their limit together.
+    assert int(max(DType)) == int(DType.TENSORS) == 5
+    for code in DType:
+        d = _patch(_valid(), "dtype", int(code))
+        assert wire.check_request(d) == Verdict.OK and _native.check_request(d) == 0, code.name
+    assert DType.TENSORS.numpy == np.uint8  # as elements a multi-tensor body is bytes
+    assert DType.from_numpy(np.uint8) is DType.UINT8  # and never inferred from an array
+    (d,) = wire.encode_response(1, 2, Status.OK, b"\x01\x02", dtype=DType.TENSORS)
+    r = wire.ResponseAssembler().feed(d)
+    assert r is not None and r.dtype == DType.TENSORS and r.array().tobytes() == b"\x01\x02"
 
 
 def test_wire_error_pickles() -> None:

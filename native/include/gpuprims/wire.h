@@ -36,8 +36,18 @@ static_assert(offsetof(Header, request_id) == 24 && offsetof(Header, client_ts_n
 
 constexpr size_t kHeaderSize = sizeof(Header);
 
-enum DType : uint8_t { kDTypeBytes = 0, kDTypeFloat32 = 1, kDTypeUint8 = 2, kDTypeFloat16 = 3, kDTypeInt64 = 4 };
-constexpr uint8_t kDTypeMax = kDTypeInt64;
+// kDTypeTensors: the body is a multi-tensor body (named tensors of any datatype, laid out as
+// docs/wire-format.md "Multi-tensor bodies" says; gpuprims/tensorwire.py encodes and decodes it). The
+// native code moves it as opaque bytes: only its size and this code matter here.
+enum DType : uint8_t {
+  kDTypeBytes = 0,
+  kDTypeFloat32 = 1,
+  kDTypeUint8 = 2,
+  kDTypeFloat16 = 3,
+  kDTypeInt64 = 4,
+  kDTypeTensors = 5,
+};
+constexpr uint8_t kDTypeMax = kDTypeTensors;
 
 enum Status : uint16_t {
   kStatusOk = 0,
