@@ -1,0 +1,295 @@
+"""Completing a model's configuration from its file, as Triton's auto-complete does.
+
+A model directory may leave ``config.pbtxt`` out, or give only part of it (``max_batch_size`` and a
+dynamic batcher, say). What the config leaves out is read from the model file of the highest version:
+
+- the platform/backend, from the file present (``model.onnx``, ``model.plan``, ``model.pt``,
+  ``model.pt2``, ``model.xml``); a ``pytorch`` model whose version holds ``model.pt2`` (and no
+  ``model.pt``) is a torch.export file;
+- the inputs and outputs (names, datatypes, dims), when the config lists none of them: from the ONNX
+  graph (the ``onnx`` package, imported when needed; initializers listed as graph inputs are weights,
+  not inputs), from a ``torch.export`` program where torch imports, from a TensorRT plan where
+  ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
+  its inputs and outputs in config.pbtxt. Unknown or symbolic dimensions are ``-1``;
+- batching: when the config lists no tensors and sets no ``max_batch_size``, a model whose every input
+  and output has a dynamic first dimension is batched, with ``max_batch_size`` 4 (Triton's default
+  for auto-complete; a TensorRT plan's optimization profile may cap it lower) and that dimension left
+  out of ``dims``, and gets a dynamic batcher with default settings as Triton gives it; otherwise
+  ``max_batch_size`` is 0.
+
+Importing this module imports none of onnx, torch or tensorrt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuprims.modelrepo import formats, proto
+from gpuprims.modelrepo.errors import ModelConfigError
+from gpuprims.tensors import DataType
+
+#: Triton's default ``max_batch_size`` for an auto-completed model that can batch.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+#: Platform and backend a completed config names, by format.
+PLATFORM_OF_FORMAT: dict[str, tuple[str, str]] = {
+    "onnx": ("onnxruntime_onnx", "onnxruntime"),
+    "tensorrt_plan": ("tensorrt_plan", "tensorrt"),
+    "torchscript": ("pytorch_libtorch", "pytorch"),
+    "torch_export": ("", "pytorch"),
+    "openvino_ir": ("", "openvino"),
+}
+
+_ONNX_TYPES: dict[str, DataType] = {
+    "FLOAT": DataType.FP32, "UINT8": DataType.UINT8, "INT8": DataType.INT8, "UINT16": DataType.UINT16,
+    "INT16": DataType.INT16, "INT32": DataType.INT32, "INT64": DataType.INT64, "STRING": DataType.BYTES,
+    "BOOL": DataType.BOOL, "FLOAT16": DataType.FP16, "DOUBLE": DataType.FP64, "UINT32": DataType.UINT32,
+    "UINT64": DataType.UINT64, "BFLOAT16": DataType.BF16,
+}
+_TORCH_TYPES: dict[str, DataType] = {
+    "torch.float32": DataType.FP32, "torch.float16": DataType.FP16, "torch.bfloat16": DataType.BF16,
+    "torch.float64": DataType.FP64, "torch.uint8": DataType.UINT8, "torch.int8": DataType.INT8,
+    "torch.int16": DataType.INT16, "torch.int32": DataType.INT32, "torch.int64": DataType.INT64,
+    "torch.bool": DataType.BOOL, "torch.uint16": DataType.UINT16, "torch.uint32": DataType.UINT32,
+    "torch.uint64": DataType.UINT64,
+}
+_TRT_TYPES: dict[str, DataType] = {
+    "FLOAT": DataType.FP32, "HALF": DataType.FP16, "BF16": DataType.BF16, "INT8": DataType.INT8,
+    "INT32": DataType.INT32, "INT64": DataType.INT64, "BOOL": DataType.BOOL, "UINT8": DataType.UINT8,
+}
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """An input or output as the model file declares it: its full shape (batch dimension included,
+    ``-1`` where dynamic)."""
+
+    name: str
+    datatype: DataType
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileSignature:
+    """What a model file says of its tensors; ``max_batch`` caps batching where the file bounds it
+    (a TensorRT profile), else None."""
+
+    inputs: tuple[FileTensor, ...]
+    outputs: tuple[FileTensor, ...]
+    max_batch: int | None = None
+
+
+def complete_message(msg: Any, model_dir: str | Path, config_path: str, text: str | None = None) -> str:
+    """Complete ``msg`` (a ModelConfig message, changed in place) from the model file of the highest
+    version in ``model_dir``, where it leaves out the platform/backend, its inputs or outputs (see the
+    module docstring). Returns the source errors name: ``config_path`` when the model has a config
+    text, else the model file read. Raises :class:`ModelConfigError`."""
+    d = Path(model_dir)
+    source = config_path if text is not None else str(d)
+    if formats.platform_problem(msg.platform, msg.backend) is not None:
+        return source  # build_config names it on its line
+    versions = formats.version_dirs(d)
+    needs_tensors = not len(msg.input) or not len(msg.output)
+    needs_backend = not (msg.platform or msg.backend)
+    if not versions:
+        if needs_tensors or needs_backend:
+            raise ModelConfigError(source, None, "version", f"{d} has no version directory (1/, 2/, ...) holding "
+                                                            "a model file to complete the config from")
+        return source
+    top = versions[max(versions)]
+    if needs_backend:
+        filename = msg.default_model_filename or formats.guess_filename(top)
+        fmt = formats.format_of_file(filename) if filename else None
+        if fmt is None:
+            raise ModelConfigError(source, None, "platform",
+                                   f"no platform or backend given and {top} holds none of "
+                                   f"{', '.join(formats.DEFAULT_FILENAMES.values())} to tell it")
+        msg.platform, msg.backend = PLATFORM_OF_FORMAT[fmt]
+        if fmt == "torch_export" and not msg.default_model_filename:
+            msg.default_model_filename = "model.pt2"
+    backend = formats.backend_of(msg.platform, msg.backend) or ""
+    if backend == "pytorch" and not msg.default_model_filename and formats.model_file(top, "model.pt") is None \
+            and formats.model_file(top, "model.pt2") is not None:
+        msg.default_model_filename = "model.pt2"
+    if not needs_tensors:
+        return source
+    fmt = formats.format_of(backend, msg.default_model_filename)
+    if fmt is None:
+        return source
+    filename = msg.default_model_filename or formats.DEFAULT_FILENAMES[fmt]
+    path = formats.model_file(top, filename)
+    if path is None:
+        raise ModelConfigError(source, None, "default_model_filename",
+                               f"version {top.name} has no model file {filename!r} to complete the config from")
+    complete_from_file(msg, path, fmt, source if text is not None else str(path))
+    return source if text is not None else str(path)
+
+
+def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str) -> None:
+    """Fill ``msg``'s missing inputs or outputs (and batching, when it lists no tensor) from the model
+    file ``path`` of format ``fmt``. Raises :class:`ModelConfigError` naming ``source``."""
+    sig = read_file_signature(path, fmt)
+    gave_tensors = bool(len(msg.input) or len(msg.output))
+    batchable = all(len(t.shape) >= 1 and t.shape[0] == -1 for t in (*sig.inputs, *sig.outputs))
+    if not gave_tensors and msg.max_batch_size == 0 and batchable:
+        msg.max_batch_size = min(DEFAULT_MAX_BATCH_SIZE, sig.max_batch or DEFAULT_MAX_BATCH_SIZE)
+        if msg.max_batch_size > 1 and not (msg.HasField("dynamic_batching") or msg.HasField("sequence_batching")):
+            msg.dynamic_batching.SetInParent()
+    for what, have, tensors in (("input", msg.input, sig.inputs), ("output", msg.output, sig.outputs)):
+        if len(have):
+            continue
+        for t in tensors:
+            dims = list(t.shape)
+            if msg.max_batch_size > 0:
+                if not dims or dims[0] != -1:
+                    raise ModelConfigError(source, None, what,
+                                           f"{what} {t.name!r} of {path} has shape {list(t.shape)}: with "
+                                           f"max_batch_size {msg.max_batch_size} its first dimension must be "
+                                           "the batch (dynamic)")
+                dims = dims[1:]
+            entry = have.add()
+            entry.name = t.name
+            entry.data_type = proto.pb.DataType.Value(t.datatype.config_name)
+            if dims:
+                entry.dims.extend(dims)
+            else:
+                # A scalar per request: Triton writes it as dims [1] reshaped to [].
+                entry.dims.append(1)
+                entry.reshape.SetInParent()
+
+
+def read_file_signature(path: str | Path, fmt: str) -> FileSignature:
+    """The tensors a model file of format ``fmt`` declares. Raises :class:`ModelConfigError` where the
+    format carries none (TorchScript) or the library that reads it is missing."""
+    p = Path(path)
+    if fmt == "onnx":
+        return onnx_signature(p)
+    if fmt == "torch_export":
+        return torch_export_signature(p)
+    if fmt == "tensorrt_plan":
+        return plan_signature(p)
+    if fmt == "torchscript":
+        raise ModelConfigError(str(p), None, "input",
+                               "a TorchScript model.pt carries no tensor datatypes or shapes: give input and "
+                               "output in config.pbtxt")
+    raise ModelConfigError(str(p), None, "input",
+                           f"completing a {fmt} model from its file is not supported: give input and output in "
+                           "config.pbtxt")
+
+
+def _file_tensor(path: Path, what: str, name: str, dtype: DataType | None, type_name: str,
+                 shape: Sequence[int] | None) -> FileTensor:
+    if dtype is None:
+        raise ModelConfigError(str(path), None, what, f"{what} {name!r} has element type {type_name}, which has no "
+                                                      "Triton datatype")
+    if shape is None:
+        raise ModelConfigError(str(path), None, what, f"{what} {name!r} has no shape in the file: give its dims in "
+                                                      "config.pbtxt")
+    return FileTensor(name, dtype, tuple(shape))
+
+
+def onnx_signature(path: Path) -> FileSignature:
+    """The graph inputs (less initializers) and outputs of an ONNX file, read without its external data."""
+    try:
+        import onnx
+    except ImportError:
+        raise ModelConfigError(str(path), None, "input", "completing an ONNX model needs the onnx package "
+                                                         "(the onnx extra: pip install -e '.[onnx]')") from None
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError, OSError, ValueError... for a bad file
+        raise ModelConfigError(str(path), None, "model file", f"not a readable ONNX model: {e}") from None
+    graph = model.graph
+    weights = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+
+    def one(vi: Any, what: str) -> FileTensor:
+        kind = vi.type.WhichOneof("value")
+        if kind != "tensor_type":
+            raise ModelConfigError(str(path), None, what, f"{what} {vi.name!r} is a {kind or 'typeless value'}, "
+                                                          "not a tensor")
+        tt = vi.type.tensor_type
+        type_name = onnx.TensorProto.DataType.Name(tt.elem_type)
+        shape = None
+        if tt.HasField("shape"):
+            shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in tt.shape.dim]
+        return _file_tensor(path, what, vi.name, _ONNX_TYPES.get(type_name), type_name, shape)
+
+    inputs = tuple(one(vi, "input") for vi in graph.input if vi.name not in weights)
+    outputs = tuple(one(vi, "output") for vi in graph.output)
+    return _nonempty(path, inputs, outputs)
+
+
+def _nonempty(path: Path, inputs: tuple[FileTensor, ...], outputs: tuple[FileTensor, ...],
+              max_batch: int | None = None) -> FileSignature:
+    for what, items in (("input", inputs), ("output", outputs)):
+        if not items:
+            raise ModelConfigError(str(path), None, what, f"the model file declares no {what}")
+    return FileSignature(inputs, outputs, max_batch)
+
+
+def torch_export_signature(path: Path) -> FileSignature:
+    """The user inputs (by their argument names) and outputs (``output__0``, ``output__1``... in order,
+    Triton's PyTorch naming) of a ``torch.export`` program. Imports torch: call it only where torch
+    may be loaded (an instance, a tool), never in the node."""
+    try:
+        import torch
+    except ImportError:
+        raise ModelConfigError(str(path), None, "input",
+                               "completing a torch.export model.pt2 needs torch in this process: give input "
+                               "and output in config.pbtxt") from None
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as e:  # torch raises many kinds for a bad archive
+        raise ModelConfigError(str(path), None, "model file", f"not a loadable torch.export program: {e}") from None
+    nodes = {n.name: n for n in ep.graph.nodes}
+    sig = ep.graph_signature
+
+    def one(node_name: str, name: str, what: str) -> FileTensor:
+        val = nodes[node_name].meta.get("val") if node_name in nodes else None
+        if val is None or not hasattr(val, "dtype"):
+            raise ModelConfigError(str(path), None, what, f"{what} {name!r} is not a tensor (torch.export "
+                                                          "models with non-tensor inputs or outputs need a "
+                                                          "config.pbtxt)")
+        shape = [d if type(d) is int else -1 for d in val.shape]
+        return _file_tensor(path, what, name, _TORCH_TYPES.get(str(val.dtype)), str(val.dtype), shape)
+
+    inputs = tuple(one(n, n, "input") for n in sig.user_inputs)
+    outputs = tuple(one(n, f"output__{i}", "output") for i, n in enumerate(sig.user_outputs))
+    return _nonempty(path, inputs, outputs)
+
+
+def plan_signature(path: Path) -> FileSignature:
+    """The I/O tensors of a TensorRT plan (TensorRT 10+ API) and the batch its first optimization
+    profile allows. Needs the ``tensorrt`` package, which deserializes plans on a GPU."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise ModelConfigError(str(path), None, "input",
+                               "completing a TensorRT plan needs the tensorrt package on a GPU host: give input "
+                               "and output in config.pbtxt") from None
+    try:
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    except Exception as e:  # TensorRT raises RuntimeError/TypeError for a bad or foreign plan
+        raise ModelConfigError(str(path), None, "model file", f"TensorRT cannot load this plan: {e}") from None
+    if engine is None:
+        raise ModelConfigError(str(path), None, "model file", "TensorRT cannot load this plan (built by another "
+                                                              "TensorRT version or for another GPU?)")
+    inputs: list[FileTensor] = []
+    outputs: list[FileTensor] = []
+    max_batch: int | None = None
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+        what = "input" if is_input else "output"
+        dtype_name = getattr(engine.get_tensor_dtype(name), "name", str(engine.get_tensor_dtype(name)))
+        shape = [int(d) for d in engine.get_tensor_shape(name)]
+        t = _file_tensor(path, what, name, _TRT_TYPES.get(dtype_name), dtype_name, shape)
+        (inputs if is_input else outputs).append(t)
+        if is_input and shape and shape[0] == -1 and engine.num_optimization_profiles > 0:
+            top = int(engine.get_tensor_profile_shape(name, 0)[2][0])
+            max_batch = top if max_batch is None else min(max_batch, top)
+    return _nonempty(path, tuple(inputs), tuple(outputs), max_batch)
