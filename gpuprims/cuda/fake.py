@@ -24,6 +24,19 @@ What it emulates, with the semantics of the CUDA runtime API that the Python lay
   call returns them, queued work is dropped, and host functions never run.
 * **Ledger**: live resources by kind, and every free/unregister/destroy done while queued work still
   referenced it (:attr:`FakeRuntime.unsafe_frees`), which is the bug class the tests look for.
+* **IPC lifetimes across processes**: "calling cudaFree on an exported memory region before calling
+  cudaIpcCloseMemHandle in the importing context will result in undefined behavior" (the
+  cudaIpcOpenMemHandle documentation), and a process's exit frees everything it allocated. The
+  exporter holds an exclusive ``flock`` on the allocation's shared-memory file from its first
+  cudaIpcGetMemHandle until cudaFree or its exit (the kernel drops it even on SIGKILL), and cudaFree
+  of an exported allocation poisons it (0xFF bytes: NaN in float32). An importer probes that lock
+  before each operation that reads its mappings: a kernel or copy whose ranges overlap a mapping
+  whose exporter freed it or exited, or a host function or graph launch (the fake's stand-ins for a
+  model's kernels, which may read any mapping of the process) while any such mapping is open, faults
+  with cudaErrorIllegalAddress (sticky, as an access to unmapped device memory does on a GPU), is
+  listed in :attr:`FakeRuntime.ipc_use_after_free` and, when ``GPUPRIMS_FAKE_CUDA_FAULT_LOG`` names
+  a file, appended to it as one JSON line (so a test counts them over every process of a node).
+  Opening a handle whose exporter freed it or exited fails with cudaErrorInvalidValue.
 
 Errors are raised as :class:`gpuprims.cuda.errors.CudaError`, as the native ``check()`` does.
 """
@@ -33,7 +46,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import itertools
+import json
 import os
 import queue
 import threading
@@ -47,6 +62,8 @@ import numpy as np
 from gpuprims.cuda.errors import STICKY_STATUSES, CudaError
 
 FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
+#: A file every process on the fake runtime appends its IPC use-after-free faults to (JSON lines).
+FAULT_LOG_ENV = "GPUPRIMS_FAKE_CUDA_FAULT_LOG"
 
 # cudaError_t values used here (driver_types.h).
 SUCCESS = 0
@@ -145,6 +162,7 @@ class _Op:
     is_host_func: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     label: str = ""
+    kind: str = ""  # as _enqueue's: "host", "memcpy", "kernel", "graph"; "" for bookkeeping
 
 
 #: Set on a stream worker while it runs a host function: CUDA calls from there are refused.
@@ -215,6 +233,7 @@ class _FakeStream:
                 return
             try:
                 if self.rt.sticky == SUCCESS:
+                    self.rt._guard_ipc(op)
                     if op.is_host_func:
                         _run_host_func(op.fn)
                     else:
@@ -257,6 +276,8 @@ class FakeRuntime:
         self.lock = threading.RLock()
         self.resources: dict[tuple[str, int], Resource] = {}
         self.unsafe_frees: list[str] = []
+        #: Every operation that read IPC-mapped memory whose exporter had freed it or exited.
+        self.ipc_use_after_free: list[str] = []
         self.calls: dict[str, int] = {}
         self._inject: dict[str, list[int]] = {}
         self._ids = itertools.count(0x1000)
@@ -368,12 +389,42 @@ class FakeRuntime:
             return r
 
     def _mapped(self, addr: int, nbytes: int) -> bool:
-        """True if [addr, addr+nbytes) lies in memory the device may touch."""
+        """True if [addr, addr+nbytes) lies in memory the device may touch (an IPC mapping only while
+        its exporter keeps the allocation)."""
         with self.lock:
             for (kind, a), r in self.resources.items():
                 if kind in ("device", "registered", "host_alloc", "ipc_open") and a <= addr and addr + nbytes <= a + r.nbytes:
+                    if kind == "ipc_open":
+                        return _owner_holds(r.info["probe_fd"])
                     return kind != "host_alloc" or bool(r.info.get("mapped", True))
         return False
+
+    def _dead_ipc(self, op: _Op) -> list[Resource]:
+        """The IPC mappings ``op`` may read whose exporter freed the allocation or exited: those its
+        ranges overlap (a kernel, a copy), or every one (a host function or graph launch, which stand in
+        for a model's kernels here and may read any mapping of the process)."""
+        with self.lock:
+            maps = [r for (kind, _), r in self.resources.items() if kind == "ipc_open"]
+        if not maps or op.kind not in ("host", "graph", "kernel", "memcpy"):
+            return []
+        if op.kind in ("kernel", "memcpy"):
+            maps = [r for r in maps if any(a < r.handle + r.nbytes and r.handle < a + n for a, n in op.touches if n)]
+        return [r for r in maps if not _owner_holds(r.info["probe_fd"])]
+
+    def _guard_ipc(self, op: _Op) -> None:
+        """Fault (cudaErrorIllegalAddress, sticky) an operation about to read IPC memory its exporter
+        freed or took with it when it exited, and record it (:attr:`ipc_use_after_free`, the fault log)."""
+        dead = self._dead_ipc(op)
+        if not dead:
+            return
+        for r in dead:
+            what = (f"{op.label or op.kind} read IPC-mapped memory 0x{r.handle:x} ({r.nbytes} B) exported by pid "
+                    f"{r.info['owner']}, which freed it or exited")
+            with self.lock:
+                self.ipc_use_after_free.append(what)
+            _log_fault({"pid": os.getpid(), "fault": "ipc_use_after_free", "op": op.label or op.kind,
+                        "owner": r.info["owner"], "nbytes": r.nbytes, "what": what})
+        raise error(ILLEGAL_ADDRESS, op.label or op.kind)
 
     # -- versions and devices -----------------------------------------------------------------------
     def cuda_runtime_version(self) -> int:
@@ -550,6 +601,7 @@ class FakeRuntime:
             cap = st.capture
             if cap is None:
                 self._check_implicit(st, call)
+                op.kind = kind
                 return st.submit(op)
             self._check_valid(st, call)
             if kind:
@@ -892,6 +944,12 @@ class FakeRuntime:
     def cuda_free(self, dev: int, p: int) -> None:
         self._enter("cuda_free")
         r = self._release("device", p, "cudaFree", "device memory")
+        lock_fd = r.info.pop("lock_fd", None)
+        if lock_fd is not None:
+            # Exported: importers may still map it. On a GPU they would now read whatever the memory is
+            # reused for; here they read poison, and their next operation on it faults (the lock is gone).
+            ctypes.memset(r.handle, 0xFF, r.nbytes)
+            os.close(lock_fd)
         r.keep.close(unlink=True)
 
     def cuda_memset(self, dev: int, p: int, value: int, n: int) -> None:
@@ -921,6 +979,12 @@ class FakeRuntime:
             r = self.resources.get(("device", p))
             if r is None:
                 raise error(INVALID_VALUE, "cudaIpcGetMemHandle")
+            if "lock_fd" not in r.info:
+                # The exporter keeps the allocation until cudaFree or its exit: an exclusive lock on its
+                # file says so to importers, and the kernel drops it with the process, even on SIGKILL.
+                fd = os.open(f"/dev/shm/{r.keep.name}", os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                r.info["lock_fd"] = fd
             name = r.keep.name.encode()
             head = b"FAKEIPC" + bytes([len(name)]) + r.nbytes.to_bytes(8, "little") + \
                 (0).to_bytes(4, "little") + self.pid.to_bytes(4, "little")
@@ -943,17 +1007,29 @@ class FakeRuntime:
             raise error(INVALID_VALUE, "cudaIpcOpenMemHandle")  # a process cannot open its own handle
         name = handle[24:24 + ln].decode()
         try:
-            shm = _ShmMap.open(name, nbytes)
+            probe = os.open(f"/dev/shm/{name}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             raise error(INVALID_VALUE, "cudaIpcOpenMemHandle") from None
+        try:
+            if not _owner_holds(probe):  # freed, or its process exited (SIGKILL leaves the name behind)
+                raise error(INVALID_VALUE, "cudaIpcOpenMemHandle")
+            shm = _ShmMap.open(name, nbytes)
+        except OSError:
+            os.close(probe)
+            raise error(INVALID_VALUE, "cudaIpcOpenMemHandle") from None
+        except CudaError:
+            os.close(probe)
+            raise
         addr = shm.addr + offset
         with self.lock:
-            self.resources[("ipc_open", addr)] = Resource("ipc_open", addr, nbytes, shm)
+            self.resources[("ipc_open", addr)] = Resource("ipc_open", addr, nbytes, shm,
+                                                          {"probe_fd": probe, "owner": owner})
         return addr
 
     def cuda_ipc_close_mem_handle(self, dev: int, p: int) -> None:
         self._enter("cuda_ipc_close_mem_handle")
         r = self._release("ipc_open", p, "cudaIpcCloseMemHandle", "an IPC mapping")
+        os.close(r.info["probe_fd"])
         r.keep.close(unlink=False)
 
     # -- GPU-DMA ------------------------------------------------------------------------------------
@@ -1096,6 +1172,41 @@ def _unlink_own() -> None:
         with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{name}")
     _own_names.clear()
+
+
+def _owner_holds(fd: int) -> bool:
+    """True while the exporting process holds its allocation (its exclusive lock on the file ``fd`` is
+    open on): a shared lock cannot be taken then."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _log_fault(doc: dict[str, Any]) -> None:
+    """Append one fault to the file ``GPUPRIMS_FAKE_CUDA_FAULT_LOG`` names, if any (one write of one
+    line with O_APPEND, so processes writing at once do not interleave)."""
+    path = os.environ.get(FAULT_LOG_ENV)
+    if not path:
+        return
+    line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def read_fault_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The faults appended to a ``GPUPRIMS_FAKE_CUDA_FAULT_LOG`` file (none if it does not exist)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
 
 
 def _sweep_dead_processes() -> None:

@@ -273,6 +273,109 @@ def test_ipc_open_and_close_across_processes(fake_cuda: fake.FakeRuntime) -> Non
     assert not os.path.exists(f"/dev/shm/{res.keep.name}")
 
 
+def _ipc_exporter(q: Any, go: Any) -> None:
+    """Export 4 KiB of fake device memory filled with 1s, send its handle, then free it or exit when told."""
+    try:
+        rt = runtime.cuda()
+        mem = runtime.DeviceMemory(4096, 0)
+        runtime._host_array(mem.ptr, 4096)[:] = 1
+        q.put(bytes(rt.cuda_ipc_get_mem_handle(0, mem.ptr)))
+        how = go.get(timeout=120)
+        if how == "free":
+            mem.close()
+            q.put("freed")
+            go.get(timeout=120)  # stays alive: only the free is under test
+        # "exit": returns without freeing; the process's exit takes the allocation with it.
+    except Exception as e:  # reported to the parent
+        q.put(repr(e))
+
+
+def _read_op(rt: fake.FakeRuntime, p: int, kind: str, dst: runtime.DeviceMemory) -> int:
+    """Queue an operation that reads 4 KiB at ``p`` (a copy into ``dst``, or a host function standing
+    in for a model on imported weights) on a fresh stream; returns the stream."""
+    s = int(rt.cuda_stream_create(0, 0, 0))
+    if kind == "memcpy":
+        rt.cuda_memcpy_async(dst.ptr, p, 4096, s)
+    else:
+        rt.launch_host_func(s, lambda: runtime._host_array(p, 4096).sum())
+    return s
+
+
+@pytest.mark.parametrize("how", ["free", "exit"])
+@pytest.mark.parametrize("kind", ["memcpy", "host"])
+def test_reading_ipc_memory_after_its_exporter_freed_it_or_exited_faults(
+        fake_cuda: fake.FakeRuntime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, how: str, kind: str) -> None:
+    """cudaIpcOpenMemHandle: "Calling cudaFree on an exported memory region before calling
+    cudaIpcCloseMemHandle in the importing context will result in undefined behavior" (and an exit frees
+    everything). The fake turns that into cudaErrorIllegalAddress on the importer's next read, counted."""
+    log = tmp_path / "faults.jsonl"
+    monkeypatch.setenv(fake.FAULT_LOG_ENV, str(log))
+    rt = fake_cuda
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_exporter, args=(q, go))
+    child.start()
+    try:
+        handle = q.get(timeout=120)
+        assert isinstance(handle, bytes), handle
+        p = rt.cuda_ipc_open_mem_handle(0, handle)
+        dst = runtime.DeviceMemory(4096, 0)
+        rt.cuda_stream_synchronize(_read_op(rt, p, kind, dst))  # the exporter holds it: reads succeed
+        assert runtime._host_array(p, 4096).tolist() == [1] * 4096 and rt.ipc_use_after_free == []
+        go.put(how)
+        if how == "free":
+            assert q.get(timeout=120) == "freed"
+        else:
+            child.join(120)
+            assert child.exitcode == 0
+        with pytest.raises(CudaError) as e:
+            rt.cuda_stream_synchronize(_read_op(rt, p, kind, dst))
+        assert e.value.name == "cudaErrorIllegalAddress"
+        assert len(rt.ipc_use_after_free) == 1 and f"pid {child.pid}" in rt.ipc_use_after_free[0]
+        (logged,) = fake.read_fault_log(log)
+        assert logged["fault"] == "ipc_use_after_free" and logged["owner"] == child.pid
+        if how == "free":  # the freed memory was poisoned (what a read outside the fake's checks would see)
+            assert set(runtime._host_array(p, 4096).tolist()) == {0xFF}
+    finally:
+        go.put("done")
+        child.join(120)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def _ipc_exporter_killed(q: Any) -> None:
+    rt = runtime.cuda()
+    mem = runtime.DeviceMemory(4096, 0)
+    q.put(bytes(rt.cuda_ipc_get_mem_handle(0, mem.ptr)))
+    time.sleep(600)  # until the parent kills it
+
+
+def test_a_handle_whose_exporter_was_killed_cannot_be_opened_and_its_mapping_faults(
+        fake_cuda: fake.FakeRuntime) -> None:
+    rt = fake_cuda
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_ipc_exporter_killed, args=(q,))
+    child.start()
+    try:
+        handle = q.get(timeout=120)
+        rt.cuda_ipc_open_mem_handle(0, handle)
+        child.kill()  # SIGKILL: nothing of the exporter's runs, its name stays on /dev/shm
+        child.join(120)
+        with pytest.raises(CudaError, match="cudaErrorInvalidValue"):
+            rt.cuda_ipc_open_mem_handle(0, handle)  # a later importer cannot map what died with it
+        rt.launch_host_func(0, lambda: None)
+        with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+            rt.cuda_device_synchronize(0)
+        assert len(rt.ipc_use_after_free) == 1
+        assert rt.sticky == fake.ILLEGAL_ADDRESS  # the context is lost, as after a fault on a GPU
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
 def test_isolated_probe_runs_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
     """The node probes without creating a CUDA context of its own: the child inherits the environment."""
     monkeypatch.setenv(fake.FAKE_ENV, "driver=12020,runtime=13000")
