@@ -1,11 +1,12 @@
 """Adaptive batching: a batch-latency model learnt online and a deadline-aware batch-size policy.
 
 An inference instance asks its `BatchPolicy` how many queued requests to take each time it could start
-a batch, and tells it how long each batch took. The policy takes the largest batch whose predicted
-latency still lets the oldest request meet its deadline, waits (up to `max_wait_ms` after the oldest
-arrived) when the queue is shorter than `max_batch` and the deadline leaves room for a larger batch,
-and says which requests can no longer meet their deadline at all (the instance answers those with an
-explicit DEADLINE_MISSED status instead of running them).
+a batch, and tells it how long each batch took, when requests arrived and when it answered. The policy
+takes the largest batch whose predicted latency still lets the oldest request meet its deadline, waits
+(up to `max_wait_ms` after the oldest arrived) for a fuller batch only when waiting can pay: another
+request is expected while these are held, and a bigger batch is needed to keep up with the arrival
+rate (see `BatchPolicy.decide`, rule 4). It also says which requests can no longer meet their deadline
+at all (the instance answers those with an explicit DEADLINE_MISSED status instead of running them).
 
 All times are milliseconds; ages and deadlines are relative to a request's arrival. Pure logic, no
 clocks and no threads: the caller measures and passes the numbers in. Not thread-safe.
@@ -251,6 +252,111 @@ class ArrivalGaps:
         return span / gaps
 
 
+class HeldArrivals:
+    """Which arrivals came while the instance held requests (admitted and not yet answered), and how
+    long it held them: what tells a closed-loop client from an open-loop stream.
+
+    A closed-loop client sends its next request only after it has the answer to the last one, so none
+    of its requests arrives while its own is held: holding it for a fuller batch waits for a request
+    that cannot come. An open-loop stream does not care whether anything is held (a Poisson stream
+    arrives at the same rate whatever the instance is doing). So the rate that tells whether a wait can
+    be rewarded is not the arrival rate but the rate of arrivals *while requests are held*: the number
+    of arrivals that came while something was held over the time something was held, over the last
+    ``window`` arrivals. It is learnt from the traffic alone (no setting says "closed loop"): one
+    closed-loop client gives none in any time held; open-loop load gives its own rate; one closed-loop
+    stream beside open-loop load gives at least the open-loop rate; c closed-loop clients give what the
+    other c - 1 send while one is held. The window is of arrivals, so a change of traffic is learnt
+    within ``window`` arrivals.
+
+    The caller says what it holds: `note_arrivals` when requests are taken in (with their arrival
+    times), `note_answered` after answering (with how many it still holds, so requests answered on
+    other paths, such as expiry, never leave a count drifting). An arrival noted only after the answer
+    that emptied the instance, but timed before it (it waited in the ring while the batch ran), came
+    while the instance held requests: it is counted so, and the held span goes on. Times are ms on one
+    monotonic clock. Pure logic, no clocks.
+    """
+
+    def __init__(self, window: int = 16) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window must be an integer >= 2, got {window!r}")
+        self.window = window
+        #: The last ``window`` arrivals: (time_ms, whether the instance held requests when it came).
+        self.arrivals: deque[tuple[float, bool]] = deque(maxlen=window)
+        # Closed held spans (start_ms, end_ms), oldest first: every span that can overlap the window
+        # (each starts with an arrival, so at most window + 1 do).
+        self._spans: deque[tuple[float, float]] = deque(maxlen=window + 1)
+        self._open_ms: float | None = None  # start of the span held now (None: nothing held)
+        self._came_held = 0  # arrivals in the window after its first that came while requests were held
+        self.held = 0  #: requests the caller holds, as far as it told
+
+    def note_arrivals(self, times_ms: Sequence[float]) -> None:
+        """Arrival times (ms) of requests just taken in, in any order; each is held until answered."""
+        for t in (times_ms if len(times_ms) == 1 else sorted(times_ms)):
+            t = float(t)
+            if not math.isfinite(t):
+                raise ValueError(f"arrival times must be finite milliseconds, got {t!r}")
+            if self._open_ms is not None:
+                came_held = True
+                self._open_ms = min(self._open_ms, t)
+            elif self._spans and t < self._spans[-1][1]:
+                # It waited (in the ring) while the last span's batch ran: that span never ended.
+                came_held = True
+                self._open_ms = self._spans.pop()[0]
+            else:
+                came_held = False
+                self._open_ms = t
+            self.held += 1
+            if self.arrivals:  # the window's first arrival only marks its start: not counted
+                if len(self.arrivals) == self.window:
+                    self._came_held -= self.arrivals[1][1]  # the second becomes the first
+                self._came_held += came_held
+            self.arrivals.append((t, came_held))
+
+    def note_answered(self, at_ms: float, held: int) -> None:
+        """The caller answered requests at `at_ms` and now holds `held` (0: everything is answered)."""
+        at = float(at_ms)
+        if not math.isfinite(at):
+            raise ValueError(f"at_ms must be a finite time in milliseconds, got {at_ms!r}")
+        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+            raise ValueError(f"held must be an integer >= 0, got {held!r}")
+        self.held = held
+        if held == 0 and self._open_ms is not None:
+            self._spans.append((self._open_ms, max(at, self._open_ms)))
+            self._open_ms = None
+        elif held > 0 and self._open_ms is None:
+            self._open_ms = at  # held requests it was not told of: held from now on
+
+    def held_ms(self, now_ms: float | None = None) -> float:
+        """How long (ms) requests were held since the window's first arrival (the span held now counted
+        up to `now_ms`, else up to the last arrival)."""
+        if not self.arrivals:
+            return 0.0
+        since = self.arrivals[0][0]
+        total = 0.0
+        for start, end in reversed(self._spans):
+            if end <= since:
+                break
+            total += end - max(start, since)
+        if self._open_ms is not None:
+            end = now_ms if now_ms is not None else self.arrivals[-1][0]
+            total += max(0.0, end - max(self._open_ms, since))
+        return total
+
+    def came_held(self) -> int:
+        """How many arrivals of the window (after its first) came while requests were held."""
+        return self._came_held
+
+    def mean_gap_ms(self, now_ms: float | None = None) -> float | None:
+        """Mean time held between arrivals that came while requests were held: the gap a held request
+        can expect before another one comes. ``inf`` when none came (a closed loop of one client);
+        None while fewer than two arrivals are known."""
+        if len(self.arrivals) < 2:
+            return None
+        if self._came_held == 0:
+            return math.inf
+        return self.held_ms(now_ms) / self._came_held
+
+
 class BatchPolicy:
     """Deadline-aware adaptive batch size for one instance.
 
@@ -259,6 +365,11 @@ class BatchPolicy:
     deadline relative to arrival, unless a request carries its own); `margin_ms` is added to every
     predicted latency for work outside the model (gather, response). `model` defaults to an empty
     `LatencyModel`; seed it with a profile or a warm-up (`gpuprims.device.warm_up`).
+
+    The caller tells it what happens: `observe` each batch's latency, `note_arrivals` the requests it
+    takes in and `note_answered` what it still holds after answering. From the last two it learns
+    whether a wait for a fuller batch can be rewarded (`wait_pays`): not for a client that waits for
+    each answer before it sends again, whatever `max_wait_ms` allows.
     """
 
     def __init__(
@@ -278,11 +389,19 @@ class BatchPolicy:
             raise ValueError(f"model must be a LatencyModel, got {type(model).__name__}")
         self.model = model if model is not None else LatencyModel()
         self.arrivals = ArrivalGaps()
+        self.held = HeldArrivals()
 
     def note_arrivals(self, times_ms: Sequence[float]) -> None:
-        """Arrival times (ms, monotonic) of requests just queued: rule 4 of `decide` waits for a bigger
-        batch only while the arrival rate says another request is likely to come within the wait."""
+        """Arrival times (ms, monotonic) of requests just queued (held until `note_answered` says they
+        are not): rule 4 of `decide` learns from them whether a wait for a bigger batch can pay."""
         self.arrivals.note(times_ms)
+        self.held.note_arrivals(times_ms)
+
+    def note_answered(self, at_ms: float, held: int) -> None:
+        """The caller answered requests at `at_ms` (ms, the clock of `note_arrivals`) and now holds
+        `held` of those it was told of (0: all answered): what tells rule 4 of `decide` whether
+        requests arrive while others are held, or only after their answers (a closed loop)."""
+        self.held.note_answered(at_ms, held)
 
     def observe(self, batch_size: int, latency_ms: float) -> None:
         """Record a measured batch latency (see `LatencyModel.observe`)."""
@@ -304,12 +423,22 @@ class BatchPolicy:
         2. No latency known yet: take 1, so the first measurement comes quickly.
         3. Take the largest b <= min(queue_len, max_batch) whose predicted latency fits the time left.
         4. But if all queued requests fit, the queue is shorter than `max_batch`, the oldest has waited
-           less than `max_wait_ms` and even one more request would still fit, take nothing yet and
-           re-decide within ``wait_ms`` = the smaller of the wait left and the slack over that larger
-           batch (or sooner, when a request arrives). Once arrivals have been noted
-           (`note_arrivals`), it waits only while the mean gap between arrivals (the gap still open at
-           `now_ms` counted) is shorter than that wait: under light load no request would come in
-           time, and the wait would only add to every request's latency.
+           less than `max_wait_ms`, even one more request would still fit, *and the wait can pay*,
+           take nothing yet and re-decide within ``wait_ms`` = the smaller of the wait left and the
+           slack over that larger batch (or sooner, when a request arrives). `max_wait_ms` is a
+           ceiling, not a target. The wait pays only when both hold (`wait_pays`):
+
+           a. a bigger batch is needed to keep up: at the arrival rate (`note_arrivals`, the gap still
+              open at `now_ms` counted), batches of the queue's size served back to back, each taking
+              its predicted latency, would fall behind (``predict(n) > n * mean gap``). Otherwise
+              sending now loses no throughput, and whatever queues meanwhile forms the next batch;
+           b. another request is expected within the wait *while these are held*: the mean gap
+              between arrivals that came while requests were held (`HeldArrivals`, told by
+              `note_arrivals` and `note_answered`) is shorter than the wait. A closed-loop client
+              never sends while its request is held, so its gap is infinite and it is served at once;
+              open-loop load arrives whatever is held, so it waits as before.
+
+           Until two arrivals are known it waits (the first requests teach the policy the traffic).
         5. If not even one request fits (its deadline is lost anyway), take min(queue_len, max_batch)
            to drain the backlog fastest; `expired` tells which requests to answer as missed instead.
         """
@@ -336,10 +465,22 @@ class BatchPolicy:
         if fit == cap and cap < self.max_batch and age < self.max_wait_ms:
             room_ms = left_ms - self.predict(cap + 1)
             wait_ms = min(self.max_wait_ms - age, room_ms)
-            gap_ms = self.arrivals.mean_gap_ms(now_ms)
-            if room_ms > 0 and (gap_ms is None or gap_ms < wait_ms):
+            if room_ms > 0 and self.wait_pays(cap, wait_ms, now_ms=now_ms):
                 return BatchDecision(0, wait_ms)
         return BatchDecision(fit, 0.0)
+
+    def wait_pays(self, queued: int, wait_ms: float, *, now_ms: float | None = None) -> bool:
+        """Whether holding `queued` requests up to `wait_ms` for a fuller batch can pay (rule 4 of
+        `decide`, a and b): a bigger batch is needed to keep up with the arrival rate, and another
+        request is expected within the wait while these are held. True while fewer than two arrivals
+        are known."""
+        gap_ms = self.arrivals.mean_gap_ms(now_ms)
+        if gap_ms is None:
+            return True
+        if self.predict(queued) <= queued * gap_ms:
+            return False  # batches of this size keep up: a wait would only add latency
+        held_gap_ms = self.held.mean_gap_ms(now_ms)
+        return held_gap_ms is None or held_gap_ms < wait_ms
 
     def early_drop(self, ages_ms: Sequence[float], deadlines_ms: Sequence[float | None] | None = None) -> int:
         """How many requests at the head of a backlog to give up on so that a full batch behind them

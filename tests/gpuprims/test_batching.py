@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -8,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuprims.batching import ArrivalGaps, BatchDecision, BatchPolicy, LatencyModel
+from gpuprims.batching import ArrivalGaps, BatchDecision, BatchPolicy, HeldArrivals, LatencyModel
 
 
 def linear_model(fixed_ms: float = 2.0, per_item_ms: float = 1.0, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LatencyModel:
@@ -426,3 +430,267 @@ def test_light_load_serves_at_once_instead_of_waiting_for_a_batch_that_will_not_
     assert busy.decide(1, 0.0, now_ms=200.0) == BatchDecision(1, 0.0)
     # The rest of the rules do not change: a deadline still takes what fits, a backlog a full batch.
     assert p.decide(10, 0.0, now_ms=100.0) == BatchDecision(8, 0.0)
+
+
+# --- waiting only when it pays: closed loops, open-loop load, both, and a step between them ----------------
+
+
+class TodaysPolicy(BatchPolicy):
+    """The rule before issue 45, as the reference: wait whenever the mean gap between arrivals is
+    shorter than the wait (no matter whether anything can arrive while the queue is held)."""
+
+    def wait_pays(self, queued: int, wait_ms: float, *, now_ms: float | None = None) -> bool:
+        gap_ms = self.arrivals.mean_gap_ms(now_ms)
+        return gap_ms is None or gap_ms < wait_ms
+
+
+def linear_policy(cls: type[BatchPolicy] = BatchPolicy, *, fixed_ms: float, per_item_ms: float, max_batch: int,
+                  max_wait_ms: float, slo_ms: float, margin_ms: float = 0.0) -> BatchPolicy:
+    """A policy whose model knows t(b) = fixed + per_item * b for every size (the simulator's service time)."""
+    model = LatencyModel(profile={b: fixed_ms + per_item_ms * b for b in range(1, max_batch + 1)})
+    return cls(max_batch, max_wait_ms, slo_ms, model=model, margin_ms=margin_ms)
+
+
+@dataclass
+class Closed:
+    """A closed-loop client: sends at `start_ms`, then `think_ms` after each answer, until `stop_ms`."""
+
+    think_ms: float
+    start_ms: float = 0.0
+    stop_ms: float = math.inf
+
+
+@dataclass
+class Run:
+    """What a simulated instance did: ("wait", t, queued) and ("batch", t_start, size) in order, and
+    per request (arrival, answer or nan if expired, whether it came from a closed-loop client)."""
+
+    events: list[tuple[str, float, int]] = field(default_factory=list)
+    requests: list[tuple[float, float, bool]] = field(default_factory=list)
+
+    def batches(self, after_ms: float = -math.inf, before_ms: float = math.inf) -> list[int]:
+        return [n for kind, t, n in self.events if kind == "batch" and after_ms <= t < before_ms]
+
+    def waits(self, after_ms: float = -math.inf, before_ms: float = math.inf) -> int:
+        return sum(1 for kind, t, _ in self.events if kind == "wait" and after_ms <= t < before_ms)
+
+    def within(self, slo_ms: float) -> int:
+        return sum(1 for a, d, _ in self.requests if d - a <= slo_ms)
+
+
+def simulate(policy: BatchPolicy, service_ms: Callable[[int], float], *, open_ms: Sequence[float] = (),
+             closed: Sequence[Closed] = (), horizon_ms: float = math.inf) -> Run:
+    """A deterministic instance as ServingLoop.step runs it, on a simulated clock: take in what has
+    arrived (`note_arrivals`), expire the head that cannot make it, decide; a wait ends at its end or
+    at the next arrival, whichever is first; a batch of b runs `service_ms(b)`, then is answered
+    (`note_answered` with what is still queued) and each closed-loop client sends again after its
+    think time. Arrivals during a batch are taken in after it, as the ring holds them."""
+    pending: list[tuple[float, int, int]] = [(t, k, -1) for k, t in enumerate(open_ms)]  # (time, seq, client)
+    seq = len(pending)
+    for c, client in enumerate(closed):
+        if client.start_ms < min(client.stop_ms, horizon_ms):
+            pending.append((client.start_ms, seq, c))
+            seq += 1
+    heapq.heapify(pending)
+    queue: deque[tuple[float, int]] = deque()
+    run = Run()
+    now = 0.0
+    while pending or queue:
+        taken = []
+        while pending and pending[0][0] <= now:
+            t, _, c = heapq.heappop(pending)
+            taken.append(t)
+            queue.append((t, c))
+        if taken:
+            policy.note_arrivals(taken)
+        if not queue:
+            now = pending[0][0]
+            continue
+        expired = 0
+        while queue and policy.expired(now - queue[0][0]):
+            t, c = queue.popleft()
+            run.requests.append((t, math.nan, c >= 0))
+            expired += 1
+            if c >= 0 and now + closed[c].think_ms < min(closed[c].stop_ms, horizon_ms):
+                heapq.heappush(pending, (now + closed[c].think_ms, seq, c))
+                seq += 1
+        if not queue:
+            policy.note_answered(now, 0)
+            continue
+        take, wait_ms = policy.decide(len(queue), now - queue[0][0], now_ms=now)
+        if take == 0:
+            run.events.append(("wait", now, len(queue)))
+            now = min(now + wait_ms, pending[0][0] if pending else math.inf)
+            continue
+        run.events.append(("batch", now, take))
+        batch = [queue.popleft() for _ in range(take)]
+        now += service_ms(take)
+        for t, c in batch:
+            run.requests.append((t, now, c >= 0))
+            if c >= 0 and now + closed[c].think_ms < min(closed[c].stop_ms, horizon_ms):
+                heapq.heappush(pending, (now + closed[c].think_ms, seq, c))
+                seq += 1
+        policy.note_answered(now, len(queue))
+    return run
+
+
+def poisson_ms(rate_per_ms: float, n: int, *, start_ms: float = 0.0, seed: int = 0) -> list[float]:
+    return list(start_ms + np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate_per_ms, n)))
+
+
+# The issue's classify app on ONNX Runtime: 0.45 ms at batch 1, a little more per request, max_batch 4.
+EDGE = {"fixed_ms": 0.3, "per_item_ms": 0.15, "max_batch": 4, "slo_ms": 200.0}
+
+
+def edge_service(b: int) -> float:
+    return EDGE["fixed_ms"] + EDGE["per_item_ms"] * b
+
+
+@pytest.mark.parametrize(("max_wait_ms", "think_ms"), [(5.0, 0.1), (5.0, 1.0), (1.0, 0.1), (20.0, 0.1)])
+def test_a_closed_loop_client_is_served_at_once_after_the_first_request(max_wait_ms: float, think_ms: float) -> None:
+    # margin 0.3 as the serving loop's: a client quicker than the margin (think 0.1 ms) sends faster
+    # than batches of one are predicted to serve, so only the closed loop itself says a wait cannot pay.
+    p = linear_policy(**EDGE, max_wait_ms=max_wait_ms, margin_ms=0.3)
+    run = simulate(p, edge_service, closed=[Closed(think_ms, stop_ms=400.0)])
+    assert len(run.requests) > 50
+    assert run.batches() == [1] * len(run.requests)
+    waits = [t for kind, t, _ in run.events if kind == "wait"]
+    assert len(waits) <= 1 and (not waits or waits[0] == 0.0)  # only the very first request: nothing known yet
+    latencies = [d - a for a, d, _ in run.requests[1:]]
+    assert max(latencies) == pytest.approx(edge_service(1))  # engine time, never the wait
+    assert p.held.mean_gap_ms() == math.inf  # nothing ever arrived while a request was held
+    # What the rule before did: many requests waited the whole max_wait_ms for a second that never came
+    # (the wait itself made the gap it was justified by; with max_wait_ms 5 most of them).
+    old = simulate(linear_policy(TodaysPolicy, **EDGE, max_wait_ms=max_wait_ms, margin_ms=0.3), edge_service,
+                   closed=[Closed(think_ms, stop_ms=400.0)])
+    assert old.waits() > len(old.requests) / 3
+    assert max(d - a for a, d, _ in old.requests[1:]) == pytest.approx(max_wait_ms + edge_service(1))
+
+
+# A slower model with a large batching gain: t(b) = 2 + b ms, batches of up to 8 (capacity 0.8 req/ms).
+SLOW = {"fixed_ms": 2.0, "per_item_ms": 1.0, "max_batch": 8, "slo_ms": 50.0}
+SLOW_CAPACITY_PER_MS = 8 / 10.0
+
+
+def slow_service(b: int) -> float:
+    return SLOW["fixed_ms"] + SLOW["per_item_ms"] * b
+
+
+def test_open_loop_load_at_four_fifths_of_capacity_still_batches_and_keeps_todays_throughput() -> None:
+    arrivals = poisson_ms(0.8 * SLOW_CAPACITY_PER_MS, 4000, seed=1)
+    new = simulate(linear_policy(**SLOW, max_wait_ms=5.0), slow_service, open_ms=arrivals)
+    old = simulate(linear_policy(TodaysPolicy, **SLOW, max_wait_ms=5.0), slow_service, open_ms=arrivals)
+    sizes = new.batches()
+    assert sum(sizes) == len(arrivals) == len(new.requests)
+    assert np.mean(sizes) > 2 and sum(1 for b in sizes if b > 1) > len(sizes) / 2  # batches form
+    assert new.waits() > 0  # and it still waits for them where batches of the queue's size fall behind
+    slo = SLOW["slo_ms"]
+
+    def throughput(run: Run) -> float:
+        return run.within(slo) / (max(d for _, d, _ in run.requests) - arrivals[0])
+
+    assert new.within(slo) >= old.within(slo)
+    assert throughput(new) >= 0.999 * throughput(old)  # the same rate served in time (end times differ by a wait)
+
+
+def test_the_highest_rate_held_in_the_slo_is_no_lower_than_todays() -> None:
+    def held_rate(cls: type[BatchPolicy]) -> float:
+        best = 0.0
+        for fraction in (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05):
+            arrivals = poisson_ms(fraction * SLOW_CAPACITY_PER_MS, 1500, seed=2)
+            run = simulate(linear_policy(cls, **SLOW, max_wait_ms=5.0), slow_service, open_ms=arrivals)
+            if run.within(SLOW["slo_ms"]) >= 0.99 * len(arrivals):
+                best = fraction
+        return best
+
+    old = held_rate(TodaysPolicy)
+    assert old > 0 and held_rate(BatchPolicy) >= old
+
+
+def test_a_closed_loop_stream_beside_open_loop_load_gets_the_open_loop_behaviour() -> None:
+    arrivals = poisson_ms(0.8 * SLOW_CAPACITY_PER_MS, 3000, seed=3)
+    p = linear_policy(**SLOW, max_wait_ms=5.0)
+    run = simulate(p, slow_service, open_ms=arrivals, closed=[Closed(0.5)], horizon_ms=arrivals[-1])
+    sizes = run.batches()
+    closed_served = sum(1 for _, d, c in run.requests if c and not math.isnan(d))
+    assert closed_served > 100  # the closed loop ran all along
+    assert np.mean(sizes) > 2 and run.waits() > 0  # batches still form, waits still taken
+    assert p.held.mean_gap_ms() < math.inf  # open-loop requests arrive while others are held
+    assert run.within(SLOW["slo_ms"]) == len(run.requests)
+
+
+def test_a_load_step_from_closed_to_open_loop_and_back_switches_within_a_bounded_number_of_batches() -> None:
+    window = BatchPolicy(8, 5.0, 50.0).held.window
+    t_open, t_back, t_end = 300.0, 1300.0, 1800.0
+    arrivals = poisson_ms(0.8 * SLOW_CAPACITY_PER_MS, 2000, start_ms=t_open, seed=4)
+    arrivals = [t for t in arrivals if t < t_back]
+    p = linear_policy(**SLOW, max_wait_ms=5.0)
+    client = [Closed(0.5, stop_ms=t_open), Closed(0.5, start_ms=t_back, stop_ms=t_end)]
+    run = simulate(p, slow_service, open_ms=arrivals, closed=client)
+    # Closed loop: at once after the first request.
+    assert run.waits(before_ms=t_open) <= 1 and set(run.batches(before_ms=t_open)) == {1}
+    # Open loop: within a window of arrivals it waits again, and batches form.
+    first_wait = next(t for kind, t, _ in run.events if kind == "wait" and t >= t_open)
+    assert len(run.batches(t_open, first_wait)) <= window
+    assert np.mean(run.batches(t_open, t_back)) > 2
+    # Closed loop again: once its window has only closed-loop arrivals, it never waits again.
+    back = [(kind, t) for kind, t, _ in run.events if t >= t_back]
+    last_wait = max((i for i, (kind, _) in enumerate(back) if kind == "wait"), default=-1)
+    assert sum(1 for kind, _ in back[:last_wait + 1] if kind == "batch") <= window + 1
+    assert run.batches(t_back + 200.0) and set(run.batches(t_back + 200.0)) == {1}
+    assert run.waits(t_back + 200.0) == 0
+
+
+# --- the parts of the rule on their own -------------------------------------------------------------------
+
+
+def test_held_arrivals_tell_a_closed_loop_from_open_loop_load() -> None:
+    h = HeldArrivals(window=4)
+    assert h.mean_gap_ms() is None and h.held_ms() == 0.0
+    h.note_arrivals([0.0])  # held from 0 ...
+    h.note_answered(1.0, 0)  # ... to 1: answered, nothing held
+    assert h.mean_gap_ms() is None  # one arrival: nothing learnt yet
+    h.note_arrivals([3.0])  # came after the answer: a closed loop's next request
+    h.note_answered(4.0, 0)
+    assert h.mean_gap_ms() == math.inf and h.came_held() == 0 and h.held_ms() == pytest.approx(2.0)  # 0..1, 3..4
+    h.note_arrivals([5.0])
+    h.note_arrivals([5.5, 5.25])  # came while the request of 5.0 was held
+    assert h.came_held() == 2 and h.held == 3
+    # The window (4) starts at 3: held 3..4 and 5..6, and two came while held.
+    assert h.mean_gap_ms(now_ms=6.0) == pytest.approx((1.0 + 1.0) / 2)
+    h.note_answered(7.0, 0)
+    # Taken in after the answer of 7, but it arrived at 6.5 (it waited in the ring): held, span goes on.
+    h.note_arrivals([6.5])
+    assert h.came_held() == 3 and h._open_ms == 5.0
+    assert h.arrivals[0] == (5.0, False)  # the window keeps the last 4; its first only marks its start
+    h.note_answered(8.0, 2)  # the caller still holds 2 (it answered some another way): not idle
+    assert h.held == 2 and h._open_ms == 5.0
+    h.note_answered(9.0, 0)
+    assert h.held_ms(now_ms=100.0) == pytest.approx(4.0)  # 5..9 (the window starts at 5); nothing is held now
+    for bad, name in (({"at_ms": math.nan, "held": 0}, "at_ms"), ({"at_ms": 1.0, "held": -1}, "held"),
+                      ({"at_ms": 1.0, "held": True}, "held")):
+        with pytest.raises(ValueError, match=name):
+            h.note_answered(**bad)
+    with pytest.raises(ValueError, match="finite"):
+        h.note_arrivals([math.inf])
+    with pytest.raises(ValueError, match="window"):
+        HeldArrivals(window=1)
+
+
+def test_the_wait_pays_only_if_a_bigger_batch_is_needed_and_another_request_is_expected() -> None:
+    # t(b) = 2 + b, max_wait 5: a wait of 4 ms with one request queued.
+    open_loop = policy()
+    open_loop.note_arrivals([100.0 + 2 * i for i in range(8)])  # one every 2 ms, all while held
+    assert open_loop.wait_pays(1, 4.0, now_ms=114.5)  # batches of one (3 ms each) fall behind; more will come
+    assert not open_loop.wait_pays(2, 4.0, now_ms=114.5)  # batches of two (4 ms per 4 ms of arrivals) keep up
+    closed = policy()
+    for k in range(8):  # arrivals as fast, but each only after the last answer
+        closed.note_arrivals([100.0 + 2 * k])
+        closed.note_answered(100.5 + 2 * k, 0)
+    assert closed.arrivals.mean_gap_ms(114.5) == open_loop.arrivals.mean_gap_ms(114.5)
+    assert not closed.wait_pays(1, 4.0, now_ms=114.5)  # a bigger batch is needed, but none can come
+    slow = policy()
+    slow.note_arrivals([100.0 + 4 * i for i in range(8)])  # one every 4 ms, all while held
+    assert slow.held.mean_gap_ms(now_ms=128.5) < 5.0  # expected within a 5 ms wait ...
+    assert not slow.wait_pays(1, 5.0, now_ms=128.5)  # ... but batches of one (3 ms) keep up: no wait
+    assert policy().wait_pays(1, 4.0)  # nothing known yet: waits, as before
