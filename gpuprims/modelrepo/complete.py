@@ -176,7 +176,7 @@ def read_file_signature(path: str | Path, fmt: str) -> FileSignature:
                                "a TorchScript model.pt carries no tensor datatypes or shapes: give input and "
                                "output in config.pbtxt")
     raise ModelConfigError(str(p), None, "input",
-                           f"completing a {fmt} model from its file is not supported: give input and output in "
+                           f"completing a model of format {fmt} from its file is not supported: give input and output in "
                            "config.pbtxt")
 
 

@@ -56,6 +56,7 @@ EXTENSIONS: dict[str, str] = {
     ".plan": "tensorrt_plan",
     ".engine": "tensorrt_plan",
     ".pt": "torchscript",
+    ".pth": "torchscript",
     ".pt2": "torch_export",
     ".xml": "openvino_ir",
 }
