@@ -264,7 +264,7 @@ class FileEngine(abc.ABC):
             shape = tuple(int(d) for d in arr.shape)
             if sig.batched:
                 if not shape or not 1 <= shape[0] <= sig.max_batch_size:
-                    raise SignatureError(f"input {spec.name!r} has shape {list(shape)}: a batch of 1.."
+                    raise SignatureError(f"input {spec.name!r} has shape {_shape(shape)}: a batch of 1.."
                                          f"{sig.max_batch_size} rows of [{','.join(map(str, spec.dims))}] is wanted")
                 if batch is not None and shape[0] != batch:
                     raise SignatureError(f"input {spec.name!r} has {shape[0]} rows, the other inputs {batch}")
@@ -273,15 +273,15 @@ class FileEngine(abc.ABC):
             else:
                 per = shape
             if not spec.accepts(per):
-                raise SignatureError(f"input {spec.name!r} has per-request shape {list(per)}, the model wants "
+                raise SignatureError(f"input {spec.name!r} has per-request shape {_shape(per)}, the model wants "
                                      f"[{','.join(map(str, spec.dims))}] (-1: any size)")
             if spec.reshape is not None:
                 lead = shape[:1] if sig.batched else ()
                 try:
                     arr = arr.reshape(*lead, *spec.reshape)
                 except ValueError as e:
-                    raise SignatureError(f"input {spec.name!r} of shape {list(per)} does not reshape to "
-                                         f"{list(spec.reshape)}: {e}") from None
+                    raise SignatureError(f"input {spec.name!r} of shape {_shape(per)} does not reshape to "
+                                         f"{_shape(spec.reshape)}: {e}") from None
             feed[spec.name] = np.ascontiguousarray(arr)
         return feed
 
@@ -368,12 +368,17 @@ class FileEngine(abc.ABC):
         self.close()
 
 
+def _shape(shape: Sequence[int] | None) -> str:
+    """``[3,4]``: a shape as the signature's messages write dims."""
+    return "[" + ",".join(str(int(d)) for d in (shape or ())) + "]"
+
+
 def _reshape_back(arr: np.ndarray, spec: TensorSpec, batched: bool) -> np.ndarray:
     lead = arr.shape[:1] if batched else ()
     try:
         return arr.reshape(*lead, *spec.dims)
     except ValueError as e:
-        raise EngineError(f"output {spec.name!r} of shape {list(arr.shape)} does not reshape back to "
+        raise EngineError(f"output {spec.name!r} of shape {_shape(arr.shape)} does not reshape back to "
                           f"[{','.join(map(str, spec.dims))}]: {e}") from None
 
 
@@ -433,7 +438,7 @@ def split(outputs: Mapping[str, np.ndarray], n: int) -> list[dict[str, np.ndarra
     for name, arr in outputs.items():
         shape = np.shape(arr)
         if not shape or shape[0] != n:
-            raise EngineError(f"output {name!r} has shape {list(shape)}: its first dimension is not the batch of "
+            raise EngineError(f"output {name!r} has shape {_shape(shape)}: its first dimension is not the batch of "
                               f"{n} requests, so it cannot be split per request (a model whose outputs are not "
                               "batched needs max_batch_size: 0)")
     return [{name: arr[i] for name, arr in outputs.items()} for i in range(n)]
