@@ -38,6 +38,7 @@ from gpuprims.modelrepo.layout import (
     load_model,
     read_model,
     scan,
+    stat_key,
 )
 
 __all__ = [
@@ -65,4 +66,5 @@ __all__ = [
     "parse_config",
     "read_model",
     "scan",
+    "stat_key",
 ]

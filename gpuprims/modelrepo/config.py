@@ -470,14 +470,23 @@ def _parse(text: str, path: str) -> Any:
         m = _SYNTAX.match(str(e))
         what = m.group(1) if m else str(e)
         line = e.GetLine() if e.GetLine() and e.GetLine() > 0 else None
+        lines = text.splitlines()
+        src = lines[line - 1] if line and line <= len(lines) else ""
+        quoted = f"'{src}': "
+        if src and what.startswith(quoted):
+            what = what[len(quoted):]  # protobuf repeats the line; the location says it
         fm = _NO_FIELD.search(what)
         if fm:
             fld = fm.group(1)
             what = f"unknown field (Triton's ModelConfig has no {fld!r}): {what}"
         else:
-            lines = text.splitlines()
-            head = re.match(r"\s*([A-Za-z_]\w*)", lines[line - 1]) if line and line <= len(lines) else None
-            fld = head.group(1) if head else "syntax"
+            # The field is the name written just before the offending token (its column), else the
+            # first name on the line.
+            col = e.GetColumn() if e.GetColumn() and e.GetColumn() > 0 else len(src) + 1
+            before = re.search(r"([A-Za-z_]\w*)\s*:?\s*[\[{<]?\s*$", src[:col - 1])
+            named = re.findall(r"([A-Za-z_]\w*)\s*:", src[:col - 1])
+            head = re.match(r"\s*([A-Za-z_]\w*)", src)
+            fld = (before.group(1) if before else named[-1] if named else head.group(1) if head else "syntax")
         raise ModelConfigError(path, line, fld, what) from None
 
 
@@ -682,10 +691,11 @@ class _Builder:
         db = m.dynamic_batching
         steps: list[Step] = [("dynamic_batching", None)]
         for b in db.preferred_batch_size:
-            if b < 1 or (m.max_batch_size > 0 and b > m.max_batch_size):
+            if b < 1 or b > m.max_batch_size:
                 raise self.error([*steps, ("preferred_batch_size", None)],
                                  f"preferred batch sizes must be 1..max_batch_size ({m.max_batch_size}), got "
-                                 f"{list(db.preferred_batch_size)}")
+                                 f"{list(db.preferred_batch_size)}" if m.max_batch_size else
+                                 "preferred batch sizes need max_batch_size > 0 (this model is not batched)")
         policy = QueuePolicy()
         if db.HasField("default_queue_policy"):
             q = db.default_queue_policy

@@ -36,12 +36,15 @@ class RepositoryError(ValueError):
 @dataclass(frozen=True)
 class VersionFiles:
     """One served version: its directory, its model file and the fingerprint of the directory's
-    content (sha256 hex over every file's relative name, size and bytes)."""
+    content (sha256 hex over every file's relative name, size and bytes). ``stat_key`` hashes the
+    files' names, sizes and modification times: a rescan whose stat key is unchanged keeps the
+    fingerprint instead of reading every byte again (:func:`read_model`'s ``previous``)."""
 
     version: int
     directory: str
     model_path: str
     fingerprint: str
+    stat_key: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
@@ -96,13 +99,29 @@ def fingerprint(directory: str | Path) -> str:
     cannot be read."""
     root = Path(directory)
     h = hashlib.sha256()
-    for p in sorted((q for q in root.rglob("*") if q.is_file()), key=lambda q: q.relative_to(root).as_posix()):
+    for p in _files(root):
         rel = p.relative_to(root).as_posix().encode()
         size = p.stat().st_size
         h.update(len(rel).to_bytes(4, "little") + rel + size.to_bytes(8, "little"))
         with p.open("rb") as f:
             while chunk := f.read(CHUNK_BYTES):
                 h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted((q for q in root.rglob("*") if q.is_file()), key=lambda q: q.relative_to(root).as_posix())
+
+
+def stat_key(directory: str | Path) -> str:
+    """sha256 hex over every file's relative name, size and modification time (ns) under ``directory``:
+    cheap to take, and it changes whenever a file is added, removed, renamed, resized or rewritten
+    (unless rewritten to the same size within the filesystem's time resolution). Raises OSError."""
+    root = Path(directory)
+    h = hashlib.sha256()
+    for p in _files(root):
+        st = p.stat()
+        h.update(f"{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 
@@ -118,8 +137,10 @@ def _failed(name: str, d: Path, error: str, digest: str | None) -> RepositoryMod
     return RepositoryModel(name, str(d), None, {}, error, digest)
 
 
-def read_model(model_dir: str | Path) -> RepositoryModel:
-    """The model of one directory (named by it), loaded or carrying its error."""
+def read_model(model_dir: str | Path, previous: RepositoryModel | None = None) -> RepositoryModel:
+    """The model of one directory (named by it), loaded or carrying its error. ``previous`` (this
+    model's last reading, in ``poll`` mode) lends its fingerprints to versions whose files have the
+    same :func:`stat_key`, so an unchanged gigabyte file is not read again."""
     d = Path(model_dir)
     name = d.name
     digest = _config_digest(d)
@@ -146,11 +167,23 @@ def read_model(model_dir: str | Path) -> RepositoryModel:
                 str(vdir), None, "default_model_filename",
                 f"version {v} has no model file {config.model_filename!r} ({config.model_format})")), digest)
         try:
-            fp = fingerprint(vdir)
+            key = stat_key(vdir)
+            before = previous.versions.get(v) if previous is not None else None
+            if before is not None and before.stat_key == key and before.directory == str(vdir):
+                fp = before.fingerprint
+            else:
+                fp = fingerprint(vdir)
         except OSError as e:
             return _failed(name, d, str(ModelConfigError(str(vdir), None, "version", f"cannot be read: {e}")),
                            digest)
-        versions[v] = VersionFiles(v, str(vdir), str(path), fp)
+        versions[v] = VersionFiles(v, str(vdir), str(path), fp, key)
+    for w in config.warmup:
+        for inp in w.inputs:
+            if inp.data_file is not None and not (d / "warmup" / inp.data_file).is_file():
+                return _failed(name, d, str(ModelConfigError(
+                    config.source, None, "model_warmup",
+                    f"warmup {w.name!r}: input {inp.name!r} reads {inp.data_file!r}, which is not a file in "
+                    f"{d / 'warmup'}")), digest)
     return RepositoryModel(name, str(d), config, versions, None, digest)
 
 
@@ -161,16 +194,18 @@ def _repository(repo_dir: str | Path) -> Path:
     return root
 
 
-def scan(repo_dir: str | Path) -> list[RepositoryModel]:
+def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = None) -> list[RepositoryModel]:
     """Every model of the repository, by name: each subdirectory not starting with ``.``. A model that
-    fails carries its error; the others are unaffected. Raises :class:`RepositoryError` when
-    ``repo_dir`` is not a directory."""
+    fails carries its error; the others are unaffected. ``previous`` (the last scan's models by name,
+    ``poll`` mode) saves re-reading unchanged files (:func:`read_model`). Raises
+    :class:`RepositoryError` when ``repo_dir`` is not a directory."""
     root = _repository(repo_dir)
-    return [read_model(p) for p in sorted(root.iterdir(), key=lambda q: q.name)
+    before = previous or {}
+    return [read_model(p, before.get(p.name)) for p in sorted(root.iterdir(), key=lambda q: q.name)
             if p.is_dir() and not p.name.startswith(".")]
 
 
-def load_model(repo_dir: str | Path, name: str) -> RepositoryModel:
+def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None = None) -> RepositoryModel:
     """One model of the repository by name (explicit mode's load). A name that is not a plain directory
     name (empty, a path, hidden) raises :class:`RepositoryError`; a model with no directory comes back
     with that error."""
@@ -181,4 +216,4 @@ def load_model(repo_dir: str | Path, name: str) -> RepositoryModel:
     d = root / name
     if not d.is_dir():
         return _failed(name, d, str(ModelConfigError(str(d), None, "model", f"no model {name!r} in {root}")), None)
-    return read_model(d)
+    return read_model(d, previous)

@@ -216,6 +216,8 @@ ERRORS = [
      "has no input"),
     (BASE + 'dynamic_batching { preferred_batch_size: [ 4, 16 ] }', 10, "dynamic_batching.preferred_batch_size",
      "1..max_batch_size (8)"),
+    (BASE.replace("max_batch_size: 8", "max_batch_size: 0") + 'dynamic_batching { preferred_batch_size: [ 1 ] }',
+     10, "dynamic_batching.preferred_batch_size", "need max_batch_size > 0"),
     (BASE + 'dynamic_batching {\n priority_levels: 2 default_priority_level: 3 }', 11,
      "dynamic_batching.default_priority_level", "1..2"),
     (BASE + 'dynamic_batching { default_priority_level: 1 }', 10, "dynamic_batching.default_priority_level",
@@ -275,7 +277,11 @@ def test_syntax_errors_give_line_and_what() -> None:
     e = _err('name: "det"\nplatform: "onnxruntime_onnx"\nbatch_size: 8\n')
     assert str(e).startswith(f"{PATH}:3: batch_size: unknown field"), str(e)
     e = _err(BASE.replace("TYPE_BOOL", "TYPE_BOOLEAN"))
-    assert str(e).startswith(f"{PATH}:9: output: ") and "TYPE_BOOLEAN" in str(e), str(e)
+    assert str(e) == f'{PATH}:9: data_type: Enum type "inference.DataType" has no value named TYPE_BOOLEAN.', str(e)
+    e = _err(BASE.replace("dims: [ 4 ]", "dims: [ 4, four ]"))
+    assert str(e).startswith(f"{PATH}:6: dims: Couldn't parse integer"), str(e)
+    e = _err(BASE + 'max_batch_size: "many"')
+    assert str(e).startswith(f"{PATH}:{BASE_LINES + 1}: max_batch_size: "), str(e)
     e = _err('name: "det"\ninput { name: "a" ')
     assert str(e).startswith(f"{PATH}:2: ") and "\n" not in str(e), str(e)
 

@@ -182,3 +182,33 @@ def test_the_package_imports_neither_torch_nor_onnx_nor_tensorrt() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_a_rescan_reuses_fingerprints_of_unchanged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuprims.modelrepo import layout
+
+    d = _model(tmp_path, "m", versions=(1, 2), config=CONFIG + "version_policy: { all: { } }")
+    first = scan(tmp_path)
+    read: list[str] = []
+    real = layout.fingerprint
+    monkeypatch.setattr(layout, "fingerprint", lambda p: read.append(Path(p).name) or real(p))
+    again = scan(tmp_path, {m.name: m for m in first})
+    assert read == [] and again == first  # nothing read again, the same fingerprints
+    data = (d / "2" / "model.onnx").read_bytes()
+    (d / "2" / "model.onnx").write_bytes(data + b"\0")  # a changed file: its version is read again
+    third = read_model(d, again[0])
+    assert read == ["2"] and third.versions[1] == again[0].versions[1]
+    assert third.versions[2].fingerprint != again[0].versions[2].fingerprint and third.digest != again[0].digest
+
+
+def test_a_warmup_data_file_must_be_in_warmup(tmp_path: Path) -> None:
+    warm = ('model_warmup { name: "w" inputs { key: "in" value: { data_type: TYPE_FP32 dims: [ 2, 3 ] '
+            'input_data_file: "in.bin" } } }\n')
+    d = _model(tmp_path, "m", config=CONFIG + warm)
+    m = read_model(d)
+    assert m.error == (f"{d / 'config.pbtxt'}: model_warmup: warmup 'w': input 'in' reads 'in.bin', which is not a "
+                       f"file in {d / 'warmup'}")
+    (d / "warmup").mkdir()
+    (d / "warmup" / "in.bin").write_bytes(b"\0" * 24)
+    m = read_model(d)
+    assert m.ok and m.config is not None and m.config.warmup[0].inputs[0].data_file == "in.bin"
