@@ -8,8 +8,8 @@ dynamic batcher, say). What the config leaves out is read from the model file of
   ``model.pt``) is a torch.export file;
 - the inputs and outputs (names, datatypes, dims), when the config lists none of them: from the ONNX
   graph (the ``onnx`` package, imported when needed; initializers listed as graph inputs are weights,
-  not inputs), from a ``torch.export`` program where torch imports, from a TensorRT plan where
-  ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
+  not inputs), from an OpenVINO IR where ``openvino`` imports, from a ``torch.export`` program where
+  torch imports, from a TensorRT plan where ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
   its inputs and outputs in config.pbtxt. Unknown or symbolic dimensions are ``-1``;
 - batching: when the config lists no tensors and sets no ``max_batch_size``, a model whose every input
   and output has a dynamic first dimension is batched, with ``max_batch_size`` 4 (Triton's default
@@ -55,6 +55,12 @@ _TORCH_TYPES: dict[str, DataType] = {
     "torch.int16": DataType.INT16, "torch.int32": DataType.INT32, "torch.int64": DataType.INT64,
     "torch.bool": DataType.BOOL, "torch.uint16": DataType.UINT16, "torch.uint32": DataType.UINT32,
     "torch.uint64": DataType.UINT64,
+}
+_OPENVINO_TYPES: dict[str, DataType] = {
+    "f32": DataType.FP32, "f16": DataType.FP16, "bf16": DataType.BF16, "f64": DataType.FP64,
+    "u8": DataType.UINT8, "u16": DataType.UINT16, "u32": DataType.UINT32, "u64": DataType.UINT64,
+    "i8": DataType.INT8, "i16": DataType.INT16, "i32": DataType.INT32, "i64": DataType.INT64,
+    "boolean": DataType.BOOL, "string": DataType.BYTES,
 }
 _TRT_TYPES: dict[str, DataType] = {
     "FLOAT": DataType.FP32, "HALF": DataType.FP16, "BF16": DataType.BF16, "INT8": DataType.INT8,
@@ -171,6 +177,8 @@ def read_file_signature(path: str | Path, fmt: str) -> FileSignature:
         return torch_export_signature(p)
     if fmt == "tensorrt_plan":
         return plan_signature(p)
+    if fmt == "openvino_ir":
+        return openvino_signature(p)
     if fmt == "torchscript":
         raise ModelConfigError(str(p), None, "input",
                                "a TorchScript model.pt carries no tensor datatypes or shapes: give input and "
@@ -228,6 +236,35 @@ def _nonempty(path: Path, inputs: tuple[FileTensor, ...], outputs: tuple[FileTen
         if not items:
             raise ModelConfigError(str(path), None, what, f"the model file declares no {what}")
     return FileSignature(inputs, outputs, max_batch)
+
+
+def openvino_signature(path: Path) -> FileSignature:
+    """The inputs and outputs of an OpenVINO IR (``model.xml`` beside its ``model.bin``), each by its
+    first tensor name."""
+    try:
+        import openvino as ov
+    except ImportError:
+        raise ModelConfigError(str(path), None, "input", "completing an OpenVINO IR needs the openvino package "
+                                                         "(the openvino extra): give input and output in "
+                                                         "config.pbtxt") from None
+    try:
+        model = ov.Core().read_model(str(path))
+    except Exception as e:  # OpenVINO raises RuntimeError subclasses for a bad IR
+        raise ModelConfigError(str(path), None, "model file", f"not a readable OpenVINO IR: {e}") from None
+
+    def one(port: Any, what: str) -> FileTensor:
+        try:
+            name = port.get_any_name()
+        except RuntimeError:
+            raise ModelConfigError(str(path), None, what, f"an {what} of the IR has no tensor name: give input and "
+                                                          "output in config.pbtxt") from None
+        type_name = port.get_element_type().get_type_name()
+        ps = port.get_partial_shape()
+        shape = None if ps.rank.is_dynamic else [d.get_length() if d.is_static else -1 for d in ps]
+        return _file_tensor(path, what, name, _OPENVINO_TYPES.get(type_name), type_name, shape)
+
+    return _nonempty(path, tuple(one(p, "input") for p in model.inputs),
+                     tuple(one(p, "output") for p in model.outputs))
 
 
 def torch_export_signature(path: Path) -> FileSignature:

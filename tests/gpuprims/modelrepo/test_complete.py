@@ -130,11 +130,23 @@ def test_a_torchscript_file_needs_its_config(tmp_path: Path) -> None:
                              "and output in config.pbtxt")
 
 
-def test_an_openvino_ir_needs_its_config(tmp_path: Path) -> None:
-    p = tmp_path / "ov" / "1" / "model.xml"
-    p.parent.mkdir(parents=True)
-    p.write_text("<net/>")
-    with pytest.raises(ModelConfigError, match="completing a model of format openvino_ir from its file is not"):
+def test_an_openvino_ir_completes_where_openvino_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import openvino as ov
+
+    src = onnxmodels.multi(tmp_path / "src.onnx")
+    xml = tmp_path / "ov" / "1" / "model.xml"
+    xml.parent.mkdir(parents=True)
+    ov.save_model(ov.convert_model(str(src)), str(xml))
+    c = load_config(tmp_path / "ov")
+    assert (c.backend, c.platform, c.model_format, c.engine_kind(), c.max_batch_size) == (
+        "openvino", "", "openvino_ir", "openvino", 4)
+    assert _tensors(c.signature.inputs) == onnxmodels.MULTI_INPUTS
+    assert _tensors(c.signature.outputs) == onnxmodels.MULTI_OUTPUTS
+    xml.write_text("<net/>")
+    with pytest.raises(ModelConfigError, match="model file: not a readable OpenVINO IR"):
+        load_config(tmp_path / "ov")
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(ModelConfigError, match="completing an OpenVINO IR needs the openvino package"):
         load_config(tmp_path / "ov")
 
 
