@@ -34,7 +34,7 @@ A field nobody has decided (one a newer Triton adds) is refused by default: the 
 | ``metric_tags`` | ignored |
 | ``parameters`` | gpuprims' keys supported: ``gpu_pct`` (1-100), ``slo_ms`` (> 0), ``engine``, ``overflow`` (none, cpu); other keys ignored |
 | ``model_warmup`` (``name``, ``batch_size``, ``inputs``, ``count``) | supported |
-| ``optimization.execution_accelerators`` (gpu ``tensorrt``/``cuda``, cpu ``openvino``) | supported (ONNX models) |
+| ``optimization.execution_accelerators`` (gpu ``tensorrt``/``cuda``, cpu ``openvino``) | supported (ONNX models); ``tensorrt``'s ``precision_mode`` FP32/FP16 (INT8 refused), other parameters ignored |
 | ``optimization``: ``graph``, ``priority``, ``cuda.*``, ``input_pinned_memory``, ``output_pinned_memory``, ``gather_kernel_buffer_threshold``, ``eager_batching`` | ignored |
 | ``model_operations`` | refused (custom operation libraries) |
 | ``model_transaction_policy.decoupled`` | supported when false; true refused (one answer per request) |
@@ -134,6 +134,11 @@ FIELDS: dict[str, tuple[str, str]] = {
 GPUPRIMS_PARAMETERS = ("gpu_pct", "slo_ms", "engine", "overflow")
 #: Execution accelerators gpuprims maps to an engine, by device.
 ACCELERATORS: dict[str, tuple[str, ...]] = {"gpu": ("tensorrt", "cuda"), "cpu": ("openvino",)}
+#: The accelerator parameters that change the engine (the others only tune it: listed as ignored).
+ACCELERATOR_PARAMETERS: dict[str, tuple[str, ...]] = {"tensorrt": ("precision_mode",), "cuda": (),
+                                                      "openvino": ()}
+#: TensorRT accelerator precisions the engines take (INT8 needs a calibration gpuprims does not run).
+PRECISION_MODES = ("FP32", "FP16")
 #: The largest slo_ms (an hour), as apps.yaml's.
 MAX_SLO_MS = 3_600_000.0
 
@@ -508,7 +513,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     text = ""
     if cfg.is_file():
         try:
-            text = cfg.read_text()
+            text = cfg.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ModelConfigError(str(cfg), None, "config.pbtxt", f"cannot be read: {e}") from None
         msg = _parse(text, str(cfg))
@@ -806,6 +811,15 @@ class _Builder:
                 if fmt != "onnx":
                     raise self.error([*steps, ("name", None)],
                                      f"execution accelerator {a.name!r} applies to ONNX models, not {fmt}")
+                mode = a.parameters.get("precision_mode")
+                if a.name == "tensorrt" and mode is not None and mode.upper() not in PRECISION_MODES:
+                    raise self.error([*steps, ("parameters", "precision_mode")],
+                                     f"precision_mode {mode!r} is not supported (one of {', '.join(PRECISION_MODES)})")
+                for key in sorted(a.parameters):
+                    if key not in ACCELERATOR_PARAMETERS[a.name]:
+                        ign = f"optimization.execution_accelerators.{device}_execution_accelerator.{a.name}.{key}"
+                        if ign not in self.ignored:
+                            self.ignored.append(ign)
                 out.append(Accelerator(a.name, device, tuple(a.parameters.items())))  # type: ignore[arg-type]
         return tuple(out)
 

@@ -127,6 +127,8 @@ optimization {
   output_pinned_memory { enable: false }
   gather_kernel_buffer_threshold: 4
   eager_batching: true
+  execution_accelerators { gpu_execution_accelerator { name: "tensorrt"
+    parameters { key: "precision_mode" value: "FP16" } parameters { key: "max_workspace_size_bytes" value: "1" } } }
 }
 dynamic_batching { preserve_ordering: true }
 instance_group { name: "g" count: 1 kind: KIND_CPU rate_limiter { priority: 2 } profile: "0" host_policy: "numa0" }
@@ -145,7 +147,8 @@ def test_ignored_fields_are_accepted_and_listed() -> None:
         "optimization.gather_kernel_buffer_threshold", "optimization.eager_batching",
         "dynamic_batching.preserve_ordering", "instance_group.name", "instance_group.rate_limiter",
         "instance_group.profile", "instance_group.host_policy", "metric_tags",
-        "parameters.intra_op_thread_count", "response_cache"}
+        "parameters.intra_op_thread_count", "response_cache",
+        "optimization.execution_accelerators.gpu_execution_accelerator.tensorrt.max_workspace_size_bytes"}
     assert len(c.ignored) == len(set(c.ignored))
     assert c.signature.outputs[-1].name == "label"
 
@@ -246,6 +249,10 @@ ERRORS = [
     (BASE.replace("onnxruntime_onnx", "tensorrt_plan") + 'optimization { execution_accelerators {\n'
      ' gpu_execution_accelerator { name: "tensorrt" } } }', 11,
      "optimization.execution_accelerators.gpu_execution_accelerator[0].name", "applies to ONNX models"),
+    (BASE + 'optimization { execution_accelerators {\n gpu_execution_accelerator { name: "tensorrt"\n'
+     '  parameters { key: "precision_mode" value: "INT8" } } } }', 12,
+     "optimization.execution_accelerators.gpu_execution_accelerator[0].parameters['precision_mode']",
+     "'INT8' is not supported (one of FP32, FP16)"),
     (BASE + 'parameters { key: "gpu_pct" value { string_value: "0" } }', 10, "parameters['gpu_pct']", "1..100"),
     (BASE + 'parameters { key: "gpu_pct" value { string_value: "half" } }', 10, "parameters['gpu_pct']",
      "got 'half'"),
