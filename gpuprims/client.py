@@ -7,6 +7,14 @@
 ...     r.raise_for_status().output.shape, r.latency_ms
 ((1000,), 12.3)
 
+A request is one array (sent as a bare tensor of its wire dtype, float32/uint8/float16/int64) or a
+mapping of names to arrays (sent as a multi-tensor body, wire dtype TENSORS: any numeric datatype, for
+models with several named inputs; ``gpuprims.tensorwire``). An OK answer in a multi-tensor body gives
+``Result.outputs``, the model's named outputs:
+
+>>> r = c.infer(3, {"image": img, "scale": np.float32(0.5)})  # doctest: +SKIP
+>>> r.raise_for_status().outputs["boxes"].shape  # doctest: +SKIP
+
 Each request gets a fresh request id (unique per client socket), its datagrams are sent to the node,
 and the answer is matched back by (app_id, request_id). A request whose answer does not come within
 ``timeout_s`` raises :class:`RequestLost`; a non-OK status comes back as a :class:`Result` (call
@@ -29,13 +37,14 @@ import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gpuprims import wire
+from gpuprims import tensorwire, wire
+from gpuprims.tensorwire import TensorBodyError, WireTensor
 from gpuprims.wire import DType, Status
 
 #: How long a client waits for an answer by default. The node answers every request it admitted by
@@ -58,6 +67,19 @@ class RequestError(RuntimeError):
         super().__init__(f"app {result.app_id} request {result.request_id}: {result.status.name}")
 
 
+class MalformedAnswer(RuntimeError):
+    """The node answered OK with a multi-tensor body (dtype TENSORS) that does not decode. Raised where
+    the request's Result would have been returned; ``body`` holds the answer's raw bytes."""
+
+    def __init__(self, app_id: int, request_id: int, detail: str, body: bytes) -> None:
+        self.app_id, self.request_id, self.detail, self.body = app_id, request_id, detail, body
+        super().__init__(f"app {app_id} request {request_id}: OK answer with a malformed multi-tensor body "
+                         f"({len(body)} bytes): {detail}")
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, str, bytes]]:
+        return (type(self), (self.app_id, self.request_id, self.detail, self.body))
+
+
 class RequestLost(TimeoutError):
     """No answer came within the timeout (after every retry)."""
 
@@ -69,7 +91,12 @@ class RequestLost(TimeoutError):
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One answered request: its status, output (OK only) and the latency the client saw."""
+    """One answered request: its status, output (OK only) and the latency the client saw.
+
+    ``output`` is the answer's body as a 1-D array of its wire dtype (a multi-tensor answer's raw
+    bytes as uint8); ``outputs`` the named tensors of an OK multi-tensor answer (dtype TENSORS,
+    read-only arrays of their shapes, BF16 as its uint16 bits), None for any other answer.
+    """
 
     app_id: int
     request_id: int
@@ -77,6 +104,7 @@ class Result:
     output: np.ndarray | None
     latency_ms: float
     attempts: int = 1
+    outputs: dict[str, np.ndarray] | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,6 +130,43 @@ def as_request_tensor(tensor: Any) -> np.ndarray:
     if arr.nbytes >= 2**32:
         raise ValueError(f"tensor of {arr.nbytes} bytes does not fit one request (< 4 GiB)")
     return arr
+
+
+#: What a request body is on the way out: the array or encoded bytes, and the wire dtype to send it as
+#: (None: the array's own, exactly as before multi-tensor bodies existed).
+_Body = tuple[np.ndarray | bytes, DType | None]
+
+
+def request_body(x: Any) -> _Body:
+    """A request's body and wire dtype: a mapping ``{name: array}`` (or a sequence of
+    :class:`~gpuprims.tensorwire.WireTensor`, for BF16) becomes a multi-tensor body (TENSORS), anything
+    else goes through :func:`as_request_tensor`. ValueError (a TensorBodyError for a tensor the body
+    cannot carry) says what is wrong."""
+    if isinstance(x, Mapping):
+        if not x:
+            raise ValueError("no tensors: a request needs at least one named tensor")
+        body = tensorwire.encode_arrays(x)
+    elif isinstance(x, WireTensor) or (isinstance(x, list | tuple) and x and all(isinstance(t, WireTensor) for t in x)):
+        body = tensorwire.encode([x] if isinstance(x, WireTensor) else x)
+    else:
+        return as_request_tensor(x), None
+    if len(body) >= 2**32:
+        raise ValueError(f"tensors of {len(body)} bytes do not fit one request (< 4 GiB)")
+    return body, DType.TENSORS
+
+
+def _answer(app_id: int, rid: int, r: wire.Response, status: Status, latency_ms: float, attempts: int) -> Result:
+    """The Result of one answer; MalformedAnswer for an OK multi-tensor answer that does not decode."""
+    if status != Status.OK:
+        return Result(app_id, rid, status, None, latency_ms, attempts)
+    out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8)
+    outputs = None
+    if r.dtype == DType.TENSORS:
+        try:
+            outputs = tensorwire.decode_arrays(r.body)
+        except TensorBodyError as e:
+            raise MalformedAnswer(app_id, rid, str(e), r.body) from None
+    return Result(app_id, rid, status, out, latency_ms, attempts, outputs)
 
 
 def _status(code: int) -> Status:
@@ -153,16 +218,18 @@ class _Book:
         self.asm = wire.ResponseAssembler()
         self.invalid = 0  # datagrams that are not v1 responses
         self.stray = 0  # answers to no pending request (late after a timeout, or not ours)
+        self.malformed = 0  # OK answers whose multi-tensor body did not decode (MalformedAnswer)
 
     def new_id(self) -> int:
         rid = self._next_id
         self._next_id += 1
         return rid
 
-    def encode(self, app_id: int, rid: int, arr: np.ndarray, deadline_us: int) -> tuple[list[bytes], int]:
+    def encode(self, app_id: int, rid: int, body: _Body, deadline_us: int) -> tuple[list[bytes], int]:
         ts = time.monotonic_ns()
-        return wire.encode_request(app_id, rid, arr, chunk_payload=self.chunk_payload, deadline_us=deadline_us,
-                                   client_ts_ns=ts), ts
+        data, dtype = body
+        return wire.encode_request(app_id, rid, data, chunk_payload=self.chunk_payload, dtype=dtype,
+                                   deadline_us=deadline_us, client_ts_ns=ts), ts
 
     def feed(self, data: bytes) -> wire.Response | None:
         try:
@@ -175,7 +242,7 @@ class _Book:
 @dataclass
 class _Pending:
     app_id: int
-    arr: np.ndarray
+    body: _Body
     deadline_us: int
     timeout_ns: int
     attempts_left: int
@@ -224,17 +291,23 @@ class Client:
         """Answers that matched no pending request (late, after a retry or timeout)."""
         return self._book.stray
 
+    @property
+    def malformed(self) -> int:
+        """OK answers whose multi-tensor body did not decode (each raised MalformedAnswer)."""
+        return self._book.malformed
+
     def submit(self, app_id: int, tensor: Any, *, deadline_us: int = 0, timeout_s: float | None = None,
                to: Address | None = None) -> concurrent.futures.Future[Result]:
         """Send one request now (to ``to``, default the client's node); the Future resolves to its
-        Result or raises RequestLost."""
+        Result or raises RequestLost (or MalformedAnswer). ``tensor`` is an array or a mapping
+        ``{name: array}`` (a multi-tensor body; :func:`request_body`)."""
         if not self._thread.is_alive():
             raise RuntimeError("client is closed")
-        arr = as_request_tensor(tensor)
+        body = request_body(tensor)
         t = self.timeout_s if timeout_s is None else timeout_s
         _check_args(t, self.retries, self._book.chunk_payload)
         _check_request(app_id, deadline_us)
-        p = _Pending(app_id=int(app_id), arr=arr, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
+        p = _Pending(app_id=int(app_id), body=body, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
                      attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future(),
                      to=None if to is None else (str(to[0]), int(to[1])))
         self._send(p)
@@ -242,18 +315,20 @@ class Client:
         return p.future
 
     def infer(self, app_id: int, tensor: Any, *, deadline_us: int = 0, timeout_s: float | None = None) -> Result:
-        """Send one request and wait for its Result (raises RequestLost after the timeout)."""
+        """Send one request (an array, or a mapping of names to arrays) and wait for its Result (raises
+        RequestLost after the timeout, MalformedAnswer for an OK answer that does not decode)."""
         return self.submit(app_id, tensor, deadline_us=deadline_us, timeout_s=timeout_s).result()
 
     def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
                    timeout_s: float | None = None) -> list[Result]:
-        """Send every tensor at once (all in flight together) and return their Results in order."""
+        """Send every tensor (array or mapping) at once, all in flight together, and return their Results
+        in order."""
         futs = [self.submit(app_id, t, deadline_us=deadline_us, timeout_s=timeout_s) for t in tensors]
         return [f.result() for f in futs]
 
     def _send(self, p: _Pending) -> None:
         rid = self._book.new_id()
-        dgrams, ts = self._book.encode(p.app_id, rid, p.arr, p.deadline_us)
+        dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us)
         with self._lock:
             p.rid, p.attempts, p.attempts_left = rid, p.attempts + 1, p.attempts_left - 1
             p.first_ns = p.first_ns or ts
@@ -310,10 +385,14 @@ class Client:
         if status in RETRY_STATUSES and p.attempts_left > 0:
             self._send_again(p)
             return
-        out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8) \
-            if status == Status.OK else None
         assert p.future is not None
-        p.future.set_result(Result(p.app_id, r.request_id, status, out, (now_ns - p.first_ns) / 1e6, p.attempts))
+        try:
+            res = _answer(p.app_id, r.request_id, r, status, (now_ns - p.first_ns) / 1e6, p.attempts)
+        except MalformedAnswer as e:  # the caller's error, not the receive thread's
+            self._book.malformed += 1
+            p.future.set_exception(e)
+            return
+        p.future.set_result(res)
 
     def _expire(self, now_ns: int) -> None:
         with self._lock:
@@ -406,6 +485,11 @@ class AsyncClient:
     def stray(self) -> int:
         return self._book.stray
 
+    @property
+    def malformed(self) -> int:
+        """OK answers whose multi-tensor body did not decode (each raised MalformedAnswer)."""
+        return self._book.malformed
+
     def _on_datagram(self, data: bytes) -> None:
         r = self._book.feed(data)
         if r is None:
@@ -418,10 +502,11 @@ class AsyncClient:
 
     async def infer(self, app_id: int, tensor: Any, *, deadline_us: int = 0,
                     timeout_s: float | None = None) -> Result:
-        """Send one request and await its Result (raises RequestLost after the timeout)."""
+        """Send one request (an array, or a mapping of names to arrays) and await its Result (raises
+        RequestLost after the timeout, MalformedAnswer for an OK answer that does not decode)."""
         if self._transport is None:
             raise RuntimeError("client is not open: use 'async with AsyncClient(...)' or 'await open()'")
-        arr = as_request_tensor(tensor)
+        body = request_body(tensor)
         t = self.timeout_s if timeout_s is None else timeout_s
         _check_args(t, self.retries, self._book.chunk_payload)
         _check_request(app_id, deadline_us)
@@ -431,7 +516,7 @@ class AsyncClient:
         rid = 0
         for attempt in range(1, self.retries + 2):
             rid = self._book.new_id()
-            dgrams, ts = self._book.encode(app_id, rid, arr, deadline_us)
+            dgrams, ts = self._book.encode(app_id, rid, body, deadline_us)
             first_ns = first_ns or ts
             fut: asyncio.Future[tuple[wire.Response, int]] = loop.create_future()
             key = (app_id, rid)
@@ -451,14 +536,17 @@ class AsyncClient:
             status = _status(r.status)
             if status in RETRY_STATUSES and attempt <= self.retries:
                 continue
-            out = np.frombuffer(r.body, dtype=DType(r.dtype).numpy if r.dtype <= max(DType) else np.uint8) \
-                if status == Status.OK else None
-            return Result(app_id, rid, status, out, (recv_ns - first_ns) / 1e6, attempt)
+            try:
+                return _answer(app_id, rid, r, status, (recv_ns - first_ns) / 1e6, attempt)
+            except MalformedAnswer:
+                self._book.malformed += 1
+                raise
         raise RequestLost(app_id, rid, t, self.retries + 1)
 
     async def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
                          timeout_s: float | None = None) -> list[Result]:
-        """All tensors in flight together; Results in order (the first RequestLost is raised)."""
+        """All tensors (arrays or mappings) in flight together; Results in order (the first RequestLost
+        or MalformedAnswer is raised)."""
         return list(await asyncio.gather(*(self.infer(app_id, x, deadline_us=deadline_us, timeout_s=timeout_s)
                                            for x in tensors)))
 

@@ -3,18 +3,29 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
-from gpuprims import wire
-from gpuprims.client import AsyncClient, Client, FleetClient, RequestError, RequestLost, Result
+from gpuprims import tensorwire, wire
+from gpuprims.client import (
+    AsyncClient,
+    Client,
+    FleetClient,
+    MalformedAnswer,
+    RequestError,
+    RequestLost,
+    Result,
+)
 from gpuprims.ingest import packet_balance
+from gpuprims.tensors import DataType
+from gpuprims.tensorwire import WireTensor
 from gpuprims.traffic import EchoServer
-from gpuprims.wire import Status
+from gpuprims.wire import DType, Status
 from tests.loopnode import LoopApp, LoopNode
 
 SHAPE = (3, 16, 16)  # 3072 bytes of float32 = 3 datagrams
@@ -43,7 +54,7 @@ def test_sync_infer_returns_typed_result(node: LoopNode) -> None:
         assert isinstance(r, Result) and r.ok and r.status is Status.OK and r.attempts == 1
         assert r.output is not None and r.output.dtype == np.float32 and r.output.shape == (2,)
         np.testing.assert_allclose(r.output, _double_sum(x[None])[0], rtol=1e-5)
-        assert r.latency_ms > 0 and r.raise_for_status() is r
+        assert r.latency_ms > 0 and r.raise_for_status() is r and r.outputs is None
         u = c.infer(2, np.arange(5, dtype=np.uint8))
         np.testing.assert_array_equal(u.output, np.arange(5, dtype=np.float32) * 2)
         assert c.in_flight == 0 and c.stray == 0
@@ -323,3 +334,136 @@ def test_fleet_client_bad_input_gets_clear_errors() -> None:
                 c.infer("nope", _input(5))
         finally:
             routes.close()
+
+
+# ---- multi-tensor requests and answers (wire dtype TENSORS) -------------------------------------------
+
+#: (request header, request body) -> (status, answer body, answer wire dtype)
+Handler = Callable[[wire.Header, bytes], tuple[Status, bytes, DType]]
+
+
+class _Answerer:
+    """A loopback UDP node stand-in: reassembles each request, keeps its datagrams, and answers with
+    whatever ``handler`` crafts from it (answers a real node could not be made to send)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.datagrams: list[bytes] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.address = self.sock.getsockname()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        parts: dict[int, dict[int, bytes]] = {}
+        while not self._stop.is_set():
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            self.datagrams.append(data)
+            h, payload = wire.decode_request(data)
+            got = parts.setdefault(h.request_id, {})
+            got[h.chunk_index] = bytes(payload)
+            if len(got) < h.chunk_count:
+                continue
+            body = b"".join(got[i] for i in range(h.chunk_count))
+            del parts[h.request_id]
+            status, answer, dtype = self.handler(h, body)
+            for d in wire.encode_response(h.app_id, h.request_id, status, answer, dtype=dtype,
+                                          client_ts_ns=h.client_ts_ns):
+                self.sock.sendto(d, addr)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+    def __enter__(self) -> _Answerer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _model(h: wire.Header, body: bytes) -> tuple[Status, bytes, DType]:
+    """A two-output model over named inputs: a bare tensor is refused, as a TENSORS-only app would."""
+    if h.dtype != DType.TENSORS:
+        return Status.BAD_REQUEST, b"", DType.BYTES
+    x = tensorwire.decode_arrays(body)
+    out = {"sum": np.float64([sum(float(np.sum(v, dtype=np.float64)) for v in x.values())]),
+           "names": np.array([len(x)], np.int32), "echo": x["image"], "flag": np.array(True)}
+    return Status.OK, tensorwire.encode_arrays(out), DType.TENSORS
+
+
+def test_an_array_request_is_the_same_datagrams_as_before() -> None:
+    x = _input(7)  # 3 datagrams
+    with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node, Client(node.address, timeout_s=5) as c:
+        r = c.infer(4, x, deadline_us=1234)
+        assert r.ok and r.outputs is None and r.output is not None and r.output.dtype == np.float32
+        h = wire.unpack_header(node.datagrams[0])
+        assert node.datagrams == wire.encode_request(4, h.request_id, x, deadline_us=1234, client_ts_ns=h.client_ts_ns)
+        assert h.dtype == DType.FLOAT32
+
+
+def test_a_mapping_is_sent_as_named_tensors_and_the_answer_decoded() -> None:
+    x = {"image": np.random.default_rng(1).standard_normal((3, 20, 20)).astype(np.float32),  # 4800 B, chunked
+         "scale": np.float16(0.5), "ids": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    with _Answerer(_model) as node, Client(node.address, timeout_s=5) as c:
+        r = c.infer(3, x)
+        assert r.raise_for_status().outputs is not None and set(r.outputs) == {"sum", "names", "echo", "flag"}
+        np.testing.assert_array_equal(r.outputs["echo"], x["image"])
+        assert r.outputs["echo"].shape == (3, 20, 20) and not r.outputs["echo"].flags.writeable
+        assert r.outputs["names"].tolist() == [3] and r.outputs["flag"].shape == () and bool(r.outputs["flag"])
+        want = sum(float(np.sum(v, dtype=np.float64)) for v in x.values())
+        assert r.outputs["sum"][0] == pytest.approx(want)
+        assert r.output is not None and r.output.dtype == np.uint8  # the raw body, as for any answer
+        assert len(node.datagrams) > 1 and {wire.unpack_header(d).dtype for d in node.datagrams} == {DType.TENSORS}
+        # BF16 goes as WireTensors (its uint16 bits); several mappings in flight together.
+        bf = [WireTensor("image", DataType.BF16, np.array([0x3F80, 0x4000], np.uint16))]
+        rs = c.infer_many(3, [bf, {"image": np.zeros(2, np.uint8)}, x])
+        assert [len(q.raise_for_status().outputs or {}) for q in rs] == [4, 4, 4]
+        np.testing.assert_array_equal(rs[0].outputs["echo"], [0x3F80, 0x4000])  # type: ignore[index]
+        assert c.infer(3, np.zeros(4, np.float32)).status is Status.BAD_REQUEST  # a bare tensor still goes bare
+        assert c.malformed == 0 and c.stray == 0
+
+
+def test_a_malformed_multi_tensor_answer_raises_for_its_request_only() -> None:
+    def bad(h: wire.Header, body: bytes) -> tuple[Status, bytes, DType]:
+        if h.app_id == 9:  # claims TENSORS, carries garbage
+            return Status.OK, b"not a tensor body", DType.TENSORS
+        return _model(h, body)
+
+    with _Answerer(bad) as node, Client(node.address, timeout_s=5) as c:
+        with pytest.raises(MalformedAnswer, match=r"malformed multi-tensor body.*bad magic") as e:
+            c.infer(9, {"image": np.zeros(3, np.float32)})
+        assert e.value.app_id == 9 and e.value.body == b"not a tensor body" and c.malformed == 1
+        assert c.infer(3, {"image": np.ones(3, np.float32)}).ok  # the receive loop lives on
+
+        async def main() -> None:
+            async with AsyncClient(node.address, timeout_s=5) as a:
+                with pytest.raises(MalformedAnswer, match="bad magic"):
+                    await a.infer(9, {"image": np.zeros(3, np.float32)})
+                r = await a.infer(3, {"image": np.arange(4, dtype=np.int8)})
+                assert r.outputs is not None and r.outputs["echo"].tolist() == [0, 1, 2, 3]
+                many = await a.infer_many(3, [{"image": np.full(2, i, np.uint16)} for i in range(5)])
+                assert [int(q.outputs["echo"][0]) for q in many] == list(range(5))  # type: ignore[index]
+                assert a.malformed == 1
+
+        asyncio.run(main())
+
+
+def test_bad_tensor_mappings_are_refused_before_anything_is_sent() -> None:
+    with _Answerer(_model) as node, Client(node.address, timeout_s=5) as c:
+        with pytest.raises(ValueError, match="at least one named tensor"):
+            c.submit(3, {})
+        with pytest.raises(ValueError, match="BYTES tensors are not supported yet"):
+            c.submit(3, {"text": np.array(["a", "b"])})
+        with pytest.raises(ValueError, match="duplicate"):
+            c.submit(3, [WireTensor("a", DataType.INT8, np.zeros(1, np.int8))] * 2)
+        with pytest.raises(ValueError, match="no tensor datatype"):
+            c.submit(3, {"z": np.zeros(2, np.complex64)})
+        assert node.datagrams == [] and c.in_flight == 0
