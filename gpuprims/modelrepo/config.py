@@ -558,6 +558,12 @@ def build_config(msg: Any, source: str, text: str | None = None, default_name: s
     return _Builder(msg, source, text).build(default_name)
 
 
+def _plain_name(name: str) -> bool:
+    """Whether ``name`` names a file inside one directory (no separator, not ``.`` or ``..``): a config
+    never reaches outside its model's directory."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 class _Builder:
     def __init__(self, msg: Any, source: str, text: str | None) -> None:
         self.msg = proto.ModelConfigMessage()
@@ -606,6 +612,9 @@ class _Builder:
             raise self.error([("platform", None)], "neither platform nor backend is given (gpuprims finds "
                                                    "them from the model file when config.pbtxt is read from "
                                                    "a model directory)")
+        if m.default_model_filename and not _plain_name(m.default_model_filename):
+            raise self.error([("default_model_filename", None)],
+                             f"{m.default_model_filename!r} must be a file name in the version directory, not a path")
         fmt = formats.format_of(backend, m.default_model_filename)
         allowed = {"onnxruntime": ("onnx",), "tensorrt": ("tensorrt_plan",),
                    "pytorch": ("torchscript", "torch_export"), "openvino": ("openvino_ir", "onnx")}[backend]
@@ -786,6 +795,9 @@ class _Builder:
                     raise self.error(isteps, f"warmup {name!r}: input {key!r} needs zero_data, random_data or "
                                              "input_data_file")
                 data = {"zero_data": "zero", "random_data": "random", "input_data_file": "file"}[which]
+                if data == "file" and not _plain_name(inp.input_data_file):
+                    raise self.error(isteps, f"warmup {name!r}: input_data_file {inp.input_data_file!r} must be a "
+                                             "file name in the model's warmup/ directory, not a path")
                 inputs.append(WarmupInput(key, dt, dims, data,  # type: ignore[arg-type]
                                           inp.input_data_file if data == "file" else None))
             missing = [s.name for s in signature.inputs if not s.optional and s.name not in w.inputs]

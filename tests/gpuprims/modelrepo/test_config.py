@@ -215,6 +215,9 @@ ERRORS = [
      "backend", "does not serve platform"),
     (BASE.replace('platform: "onnxruntime_onnx"\n', ''), 1, "platform", "neither platform nor backend"),
     (BASE + 'default_model_filename: "model.plan"', 10, "default_model_filename", "does not run"),
+    (BASE + 'default_model_filename: "../../other/model.onnx"', 10, "default_model_filename", "not a path"),
+    (BASE + 'model_warmup { name: "w"\n inputs { key: "x y" value: { data_type: TYPE_FP32 dims: [ 3, 1 ] '
+     'input_data_file: "/etc/passwd" } } }', 11, "model_warmup[0].inputs['x y']", "not a path"),
     (BASE.split("input [")[0] + 'output { name: "o" data_type: TYPE_FP32 dims: [ 1 ] }', 1, "input",
      "has no input"),
     (BASE + 'dynamic_batching { preferred_batch_size: [ 4, 16 ] }', 10, "dynamic_batching.preferred_batch_size",
