@@ -444,6 +444,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The completed message as JSON-ready data with the proto's field names (the front door's
         ``config`` endpoint, as Triton reports it)."""
+        if self.message is None:
+            raise ValueError(f"model {self.name!r}: this ModelConfig was made without its message (build it with "
+                             "parse_config, load_config or build_config)")
         return proto.to_dict(self.message)
 
     def to_json(self) -> str:

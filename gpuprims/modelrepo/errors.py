@@ -23,9 +23,10 @@ class ModelConfigError(ValueError):
         self.file = str(file)
         self.line = line
         self.field = field
-        self.message = message
+        # One line, always: a library's multi-line message (a protobuf decode error) is joined.
+        self.message = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
         where = f"{self.file}:{line}" if line is not None else self.file
-        super().__init__(f"{where}: {field}: {message}")
+        super().__init__(f"{where}: {field}: {self.message}")
 
     def __reduce__(self) -> tuple[type, tuple[str, int | None, str, str]]:
         return (type(self), (self.file, self.line, self.field, self.message))

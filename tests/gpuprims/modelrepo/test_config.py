@@ -300,6 +300,15 @@ def test_the_error_pickles_and_is_a_value_error() -> None:
     e = _err(BASE.replace("TYPE_INT64", "TYPE_STRING"))
     back = pickle.loads(pickle.dumps(e))
     assert isinstance(back, ValueError) and str(back) == str(e) and back.line == e.line
+    assert str(ModelConfigError("f", None, "x", "first\n  second\n")) == "f: x: first second"
+
+
+def test_a_record_made_by_hand_has_no_message_to_send() -> None:
+    c = parse_config(BASE, PATH)
+    bare = ModelConfig(c.name, c.platform, c.backend, c.signature, c.model_format)
+    assert bare == c.__class__(**{**c.__dict__, "source": "", "message": None})
+    with pytest.raises(ValueError, match="made without its message"):
+        bare.to_json()
 
 
 def _walk_fields(desc: object, prefix: str, out: list[str]) -> None:
