@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -144,6 +145,14 @@ class TorchFileEngine(FileEngine):
     #: The file is run by torch itself: the same kernels as loading it directly.
     tolerance = (1e-6, 1e-7)
 
+    def error_text(self, e: BaseException) -> str:
+        # TorchScript's first line is always "The following operation failed in the TorchScript
+        # interpreter."; what went wrong is its last line ("builtins.ValueError: ...").
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        if len(lines) > 1 and "TorchScript interpreter" in lines[0]:
+            return f"{type(e).__name__}: {lines[-1]}"
+        return first_line(e)
+
     def _device(self) -> torch.device:
         if self.target.backend == "cuda":
             return torch.device("cuda", self.target.device_index)
@@ -251,7 +260,11 @@ class TorchScriptFileEngine(TorchFileEngine):
 
     def _load(self) -> Any:
         try:
-            model = torch.jit.load(str(self.path), map_location=self.device)
+            with warnings.catch_warnings():
+                # torch deprecates TorchScript, but Triton repositories carry model.pt files: serving
+                # them is this engine's job, and a warning per load would only fill the instance's log
+                warnings.simplefilter("ignore", DeprecationWarning)
+                model = torch.jit.load(str(self.path), map_location=self.device)
         except Exception as e:
             raise EngineError(f"engine 'torchscript': {self.path.name} is not a TorchScript archive torch can "
                               f"load: {first_line(e)}") from e

@@ -226,9 +226,13 @@ class FileEngine(abc.ABC):
         except (EngineError, SignatureError):
             raise
         except Exception as e:
-            raise EngineError(f"engine {self.kind!r} failed to run {self.path.name}: {first_line(e)}") from e
+            raise EngineError(f"engine {self.kind!r} failed to run {self.path.name}: {self.error_text(e)}") from e
         self.runs += 1
         return self.request_outputs(got, wanted, self.batch_of(inputs))
+
+    def error_text(self, e: BaseException) -> str:
+        """A library's error from a run, in one line (the first of its message, unless a kind knows better)."""
+        return first_line(e)
 
     @abc.abstractmethod
     def _run(self, feed: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
