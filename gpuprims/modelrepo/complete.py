@@ -88,11 +88,13 @@ class FileSignature:
     max_batch: int | None = None
 
 
-def complete_message(msg: Any, model_dir: str | Path, config_path: str, text: str | None = None) -> str:
+def complete_message(msg: Any, model_dir: str | Path, config_path: str, text: str | None = None,
+                     torch_ok: bool = True) -> str:
     """Complete ``msg`` (a ModelConfig message, changed in place) from the model file of the highest
     version in ``model_dir``, where it leaves out the platform/backend, its inputs or outputs (see the
     module docstring). Returns the source errors name: ``config_path`` when the model has a config
-    text, else the model file read. Raises :class:`ModelConfigError`."""
+    text, else the model file read. ``torch_ok`` False: a process that must not load torch (the node)
+    refuses to complete a torch.export file. Raises :class:`ModelConfigError`."""
     d = Path(model_dir)
     source = config_path if text is not None else str(d)
     if formats.platform_problem(msg.platform, msg.backend) is not None:
@@ -130,14 +132,14 @@ def complete_message(msg: Any, model_dir: str | Path, config_path: str, text: st
     if path is None:
         raise ModelConfigError(source, None, "default_model_filename",
                                f"version {top.name} has no model file {filename!r} to complete the config from")
-    complete_from_file(msg, path, fmt, source if text is not None else str(path))
+    complete_from_file(msg, path, fmt, source if text is not None else str(path), torch_ok)
     return source if text is not None else str(path)
 
 
-def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str) -> None:
+def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str, torch_ok: bool = True) -> None:
     """Fill ``msg``'s missing inputs or outputs (and batching, when it lists no tensor) from the model
     file ``path`` of format ``fmt``. Raises :class:`ModelConfigError` naming ``source``."""
-    sig = read_file_signature(path, fmt)
+    sig = read_file_signature(path, fmt, torch_ok)
     gave_tensors = bool(len(msg.input) or len(msg.output))
     batchable = all(len(t.shape) >= 1 and t.shape[0] == -1 for t in (*sig.inputs, *sig.outputs))
     if not gave_tensors and msg.max_batch_size == 0 and batchable:
@@ -167,13 +169,18 @@ def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str) -> Non
                 entry.reshape.SetInParent()
 
 
-def read_file_signature(path: str | Path, fmt: str) -> FileSignature:
+def read_file_signature(path: str | Path, fmt: str, torch_ok: bool = True) -> FileSignature:
     """The tensors a model file of format ``fmt`` declares. Raises :class:`ModelConfigError` where the
-    format carries none (TorchScript) or the library that reads it is missing."""
+    format carries none (TorchScript), the library that reads it is missing, or it needs torch and
+    ``torch_ok`` is False."""
     p = Path(path)
     if fmt == "onnx":
         return onnx_signature(p)
     if fmt == "torch_export":
+        if not torch_ok:
+            raise ModelConfigError(str(p), None, "input",
+                                   "completing a torch.export model.pt2 loads torch, which this process does not: "
+                                   "give input and output in config.pbtxt")
         return torch_export_signature(p)
     if fmt == "tensorrt_plan":
         return plan_signature(p)

@@ -506,10 +506,11 @@ def parse_config(text: str, path: str, name: str | None = None) -> ModelConfig:
     return build_config(msg, path, text, default_name=name or Path(path).parent.name)
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def load_config(model_dir: str | Path, torch_ok: bool = True) -> ModelConfig:
     """The :class:`ModelConfig` of a repository's model directory: its ``config.pbtxt``, completed from
     the model file of its highest version where the config leaves out inputs, outputs or the platform
-    (or is absent). The config's ``name``, when given, must be the directory's name. Raises
+    (or is absent). The config's ``name``, when given, must be the directory's name. ``torch_ok``
+    False keeps torch out of this process (a torch.export file then needs its config). Raises
     :class:`ModelConfigError`."""
     d = Path(model_dir)
     cfg = d / "config.pbtxt"
@@ -527,12 +528,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
                                    "rule: a model is named by its directory)")
     else:
         msg = proto.ModelConfigMessage()
-    source = complete_message(msg, d, str(cfg), text or None)
+    source = complete_message(msg, d, str(cfg), text or None, torch_ok)
     return build_config(msg, source, text or None, default_name=d.name)
 
 
 def config_for_file(model_path: str | Path, text: str | None = None, source: str | None = None,
-                    name: str | None = None) -> ModelConfig:
+                    name: str | None = None, torch_ok: bool = True) -> ModelConfig:
     """The :class:`ModelConfig` of a model file outside a repository (apps.yaml ``model: path``):
     ``text`` (config.pbtxt keys, optional; ``source`` names it in errors) completed from the file,
     whose name becomes ``default_model_filename``. The model's name is ``name`` or the file's stem.
@@ -551,7 +552,7 @@ def config_for_file(model_path: str | Path, text: str | None = None, source: str
     if not msg.default_model_filename:
         msg.default_model_filename = p.name
     if not len(msg.input) or not len(msg.output):
-        complete_from_file(msg, formats.model_file(p.parent, p.name) or p, fmt, src)
+        complete_from_file(msg, formats.model_file(p.parent, p.name) or p, fmt, src, torch_ok)
     return build_config(msg, src, text or None, default_name=name or p.stem)
 
 

@@ -137,15 +137,17 @@ def _failed(name: str, d: Path, error: str, digest: str | None) -> RepositoryMod
     return RepositoryModel(name, str(d), None, {}, error, digest)
 
 
-def read_model(model_dir: str | Path, previous: RepositoryModel | None = None) -> RepositoryModel:
+def read_model(model_dir: str | Path, previous: RepositoryModel | None = None,
+               torch_ok: bool = True) -> RepositoryModel:
     """The model of one directory (named by it), loaded or carrying its error. ``previous`` (this
     model's last reading, in ``poll`` mode) lends its fingerprints to versions whose files have the
-    same :func:`stat_key`, so an unchanged gigabyte file is not read again."""
+    same :func:`stat_key`, so an unchanged gigabyte file is not read again. ``torch_ok`` False keeps
+    torch out of the calling process (:func:`gpuprims.modelrepo.config.load_config`)."""
     d = Path(model_dir)
     name = d.name
     digest = _config_digest(d)
     try:
-        config = load_config(d)
+        config = load_config(d, torch_ok)
     except ModelConfigError as e:
         return _failed(name, d, str(e), digest)
     available = formats.version_dirs(d)
@@ -194,18 +196,20 @@ def _repository(repo_dir: str | Path) -> Path:
     return root
 
 
-def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = None) -> list[RepositoryModel]:
+def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = None,
+         torch_ok: bool = True) -> list[RepositoryModel]:
     """Every model of the repository, by name: each subdirectory not starting with ``.``. A model that
     fails carries its error; the others are unaffected. ``previous`` (the last scan's models by name,
     ``poll`` mode) saves re-reading unchanged files (:func:`read_model`). Raises
     :class:`RepositoryError` when ``repo_dir`` is not a directory."""
     root = _repository(repo_dir)
     before = previous or {}
-    return [read_model(p, before.get(p.name)) for p in sorted(root.iterdir(), key=lambda q: q.name)
+    return [read_model(p, before.get(p.name), torch_ok) for p in sorted(root.iterdir(), key=lambda q: q.name)
             if p.is_dir() and not p.name.startswith(".")]
 
 
-def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None = None) -> RepositoryModel:
+def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None = None,
+               torch_ok: bool = True) -> RepositoryModel:
     """One model of the repository by name (explicit mode's load). A name that is not a plain directory
     name (empty, a path, hidden) raises :class:`RepositoryError`; a model with no directory comes back
     with that error."""
@@ -216,4 +220,4 @@ def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None
     d = root / name
     if not d.is_dir():
         return _failed(name, d, str(ModelConfigError(str(d), None, "model", f"no model {name!r} in {root}")), None)
-    return read_model(d, previous)
+    return read_model(d, previous, torch_ok)

@@ -279,6 +279,10 @@ def test_a_torch_export_file_without_torch_is_refused(tmp_path: Path, monkeypatc
     p = tmp_path / "ex" / "1" / "model.pt2"
     p.parent.mkdir(parents=True)
     p.write_bytes(b"PK")
+    with pytest.raises(ModelConfigError) as ei:
+        load_config(tmp_path / "ex", torch_ok=False)  # the node: torch stays out even where it imports
+    assert str(ei.value) == (f"{p}: input: completing a torch.export model.pt2 loads torch, which this process "
+                             "does not: give input and output in config.pbtxt")
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ModelConfigError) as ei:
         load_config(tmp_path / "ex")
