@@ -5,9 +5,8 @@ mirrors it for tools and tests, and ``tests/gpuprims/test_wire.py`` checks the t
 (``_native.wire_layout()``). ``docs/wire-format.md`` has the byte-level table.
 
 A request (one tensor, or a multi-tensor body of named tensors: dtype TENSORS, ``gpuprims.tensorwire``)
-travels as ``chunk_count`` datagrams, each a 48-byte header followed by a
-payload chunk. Every chunk but the last carries ``stride`` bytes (default 1024); the last carries the
-rest. Responses use the same header with ``kind = KIND_RESPONSE`` and a ``status``.
+travels as ``chunk_count`` datagrams, each a 48-byte header followed by a payload chunk. Every chunk but
+the last carries ``stride`` bytes (default 1024); the last carries the rest. Responses use the same header with ``kind = KIND_RESPONSE`` and a ``status``.
 """
 
 from __future__ import annotations
