@@ -91,6 +91,32 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def onnx_external_files(path: Path) -> list[Path]:
+    """The external data files an ONNX model names (large weights kept beside the graph), read from the
+    graph without loading them; [] where the onnx package is absent (ONNX Runtime itself needs it not)
+    or the file does not parse (prepare then says why)."""
+    try:
+        import onnx
+    except ImportError:
+        return []
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return []
+    locations: set[str] = set()
+    graphs = [model.graph]
+    while graphs:  # subgraphs (If, Loop, Scan bodies) may hold initializers of their own
+        graph = graphs.pop()
+        for t in graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                locations.update(e.value for e in t.external_data if e.key == "location")
+        for node in graph.node:
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    return [path.parent / loc for loc in sorted(locations) if (path.parent / loc).is_file()]
+
+
 def _dims(shape: Any) -> tuple[int | None, ...] | None:
     """A library's shape (ints, symbolic names, None, -1) as ints with None for dynamic dims."""
     if shape is None:
@@ -149,6 +175,9 @@ class OnnxRuntimeFileEngine(FileEngine):
     def threads(self) -> int:
         return self.target.threads or default_threads()
 
+    def related_files(self) -> list[Path]:
+        return onnx_external_files(self.path)
+
     def device_identity(self) -> dict[str, Any]:
         # On cuda, the GPU from our own runtime layer rather than torch's: this engine maps no torch.
         if self.target.backend == "cpu":
@@ -195,6 +224,13 @@ class OnnxRuntimeFileEngine(FileEngine):
         so = self._session_options(ort, level)
         if optimized_out is not None:
             so.optimized_model_filepath = str(optimized_out)
+            if self.related_files():
+                # a model with external data may pass protobuf's 2 GB limit inlined: keep its weights
+                # outside the optimized graph too, in a file beside it in the cache entry
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                            optimized_out.name + ".data")
+                so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                            "1024")
         try:
             return ort.InferenceSession(str(path), sess_options=so, providers=self._providers(trt_dir))
         except Exception as e:
@@ -288,6 +324,9 @@ class OpenVinoFileEngine(FileEngine):
     @property
     def threads(self) -> int:
         return self.target.threads or default_threads()
+
+    def related_files(self) -> list[Path]:
+        return onnx_external_files(self.path) if self.path.suffix.lower() == ".onnx" else []
 
     def _prepare(self, cache: EngineCache) -> None:
         bf16 = [s.name for s in (*self.signature.inputs, *self.signature.outputs) if s.datatype is DataType.BF16]

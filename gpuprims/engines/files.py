@@ -74,12 +74,13 @@ def default_file_kind(path: str | Path) -> str:
     return kind
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """SHA-256 (32 hex digits) of the model file's bytes; for OpenVINO IR also of its weights
-    (``.bin`` beside the ``.xml``), which change the model as much as the graph does."""
+def file_fingerprint(path: str | Path, related: Sequence[str | Path] = ()) -> str:
+    """SHA-256 (32 hex digits) of the model file's bytes and of the ``related`` files it loads (an ONNX
+    model's external data); for OpenVINO IR also of its weights (``.bin`` beside the ``.xml``), which
+    change the model as much as the graph does."""
     p = Path(path)
     h = hashlib.sha256()
-    files = [p]
+    files = [p, *(Path(r) for r in related)]
     if p.suffix.lower() == ".xml" and p.with_suffix(".bin").is_file():
         files.append(p.with_suffix(".bin"))
     try:
@@ -176,8 +177,12 @@ class FileEngine(abc.ABC):
     def fingerprint(self) -> str:
         """The model file's content hash: the caller's, else computed from the file once."""
         if self.given_fingerprint is None:
-            self.given_fingerprint = file_fingerprint(self.path)
+            self.given_fingerprint = file_fingerprint(self.path, self.related_files())
         return self.given_fingerprint
+
+    def related_files(self) -> list[Path]:
+        """The other files loading the model reads (an ONNX model's external data), for the fingerprint."""
+        return []
 
     def device_identity(self) -> dict[str, Any]:
         """The device an artefact is built for (the cache key's ``device``)."""
@@ -228,7 +233,7 @@ class FileEngine(abc.ABC):
         except Exception as e:
             raise EngineError(f"engine {self.kind!r} failed to run {self.path.name}: {self.error_text(e)}") from e
         self.runs += 1
-        return self.request_outputs(got, wanted, self.batch_of(inputs))
+        return self.request_outputs(got, wanted)
 
     def error_text(self, e: BaseException) -> str:
         """A library's error from a run, in one line (the first of its message, unless a kind knows better)."""
@@ -239,13 +244,6 @@ class FileEngine(abc.ABC):
         """Run the model on ``feed`` (the shapes the model sees) to the ``outputs`` named."""
 
     # -- the tensors at the boundary ---------------------------------------------------------------------
-    def batch_of(self, inputs: Mapping[str, np.ndarray]) -> int | None:
-        """The batch size of ``inputs`` (their first dimension), or None for an unbatched model."""
-        if not self.signature.batched:
-            return None
-        sizes = {int(a.shape[0]) for a in inputs.values() if np.ndim(a) >= 1}
-        return sizes.pop() if len(sizes) == 1 else None
-
     def model_inputs(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``inputs`` checked against the signature (names, datatypes, per-request dims, one batch size
         within max_batch_size) and reshaped to what the model sees (``reshape``); contiguous arrays."""
@@ -298,8 +296,7 @@ class FileEngine(abc.ABC):
             self.signature.output(name)
         return names
 
-    def request_outputs(self, got: Mapping[str, np.ndarray], wanted: Sequence[str],
-                        batch: int | None) -> dict[str, np.ndarray]:
+    def request_outputs(self, got: Mapping[str, np.ndarray], wanted: Sequence[str]) -> dict[str, np.ndarray]:
         """The model's outputs as the signature names and shapes them: each of its datatype (else
         EngineError), reshaped back from ``reshape`` to ``dims``."""
         out: dict[str, np.ndarray] = {}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import TensorProto as TP
 from onnx import helper
 
@@ -131,6 +132,22 @@ def reshaped(path: Path) -> tuple[Path, ModelSignature]:
     _save(graph, path)
     sig = ModelSignature((TensorSpec("flat", DataType.FP32, (12,), reshape=(3, 4)),),
                          (TensorSpec("rows", DataType.FP32, (3,), reshape=(3, 1)),), max_batch_size=MAX_BATCH)
+    return path, sig
+
+
+def external_data(path: Path) -> tuple[Path, ModelSignature]:
+    """``y = x @ W`` with W (64x64 float32, 16 KiB) kept as ONNX external data in ``<name>.data`` beside
+    the graph, as large models are saved."""
+    vi = helper.make_tensor_value_info
+    w = np.random.default_rng(7).standard_normal((64, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "external",
+                              [vi("x", TP.FLOAT, ["n", 64])], [vi("y", TP.FLOAT, ["n", 64])],
+                              initializer=[onnx.numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=0)
+    sig = ModelSignature((TensorSpec("x", DataType.FP32, (64,)),), (TensorSpec("y", DataType.FP32, (64,)),),
+                         max_batch_size=MAX_BATCH)
     return path, sig
 
 

@@ -204,6 +204,33 @@ def test_second_prepare_is_a_cache_hit_keyed_by_the_files_content(models: Any, t
     assert not make_file_engine("onnxruntime", copy, sig, CPU).prepare(cache).cache_hit
 
 
+@pytest.mark.parametrize("kind", ONNX_KINDS)
+def test_external_data_is_part_of_the_model(kind: str, tmp_path: Path) -> None:
+    path, sig = fm.external_data(tmp_path / "model.onnx")
+    data = tmp_path / "model.onnx.data"
+    assert data.is_file()
+    cache = EngineCache(tmp_path / "cache")
+    eng = make_file_engine(kind, path, sig, CPU)
+    info = eng.prepare(cache)
+    rng = np.random.default_rng(2)
+    for n in BATCHES:
+        x = {"x": rng.standard_normal((n, 64)).astype(np.float32)}
+        _assert_close(eng.run(x), _direct(path, x), eng.tolerance)
+    if kind == "onnxruntime":  # the optimized graph keeps its weights outside too, in the entry
+        assert (Path(info.artefact or "") / "model.opt.onnx.data").is_file()
+        assert make_file_engine(kind, path, sig, CPU).prepare(cache).cache_hit
+    # new weights in the external file are a new model: another fingerprint, another entry
+    before = eng.fingerprint
+    w = np.fromfile(data, np.float32)
+    (w * 2).tofile(data)
+    again = make_file_engine(kind, path, sig, CPU)
+    assert again.fingerprint != before
+    if kind == "onnxruntime":
+        assert not again.prepare(cache).cache_hit
+        x = {"x": np.ones((1, 64), np.float32)}
+        _assert_close(again.run(x), _direct(path, x), again.tolerance)
+
+
 def test_threads_from_the_target_and_describe(models: Any, cache: EngineCache) -> None:
     path, sig = models["dynamic"]
     eng = make_file_engine("onnxruntime", path, sig, Target("cpu", threads=2))
