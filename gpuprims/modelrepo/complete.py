@@ -11,11 +11,12 @@ dynamic batcher, say). What the config leaves out is read from the model file of
   not inputs), from an OpenVINO IR where ``openvino`` imports, from a ``torch.export`` program where
   torch imports, from a TensorRT plan where ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
   its inputs and outputs in config.pbtxt. Unknown or symbolic dimensions are ``-1``;
-- batching: when the config lists no tensors and sets no ``max_batch_size``, a model whose every input
+- batching: when the config lists no tensors and writes no ``max_batch_size``, a model whose every input
   and output has a dynamic first dimension is batched, with ``max_batch_size`` 4 (Triton's default
   for auto-complete; a TensorRT plan's optimization profile may cap it lower) and that dimension left
   out of ``dims``, and gets a dynamic batcher with default settings as Triton gives it; otherwise
-  ``max_batch_size`` is 0.
+  ``max_batch_size`` is 0. A written ``max_batch_size: 0`` is kept (the model is not batched, its
+  first dimension stays in ``dims``): protobuf reads it as "not set", so the text is asked.
 
 Importing this module imports none of onnx, torch or tensorrt.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuprims.modelrepo import formats, proto
-from gpuprims.modelrepo.errors import ModelConfigError
+from gpuprims.modelrepo.errors import ModelConfigError, TextIndex
 from gpuprims.tensors import DataType
 
 #: Triton's default ``max_batch_size`` for an auto-completed model that can batch.
@@ -132,17 +133,22 @@ def complete_message(msg: Any, model_dir: str | Path, config_path: str, text: st
     if path is None:
         raise ModelConfigError(source, None, "default_model_filename",
                                f"version {top.name} has no model file {filename!r} to complete the config from")
-    complete_from_file(msg, path, fmt, source if text is not None else str(path), torch_ok)
+    complete_from_file(msg, path, fmt, source if text is not None else str(path), torch_ok, text)
     return source if text is not None else str(path)
 
 
-def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str, torch_ok: bool = True) -> None:
-    """Fill ``msg``'s missing inputs or outputs (and batching, when it lists no tensor) from the model
-    file ``path`` of format ``fmt``. Raises :class:`ModelConfigError` naming ``source``."""
+def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str, torch_ok: bool = True,
+                       text: str | None = None) -> None:
+    """Fill ``msg``'s missing inputs or outputs (and batching, when it lists no tensor and no
+    ``max_batch_size``) from the model file ``path`` of format ``fmt``. ``text``, the config's text
+    where there is one, tells a written ``max_batch_size: 0`` (kept: the model is not batched) from
+    none (protobuf cannot). Raises :class:`ModelConfigError` naming ``source``."""
     sig = read_file_signature(path, fmt, torch_ok)
     gave_tensors = bool(len(msg.input) or len(msg.output))
+    gave_batch = msg.max_batch_size != 0 or (
+        text is not None and any(n.name == "max_batch_size" for n in TextIndex(text).root.children))
     batchable = all(len(t.shape) >= 1 and t.shape[0] == -1 for t in (*sig.inputs, *sig.outputs))
-    if not gave_tensors and msg.max_batch_size == 0 and batchable:
+    if not gave_tensors and not gave_batch and batchable:
         msg.max_batch_size = min(DEFAULT_MAX_BATCH_SIZE, sig.max_batch or DEFAULT_MAX_BATCH_SIZE)
         if msg.max_batch_size > 1 and not (msg.HasField("dynamic_batching") or msg.HasField("sequence_batching")):
             msg.dynamic_batching.SetInParent()

@@ -552,7 +552,7 @@ def config_for_file(model_path: str | Path, text: str | None = None, source: str
     if not msg.default_model_filename:
         msg.default_model_filename = p.name
     if not len(msg.input) or not len(msg.output):
-        complete_from_file(msg, formats.model_file(p.parent, p.name) or p, fmt, src, torch_ok)
+        complete_from_file(msg, formats.model_file(p.parent, p.name) or p, fmt, src, torch_ok, text or None)
     return build_config(msg, src, text or None, default_name=name or p.stem)
 
 

@@ -62,6 +62,17 @@ def test_a_partial_config_keeps_its_batch_size_and_gets_the_tensors(tmp_path: Pa
     assert c.source == str(tmp_path / "p" / "config.pbtxt")
 
 
+def test_a_written_max_batch_size_of_zero_is_kept(tmp_path: Path) -> None:
+    onnxmodels.multi(tmp_path / "z" / "1" / "model.onnx")
+    (tmp_path / "z" / "config.pbtxt").write_text('# no batching: the first dimension is the model\'s own\n'
+                                                 'max_batch_size: 0\n')
+    c = load_config(tmp_path / "z")
+    assert c.max_batch_size == 0 and c.dynamic_batching is None
+    assert c.signature.input("x y").dims == (-1, 3, -1)
+    over = config_for_file(tmp_path / "z" / "1" / "model.onnx", "max_batch_size: 0")
+    assert over.max_batch_size == 0 and over.signature.input("h").dims == (-1, 2)
+
+
 def test_a_config_with_inputs_only_gets_the_outputs(tmp_path: Path) -> None:
     onnxmodels.fixed(tmp_path / "q" / "1" / "model.onnx")
     (tmp_path / "q" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n'
