@@ -6,6 +6,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuprims.modelrepo import (
     Accelerator,
@@ -445,3 +447,24 @@ def test_records_validate_at_construction() -> None:
     assert VersionPolicy("all").select([2, 1]) == (1, 2)
     assert VersionPolicy("specific", versions=(3, 1)).select([1, 2]) == (1,)
     assert VersionPolicy("specific", versions=(3, 1)).missing([1, 2]) == (3,)
+
+
+_PIECES = ["{", "}", "[", "]", ":", ",", '"', "-1", "0", "-7", "TYPE_STRING", "KIND_MODEL", "\n", " ",
+           "name", "dims", "input", "reshape", "shape", "max_batch_size", "parameters", "key", "value", "true"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(FULL)), st.integers(0, 6), st.sampled_from(_PIECES)),
+                min_size=1, max_size=4))
+def test_a_mangled_config_is_read_or_refused_in_one_line(edits: list[tuple[int, int, str]]) -> None:
+    text = FULL
+    for at, cut, piece in edits:
+        at = min(at, len(text))
+        text = text[:at] + piece + text[at + cut:]
+    try:
+        c = parse_config(text, PATH)
+    except ModelConfigError as e:
+        assert str(e).startswith(PATH + ":") and "\n" not in str(e)
+        assert e.line is None or 1 <= e.line <= text.count("\n") + 1
+    else:
+        assert ModelConfig.from_json(c.to_json()) == c
