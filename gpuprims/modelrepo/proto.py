@@ -11,6 +11,7 @@ channel, no numpy).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import json_format, text_format
@@ -48,3 +49,14 @@ def from_dict(data: dict[str, Any]) -> Any:
 def to_text(msg: Any) -> str:
     """The message in ``config.pbtxt`` text format."""
     return text_format.MessageToString(msg)
+
+
+def text_from_dict(data: Mapping[str, Any]) -> str:
+    """``config.pbtxt`` text of config keys given as a mapping (apps.yaml's ``config:``), in the proto's
+    field names. A ``max_batch_size: 0`` the mapping writes is kept in the text, where protobuf would
+    drop it as a default: completion tells a written 0 (no batching) from an absent one. Raises
+    ``json_format.ParseError`` on a key or value the message does not have."""
+    text = to_text(from_dict(dict(data)))
+    if "max_batch_size" in data and from_dict({"max_batch_size": data["max_batch_size"]}).max_batch_size == 0:
+        text += "max_batch_size: 0\n"
+    return text

@@ -71,6 +71,11 @@ def test_a_written_max_batch_size_of_zero_is_kept(tmp_path: Path) -> None:
     assert c.signature.input("x y").dims == (-1, 3, -1)
     over = config_for_file(tmp_path / "z" / "1" / "model.onnx", "max_batch_size: 0")
     assert over.max_batch_size == 0 and over.signature.input("h").dims == (-1, 2)
+    # Config keys as a mapping (apps.yaml's config:) keep their written 0 through the text too.
+    text = proto.text_from_dict({"max_batch_size": 0, "instance_group": [{"count": 2}]})
+    over = config_for_file(tmp_path / "z" / "1" / "model.onnx", text)
+    assert over.max_batch_size == 0 and over.instance_groups[0].count == 2
+    assert config_for_file(tmp_path / "z" / "1" / "model.onnx", proto.text_from_dict({})).max_batch_size == 4
 
 
 def test_a_config_with_inputs_only_gets_the_outputs(tmp_path: Path) -> None:
