@@ -438,3 +438,30 @@ def test_a_served_batch_round_trips_through_the_helpers(models: Any, cache: Engi
     for i, req in enumerate(reqs):
         np.testing.assert_allclose(answers[i]["twice"], req["tokens"] * 2)
         assert answers[i]["peak"].shape == (1,) and answers[i]["peak"][0] == req["tokens"].max()
+
+
+# -- onnxruntime on the cuda backend (this machine's ORT is the CPU build) ---------------------------------
+def test_onnxruntime_gpu_providers_on_the_targets_stream(fake_cuda: Any, models: Any, tmp_path: Path) -> None:
+    from gpuprims.cuda.event import Stream
+
+    path, sig = models["multi"]
+    stream = Stream(0)
+    eng = make_file_engine("onnxruntime", path, sig, Target("cuda", device_index=0, stream=stream),
+                           {"provider": "tensorrt", "precision": "fp16"})
+    providers = eng._providers(tmp_path / "trt")
+    assert [p if isinstance(p, str) else p[0] for p in providers] == [
+        "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    trt_opts, cuda_opts = providers[0][1], providers[1][1]
+    assert cuda_opts["user_compute_stream"] == trt_opts["user_compute_stream"] == str(stream.handle)
+    assert trt_opts["trt_fp16_enable"] == "1" and trt_opts["trt_engine_cache_path"] == str(tmp_path / "trt")
+    # the device in the cache key comes from our CUDA layer, not torch's
+    assert eng.device_identity() == {"backend": "cuda", "fake": True, "name": fake_cuda.cuda_device_name(0),
+                                     "cc": "{}.{}".format(*fake_cuda.cuda_device_capability(0))}
+    with pytest.raises(EngineUnavailable, match=r"provider 'tensorrt' \(TensorrtExecutionProvider\) is not in this "
+                                                r"onnxruntime build .*onnxruntime-gpu"):
+        eng.prepare(EngineCache(tmp_path / "cache"))
+    # the cpu provider on a cuda node runs as on a cpu node
+    cpu_there = make_file_engine("onnxruntime", path, sig, Target("cuda"), {"provider": "cpu"})
+    cpu_there.prepare(EngineCache(tmp_path / "cache"))
+    x = fm.multi_inputs(2)
+    _assert_close(cpu_there.run(x), _direct(path, x), cpu_there.tolerance)
