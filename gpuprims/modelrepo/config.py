@@ -648,8 +648,16 @@ class _Builder:
             warmup=self.warmups(signature), accelerators=self.accelerators(fmt), parameters=params,
             ignored=tuple(self.ignored), source=self.source, message=m)
 
+    def enum_name(self, enum: Any, value: int, steps: list[Step]) -> str:
+        """The name of an enum value; protobuf takes numbers no enum value has (``data_type: 99``)."""
+        try:
+            return str(enum.Name(value))
+        except ValueError:
+            raise self.error(steps, f"{value} is not a value of {enum.DESCRIPTOR.name} (one of "
+                                    f"{', '.join(enum.keys())})") from None
+
     def _datatype(self, steps: list[Step], t: Any, what: str) -> DataType:
-        name = proto.pb.DataType.Name(t.data_type)
+        name = self.enum_name(proto.pb.DataType, t.data_type, [*steps, ("data_type", None)])
         if name == "TYPE_INVALID":
             raise self.error([*steps, ("data_type", None)], f"{what} {t.name!r} has no data_type")
         dt = DataType.from_config(name)
@@ -718,7 +726,9 @@ class _Builder:
         if db.HasField("default_queue_policy"):
             q = db.default_queue_policy
             policy = QueuePolicy(int(q.max_queue_size), int(q.default_timeout_microseconds),
-                                 TimeoutAction(proto.pb.ModelQueuePolicy.TimeoutAction.Name(q.timeout_action)),
+                                 TimeoutAction(self.enum_name(proto.pb.ModelQueuePolicy.TimeoutAction, q.timeout_action,
+                                                              [*steps, ("default_queue_policy", None),
+                                                               ("timeout_action", None)])),
                                  bool(q.allow_timeout_override))
         try:
             return DynamicBatching(int(db.max_queue_delay_microseconds), tuple(db.preferred_batch_size), policy,
@@ -730,7 +740,7 @@ class _Builder:
         out = []
         for i, g in enumerate(self.msg.instance_group):
             steps: list[Step] = [("instance_group", i)]
-            kind_name = proto.pb.ModelInstanceGroup.Kind.Name(g.kind)
+            kind_name = self.enum_name(proto.pb.ModelInstanceGroup.Kind, g.kind, [*steps, ("kind", None)])
             if kind_name == "KIND_MODEL":
                 raise self.error([*steps, ("kind", None)], "refused: KIND_MODEL (the model places itself) is not "
                                                            "supported: use KIND_GPU or KIND_CPU")
@@ -785,7 +795,7 @@ class _Builder:
                     spec = signature.input(key)
                 except ValueError as e:
                     raise self.error(isteps, f"warmup {name!r}: {e}") from None
-                dt_name = proto.pb.DataType.Name(inp.data_type)
+                dt_name = self.enum_name(proto.pb.DataType, inp.data_type, isteps)
                 dt = DataType.from_config(dt_name) if dt_name != "TYPE_INVALID" else None
                 if dt is not spec.datatype:
                     raise self.error(isteps, f"warmup {name!r}: input {key!r} is {dt_name}, the model takes "

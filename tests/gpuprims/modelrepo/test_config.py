@@ -203,6 +203,12 @@ ERRORS = [
      "BYTES tensors are not supported yet: input 'ids.0' is TYPE_STRING"),
     (BASE.replace("TYPE_BOOL", "TYPE_STRING"), 9, "output[1].data_type", "BYTES tensors are not supported yet"),
     (BASE.replace(' data_type: TYPE_INT64', ''), 6, "input[1].data_type", "has no data_type"),
+    (BASE.replace('TYPE_INT64', '99'), 6, "input[1].data_type", "99 is not a value of DataType (one of TYPE_INVALID"),
+    (BASE + 'instance_group {\n kind: 7 }', 11, "instance_group[0].kind", "7 is not a value of Kind"),
+    (BASE + 'dynamic_batching { default_queue_policy {\n timeout_action: 5 } }', 11,
+     "dynamic_batching.default_queue_policy.timeout_action", "5 is not a value of TimeoutAction"),
+    (BASE + 'model_warmup { name: "w"\n inputs { key: "x y" value: { data_type: 42 dims: [ 3, 1 ] '
+     'zero_data: true } } }', 11, "model_warmup[0].inputs['x y']", "42 is not a value of DataType"),
     (BASE.replace('name: "ids.0"', 'name: "x y"'), 6, "input[1].name", "repeated"),
     (BASE.replace('{ name: "ids.0" ', '{ '), 6, "input[1].name", "has no name"),
     (BASE.replace('dims: [ 4 ] }', 'dims: [ 4 ]\n reshape: { shape: [ 2, 3 ] } }'), 7, "input[1].reshape",
@@ -449,7 +455,7 @@ def test_records_validate_at_construction() -> None:
     assert VersionPolicy("specific", versions=(3, 1)).missing([1, 2]) == (3,)
 
 
-_PIECES = ["{", "}", "[", "]", ":", ",", '"', "-1", "0", "-7", "TYPE_STRING", "KIND_MODEL", "\n", " ",
+_PIECES = ["{", "}", "[", "]", ":", ",", '"', "-1", "0", "-7", "99", "TYPE_STRING", "KIND_MODEL", "\n", " ",
            "name", "dims", "input", "reshape", "shape", "max_batch_size", "parameters", "key", "value", "true"]
 
 
