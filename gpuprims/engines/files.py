@@ -63,6 +63,13 @@ FILE_TYPES: dict[str, str] = {
 }
 
 
+#: The suffixes each kind takes (the classes' ``suffixes``, here too so that choosing a kind imports none).
+_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "onnxruntime": (".onnx",), "openvino": (".onnx", ".xml"), "torchscript": (".pt", ".pth"),
+    "torch_export": (".pt2",), "compile": (".pt2",), "tensorrt": (".plan", ".engine"),
+}
+
+
 def default_file_kind(path: str | Path) -> str:
     """The kind that serves ``path`` when the configuration names none (by its suffix); EngineError
     names the suffixes known."""
@@ -72,6 +79,29 @@ def default_file_kind(path: str | Path) -> str:
         raise EngineError(f"model file {str(path)!r}: no engine serves {suffix or 'files without a suffix'} "
                           f"(known: {', '.join(DEFAULT_KIND_BY_SUFFIX)})")
     return kind
+
+
+def file_kinds_for(path: str | Path) -> list[str]:
+    """Every kind that takes ``path`` by its suffix (the default first); builds and imports nothing."""
+    suffix = Path(path).suffix.lower()
+    default = DEFAULT_KIND_BY_SUFFIX.get(suffix)
+    takes = [k for k in FILE_KINDS if suffix in _SUFFIXES.get(k, ())]
+    return sorted(takes, key=lambda k: k != default)
+
+
+def resolve_file_kind(kind: str | None, path: str | Path) -> str:
+    """The file engine kind an app's ``engine:`` means for ``path``: a file kind as it is; None, or
+    ``eager`` for a torch file (the file run by torch as it is: ``torchscript`` for .pt, ``torch_export``
+    for .pt2), the file's default kind. Anything else is an EngineError naming the kinds that take the
+    file."""
+    if kind in FILE_KINDS:
+        return kind  # type: ignore[return-value]
+    suffix = Path(path).suffix.lower()
+    if kind is None or (kind == "eager" and suffix in (".pt", ".pth", ".pt2")):
+        return default_file_kind(path)
+    takes = file_kinds_for(path)
+    raise EngineError(f"engine {kind!r} does not run model files like {Path(path).name}; "
+                      + (f"it runs on {', '.join(takes)}" if takes else f"known file kinds: {', '.join(FILE_KINDS)}"))
 
 
 def file_fingerprint(path: str | Path, related: Sequence[str | Path] = ()) -> str:
@@ -398,11 +428,12 @@ def check_file_engine(kind: str, backend: str, options: Mapping[str, Any] | None
     file_engine_class(kind).check(backend, options)
 
 
-def make_file_engine(kind: str, path: str | Path, signature: ModelSignature, target: Target,
+def make_file_engine(kind: str | None, path: str | Path, signature: ModelSignature, target: Target,
                      options: Mapping[str, Any] | None = None, fingerprint: str | None = None) -> FileEngine:
-    """An unprepared engine of ``kind`` for the file (call :meth:`FileEngine.prepare` before
-    :meth:`FileEngine.run`). ``fingerprint``: the file's content hash, when the caller has it."""
-    return file_engine_class(kind)(path, signature, target, options, fingerprint)
+    """An unprepared engine for the file (call :meth:`FileEngine.prepare` before :meth:`FileEngine.run`):
+    ``kind`` as :func:`resolve_file_kind` reads it. ``fingerprint``: the file's content hash, when the
+    caller has it."""
+    return file_engine_class(resolve_file_kind(kind, path))(path, signature, target, options, fingerprint)
 
 
 # -- batching requests of a batched model -----------------------------------------------------------------

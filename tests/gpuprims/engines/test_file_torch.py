@@ -77,6 +77,7 @@ def test_inputs_bound_in_the_signatures_order_when_nothing_names_them(tmp_path: 
     eng = make_file_engine("torchscript", path, plain, CPU)
     eng.prepare(cache)
     assert eng.describe()["binding"] == "in order"
+    assert make_file_engine("eager", path, plain, CPU).kind == "torchscript"  # apps.yaml's default engine
     x, y = fm.torch_inputs(3)
     got = eng.run({"b": y, "a": x}, outputs=["q"])
     assert list(got) == ["q"]

@@ -27,7 +27,9 @@ from gpuprims.engines.files import (
     default_file_kind,
     file_engine_class,
     file_fingerprint,
+    file_kinds_for,
     make_file_engine,
+    resolve_file_kind,
     split,
     stack,
 )
@@ -279,6 +281,19 @@ def test_registry_names_every_kind() -> None:
         ["onnxruntime", "openvino", "torchscript", "torch_export", "tensorrt"]
     with pytest.raises(EngineError, match=r"no engine serves \.pb"):
         default_file_kind("model.pb")
+    for kind in FILE_KINDS:  # the registry's suffix table is the classes' own
+        assert file_engine_class(kind).suffixes == tuple(
+            s for s in (".onnx", ".xml", ".pt", ".pth", ".pt2", ".plan", ".engine") if kind in file_kinds_for(f"m{s}"))
+    assert file_kinds_for("m.onnx") == ["onnxruntime", "openvino"] and file_kinds_for("m.pt2")[0] == "torch_export"
+    # what an app's engine: means for a file
+    assert resolve_file_kind("openvino", "m.onnx") == "openvino" and resolve_file_kind(None, "m.plan") == "tensorrt"
+    assert resolve_file_kind("eager", "m.pt") == "torchscript" and resolve_file_kind("eager", "m.pt2") == "torch_export"
+    with pytest.raises(EngineError, match=r"engine 'eager' does not run model files like m.onnx; it runs on "
+                                          r"onnxruntime, openvino"):
+        resolve_file_kind("eager", "m.onnx")
+    with pytest.raises(EngineError, match=r"engine 'cudagraph' does not run model files like m.pt2; it runs on "
+                                          r"torch_export, compile"):
+        resolve_file_kind("cudagraph", "m.pt2")
 
 
 @pytest.mark.parametrize(("kind", "backend", "options", "error", "match"), [
