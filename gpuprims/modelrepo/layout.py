@@ -144,8 +144,15 @@ def read_model(model_dir: str | Path, previous: RepositoryModel | None = None,
     same :func:`stat_key`, so an unchanged gigabyte file is not read again. ``torch_ok`` False keeps
     torch out of the calling process (:func:`gpuprims.modelrepo.config.load_config`)."""
     d = Path(model_dir)
-    name = d.name
     digest = _config_digest(d)
+    try:
+        return _read_model(d, previous, torch_ok, digest)
+    except OSError as e:  # a directory that cannot be listed, a file that vanished while read
+        return _failed(d.name, d, str(ModelConfigError(str(d), None, "model", f"cannot be read: {e}")), digest)
+
+
+def _read_model(d: Path, previous: RepositoryModel | None, torch_ok: bool, digest: str | None) -> RepositoryModel:
+    name = d.name
     try:
         config = load_config(d, torch_ok)
     except ModelConfigError as e:
@@ -204,8 +211,11 @@ def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = 
     :class:`RepositoryError` when ``repo_dir`` is not a directory."""
     root = _repository(repo_dir)
     before = previous or {}
-    return [read_model(p, before.get(p.name), torch_ok) for p in sorted(root.iterdir(), key=lambda q: q.name)
-            if p.is_dir() and not p.name.startswith(".")]
+    try:
+        dirs = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda q: q.name)
+    except OSError as e:
+        raise RepositoryError(f"model repository {str(root)!r} cannot be listed: {e}") from None
+    return [read_model(p, before.get(p.name), torch_ok) for p in dirs]
 
 
 def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None = None,

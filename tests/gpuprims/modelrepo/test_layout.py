@@ -164,6 +164,26 @@ def test_a_repository_that_is_not_a_directory(tmp_path: Path) -> None:
     assert scan(tmp_path) == []
 
 
+def test_an_unreadable_model_or_repository_is_an_error_not_a_crash(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuprims.modelrepo import formats
+
+    d = _model(tmp_path, "m")
+    real = formats.version_dirs
+
+    def denied(model_dir: str | Path) -> dict[int, Path]:
+        if Path(model_dir) == d:
+            raise PermissionError(13, "Permission denied", str(model_dir))
+        return real(model_dir)
+
+    monkeypatch.setattr(formats, "version_dirs", denied)
+    m = read_model(d)
+    assert m.error is not None and m.error.startswith(f"{d}: model: cannot be read: ") and "Permission denied" in m.error
+    monkeypatch.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(RepositoryError, match="cannot be listed"):
+        scan(tmp_path)
+
+
 def test_records_hold_their_invariants(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a config and a version"):
         RepositoryModel("m", str(tmp_path), None)
