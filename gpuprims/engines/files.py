@@ -374,6 +374,11 @@ class FileEngine(abc.ABC):
                                           f"the signature gives [{','.join(map(str, want))}]"
                                           + (" (with the batch dimension first: max_batch_size "
                                              f"{sig.max_batch_size})" if sig.batched else " (max_batch_size 0)"))
+                    if what == "input" and sig.batched and shape and shape[0] is not None \
+                            and shape[0] < sig.max_batch_size:
+                        raise EngineError(f"{where}: input {spec.name!r} has a fixed first dimension of {shape[0]}, "
+                                          f"so it takes no batch of up to {sig.max_batch_size} (max_batch_size): "
+                                          "export the model with a dynamic batch axis, or set max_batch_size 0")
         names = {s.name for s in sig.inputs}
         extra = [n for n in inputs if n not in names]
         if extra:

@@ -386,6 +386,22 @@ def test_a_signature_the_file_disagrees_with_is_refused_at_prepare(kind: str, mo
 
 
 @pytest.mark.parametrize("kind", ONNX_KINDS)
+def test_a_fixed_batch_dimension_is_refused_for_a_batched_signature(kind: str, models: Any, tmp_path: Path,
+                                                                    cache: EngineCache) -> None:
+    import onnx
+
+    path, sig = models["multi"]
+    fixed = onnx.load(str(path))
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2  # 'image in' exported at batch 2
+    fixed_path = tmp_path / "fixed.onnx"
+    onnx.save(fixed, str(fixed_path))
+    with pytest.raises(EngineError, match=r"input 'image in' has a fixed first dimension of 2, so it takes no batch "
+                                          r"of up to 8 \(max_batch_size\): export the model with a dynamic batch "
+                                          r"axis, or set max_batch_size 0"):
+        make_file_engine(kind, fixed_path, sig, CPU).prepare(cache)
+
+
+@pytest.mark.parametrize("kind", ONNX_KINDS)
 def test_requests_that_do_not_fit_are_signature_errors(kind: str, models: Any, cache: EngineCache) -> None:
     path, sig = models["multi"]
     eng = make_file_engine(kind, path, sig, CPU)
