@@ -29,8 +29,8 @@ class ParamShare:
 
     def key(self, app: AppConfig) -> str | None:
         """Instances with the same key have identical weights and share one copy."""
-        if not self.enabled or app.is_dag or not app.model:
-            return None
+        if not self.enabled or app.is_dag or not app.model or app.file is not None:
+            return None  # (a model file's engine holds its own copy of the weights)
         if not engine_class(app.engine.kind).uses_torch_weights:
             return None  # the engine runs its own copy of the weights (an ONNX session, a plan...)
         return f"{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}"

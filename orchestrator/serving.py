@@ -503,11 +503,13 @@ class ServingLoop:
         """A request's deadline in ms on CLOCK_MONOTONIC (the clock the scheduler plans on)."""
         return int(row["first_ns"]) / 1e6 + self._deadline_ms(row)
 
-    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray, compute_s: float = 0.0) -> None:
+    def _answer(self, recs: np.ndarray, info: np.ndarray, logits: np.ndarray, compute_s: float = 0.0,
+                dtype: DType | None = None) -> None:
         """The seam every serving mode answers through: OK with the results, published in one store each
-        to the answer ring (the ingest sends them)."""
+        to the answer ring (the ingest sends them). ``dtype`` names the body's wire dtype where the rows'
+        numpy dtype does not (a multi-tensor body is TENSORS, not UINT8)."""
         try:
-            self.consumer.answer(recs, info, Status.OK, logits)
+            self.consumer.answer(recs, info, Status.OK, logits, dtype=dtype)
         except ValueError as e:  # a result row larger than the answer ring takes: a config problem
             log.error("%s: cannot answer %d requests: %s", self.spec.name, recs.size, e)
             self.fail(recs, info, Status.INTERNAL)

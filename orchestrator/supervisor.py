@@ -57,6 +57,15 @@ SHADOW_BACKOFF_MAX_S = 30.0
 SHADOW_IMPORT_NICE = 10
 
 
+def file_fields(app: AppConfig) -> dict[str, Any]:
+    """The instance spec's model-file fields of ``app`` (none for a zoo or module:factory model)."""
+    if app.file is None:
+        return {}
+    f = app.file
+    return {"model_config": f.config_json, "model_path": f.path, "model_version": f.version,
+            "model_fingerprint": f.fingerprint or None}
+
+
 
 class Supervisor:
     """The instance processes of one node (see the module docstring)."""
@@ -128,6 +137,7 @@ class Supervisor:
             prewarm=defer_init and self.backend == "cpu" and not scheduled,
             engine=engine.kind, engine_options=dict(engine.options) or None,
             engine_cache=self.cfg.node.engine_cache,
+            **file_fields(app),
         )
         env = dict(os.environ)
         env.update(instance_env(self.server.address, name, self.token))

@@ -222,12 +222,12 @@ class TorchFileEngine(FileEngine):
         return self.model(*args)
 
     def _run(self, feed: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        args = self._args(feed)
+        # on cuda the copies in, the model and the copies out all go on the target's stream, in order
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), ctx:
-            result = self._call(args)
-        named = map_outputs(result, self.signature, self.kind)
-        return {name: to_numpy(named[name], name) for name in outputs}
+            result = self._call(self._args(feed))
+            named = map_outputs(result, self.signature, self.kind)
+            return {name: to_numpy(named[name], name) for name in outputs}
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
