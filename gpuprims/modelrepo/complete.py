@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gpuprims.modelrepo import formats, proto
 from gpuprims.modelrepo.errors import ModelConfigError, TextIndex
-from gpuprims.tensors import DataType
+from gpuprims.tensors import DataType, ModelSignature
 
 #: Triton's default ``max_batch_size`` for an auto-completed model that can batch.
 DEFAULT_MAX_BATCH_SIZE = 4
@@ -67,6 +67,17 @@ _TRT_TYPES: dict[str, DataType] = {
     "FLOAT": DataType.FP32, "HALF": DataType.FP16, "BF16": DataType.BF16, "INT8": DataType.INT8,
     "INT32": DataType.INT32, "INT64": DataType.INT64, "BOOL": DataType.BOOL, "UINT8": DataType.UINT8,
 }
+
+
+class ModelConfigLike(Protocol):
+    """What :func:`check_model_file` reads of a ``ModelConfig`` (config.py imports this module, so it
+    names the record by its shape)."""
+
+    @property
+    def model_format(self) -> str: ...
+
+    @property
+    def signature(self) -> ModelSignature: ...
 
 
 @dataclass(frozen=True)
@@ -343,3 +354,52 @@ def plan_signature(path: Path) -> FileSignature:
             top = int(engine.get_tensor_profile_shape(name, 0)[2][0])
             max_batch = top if max_batch is None else min(max_batch, top)
     return _nonempty(path, tuple(inputs), tuple(outputs), max_batch)
+
+
+def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool = False) -> None:
+    """Check a config's inputs and outputs against what its model file declares, as Triton does when it
+    loads a model: every tensor the config lists is the file's, of the same datatype and rank (plus the
+    batch dimension when ``max_batch_size`` > 0), each fixed size equal where the file fixes it (the
+    ``reshape`` is what the file sees where there is one); every input the file takes is listed. Files
+    that declare nothing checkable (TorchScript; a torch.export program when ``torch_ok`` is False; a plan
+    without ``tensorrt``) pass unchecked. Raises :class:`ModelConfigError` naming the file and tensor."""
+    p = Path(path)
+    fmt = config.model_format
+    try:
+        if fmt == "torchscript" or (fmt == "torch_export" and not torch_ok):
+            return
+        sig = read_file_signature(p, fmt, torch_ok)
+    except ModelConfigError as e:
+        if fmt == "tensorrt_plan" and e.field == "input":
+            return  # no tensorrt here: the engine checks the plan where it loads it
+        raise
+    batched = config.signature.max_batch_size > 0
+    for what, specs, have in (("input", config.signature.inputs, sig.inputs),
+                              ("output", config.signature.outputs, sig.outputs)):
+        by_name = {t.name: t for t in have}
+        for i, spec in enumerate(specs):
+            fld = f"{what}[{i}]"
+            t = by_name.get(spec.name)
+            if t is None:
+                raise ModelConfigError(str(p), None, fld, f"the model file has no {what} {spec.name!r} (its {what}s: "
+                                                          f"{', '.join(repr(n) for n in by_name)})")
+            if t.datatype is not spec.datatype:
+                raise ModelConfigError(str(p), None, f"{fld}.data_type",
+                                       f"{what} {spec.name!r} is {t.datatype.config_name} in the model file, "
+                                       f"{spec.datatype.config_name} in the config")
+            want = list(spec.reshape if spec.reshape is not None else spec.dims)
+            if batched:
+                want = [-1, *want]
+            got = list(t.shape)
+            # A size the file fixes must be the config's (a config -1 there would take requests the model
+            # refuses); a size the file leaves dynamic takes whatever the config says.
+            if len(got) != len(want) or any(g != -1 and g != w for g, w in zip(got, want)):
+                raise ModelConfigError(str(p), None, f"{fld}.dims",
+                                       f"{what} {spec.name!r} has shape {got} in the model file; the config gives "
+                                       f"{want} (-1: any size{', the first the batch' if batched else ''})")
+        if what == "input":
+            listed = {s.name for s in specs}
+            extra = [t.name for t in have if t.name not in listed]
+            if extra:
+                raise ModelConfigError(str(p), None, "input", f"the model file takes inputs {extra} the config "
+                                                              "does not list")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuprims.modelrepo import formats
+from gpuprims.modelrepo.complete import check_model_file
 from gpuprims.modelrepo.config import ModelConfig, load_config
 from gpuprims.modelrepo.errors import ModelConfigError
 
@@ -138,20 +139,24 @@ def _failed(name: str, d: Path, error: str, digest: str | None) -> RepositoryMod
 
 
 def read_model(model_dir: str | Path, previous: RepositoryModel | None = None,
-               torch_ok: bool = True) -> RepositoryModel:
+               torch_ok: bool = True, check_files: bool = True) -> RepositoryModel:
     """The model of one directory (named by it), loaded or carrying its error. ``previous`` (this
     model's last reading, in ``poll`` mode) lends its fingerprints to versions whose files have the
     same :func:`stat_key`, so an unchanged gigabyte file is not read again. ``torch_ok`` False keeps
-    torch out of the calling process (:func:`gpuprims.modelrepo.config.load_config`)."""
+    torch out of the calling process (:func:`gpuprims.modelrepo.config.load_config`). ``check_files``:
+    each served version's file is checked against the config as Triton checks it at load
+    (:func:`gpuprims.modelrepo.complete.check_model_file`: a file it cannot parse, a tensor it does not
+    have, another datatype or shape), unless ``previous`` checked the same file under the same config."""
     d = Path(model_dir)
     digest = _config_digest(d)
     try:
-        return _read_model(d, previous, torch_ok, digest)
+        return _read_model(d, previous, torch_ok, check_files, digest)
     except OSError as e:  # a directory that cannot be listed, a file that vanished while read
         return _failed(d.name, d, str(ModelConfigError(str(d), None, "model", f"cannot be read: {e}")), digest)
 
 
-def _read_model(d: Path, previous: RepositoryModel | None, torch_ok: bool, digest: str | None) -> RepositoryModel:
+def _read_model(d: Path, previous: RepositoryModel | None, torch_ok: bool, check_files: bool,
+                digest: str | None) -> RepositoryModel:
     name = d.name
     try:
         config = load_config(d, torch_ok)
@@ -178,13 +183,17 @@ def _read_model(d: Path, previous: RepositoryModel | None, torch_ok: bool, diges
         try:
             key = stat_key(vdir)
             before = previous.versions.get(v) if previous is not None else None
-            if before is not None and before.stat_key == key and before.directory == str(vdir):
-                fp = before.fingerprint
-            else:
-                fp = fingerprint(vdir)
+            unchanged = before is not None and before.stat_key == key and before.directory == str(vdir)
+            fp = before.fingerprint if before is not None and unchanged else fingerprint(vdir)
         except OSError as e:
             return _failed(name, d, str(ModelConfigError(str(vdir), None, "version", f"cannot be read: {e}")),
                            digest)
+        checked = unchanged and previous is not None and previous.config == config
+        if check_files and not checked:
+            try:
+                check_model_file(config, path, torch_ok)
+            except ModelConfigError as e:
+                return _failed(name, d, str(e), digest)
         versions[v] = VersionFiles(v, str(vdir), str(path), fp, key)
     for w in config.warmup:
         for inp in w.inputs:
@@ -204,10 +213,11 @@ def _repository(repo_dir: str | Path) -> Path:
 
 
 def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = None,
-         torch_ok: bool = True) -> list[RepositoryModel]:
+         torch_ok: bool = True, check_files: bool = True) -> list[RepositoryModel]:
     """Every model of the repository, by name: each subdirectory not starting with ``.``. A model that
     fails carries its error; the others are unaffected. ``previous`` (the last scan's models by name,
-    ``poll`` mode) saves re-reading unchanged files (:func:`read_model`). Raises
+    ``poll`` mode) saves re-reading unchanged files (:func:`read_model`, which says what ``torch_ok`` and
+    ``check_files`` do). Raises
     :class:`RepositoryError` when ``repo_dir`` is not a directory."""
     root = _repository(repo_dir)
     before = previous or {}
@@ -215,11 +225,11 @@ def scan(repo_dir: str | Path, previous: Mapping[str, RepositoryModel] | None = 
         dirs = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda q: q.name)
     except OSError as e:
         raise RepositoryError(f"model repository {str(root)!r} cannot be listed: {e}") from None
-    return [read_model(p, before.get(p.name), torch_ok) for p in dirs]
+    return [read_model(p, before.get(p.name), torch_ok, check_files) for p in dirs]
 
 
 def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None = None,
-               torch_ok: bool = True) -> RepositoryModel:
+               torch_ok: bool = True, check_files: bool = True) -> RepositoryModel:
     """One model of the repository by name (explicit mode's load). A name that is not a plain directory
     name (empty, a path, hidden) raises :class:`RepositoryError`; a model with no directory comes back
     with that error."""
@@ -230,4 +240,4 @@ def load_model(repo_dir: str | Path, name: str, previous: RepositoryModel | None
     d = root / name
     if not d.is_dir():
         return _failed(name, d, str(ModelConfigError(str(d), None, "model", f"no model {name!r} in {root}")), None)
-    return read_model(d, previous, torch_ok)
+    return read_model(d, previous, torch_ok, check_files)

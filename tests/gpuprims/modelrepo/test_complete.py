@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpuprims.modelrepo import ModelConfigError, complete, config_for_file, load_config, proto
+from gpuprims.modelrepo import ModelConfigError, complete, config_for_file, load_config, parse_config, proto
 from gpuprims.modelrepo.complete import DEFAULT_MAX_BATCH_SIZE, read_file_signature
 from gpuprims.tensors import DataType
 from tests.gpuprims.modelrepo import onnxmodels
@@ -335,3 +335,61 @@ def test_completion_fills_the_message_the_instance_receives(tmp_path: Path) -> N
     complete.complete_message(msg, tmp_path / "multi", str(tmp_path / "multi" / "config.pbtxt"))
     assert [t.name for t in msg.input] == [n for n, _, _ in onnxmodels.MULTI_INPUTS]
     assert msg.platform == "onnxruntime_onnx" and msg.max_batch_size == 4
+
+
+CHECKED = [
+    # (a change to the completed multi config's text, field, words)
+    (lambda t: t.replace('"ids.0"', '"ids_0"', 1), "input[1]", "the model file has no input 'ids_0'"),
+    (lambda t: t.replace('TYPE_BOOL', 'TYPE_UINT8', 1), "input[2].data_type",
+     "input 'mask' is TYPE_BOOL in the model file, TYPE_UINT8 in the config"),
+    (lambda t: t.replace('dims: 4\n', 'dims: 4\n  dims: 1\n', 1), "input[1].dims",
+     "input 'ids.0' has shape [-1, 4] in the model file; the config gives [-1, 4, 1]"),
+    (lambda t: t.replace('dims: 2\n', 'dims: 3\n', 1), "input[3].dims", "has shape [-1, 2]"),
+    (lambda t: t.replace('dims: 4\n', 'dims: -1\n', 1), "input[1].dims", "gives [-1, -1]"),
+    (lambda t: t.replace('max_batch_size: 4', 'max_batch_size: 0'), "input[0].dims", "has shape [-1, 3, -1]"),
+    (lambda t: t.replace('name: "h2"', 'name: "h3"'), "output[3]", "no output 'h3'"),
+]
+
+
+@pytest.mark.parametrize(("change", "fld", "words"), CHECKED, ids=[c[1] for c in CHECKED])
+def test_a_config_is_checked_against_its_file(tmp_path: Path, change: Any, fld: str, words: str) -> None:
+    p = onnxmodels.multi(tmp_path / "m" / "1" / "model.onnx")
+    good = load_config(tmp_path / "m")
+    complete.check_model_file(good, p)
+    text = change(proto.to_text(good.message))
+    assert text != proto.to_text(good.message)
+    cfg = parse_config(text, str(tmp_path / "m" / "config.pbtxt"))
+    with pytest.raises(ModelConfigError) as ei:
+        complete.check_model_file(cfg, p)
+    assert str(ei.value).startswith(f"{p}: {fld}: ") and words in str(ei.value), str(ei.value)
+
+
+def test_the_check_needs_every_input_the_file_takes_and_sees_the_reshape(tmp_path: Path) -> None:
+    p = onnxmodels.fixed(tmp_path / "f" / "1" / "model.onnx")
+    cfg = parse_config('platform: "onnxruntime_onnx"\ninput { name: "in" data_type: TYPE_FP32 dims: [ 6 ] '
+                       'reshape { shape: [ 2, 3 ] } }\noutput { name: "total" data_type: TYPE_FP32 dims: [ 2 ] }\n',
+                       str(tmp_path / "f" / "config.pbtxt"))
+    complete.check_model_file(cfg, p)
+    q = onnxmodels.multi(tmp_path / "m" / "1" / "model.onnx")
+    partial = parse_config('platform: "onnxruntime_onnx"\nmax_batch_size: 2\n'
+                           'input { name: "x y" data_type: TYPE_FP32 dims: [ 3, -1 ] }\n'
+                           'output { name: "h2" data_type: TYPE_FP16 dims: [ 2 ] }\n', str(tmp_path / "m" / "c"))
+    with pytest.raises(ModelConfigError, match=r"takes inputs \['ids.0', 'mask', 'h'\] the config does not list"):
+        complete.check_model_file(partial, q)
+
+
+def test_files_without_a_checkable_signature_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ('platform: "%s"\ninput { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3 ] }\n'
+            'output { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3 ] }\n')
+    for platform, name in (("pytorch_libtorch", "model.pt"), ("tensorrt_plan", "model.plan")):
+        p = tmp_path / name
+        p.write_bytes(b"plan")
+        monkeypatch.setitem(sys.modules, "tensorrt", None)
+        complete.check_model_file(parse_config(text % platform, str(tmp_path / "config.pbtxt")), p)
+    pt2 = tmp_path / "model.pt2"
+    pt2.write_bytes(b"PK")
+    cfg = parse_config((text % "").replace('platform: ""', 'backend: "pytorch" default_model_filename: "model.pt2"'),
+                       str(tmp_path / "config.pbtxt"))
+    complete.check_model_file(cfg, pt2)  # torch_ok False: not loaded here
+    with pytest.raises(ModelConfigError, match=r"not a loadable torch\.export program"):
+        complete.check_model_file(cfg, pt2, torch_ok=True)

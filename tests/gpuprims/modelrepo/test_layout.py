@@ -210,15 +210,35 @@ def test_a_rescan_reuses_fingerprints_of_unchanged_files(tmp_path: Path, monkeyp
     d = _model(tmp_path, "m", versions=(1, 2), config=CONFIG + "version_policy: { all: { } }")
     first = scan(tmp_path)
     read: list[str] = []
-    real = layout.fingerprint
+    checked: list[str] = []
+    real, real_check = layout.fingerprint, layout.check_model_file
     monkeypatch.setattr(layout, "fingerprint", lambda p: read.append(Path(p).name) or real(p))
+    monkeypatch.setattr(layout, "check_model_file",
+                        lambda c, p, t: checked.append(Path(p).parent.name) or real_check(c, p, t))
     again = scan(tmp_path, {m.name: m for m in first})
-    assert read == [] and again == first  # nothing read again, the same fingerprints
-    data = (d / "2" / "model.onnx").read_bytes()
-    (d / "2" / "model.onnx").write_bytes(data + b"\0")  # a changed file: its version is read again
+    assert read == [] and checked == [] and again == first  # nothing read again, the same fingerprints
+    import onnx
+
+    model = onnx.load(str(d / "2" / "model.onnx"))
+    model.doc_string = "retrained"
+    onnx.save(model, str(d / "2" / "model.onnx"))  # a changed file: its version is read again
     third = read_model(d, again[0])
-    assert read == ["2"] and third.versions[1] == again[0].versions[1]
+    assert third.ok, third.error
+    assert read == ["2"] and checked == ["2"] and third.versions[1] == again[0].versions[1]
     assert third.versions[2].fingerprint != again[0].versions[2].fingerprint and third.digest != again[0].digest
+
+
+def test_a_served_file_is_checked_against_the_config(tmp_path: Path) -> None:
+    d = _model(tmp_path, "m", versions=(1, 2), config=CONFIG.replace('"in"', '"image"'))
+    m = read_model(d)
+    assert m.error == (f"{d / '2' / 'model.onnx'}: input[0]: the model file has no input 'image' (its "
+                       "inputs: 'in')")
+    assert read_model(d, check_files=False).ok  # the engine finds it later
+    e = _model(tmp_path, "corrupt", versions=(1,))
+    (e / "1" / "model.onnx").write_bytes(b"\x08\x07 not onnx \xff")
+    m = read_model(e)
+    assert m.error is not None and m.error.startswith(f"{e / '1' / 'model.onnx'}: model file: not a "
+                                                      "readable ONNX model")
 
 
 def test_a_warmup_data_file_must_be_in_warmup(tmp_path: Path) -> None:
