@@ -221,10 +221,13 @@ class LocalPort:
         self.fd = int(ingest._native.local_fd(self.index))
         self._finalizer = weakref.finalize(self, ingest._native.local_close, self.index)
 
-    def submit(self, app_id: int, rows: np.ndarray, *, token0: int, deadline_us: int = 0) -> None:
+    def submit(self, app_id: int, rows: np.ndarray, *, token0: int, deadline_us: int = 0,
+               dtype: DType | None = None) -> None:
         """Place each row of ``rows`` (``[n, ...]``, a wire dtype) into the pool as one complete request
         of ``app_id``; row i is answered with token ``token0 + i``. The rows are copied before this
-        returns; ``deadline_us`` is the requests' deadline as in the wire header (0: the app's SLO).
+        returns; ``deadline_us`` is the requests' deadline as in the wire header (0: the app's SLO);
+        ``dtype`` the wire dtype the requests carry where the rows' numpy dtype does not say it (a
+        multi-tensor body, TENSORS, travels as uint8 rows).
         """
         if not 0 <= app_id <= 0xFFFF:
             raise ValueError(f"app_id must be in 0..65535, got {app_id}")
@@ -235,7 +238,8 @@ class LocalPort:
         arr = np.ascontiguousarray(rows)
         if arr.ndim < 1 or arr.shape[0] == 0 or arr.nbytes == 0:
             raise ValueError(f"rows must be a non-empty [n, ...] array, got shape {arr.shape}")
-        dtype = DType.from_numpy(arr.dtype)
+        if dtype is None:
+            dtype = DType.from_numpy(arr.dtype)
         self.ingest._native.submit(self.index, app_id, arr.reshape(arr.shape[0], -1).view(np.uint8), int(dtype),
                                    int(deadline_us), int(token0))
 

@@ -218,12 +218,13 @@ class Consumer:
         return out[:n].copy()
 
     def answer(self, recs: np.ndarray, info: np.ndarray, statuses: np.ndarray | int,
-               body: np.ndarray | None = None, *, timeout_s: float = 5.0) -> None:
+               body: np.ndarray | None = None, *, timeout_s: float = 5.0, dtype: DType | None = None) -> None:
         """Answer requests: the ingest sends each one's response and recycles its record.
 
         ``info`` is what :meth:`PacketPool.requests` returned for ``recs`` when they were polled (its
         generations tell a request from a later one in the same record), ``statuses`` one Status per
-        request (or one for all), ``body`` one result row per request (sent only with OK). Each answer
+        request (or one for all), ``body`` one result row per request (sent only with OK), whose wire
+        dtype is ``dtype`` when given (else the one of its numpy dtype, or BYTES). Each answer
         is published with one store, so a request is answered once even if this process dies halfway:
         the ingest sends what was published and takes back the rest.
 
@@ -241,15 +242,16 @@ class Consumer:
         if st.shape != (n,):
             raise ValueError(f"need {n} statuses, got shape {st.shape}")
         rows = None
-        dtype = DType.BYTES
+        given, dtype = dtype, (DType.BYTES if dtype is None else dtype)
         if body is not None:
             body = np.ascontiguousarray(body)
             if body.shape[0] != n:
                 raise ValueError(f"need {n} body rows, got {body.shape[0]}")
-            try:
-                dtype = DType.from_numpy(body.dtype)
-            except ValueError:
-                dtype = DType.BYTES
+            if given is None:
+                try:
+                    dtype = DType.from_numpy(body.dtype)
+                except ValueError:
+                    dtype = DType.BYTES
             rows = body.reshape(n, -1).view(np.uint8)
         gens = np.ascontiguousarray(info["generation"], dtype=np.uint32)
         done = self.pool.native.answer(self.index, recs, gens, st, rows, int(dtype), int(timeout_s * 1e6))

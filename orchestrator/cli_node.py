@@ -19,13 +19,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
 from apps.zoo.names import known_names
 from gpuprims.backend import resolve_backend
 from orchestrator.cli_control import echo_removed, named_dir, runtime_base, sweep_dead
-from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config
+from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config, parse_config
 from orchestrator.control import make_run_dir
 from orchestrator.logs import setup_logging
 from orchestrator.monitor import Monitor
@@ -70,6 +71,40 @@ def _check_engines(cfg: NodeConfig, source: str) -> None:
         raise click.ClickException(str(ConfigError(source, problems)))
 
 
+#: The node a bare ``start --model-repository DIR`` runs: Triton's ports on loopback, UDP beside them.
+REPOSITORY_DEFAULTS: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": 9000}, "http_port": 8000,
+                                       "grpc_port": 8001}
+
+
+def _load(config: str | None, model_repository: str | None, load_models: tuple[str, ...] = (),
+          control_mode: str | None = None) -> tuple[NodeConfig, str]:
+    """The node's config and the name to give it in messages: CONFIG (its node.model_repository replaced
+    by ``model_repository`` when given), or, without CONFIG, a node of :data:`REPOSITORY_DEFAULTS` serving
+    ``model_repository``."""
+    extra: dict[str, Any] = {}
+    if model_repository is not None:
+        extra["model_repository"] = str(Path(model_repository).expanduser().absolute())
+    if control_mode is not None:
+        extra["model_control_mode"] = control_mode
+    if load_models:
+        extra["load_models"] = list(load_models)
+        extra.setdefault("model_control_mode", "explicit")
+    if config is None:
+        if model_repository is None:
+            raise click.UsageError("give CONFIG (an apps.yaml), --model-repository DIR, or both")
+        source = f"--model-repository {model_repository}"
+        try:
+            return parse_config({"node": {**REPOSITORY_DEFAULTS, **extra}, "apps": []}, source=source), source
+        except ConfigError as e:
+            raise click.ClickException(str(e)) from e
+    if extra and load_models and model_repository is None:
+        raise click.UsageError("--load-model needs --model-repository (or node.model_repository in CONFIG)")
+    try:
+        return load_config(config, known_models=known_names(), node_overrides=extra or None), config
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+
+
 def _port_in_use(e: BaseException) -> str | None:
     """The one line to print for an address-in-use failure anywhere in ``e``'s chain, else None."""
     seen: BaseException | None = e
@@ -83,19 +118,27 @@ def _port_in_use(e: BaseException) -> str | None:
 
 
 @click.command()
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=click.Path(dir_okay=False), required=False)
+@click.option("--model-repository", "model_repository", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Serve every model of this Triton model repository (with CONFIG: replaces its node.model_repository).")
+@click.option("--model-control-mode", type=click.Choice(["none", "explicit", "poll"]), default=None,
+              help="Which repository models load (Triton's: none = all, explicit = --load-model only).")
+@click.option("--load-model", "load_models", multiple=True,
+              help="With --model-control-mode explicit: a repository model to load (repeatable).")
 @click.option("--name", default=None, help="Name the node (run dir <runtime base>/NAME); default: its run dir's name.")
 @click.option("--run-dir", default=None, help="Run directory (default: node.run_dir of CONFIG, else a fresh one).")
 @click.option("--ready-timeout", default=180.0, show_default=True, help="Seconds each instance may take to load.")
 @click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
-def start(config: str, name: str | None, run_dir: str | None, ready_timeout: float, duration: float | None) -> None:
-    """Start the node described by CONFIG and run until stopped (SIGINT/SIGTERM or `stop`)."""
+def start(config: str | None, model_repository: str | None, model_control_mode: str | None,
+          load_models: tuple[str, ...], name: str | None, run_dir: str | None, ready_timeout: float,
+          duration: float | None) -> None:
+    """Start the node described by CONFIG (and/or serving --model-repository DIR) and run until stopped
+    (SIGINT/SIGTERM or `stop`)."""
     if run_dir and name:
         raise click.UsageError("give --run-dir or --name, not both")
-    try:
-        cfg = load_config(config, known_models=known_names())
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from e
+    cfg, config = _load(config, model_repository, load_models, model_control_mode)
+    for m in cfg.unavailable:
+        log.error("model %s%s is UNAVAILABLE: %s", m.name, f" version {m.version}" if m.version else "", m.reason)
     _check_user_models(cfg, config)
     setup_logging(cfg.node.log_level, cfg.node.log_format)
     sweep_dead()
@@ -107,7 +150,8 @@ def start(config: str, name: str | None, run_dir: str | None, ready_timeout: flo
         target = None
     created = target is None or not target.exists()
     d = make_run_dir(target) if target is not None else Path(tempfile.mkdtemp(prefix="run-", dir=runtime_base()))
-    rec = NodeRecord.for_this_process(config=str(Path(config).absolute()), name=name or d.name)
+    rec = NodeRecord.for_this_process(config=str(Path(config).absolute()) if Path(config).is_file() else config,
+                                      name=name or d.name)
     try:
         removed = claim(d, rec)
     except RunDirBusy as e:
@@ -159,13 +203,13 @@ def _release(d: Path, created: bool) -> None:
 
 
 @click.command()
-@click.argument("config", type=click.Path(dir_okay=False))
-def validate(config: str) -> None:
-    """Check CONFIG and print the apps it defines, or say precisely what is wrong."""
-    try:
-        cfg = load_config(config, known_models=known_names())
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from e
+@click.argument("config", type=click.Path(dir_okay=False), required=False)
+@click.option("--model-repository", "model_repository", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Check this Triton model repository too (with CONFIG: replaces its node.model_repository).")
+def validate(config: str | None, model_repository: str | None) -> None:
+    """Check CONFIG (and/or --model-repository DIR) and print the apps it defines, or say precisely what is
+    wrong."""
+    cfg, config = _load(config, model_repository)
     _check_user_models(cfg, config)
     _check_engines(cfg, config)
     try:  # CPU overflow: every pool fits the cores and has the CPU profile it routes by
@@ -177,4 +221,7 @@ def validate(config: str) -> None:
         click.echo(f"{app.name}: app_id {app.app_id}, model {app.model}, slo {app.slo_ms} ms, "
                    f"gpu_pct {app.gpu_pct}, instances {app.instances}"
                    + (f", CPU overflow on cores {','.join(map(str, pool.cores))}" if pool is not None else ""))
-    click.echo(f"{config}: ok")
+    for m in cfg.unavailable:
+        click.echo(f"{m.name}: UNAVAILABLE: {m.reason}")
+    click.echo(f"{config}: ok" if not cfg.unavailable else
+               f"{config}: ok, {len(cfg.unavailable)} model(s) unavailable (listed above)")

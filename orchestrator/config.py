@@ -11,6 +11,7 @@ values strictly (a quoted ``"5"`` is not an int; ``true`` is not a number).
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import re
@@ -32,12 +33,17 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gpuprims.engines import EngineError, check_engine, engine_class
+from gpuprims.engines.files import file_engine_class
+from gpuprims.modelrepo import ModelConfig
+from orchestrator import model_files
+from orchestrator.model_files import MODEL_FILE_SUFFIXES, is_model_file
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "AppConfig",
     "ConfigError",
     "EngineChoice",
+    "FileModel",
     "HostResources",
     "ListenConfig",
     "NodeConfig",
@@ -45,6 +51,7 @@ __all__ = [
     "PoolConfig",
     "RepositoryConfig",
     "StageConfig",
+    "UnavailableModel",
     "engine_problems",
     "load_config",
     "parse_config",
@@ -175,9 +182,18 @@ def _log_level(v: Any) -> str:
 
 
 def _model_ref(v: Any) -> str:
-    if not isinstance(v, str) or not (_ZOO_RE.match(v) or _USER_MODEL_RE.match(v)):
+    if not isinstance(v, str) or not (_ZOO_RE.match(v) or _USER_MODEL_RE.match(v) or is_model_file(v)):
         raise ValueError(
-            f"must be a zoo model name such as 'mobilenet_v2' or a user model 'module:factory', got {v!r}")
+            f"must be a zoo model name such as 'mobilenet_v2', a user model 'module:factory' or a model file "
+            f"({', '.join(MODEL_FILE_SUFFIXES)}), got {v!r}")
+    return v
+
+
+def _stage_model_ref(v: Any) -> str:
+    v = _model_ref(v)
+    if is_model_file(v):
+        raise ValueError(f"a DAG stage takes a zoo model or 'module:factory'; model files are served as apps "
+                         f"of their own, got {v!r}")
     return v
 
 
@@ -233,6 +249,7 @@ MetricsPort = Annotated[int, PlainValidator(_metrics_port)]
 ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
+StageModelRef = Annotated[str, PlainValidator(_stage_model_ref)]
 EngineRef = Annotated[EngineChoice, PlainValidator(_engine_ref),
                       PlainSerializer(lambda v: v.to_yaml(), return_type=Any)]
 
@@ -367,6 +384,15 @@ class NodeSettings(BaseModel):
     engine_cache: str | None = None
     # The model-repository API on the front door (load/unload apps at run time; docs/oip.md).
     repository: RepositoryConfig = RepositoryConfig()
+    # A Triton model repository (docs/apps-yaml.md, "Model files"): every model in it becomes an app, after
+    # the apps listed under ``apps:``. ``model_control_mode`` as Triton's: none (serve every model),
+    # explicit (only those in ``load_models``), poll (also look for new versions and changed files every
+    # ``repository_poll_s``). ``repository_slo_ms`` is the SLO of a model whose config names none.
+    model_repository: str | None = None
+    model_control_mode: Literal["none", "explicit", "poll"] = "none"
+    load_models: tuple[str, ...] = ()
+    repository_poll_s: float = Field(15.0, gt=0, le=86_400)
+    repository_slo_ms: float = Field(100.0, gt=0, le=3_600_000)
     # A fleet's routing table (http://host:routes_port of agents; docs/fleet.md): the front door forwards a
     # request for an app this node does not host to its owner over the wire format. A fleet's agent sets it.
     fleet_routes: tuple[str, ...] = ()
@@ -394,10 +420,21 @@ class NodeSettings(BaseModel):
             seen.setdefault(port, key)
         return self
 
-    @field_validator("fleet_routes", mode="before")
+    @field_validator("fleet_routes", "load_models", mode="before")
     @classmethod
     def _fleet_routes_list(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _model_control(self) -> NodeSettings:
+        if self.model_repository is None:
+            if self.model_control_mode != "none":
+                raise _problem("model_control_mode", "applies only with node.model_repository")
+            if self.load_models:
+                raise _problem("load_models", "applies only with node.model_repository")
+        if self.load_models and self.model_control_mode != "explicit":
+            raise _problem("load_models", "names the models to load in model_control_mode: explicit")
+        return self
 
     @field_validator("fleet_routes")
     @classmethod
@@ -446,7 +483,7 @@ class StageConfig(BaseModel):
     model_config = _STRICT
 
     name: str
-    model: ModelRef
+    model: StageModelRef
     gpu_pct: PctOrAuto = "auto"
     routes: tuple[str, ...] = ()
     engine: EngineRef | None = None  # this stage's engine; the app's when not given
@@ -462,6 +499,38 @@ class StageConfig(BaseModel):
     @classmethod
     def _routes(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
+
+
+class FileModel(BaseModel):
+    """The model file an app serves and its completed config.pbtxt (``gpuprims.modelrepo.ModelConfig``,
+    carried as its JSON: the one message from the repository to the instance). Filled in by the loader
+    from ``model: <file>`` (and ``config:``) or from ``node.model_repository``, never written in a file."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    path: str
+    config_json: str
+    version: int = Field(1, ge=0)
+    fingerprint: str = ""
+    repository: str | None = None
+
+    @functools.cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_json(self.config_json)
+
+    def triton_json(self) -> dict[str, Any]:
+        """The completed config in Triton's JSON form (GET /v2/models/<name>/config)."""
+        return self.config.to_dict()
+
+
+class UnavailableModel(BaseModel):
+    """A model of ``node.model_repository`` that cannot be served, and why (the repository index says so)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    version: str = ""
+    reason: str
 
 
 class AppConfig(BaseModel):
@@ -496,6 +565,11 @@ class AppConfig(BaseModel):
     # backend, else eager).
     engine: EngineRef = EngineChoice()
     overflow_engine: EngineRef | None = None
+    # A model file's config.pbtxt keys as a mapping (``model: path/to/model.onnx``): they override what
+    # the file says (inputs, outputs, max_batch_size, dynamic_batching, parameters...).
+    config: dict[str, Any] | None = None
+    # What the loader made of a model file (FileModel); None for a zoo or module:factory model.
+    file: FileModel | None = None
 
     @field_validator("name")
     @classmethod
@@ -511,6 +585,18 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
+        if self.model is not None and is_model_file(self.model):
+            for key in ("input_shape", "dtype", "num_classes", "seed"):
+                if key in self.model_fields_set:
+                    raise _problem(key, "a model file's inputs and outputs come from the file; override them "
+                                        "under 'config' with config.pbtxt's keys (input, output, ...)")
+            if self.overflow != "none":
+                raise _problem("overflow", "CPU overflow does not take model files yet")
+            if self.file is None:
+                raise _problem("model", "a model file is read by load_config (its path is relative to the YAML "
+                                        "file); this config was not")
+        elif self.config is not None:
+            raise _problem("config", "applies only to a model file (model: path/to/model.onnx)")
         if self.stages is None:
             if self.model is None:
                 raise _problem("model", "is required (or give 'stages' for a DAG app)")
@@ -536,7 +622,11 @@ class AppConfig(BaseModel):
 
     @property
     def input_nbytes(self) -> int:
-        """Bytes of one request body: C x H x W x element size."""
+        """Bytes of one request body: C x H x W x element size (a model file's: its inputs' bytes when
+        every dimension is fixed, else 0: bounded only by the pool)."""
+        if self.file is not None:
+            sizes = [t.fixed_bytes() for t in self.file.config.signature.inputs]
+            return 0 if any(b is None for b in sizes) else sum(b or 0 for b in sizes)
         return math.prod(self.input_shape) * _DTYPE_SIZE[self.dtype]
 
     def chunk_count(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
@@ -634,6 +724,8 @@ class NodeConfig(BaseModel):
 
     node: NodeSettings = NodeSettings()
     apps: tuple[AppConfig, ...]
+    # The models of node.model_repository that cannot be served, with the reason (filled by the loader).
+    unavailable: tuple[UnavailableModel, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -664,7 +756,7 @@ class NodeConfig(BaseModel):
             taken.add(nxt)
         return {**data, "apps": apps}
 
-    @field_validator("apps", mode="before")
+    @field_validator("apps", "unavailable", mode="before")
     @classmethod
     def _apps_list(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
@@ -677,9 +769,11 @@ class NodeConfig(BaseModel):
         return self
 
     def _cross_problems(self) -> Iterator[tuple[str, str]]:
-        if not self.apps and not self.node.repository.enabled:
-            # A node whose apps come through the repository API (a fleet's agent) may start with none.
-            yield ("apps", "must list at least one app (or enable node.repository to load them at run time)")
+        if not self.apps and not self.node.repository.enabled and self.node.model_repository is None:
+            # A node whose apps come through the repository API (a fleet's agent) may start with none, and so
+            # may one whose model repository has no model it can serve (each is listed as unavailable).
+            yield ("apps", "must list at least one app (or enable node.repository to load them at run time, or "
+                           "give node.model_repository)")
         first: dict[tuple[str, Any], int] = {}
         listen_ports = set(self.node.listen.ports)
         for i, a in enumerate(self.apps):
@@ -697,6 +791,9 @@ class NodeConfig(BaseModel):
             if a.gpu is not None and self.node.gpus != "all" and a.gpu not in self.node.gpus:
                 yield (f"apps[{i}].gpu", f"device {a.gpu} is not in node.gpus {list(self.node.gpus)}")
             pool = self.node.pool
+            if a.file is not None and self.node.scheduler != "spatial":
+                yield (f"apps[{i}].model", f"node.scheduler {self.node.scheduler} does not take model files yet "
+                                           "(each is served by its own instance's batching: scheduler spatial)")
             if a.input_nbytes > pool.max_request_bytes:
                 yield (f"apps[{i}].input_shape",
                        f"a request of {list(a.input_shape)} {a.dtype} is {a.input_nbytes} bytes, more than "
@@ -751,7 +848,10 @@ def engine_problems(cfg: NodeConfig, backend: str) -> list[tuple[str, str]]:
         seen: set[str] = set()
         for key, eng in a.engines():
             try:
-                check_engine(eng.kind, backend, eng.options)
+                if a.file is not None:
+                    file_engine_class(eng.kind).check(backend, eng.options)
+                else:
+                    check_engine(eng.kind, backend, eng.options)
             except EngineError as e:
                 if key not in seen:
                     out.append((f"apps[{i}].{key}", f"app {a.name!r}: {e}"))
@@ -925,9 +1025,59 @@ def overflow_problems(cfg: NodeConfig, host: HostResources,
     return problems
 
 
+def _model_files(data: dict[str, Any], source: str, base_dir: Path | None, scan_repository: bool) -> dict[str, Any]:
+    """``data`` with every model file read: an app whose ``model`` is a file (relative to ``base_dir``, the
+    YAML file's directory) gets its ``file`` (the completed config, from the file and its ``config:``) and
+    the app keys the config sets; every model of ``node.model_repository`` becomes an app after them, or
+    an entry of ``unavailable`` with the reason. A file or config that cannot be read is a ConfigError
+    naming the key (an app's) or the model (the repository's, which only that model pays for)."""
+    apps = data.get("apps")
+    node = data.get("node")
+    repo = node.get("model_repository") if isinstance(node, dict) else None
+    if not isinstance(apps, list | tuple) and repo is None:
+        return data
+    problems: list[tuple[str, str]] = []
+    out_apps: list[Any] = []
+    # A file's engine is picked for the backend the node names (cpu when it says auto: see docs/apps-yaml.md).
+    backend = "cuda" if isinstance(node, dict) and node.get("backend") == "cuda" else "cpu"
+    for i, a in enumerate(apps or []):
+        if isinstance(a, dict) and a.get("file") is None and isinstance(a.get("model"), str) \
+                and is_model_file(a["model"]):
+            try:
+                a = model_files.file_app(a, base_dir, backend)
+            except model_files.ModelFileError as e:
+                problems.append((f"apps[{i}].{e.key}", str(e)))
+        out_apps.append(a)
+    unavailable: list[dict[str, str]] = []
+    if isinstance(repo, str) and scan_repository:
+        mode = node.get("model_control_mode", "none") if isinstance(node, dict) else "none"
+        load = node.get("load_models") or () if isinstance(node, dict) else ()
+        slo = node.get("repository_slo_ms", 100.0) if isinstance(node, dict) else 100.0
+        taken = {a.get("name") for a in out_apps if isinstance(a, dict)}
+        root = Path(repo).expanduser()
+        if not root.is_absolute() and base_dir is not None:
+            root = base_dir / root
+        try:
+            found, bad = model_files.repository_apps(root, mode=str(mode), load=list(load), slo_ms=slo,
+                                                     taken=taken, backend=backend)
+        except model_files.ModelFileError as e:
+            problems.append(("node.model_repository", str(e)))
+            found, bad = [], []
+        out_apps.extend(found)
+        unavailable.extend(bad)
+    if problems:
+        raise ConfigError(source, problems)
+    return {**data, "apps": out_apps, **({"unavailable": unavailable} if unavailable else {})}
+
+
 def parse_config(data: Any, *, source: str = "<config>",
-                 known_models: Collection[str] | None = None, host: HostResources | None = None) -> NodeConfig:
-    """Validate an already-parsed mapping; ``source`` names it in errors.
+                 known_models: Collection[str] | None = None, host: HostResources | None = None,
+                 base_dir: Path | None = None, scan_repository: bool = True) -> NodeConfig:
+    """Validate an already-parsed mapping; ``source`` names it in errors. Model files (an app's
+    ``model: <file>``, ``node.model_repository``) are read here; relative paths are taken from
+    ``base_dir`` (the YAML file's directory; default: the working directory). An app whose ``file`` is
+    given was read before (a running node's app); ``scan_repository`` off takes the apps as given without
+    adding node.model_repository's (a node's running config checked again).
 
     With ``known_models`` (the zoo's names), a model that is neither one of them nor ``module:factory``
     is refused here instead of when the instance starts. Apps with ``overflow: cpu`` are checked
@@ -939,6 +1089,7 @@ def parse_config(data: Any, *, source: str = "<config>",
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"the top level must be a mapping with 'node:' and 'apps:', "
                                         f"got {type(data).__name__}")])
+    data = _model_files(data, source, base_dir, scan_repository)
     try:
         cfg = NodeConfig.model_validate(data)
     except ValidationError as err:
@@ -946,6 +1097,8 @@ def parse_config(data: Any, *, source: str = "<config>",
     if known_models is not None:
         problems = []
         for i, a in enumerate(cfg.apps):
+            if a.file is not None:
+                continue
             refs = [("model", a.model)] if a.stages is None else [
                 (f"stages[{j}].model", s.model) for j, s in enumerate(a.stages)]
             for key, ref in refs:
@@ -983,8 +1136,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] | None = None,
-                host: HostResources | None = None) -> NodeConfig:
-    """Read and validate one apps.yaml; raise ConfigError naming the file, key path and problem."""
+                host: HostResources | None = None, node_overrides: dict[str, Any] | None = None) -> NodeConfig:
+    """Read and validate one apps.yaml; raise ConfigError naming the file, key path and problem.
+    ``node_overrides`` replace keys of its ``node:`` section (the command line's, such as
+    ``model_repository``)."""
     p = Path(path)
     source = str(p)
     try:
@@ -1006,4 +1161,7 @@ def load_config(path: str | os.PathLike[str], *, known_models: Collection[str] |
         raise ConfigError(source, [("", f"YAML syntax error at {where}: {what}")]) from None
     except yaml.YAMLError as e:
         raise ConfigError(source, [("", f"YAML error: {e}")]) from None
-    return parse_config(data, source=source, known_models=known_models, host=host)
+    if node_overrides and isinstance(data, dict):
+        node = data.get("node") if isinstance(data.get("node"), dict) else {}
+        data = {**data, "node": {**node, **node_overrides}}
+    return parse_config(data, source=source, known_models=known_models, host=host, base_dir=p.parent.absolute())

@@ -46,6 +46,7 @@ from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer
 from gpuprims.pool import PacketPool
 from orchestrator.control import connect_instance_from_env
+from orchestrator.file_runner import FileRunner
 from orchestrator.launch import die_with_parent
 from orchestrator.logs import setup_logging
 from orchestrator.messages import (
@@ -63,6 +64,7 @@ from orchestrator.messages import (
 from orchestrator.runner import AppRunner, DagModel, warm_sizes
 from orchestrator.serving import LATENCY_MEMORY_S, PROBE_AFTER_S, LatencyStats, ServingLoop
 from orchestrator.spec import ENV_SPEC, InstanceSpec
+from orchestrator.tensor_serving import TensorServingLoop
 
 __all__ = ["LATENCY_MEMORY_S", "PROBE_AFTER_S", "DagModel", "Instance", "InstanceSpec", "LatencyStats", "main"]
 
@@ -86,8 +88,14 @@ class Instance:
         self.spec = spec
         self.control = control
         self.pool = PacketPool.attach(spec.pool)
-        self.runner = AppRunner(spec)
-        self.serving = ServingLoop(spec, self.pool, self.runner)
+        self.runner: AppRunner | FileRunner
+        self.serving: ServingLoop
+        if spec.serves_file:
+            self.runner = FileRunner(spec)
+            self.serving = TensorServingLoop(spec, self.pool, self.runner)
+        else:
+            self.runner = AppRunner(spec)
+            self.serving = ServingLoop(spec, self.pool, self.runner)
         self.finishing = False
         self.stopping = False
         self.initialized = False
@@ -180,7 +188,9 @@ class Instance:
             device = torch.device("cpu")
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             built = self._build_models(device)
-            if self.spec.warmup:  # (a node started with warmup off, as in tests, only loads)
+            if self.spec.warmup and isinstance(self.runner, FileRunner):
+                self.runner.warm(built)
+            elif self.spec.warmup:  # (a node started with warmup off, as in tests, only loads)
                 warm_up(built["model"], tuple(self.spec.input_shape), warm_sizes(self.spec.max_batch), device, repeats=1,
                         discard=1)
         except Exception as e:  # the main thread loads at InitGpu instead, and says why

@@ -49,6 +49,7 @@ from orchestrator.control import (
 from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
 from orchestrator.errors import ChangeError, StartError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
+from orchestrator.frontdoor.core import Unavailable
 from orchestrator.launcher import ForkLauncher, Launcher
 from orchestrator.messages import (
     BatchDone,
@@ -330,7 +331,8 @@ class Node:
                 ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
                 statistics={name: a.stats for name, a in self.apps.items()},
                 ingest=ingest, repository=self.repository, repository_token=self.repository_token,
-                fleet_routes=node.fleet_routes)
+                fleet_routes=node.fleet_routes, max_request_bytes=node.pool.max_request_bytes,
+                unavailable=[Unavailable(u.name, u.version, u.reason) for u in self.cfg.unavailable])
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 

@@ -108,7 +108,7 @@ def validate_entry(cfg: NodeConfig, apps: Mapping[str, AppState], name: str, ent
     others = [a.cfg.model_dump() for n, a in apps.items() if n != name]
     data = {"node": cfg.node.model_dump(), "apps": [*others, entry]}
     try:
-        new = parse_config(data, source=source, known_models=set(NAMES)).apps[-1]
+        new = parse_config(data, source=source, known_models=set(NAMES), scan_repository=False).apps[-1]
     except ConfigError as e:
         here = f"apps[{len(others)}]"
         lines = [f"{key.replace(here, 'config', 1)}: {what}" if key else what for key, what in e.problems

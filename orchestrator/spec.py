@@ -61,6 +61,19 @@ class InstanceSpec:
     engine: str = "eager"
     engine_options: dict[str, Any] | None = None
     engine_cache: str | None = None  # the engine cache's directory (node.engine_cache); None: the default
+    # A model file (a Triton model repository's version, or apps.yaml ``model: path``): its completed
+    # config (gpuprims.modelrepo.ModelConfig JSON, the one message from the repository to the instance),
+    # the file, its version and its content fingerprint (the engine cache's key). ``engine`` is then a
+    # file engine kind (gpuprims.engines.files).
+    model_config: str | None = None
+    model_path: str | None = None
+    model_version: int | None = None
+    model_fingerprint: str | None = None
+
+    @property
+    def serves_file(self) -> bool:
+        """Whether this instance serves a model file with named tensors (not a zoo or torch model)."""
+        return self.model_config is not None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

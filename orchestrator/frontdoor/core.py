@@ -14,13 +14,14 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
 from gpuprims.stats import StageClock
-from gpuprims.wire import Status
+from gpuprims.tensorwire import TensorBodyError, decode, encode_arrays
+from gpuprims.wire import DType, Status
 from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
@@ -65,6 +66,14 @@ SHED_LAG_FRACTION = 1.0
 SHED_MIN_LAG_MS = 10.0
 
 
+class Unavailable(NamedTuple):
+    """A model (or one version of it) the node cannot serve, and why."""
+
+    name: str
+    version: str
+    reason: str
+
+
 class OipError(Exception):
     """An error answered to the client: ``kind`` picks the HTTP and gRPC codes."""
 
@@ -96,6 +105,8 @@ class Core:
                  statistics: Mapping[str, AppStatistics] | None = None,
                  shed_lag_fraction: float | None = SHED_LAG_FRACTION, forwarder: Forwarder | None = None) -> None:
         self.models = {m.name: m for m in infos}
+        #: Models of the node's repository that cannot be served (listed by the index with the reason).
+        self.unavailable: list[Unavailable] = []
         self.forwarder = forwarder
         self.transport: Transport = UdpTransport(client) if isinstance(client, AsyncClient) else client
         self.timeout_s = timeout_s
@@ -207,9 +218,18 @@ class Core:
         if info is None:
             where = " (nor in the fleet's routing table)" if self.forwarder is not None else ""
             raise OipError("not_found", f"unknown model {name!r}{where}; models: {', '.join(sorted(self.models))}")
-        if version not in ("", "1"):
-            raise OipError("not_found", f"model {name!r} has no version {version!r} (only '1')")
+        if version not in ("", info.version):
+            raise OipError("not_found", f"model {name!r} has no version {version!r} (only {info.version!r})")
         return info
+
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The repository index: every model served (READY, or UNAVAILABLE while no instance serves it)
+        and every model of the node's model repository that cannot be served, with the reason."""
+        out = [{"name": n, "version": m.version, "state": "READY" if self.model_ready(n) else "UNAVAILABLE"}
+               for n, m in sorted(self.models.items())]
+        out += [{"name": u.name, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason}
+                for u in self.unavailable]
+        return [m for m in out if m["state"] == "READY" or not ready_only]
 
     def model_ready(self, name: str, version: str = "") -> bool:
         self.model(name, version)
@@ -273,8 +293,53 @@ class Core:
         marks.lap("collect")
         return out
 
-    def _collect(self, info: ModelInfo, results: list[Result | BaseException],
-                 statuses: dict[str, int]) -> np.ndarray:
+    async def infer_tensors(self, info: ModelInfo, requests: list[dict[str, np.ndarray]], *, deadline_us: int = 0,
+                            marks: Marks | None = None) -> list[dict[str, np.ndarray]]:
+        """Run a model file's requests (each a dict of named tensors, already checked against its
+        signature) through the node as multi-tensor bodies; each request's outputs, or OipError."""
+        t0 = time.monotonic_ns()
+        st = self.stats[info.name]
+        marks = marks if marks is not None else Marks(t0)
+        statuses: dict[str, int] = {}
+        try:
+            if self.forwarded(info):
+                raise OipError("unavailable", f"model {info.name!r} is a model file hosted on another node; "
+                                              "forwarding model files is not supported yet")
+            bodies = [np.frombuffer(encode_arrays(r), np.uint8) for r in requests]
+            if len({b.size for b in bodies}) == 1:
+                groups = [list(range(len(bodies)))]
+            else:  # rows of one batched inference with dynamic dimensions of their own sizes
+                groups = [[i] for i in range(len(bodies))]
+            timeout_s = self.row_timeout_s(info, deadline_us)
+            results: list[Result | BaseException] = [RequestLost(info.app_id, 0, timeout_s, 1)] * len(bodies)
+            got = await asyncio.gather(*[self.transport.rows(info.app_id, np.stack([bodies[i] for i in g]),
+                                                             deadline_us=deadline_us, timeout_s=timeout_s,
+                                                             marks=marks, dtype=DType.TENSORS)
+                                         for g in groups])
+            for g, rs in zip(groups, got):
+                for i, r in zip(g, rs):
+                    results[i] = r
+            t_node = time.monotonic_ns()
+            out = [self._tensors(info, r) for r in self._collect_results(info, results, statuses)]
+        except OipError:
+            st.record_inference(rows=len(requests), duration_ns=time.monotonic_ns() - t0, ok=False,
+                                statuses=statuses)
+            raise
+        st.record_inference(rows=len(requests), duration_ns=time.monotonic_ns() - t0, ok=True, statuses=statuses,
+                            node_ns=t_node - t0)
+        marks.lap("collect")
+        return out
+
+    @staticmethod
+    def _tensors(info: ModelInfo, output: np.ndarray) -> dict[str, np.ndarray]:
+        try:
+            return {t.name: t.array for t in decode(output)}
+        except TensorBodyError as e:
+            raise OipError("internal", f"model {info.name!r}: the node's answer does not decode: {e}") from None
+
+    def _collect_results(self, info: ModelInfo, results: list[Result | BaseException],
+                         statuses: dict[str, int]) -> list[np.ndarray]:
+        """Each row's OK answer body, in order; the first row that is not OK decides the error."""
         first: OipError | None = None
         rows = []
         for r in results:
@@ -291,9 +356,14 @@ class Core:
                 first = first or OipError(kind, f"model {info.name!r}: {r.status.name}: {why}")
                 continue
             assert r.output is not None
-            rows.append(r.output.astype(np.float32, copy=False))
+            rows.append(r.output)
         if first is not None:
             raise first
+        return rows
+
+    def _collect(self, info: ModelInfo, results: list[Result | BaseException],
+                 statuses: dict[str, int]) -> np.ndarray:
+        rows = [r.astype(np.float32, copy=False) for r in self._collect_results(info, results, statuses)]
         if len({len(r) for r in rows}) > 1:
             raise OipError("invalid", f"model {info.name!r}: rows ended at stages with different output sizes "
                                       f"({sorted({len(r) for r in rows})}); send one row per inference")

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from gpuprims import __version__
 from orchestrator.frontdoor import oip_pb2 as pb
+from orchestrator.frontdoor import tensors
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.http_server import EXTENSIONS
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
@@ -80,7 +81,8 @@ class Servicer:
 
     async def ModelConfig(self, req: pb.ModelConfigRequest, ctx: Any) -> pb.ModelConfigResponse:
         cfg = self.core.model(req.name, req.version).config()
-        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, pb.ModelConfig()))
+        # A model file's config has more of Triton's fields than this service's ModelConfig carries.
+        return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, pb.ModelConfig(), ignore_unknown_fields=True))
 
     async def ModelStatistics(self, req: pb.ModelStatisticsRequest, ctx: Any) -> pb.ModelStatisticsResponse:
         names = [self.core.model(req.name, req.version).name] if req.name else sorted(self.core.models)
@@ -88,10 +90,8 @@ class Servicer:
         return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, req: pb.RepositoryIndexRequest, ctx: Any) -> pb.RepositoryIndexResponse:
-        models = [pb.RepositoryIndexResponse.ModelIndex(
-            name=n, version="1", state="READY" if self.core.model_ready(n) else "UNAVAILABLE")
-            for n in sorted(self.core.models)]
-        return pb.RepositoryIndexResponse(models=[m for m in models if m.state == "READY" or not req.ready])
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m)
+                                                  for m in self.core.index(req.ready)])
 
     async def ModelInfer(self, raw: bytes, ctx: Any) -> bytes:
         """Takes and returns the messages' bytes, so their parse and encode count in its stage times."""
@@ -110,6 +110,8 @@ class Servicer:
         if size > info.max_message_bytes:
             raise OipError("too_large", f"request of {size} bytes is larger than model {info.name!r} can take "
                                         f"({info.max_message_bytes} bytes: max_batch {info.max_batch} x its input)")
+        if info.signature is not None:
+            return await self._infer_tensors(info, req, left_us, marks)
         if len(req.inputs) != 1:
             raise OipError("invalid", f"model {info.name!r} takes exactly one input, 'input'")
         t = req.inputs[0]
@@ -135,11 +137,7 @@ class Servicer:
                 raise OipError("invalid", f"input 'input' has {len(values)} elements in contents.{field}, "
                                           f"shape {shape} needs {n}")
             x = np.asarray(values, dtype=dtype).reshape(shape)
-        timeout = req.parameters["timeout"].int64_param if "timeout" in req.parameters else 0
-        if not 0 <= timeout < 2**32:
-            raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout}")
-        if left_us is not None:  # the client's own deadline bounds the node's too
-            timeout = left_us if timeout == 0 else min(timeout, left_us)
+        timeout = _timeout_us(req, left_us)
         marks.lap("decode")
         out = await self.core.infer(info, x, deadline_us=timeout, marks=marks)
         resp = pb.ModelInferResponse(
@@ -150,6 +148,36 @@ class Servicer:
         marks.lap("encode")
         self.core.commit("grpc", marks)
         return resp
+
+
+    async def _infer_tensors(self, info: Any, req: Any, left_us: int | None, marks: Marks) -> bytes:
+        """An inference of a model file: named inputs in, the requested (or all) outputs back as raw
+        contents."""
+        inputs = tensors.grpc_inputs(info, req)
+        wanted = tensors.requested_outputs(info, [o.name for o in req.outputs])
+        timeout = _timeout_us(req, left_us)
+        marks.lap("decode")
+        answers = await self.core.infer_tensors(info, tensors.rows_of(info, inputs), deadline_us=timeout, marks=marks)
+        out = tensors.gather_outputs(info, answers, wanted)
+        resp = pb.ModelInferResponse(
+            model_name=info.name, model_version=info.version, id=req.id,
+            outputs=[pb.ModelInferResponse.InferOutputTensor(name=n, datatype=tensors.datatype_of(info, n).value,
+                                                             shape=list(out[n].shape)) for n in wanted],
+            raw_output_contents=[np.ascontiguousarray(out[n]).tobytes() for n in wanted]).SerializeToString()
+        marks.lap("encode")
+        self.core.commit("grpc", marks)
+        return resp
+
+
+def _timeout_us(req: Any, left_us: int | None) -> int:
+    """The request's ``timeout`` parameter (microseconds, 0: the model's SLO), bounded by what is left of
+    the call's own deadline."""
+    timeout = req.parameters["timeout"].int64_param if "timeout" in req.parameters else 0
+    if not 0 <= timeout < 2**32:
+        raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout}")
+    if left_us is not None:  # the client's own deadline bounds the node's too
+        timeout = left_us if timeout == 0 else min(timeout, left_us)
+    return timeout
 
 
 def _wrap(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:

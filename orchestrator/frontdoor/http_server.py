@@ -26,6 +26,7 @@ import numpy as np
 from aiohttp import web
 
 from gpuprims import __version__
+from orchestrator.frontdoor import tensors
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
 from orchestrator.frontdoor.repository import add_repository_routes
@@ -96,8 +97,14 @@ async def model_stats(request: web.Request) -> web.Response:
 
 async def repository_index(request: web.Request) -> web.Response:
     core = _core(request)
-    return _json([{"name": n, "version": "1", "state": "READY" if core.model_ready(n) else "UNAVAILABLE"}
-                  for n in sorted(core.models)])
+    ready_only = False
+    if request.can_read_body:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise OipError("invalid", "the repository index request must be a JSON object") from None
+        ready_only = bool(body.get("ready", False)) if isinstance(body, dict) else False
+    return _json(core.index(ready_only))
 
 
 def _parse_body(body: bytes, header_len: str | None) -> tuple[dict[str, Any], memoryview]:
@@ -223,11 +230,11 @@ async def infer(request: web.Request) -> web.Response:
     core.admit(info)  # after the body is read (the connection stays usable), before it is decoded
     req, binary = _parse_body(body, request.headers.get(HEADER_LENGTH))
     marks.lap("parse")
+    if info.signature is not None:
+        return await _infer_tensors(core, info, req, binary, request, marks)
     x = _input_array(core, info, req, binary)
     binary_out = _wants_binary(req)
-    timeout_us = (req.get("parameters") or {}).get("timeout", 0)
-    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or not 0 <= timeout_us < 2**32:
-        raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout_us!r}")
+    timeout_us = _timeout_us(req)
     marks.lap("decode")
     out = await core.infer(info, x, deadline_us=timeout_us, marks=marks)
     head: dict[str, Any] = {"model_name": info.name, "model_version": "1"}
@@ -247,6 +254,60 @@ async def infer(request: web.Request) -> web.Response:
                             headers={HEADER_LENGTH: str(len(js))})
     if request.headers.get("Accept-Encoding"):
         resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    marks.lap("encode")
+    core.commit("http", marks)
+    return resp
+
+
+def _timeout_us(req: dict[str, Any]) -> int:
+    """The request's ``timeout`` parameter (microseconds, 0: the model's SLO)."""
+    timeout_us = (req.get("parameters") or {}).get("timeout", 0)
+    if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or not 0 <= timeout_us < 2**32:
+        raise OipError("invalid", f"parameter 'timeout' must be microseconds in 0..2**32-1, got {timeout_us!r}")
+    return timeout_us
+
+
+def _respond(request: web.Request, head: dict[str, Any], raws: list[bytes]) -> web.Response:
+    """The answer: JSON alone, or the JSON header and the outputs' binary data after it."""
+    if not raws:
+        resp = _json(head)
+    else:
+        js = json.dumps(head).encode()
+        resp = web.Response(body=b"".join([js, *raws]), content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(len(js))})
+    if request.headers.get("Accept-Encoding"):
+        resp.enable_compression()  # gzip/deflate as the client accepts (tritonclient's response compression)
+    return resp
+
+
+async def _infer_tensors(core: Core, info: Any, req: dict[str, Any], binary: memoryview, request: web.Request,
+                         marks: Marks) -> web.Response:
+    """An inference of a model file: named inputs in, the requested (or all) named outputs back."""
+    inputs = tensors.http_inputs(info, req, binary)
+    names, binary_names = tensors.http_outputs(req)
+    wanted = tensors.requested_outputs(info, names)
+    binary_all = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    timeout_us = _timeout_us(req)
+    marks.lap("decode")
+    answers = await core.infer_tensors(info, tensors.rows_of(info, inputs), deadline_us=timeout_us, marks=marks)
+    out = tensors.gather_outputs(info, answers, wanted)
+    head: dict[str, Any] = {"model_name": info.name, "model_version": info.version}
+    if "id" in req:
+        head["id"] = req["id"]
+    raws: list[bytes] = []
+    described = []
+    for name in wanted:
+        arr, dt = out[name], tensors.datatype_of(info, name)
+        t: dict[str, Any] = {"name": name, "datatype": dt.value, "shape": list(arr.shape)}
+        if binary_all or name in binary_names:
+            raw = np.ascontiguousarray(arr).tobytes()
+            t["parameters"] = {"binary_data_size": len(raw)}
+            raws.append(raw)
+        else:
+            t["data"] = tensors.json_data(arr, dt)
+        described.append(t)
+    head["outputs"] = described
+    resp = _respond(request, head, raws)
     marks.lap("encode")
     core.commit("http", marks)
     return resp

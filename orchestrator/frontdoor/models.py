@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from apps.zoo.names import NAMES, canonical_name
+from gpuprims.tensors import ModelSignature, TensorSpec
 from orchestrator.config import AppConfig
 
 #: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
@@ -25,6 +26,8 @@ NUMPY_OF = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1"), "FP16": np.dtype("
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 PLATFORM = "gpuprims"
+#: The bound of one request of a model file with dynamic dimensions where the node's pool gives none.
+DEFAULT_REQUEST_BYTES = 64 << 20
 #: Room for everything in a request but its tensor data: the JSON header, names, parameters, id.
 HEAD_BYTES = 64 << 10
 #: Most bytes one element takes in JSON text: a float64 repr ("-1.2345678901234567e-308") and ", ".
@@ -47,6 +50,16 @@ class ModelInfo:
     max_wait_ms: float
     slo_ms: float
     instances: int
+    #: A model file's named tensors (None: the zoo's one input and one output, as above).
+    signature: ModelSignature | None = None
+    #: A model file's completed config.pbtxt in Triton's JSON form (GET /v2/models/<name>/config).
+    triton_config: dict[str, Any] | None = None
+    #: The version served (a model file's, from its repository; "1" otherwise).
+    version: str = "1"
+    #: A model file's largest request body: its inputs' bytes when every dimension is fixed, else the
+    #: node's pool bound (node.pool.max_chunks x max_payload).
+    request_bytes_max: int = 0
+    platform: str = PLATFORM
 
     @property
     def datatype(self) -> str:
@@ -64,9 +77,20 @@ class ModelInfo:
     def row_elements(self) -> int:
         return math.prod(self.input_shape)
 
+    @property
+    def rows_max(self) -> int:
+        """Most requests (rows of the batch dimension) one inference may carry: 1 for a model file
+        without batching."""
+        if self.signature is not None and not self.signature.batched:
+            return 1
+        return self.max_batch
+
     def max_body_bytes(self, binary: bool) -> int:
         """Largest HTTP request body the model can take: ``max_batch`` rows, as binary tensor data
         after a JSON header (``binary``) or as JSON numbers, plus :data:`HEAD_BYTES`."""
+        if self.signature is not None:
+            per = self.request_bytes_max if binary else self.request_bytes_max * JSON_BYTES_PER_ELEMENT
+            return self.rows_max * per + HEAD_BYTES
         per_row = self.row_bytes if binary else self.row_elements * JSON_BYTES_PER_ELEMENT
         return self.max_batch * per_row + HEAD_BYTES
 
@@ -74,11 +98,21 @@ class ModelInfo:
     def max_message_bytes(self) -> int:
         """Largest gRPC ModelInfer message the model can take: ``max_batch`` rows as raw or typed
         contents, whichever is larger, plus :data:`HEAD_BYTES`."""
+        if self.signature is not None:  # typed contents take at most 8 bytes an element (varints, 64-bit)
+            return self.rows_max * self.request_bytes_max * 8 + HEAD_BYTES
         typed = self.row_elements * TYPED_BYTES_PER_ELEMENT.get(self.datatype, 8)
         return self.max_batch * max(self.row_bytes, typed) + HEAD_BYTES
 
     def metadata(self) -> dict[str, Any]:
         """The OIP model metadata (GET /v2/models/<name>)."""
+        if self.signature is not None:
+            lead = [-1] if self.signature.batched else []
+
+            def one(t: TensorSpec) -> dict[str, Any]:
+                return {"name": t.name, "datatype": t.datatype.value, "shape": [*lead, *t.dims]}
+            return {"name": self.name, "versions": [self.version], "platform": self.platform,
+                    "inputs": [one(t) for t in self.signature.inputs],
+                    "outputs": [one(t) for t in self.signature.outputs]}
         return {
             "name": self.name,
             "versions": ["1"],
@@ -89,6 +123,8 @@ class ModelInfo:
 
     def config(self) -> dict[str, Any]:
         """Triton's model configuration (GET /v2/models/<name>/config), in its JSON form."""
+        if self.triton_config is not None:
+            return self.triton_config
         return {
             "name": self.name,
             "platform": PLATFORM,
@@ -121,8 +157,21 @@ def output_dim(app: AppConfig) -> int:
     return math.prod(out.shape[1:])
 
 
-def model_info(app: AppConfig) -> ModelInfo:
-    """The ModelInfo of one app (builds a user model once to learn its output size)."""
+def model_info(app: AppConfig, request_bytes_max: int = DEFAULT_REQUEST_BYTES) -> ModelInfo:
+    """The ModelInfo of one app (builds a user model once to learn its output size). A model file's
+    comes from its config; ``request_bytes_max`` bounds a request with dynamic dimensions (the pool's
+    largest request)."""
+    if app.file is not None:
+        cfg = app.file.config
+        sizes = [s.fixed_bytes() for s in cfg.signature.inputs]
+        fixed = None if any(b is None for b in sizes) else sum(b or 0 for b in sizes)
+        bound = fixed if fixed is not None and (not request_bytes_max or fixed <= request_bytes_max) \
+            else request_bytes_max or (fixed or 0)
+        return ModelInfo(name=app.name, app_id=app.app_id, input_shape=(), dtype="uint8", output_dim=-1,
+                         max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, slo_ms=app.slo_ms,
+                         instances=app.instances if app.instances != "auto" else 0, signature=cfg.signature,
+                         triton_config=app.file.triton_json(), version=str(app.file.version),
+                         request_bytes_max=bound, platform=cfg.platform or cfg.backend or PLATFORM)
     return ModelInfo(name=app.name, app_id=app.app_id, input_shape=tuple(app.input_shape), dtype=app.dtype,
                      output_dim=output_dim(app), max_batch=app.max_batch, max_wait_ms=app.max_wait_ms,
                      slo_ms=app.slo_ms, instances=app.instances if app.instances != "auto" else 0)

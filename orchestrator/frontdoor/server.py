@@ -23,11 +23,11 @@ from aiohttp import web
 from gpuprims.client import AsyncClient
 from gpuprims.ingest import Ingest
 from orchestrator.config import AppConfig
-from orchestrator.frontdoor.core import Core
+from orchestrator.frontdoor.core import Core, Unavailable
 from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
-from orchestrator.frontdoor.models import ModelInfo, model_info
+from orchestrator.frontdoor.models import DEFAULT_REQUEST_BYTES, ModelInfo, model_info
 from orchestrator.frontdoor.transport import PoolTransport, Transport, UdpTransport
 from orchestrator.metrics import AppStatistics
 
@@ -51,6 +51,8 @@ class FrontDoor:
                  ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None,
                  fleet_routes: Sequence[str] = ()) -> None:
         self.models = infos
+        self.max_request_bytes = DEFAULT_REQUEST_BYTES  # a dynamic model file's request bound (add_model)
+        self.unavailable: list[Unavailable] = []  # the model repository's models that cannot be served
         self.fleet_routes = list(fleet_routes)
         self.udp_target = udp_target
         self.ingest = ingest
@@ -88,6 +90,7 @@ class FrontDoor:
         forwarder = await Forwarder(self.fleet_routes).open() if self.fleet_routes else None
         self.core = Core(self.models, transport, timeout_s=self._timeout_s, ready=self._ready,
                          statistics=self._statistics, forwarder=forwarder)
+        self.core.unavailable = self.unavailable
         runner: web.AppRunner | None = None
         grpc_server = None
         lag = asyncio.ensure_future(self.core.watch_lag())  # for overload shedding (Core.admit)
@@ -161,7 +164,7 @@ class FrontDoor:
         """Serve ``app`` from now on (a load; any thread): its model info is built here, the swap is done
         in the front door's loop. Its inferences are counted in ``statistics`` (the node's record of the
         app); without it the model keeps the record it had, or gets one of its own."""
-        info = model_info(app)
+        info = model_info(app, self.max_request_bytes)
         self._loop.call_soon_threadsafe(self._swap_model, app.name, info, statistics)
 
     def remove_model(self, name: str) -> None:
@@ -209,7 +212,8 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
                     ready: Callable[[str], bool] | None = None,
                     statistics: Mapping[str, AppStatistics] | None = None, ingest: Ingest | None = None,
                     repository: Any = None, repository_token: str | None = None,
-                    fleet_routes: Sequence[str] = ()) -> FrontDoor:
+                    fleet_routes: Sequence[str] = (), max_request_bytes: int = DEFAULT_REQUEST_BYTES,
+                    unavailable: Sequence[Unavailable] = ()) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
@@ -222,15 +226,19 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     shown in logs. ``repository`` (with its bearer ``repository_token``, or None for none) adds the
     model-repository load/unload routes (docs/oip.md). ``fleet_routes`` (seed URLs of a fleet's routing
     table, docs/fleet.md) forwards requests for models this node does not host to their owners
-    (orchestrator/frontdoor/forward.py). Returns once both servers listen, or raises
-    FrontDoorError; ``close()`` stops it.
+    (orchestrator/frontdoor/forward.py). ``max_request_bytes`` bounds one request of a model file with
+    dynamic dimensions (the node's pool: node.pool.max_chunks x max_payload). Returns once both servers
+    listen, or raises FrontDoorError; ``close()`` stops it.
     """
     if http_port is None and grpc_port is None:
         raise ValueError("start_frontdoor needs http_port or grpc_port (None means off)")
     for name, p in (("http_port", http_port), ("grpc_port", grpc_port)):
         if p is not None and not 0 <= p <= 65535:
             raise ValueError(f"{name} must be in 0..65535 or None, got {p}")
-    infos = [model_info(a) for a in apps]
-    return FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
+    infos = [model_info(a, max_request_bytes) for a in apps]
+    door = FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
                      timeout_s=timeout_s, ready=ready, statistics=statistics, ingest=ingest,
-                     repository=repository, repository_token=repository_token, fleet_routes=fleet_routes)._start()
+                     repository=repository, repository_token=repository_token, fleet_routes=fleet_routes)
+    door.max_request_bytes = max_request_bytes
+    door.unavailable = list(unavailable)
+    return door._start()

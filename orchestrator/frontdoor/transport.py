@@ -27,6 +27,8 @@ import numpy as np
 
 from gpuprims.client import AsyncClient, RequestLost, Result
 from gpuprims.ingest import Ingest, LocalAnswer, LocalPort
+from gpuprims.tensorwire import decode
+from gpuprims.wire import DType
 
 #: The steps of one inference at the front door, in order (``FrontDoor.stages()``):
 #: parse (the request's bytes to its header: HTTP body read + JSON, gRPC protobuf parse), decode
@@ -60,7 +62,7 @@ class Transport(Protocol):
     name: str
 
     async def rows(self, app_id: int, x: np.ndarray, *, deadline_us: int, timeout_s: float,
-                   marks: Marks) -> list[Result | BaseException]: ...
+                   marks: Marks, dtype: DType | None = None) -> list[Result | BaseException]: ...
 
     def close(self) -> None: ...
 
@@ -74,9 +76,12 @@ class UdpTransport:
         self.client = client
 
     async def rows(self, app_id: int, x: np.ndarray, *, deadline_us: int, timeout_s: float,
-                   marks: Marks) -> list[Result | BaseException]:
-        tasks = [asyncio.ensure_future(self.client.infer(app_id, row, deadline_us=deadline_us, timeout_s=timeout_s))
-                 for row in x]
+                   marks: Marks, dtype: DType | None = None) -> list[Result | BaseException]:
+        # A multi-tensor body goes as the client's mapping of named arrays (views into the row), which it
+        # encodes again into the same body.
+        items = [{t.name: t.array for t in decode(row)} for row in x] if dtype == DType.TENSORS else list(x)
+        tasks = [asyncio.ensure_future(self.client.infer(app_id, item, deadline_us=deadline_us, timeout_s=timeout_s))
+                 for item in items]
         # One turn of the loop runs each task up to its first wait: the encoding and the sendto of
         # every datagram of its row. What follows (the node, the answer datagrams and their
         # reassembly in the client) is the node stage.
@@ -131,7 +136,7 @@ class PoolTransport:
             fut.set_result((a, now))
 
     async def rows(self, app_id: int, x: np.ndarray, *, deadline_us: int, timeout_s: float,
-                   marks: Marks) -> list[Result | BaseException]:
+                   marks: Marks, dtype: DType | None = None) -> list[Result | BaseException]:
         loop, port = self._loop, self.port
         if loop is None or port is None:
             raise RuntimeError("PoolTransport is not open: call open() on the front door's loop")
@@ -142,7 +147,7 @@ class PoolTransport:
         for i, f in enumerate(futs):
             self._pending[token0 + i] = f
         try:
-            port.submit(app_id, x, token0=token0, deadline_us=deadline_us)
+            port.submit(app_id, x, token0=token0, deadline_us=deadline_us, dtype=dtype)
         except BaseException:
             for i in range(n):
                 self._pending.pop(token0 + i, None)
