@@ -21,7 +21,8 @@ back as the uint16 bits of ORT's buffer. An ORT without that call refuses BF16 a
 
 ``openvino`` (cpu backend): option ``hint`` (``latency`` | ``throughput``, OpenVINO's performance hint);
 ``INFERENCE_NUM_THREADS`` = ``Target.threads``, one stream, no core pinning, f32 inference precision (no
-silent bf16). OpenVINO compiles the file at load; there is nothing to cache. BF16 tensors are refused.
+silent bf16). OpenVINO compiles the file at load; there is nothing to cache. BF16 tensors go in as
+``ov.Tensor`` of ``Type.bf16`` filled with the uint16 bits, and come out as those bits.
 """
 
 from __future__ import annotations
@@ -329,10 +330,6 @@ class OpenVinoFileEngine(FileEngine):
         return onnx_external_files(self.path) if self.path.suffix.lower() == ".onnx" else []
 
     def _prepare(self, cache: EngineCache) -> None:
-        bf16 = [s.name for s in (*self.signature.inputs, *self.signature.outputs) if s.datatype is DataType.BF16]
-        if bf16:
-            raise EngineUnavailable(f"engine 'openvino' does not take BF16 tensors ({bf16}); use engine "
-                                    "'onnxruntime' for this model")
         ov = _ov()
         t0 = time.perf_counter()
         try:
@@ -354,6 +351,9 @@ class OpenVinoFileEngine(FileEngine):
         for port in self.compiled.outputs:
             for name in port.get_names():
                 self._ports[name] = port
+        self._ov = ov
+        self._bf16_inputs = {s.name for s in self.signature.inputs if s.datatype is DataType.BF16}
+        self._bf16_outputs = {s.name for s in self.signature.outputs if s.datatype is DataType.BF16}
         self.info = BuildInfo(fingerprint=self.fingerprint, cache_hit=False, load_ms=(time.perf_counter() - t0) * 1e3,
                               artefact=str(self.path), extra={"threads": self.threads, "openvino": ov.__version__,
                                                               "cached": "nothing: OpenVINO compiles at load"})
@@ -373,9 +373,17 @@ class OpenVinoFileEngine(FileEngine):
         return out
 
     def _run(self, feed: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        result = self.request.infer(feed)
+        values: dict[str, Any] = dict(feed)
+        for name in self._bf16_inputs.intersection(feed):
+            # a bf16 Tensor's .data is typed float16 by OpenVINO's python API: write the bits through a
+            # uint16 view, never a numeric conversion
+            t = self._ov.Tensor(self._ov.Type.bf16, self._ov.Shape(list(feed[name].shape)))
+            t.data.view(np.uint16)[...] = feed[name]
+            values[name] = t
+        result = self.request.infer(values)
         # copies: the request's output buffers are reused by the next run
-        return {name: np.array(result[self._ports[name]], copy=True) for name in outputs}
+        return {name: (np.array(result[self._ports[name]]).view(np.uint16).copy() if name in self._bf16_outputs
+                       else np.array(result[self._ports[name]], copy=True)) for name in outputs}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "threads": self.threads}

@@ -135,7 +135,7 @@ def test_unbatched_model_with_data_dependent_output_sizes(kind: str, models: Any
     assert len(sizes) > 2  # the output's size followed the input's values
 
 
-def test_bf16_travels_as_uint16_bits_through_onnxruntime(models: Any, cache: EngineCache) -> None:
+def test_bf16_travels_as_uint16_bits(models: Any, cache: EngineCache) -> None:
     path, sig = models["bf16"]
     eng = make_file_engine("onnxruntime", path, sig, CPU)
     eng.prepare(cache)
@@ -150,8 +150,15 @@ def test_bf16_travels_as_uint16_bits_through_onnxruntime(models: Any, cache: Eng
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         ref = sess.run_with_ort_values(["z"], {"in x": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, 16)})
         np.testing.assert_array_equal(got["z"], ref[0].numpy())
-    with pytest.raises(EngineUnavailable, match=r"'openvino' does not take BF16 tensors \(\['in x', 'out.y'\]\)"):
-        make_file_engine("openvino", path, sig, CPU).prepare(cache)
+    # OpenVINO: the same bits through an ov.Tensor of Type.bf16
+    ov_eng = make_file_engine("openvino", path, sig, CPU)
+    ov_eng.prepare(cache)
+    for n in BATCHES:
+        bits = fm.to_bf16_bits(np.repeat(values, n, axis=0))
+        got_ov = ov_eng.run({"in x": bits})
+        assert got_ov["out.y"].dtype == np.uint16 and got_ov["out.y"].shape == (n, 4)
+        np.testing.assert_array_equal(fm.from_bf16_bits(got_ov["out.y"]), fm.from_bf16_bits(bits) * 2)
+        np.testing.assert_array_equal(got_ov["z"], fm.from_bf16_bits(bits) * 2)
 
 
 def test_bf16_refused_at_prepare_where_ort_cannot_take_it(models: Any, cache: EngineCache,
