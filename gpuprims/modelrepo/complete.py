@@ -377,6 +377,13 @@ def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool =
     for what, specs, have in (("input", config.signature.inputs, sig.inputs),
                               ("output", config.signature.outputs, sig.outputs)):
         by_name = {t.name: t for t in have}
+        if fmt == "torch_export" and not all(s.name in by_name for s in specs):
+            # A torch.export program's tensors are positional (its outputs have no names, its inputs
+            # are bound by name, INPUT__<i> or order: gpuprims.engines.file_torch): pair them in order.
+            if len(specs) != len(have):
+                raise ModelConfigError(str(p), None, what, f"the config lists {len(specs)} {what}s, the program "
+                                                           f"has {len(have)}")
+            by_name = {s.name: t for s, t in zip(specs, have)}
         for i, spec in enumerate(specs):
             fld = f"{what}[{i}]"
             t = by_name.get(spec.name)
@@ -398,8 +405,8 @@ def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool =
                                        f"{what} {spec.name!r} has shape {got} in the model file; the config gives "
                                        f"{want} (-1: any size{', the first the batch' if batched else ''})")
         if what == "input":
-            listed = {s.name for s in specs}
-            extra = [t.name for t in have if t.name not in listed]
+            paired = {id(by_name[s.name]) for s in specs}
+            extra = [t.name for t in have if id(t) not in paired]
             if extra:
                 raise ModelConfigError(str(p), None, "input", f"the model file takes inputs {extra} the config "
                                                               "does not list")

@@ -291,6 +291,24 @@ def test_a_pytorch_config_with_a_pt2_file_is_torch_export(tmp_path: Path) -> Non
     assert (c.model_format, c.model_filename, c.max_batch_size) == ("torch_export", "model.pt2", 2)
 
 
+def test_a_torch_export_config_is_checked_in_order(tmp_path: Path) -> None:
+    p = _export(tmp_path / "ex" / "1" / "model.pt2")
+    text = ('backend: "pytorch"\nmax_batch_size: 2\ninput { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3, 4 ] }\n'
+            'input { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 1, 4 ] }\n'
+            'output { name: "sums" data_type: TYPE_FP32 dims: [ 4 ] }\n'
+            'output { name: "positive" data_type: TYPE_BOOL dims: [ 3, 4 ] }\n')
+    src = str(tmp_path / "ex" / "config.pbtxt")
+    cfg = parse_config(text + 'default_model_filename: "model.pt2"', src)
+    complete.check_model_file(cfg, p, torch_ok=True)
+    bad = parse_config(text.replace("TYPE_BOOL", "TYPE_UINT8") + 'default_model_filename: "model.pt2"', src)
+    with pytest.raises(ModelConfigError, match=r"output 'positive' is TYPE_BOOL in the model file, TYPE_UINT8"):
+        complete.check_model_file(bad, p, torch_ok=True)
+    short = parse_config(text.split("output")[0] + 'output { name: "sums" data_type: TYPE_FP32 dims: [ 4 ] }\n'
+                         'default_model_filename: "model.pt2"', src)
+    with pytest.raises(ModelConfigError, match="the config lists 1 outputs, the program has 2"):
+        complete.check_model_file(short, p, torch_ok=True)
+
+
 def test_a_torch_export_file_without_torch_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = tmp_path / "ex" / "1" / "model.pt2"
     p.parent.mkdir(parents=True)
