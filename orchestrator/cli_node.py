@@ -137,8 +137,6 @@ def start(config: str | None, model_repository: str | None, model_control_mode: 
     if run_dir and name:
         raise click.UsageError("give --run-dir or --name, not both")
     cfg, config = _load(config, model_repository, load_models, model_control_mode)
-    for m in cfg.unavailable:
-        log.error("model %s%s is UNAVAILABLE: %s", m.name, f" version {m.version}" if m.version else "", m.reason)
     _check_user_models(cfg, config)
     setup_logging(cfg.node.log_level, cfg.node.log_format)
     sweep_dead()

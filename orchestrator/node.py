@@ -231,6 +231,11 @@ class Node:
         for app in self.cfg.apps:
             n = app.instances if isinstance(app.instances, int) else 1
             self.apps[app.name] = AppState(cfg=app, gpu_pct=0, instances=n)
+            if app.file is not None and app.file.config.ignored:
+                log.info("app %s: %s: fields accepted without effect (they tune Triton's own internals): %s",
+                         app.name, app.file.config.source, ", ".join(app.file.config.ignored))
+        for u in self.cfg.unavailable:
+            log.error("model %s%s is UNAVAILABLE: %s", u.name, f" version {u.version}" if u.version else "", u.reason)
         if self.scheduled:
             self.placement.check_scheduled()
             if self.monitor is not None:
@@ -690,6 +695,9 @@ class Node:
                 "overflow": self.overflow.split(name, self.instances.values())
                 if self.overflow is not None and name in self.overflow.pools else None,
             }
+            if a.cfg.file is not None:  # a model file: its version, and the config fields without effect
+                apps[name]["model_file"] = {"version": a.cfg.file.version, "repository": a.cfg.file.repository,
+                                            "ignored": list(a.cfg.file.config.ignored)}
         return {
             "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
                      "mps": None if self.mps is None else {"active": self.mps.active, "started": self.mps.started,
