@@ -17,8 +17,8 @@ here) and ``set_tensor_address``; each output bound to a device buffer sized fro
 ``context.get_tensor_shape`` once the input shapes are set, or, when that shape still has a ``-1`` (a
 data-dependent size: NonZero, a detector's boxes), to an ``IOutputAllocator`` that TensorRT asks for
 memory (``reallocate_output[_async]``) and tells the shape (``notify_shape``) while it runs;
-``execute_async_v3(stream)`` on ``Target.stream`` (or a stream of the engine's own); the stream
-synchronized; each wanted output copied device -> page-locked host -> numpy. Since TensorRT 10,
+``execute_async_v3(stream)`` on ``Target.stream`` (or a stream of the engine's own); a Sync-lite wait
+(an event recorded after it, polled); each wanted output copied device -> page-locked host -> numpy. Since TensorRT 10,
 ``get_tensor_shape`` of a data-dependent output stays ``-1`` after the run, which is why the allocator's
 ``notify_shape`` is where such a shape is read.
 
@@ -40,7 +40,7 @@ import numpy as np
 
 from gpuprims.cuda import runtime
 from gpuprims.cuda.errors import CudaError
-from gpuprims.cuda.event import Stream, stream_handle
+from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
 from gpuprims.engines.cache import EngineCache
 from gpuprims.engines.files import FileEngine, first_line
@@ -57,6 +57,9 @@ TRT_TYPES: dict[str, DataType] = {
 #: Device memory is asked for in multiples of this (TensorRT wants 256-byte aligned tensor addresses;
 #: cudaMalloc gives that, and rounding sizes up keeps a growing batch from reallocating every time).
 ALIGN = 256
+#: Sync-lite's polling interval while a run completes (the house's wait: cudaEventQuery with the GIL
+#: released between polls, not a spinning cudaStreamSynchronize).
+SYNC_INTERVAL_US = 100
 
 
 def _trt() -> Any:
@@ -274,7 +277,7 @@ class TensorRTFileEngine(FileEngine):
             raise EngineError(f"engine 'tensorrt': execute_async_v3 failed on {self.path.name} "
                               f"({'; '.join(self._logger.errors[-2:]) or 'see the TensorRT log'})")
         # the outputs' sizes are known (data-dependent ones through notify_shape) once the run is done
-        rt.cuda_stream_synchronize(stream)
+        self._wait(stream)
         out: dict[str, np.ndarray] = {}
         staged: list[tuple[str, np.ndarray, tuple[int, ...]]] = []
         for name in outputs:
@@ -291,10 +294,17 @@ class TensorRTFileEngine(FileEngine):
             if nbytes:
                 rt.cuda_memcpy_async(host.ctypes.data, ptr, nbytes, stream)
             staged.append((name, host[:nbytes], shape))
-        rt.cuda_stream_synchronize(stream)
+        self._wait(stream)
         for name, host, shape in staged:
             out[name] = host.view(self._numpy(name)).reshape(shape).copy()
         return out
+
+    def _wait(self, stream: int) -> None:
+        """Sync-lite: an event recorded after the work queued on ``stream``, polled until it completes."""
+        if self.__dict__.get("_event") is None:
+            self._event = Event(self.target.device_index)
+        self._event.record(stream)
+        self._event.wait(SYNC_INTERVAL_US)
 
     def _bind(self, name: str, ptr: int) -> None:
         if not self._context.set_tensor_address(name, ptr):
@@ -326,6 +336,9 @@ class TensorRTFileEngine(FileEngine):
                 log.error("engine tensorrt: the stream did not drain before close (%s); releasing anyway", e)
         for name in ("_context", "_engine", "_runtime", "_allocator"):
             self.__dict__.pop(name, None)
+        event = self.__dict__.pop("_event", None)
+        if event is not None:
+            event.close()
         dev = self.__dict__.pop("_device", None)
         if dev is not None:
             dev.close()
