@@ -174,6 +174,7 @@ class TensorRTFileEngine(FileEngine):
         trt = _trt()
         t0 = time.perf_counter()
         self._trt = trt
+        self._own_stream: Stream | None = None
         self._logger = _logger(trt)
         try:
             plan = self.path.read_bytes()
@@ -220,7 +221,6 @@ class TensorRTFileEngine(FileEngine):
         self._device = _DeviceBuffers(dev)
         self._host: dict[str, runtime.PinnedBuffer] = {}
         self._allocator = _allocator(trt, self._device)
-        self._own_stream: Stream | None = None
         self.info = BuildInfo(fingerprint=self.fingerprint, cache_hit=False, load_ms=(time.perf_counter() - t0) * 1e3,
                               artefact=str(self.path),
                               extra={"tensorrt": str(getattr(trt, "__version__", "unknown")),
