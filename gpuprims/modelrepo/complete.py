@@ -83,11 +83,11 @@ class ModelConfigLike(Protocol):
 @dataclass(frozen=True)
 class FileTensor:
     """An input or output as the model file declares it: its full shape (batch dimension included,
-    ``-1`` where dynamic)."""
+    ``-1`` where dynamic), None where the file does not say (an ONNX output shape inference left out)."""
 
     name: str
     datatype: DataType
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str, torch_
     gave_tensors = bool(len(msg.input) or len(msg.output))
     gave_batch = msg.max_batch_size != 0 or (
         text is not None and any(n.name == "max_batch_size" for n in TextIndex(text).root.children))
-    batchable = all(len(t.shape) >= 1 and t.shape[0] == -1 for t in (*sig.inputs, *sig.outputs))
+    batchable = all(t.shape is not None and len(t.shape) >= 1 and t.shape[0] == -1
+                    for t in (*sig.inputs, *sig.outputs))
     if not gave_tensors and not gave_batch and batchable:
         msg.max_batch_size = min(DEFAULT_MAX_BATCH_SIZE, sig.max_batch or DEFAULT_MAX_BATCH_SIZE)
         if msg.max_batch_size > 1 and not (msg.HasField("dynamic_batching") or msg.HasField("sequence_batching")):
@@ -167,6 +168,9 @@ def complete_from_file(msg: Any, path: str | Path, fmt: str, source: str, torch_
         if len(have):
             continue
         for t in tensors:
+            if t.shape is None:
+                raise ModelConfigError(source, None, what, f"{what} {t.name!r} has no shape in {path}: give the "
+                                                           f"{what}s' dims in config.pbtxt")
             dims = list(t.shape)
             if msg.max_batch_size > 0:
                 if not dims or dims[0] != -1:
@@ -217,10 +221,7 @@ def _file_tensor(path: Path, what: str, name: str, dtype: DataType | None, type_
     if dtype is None:
         raise ModelConfigError(str(path), None, what, f"{what} {name!r} has element type {type_name}, which has no "
                                                       "Triton datatype")
-    if shape is None:
-        raise ModelConfigError(str(path), None, what, f"{what} {name!r} has no shape in the file: give its dims in "
-                                                      "config.pbtxt")
-    return FileTensor(name, dtype, tuple(shape))
+    return FileTensor(name, dtype, tuple(shape) if shape is not None else None)
 
 
 def onnx_signature(path: Path) -> FileSignature:
@@ -397,6 +398,8 @@ def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool =
             want = list(spec.reshape if spec.reshape is not None else spec.dims)
             if batched:
                 want = [-1, *want]
+            if t.shape is None:
+                continue  # the file does not say: the engine finds out
             got = list(t.shape)
             # A size the file fixes must be the config's (a config -1 there would take requests the model
             # refuses); a size the file leaves dynamic takes whatever the config says.

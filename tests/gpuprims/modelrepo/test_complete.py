@@ -109,7 +109,12 @@ def test_a_tensor_without_a_shape_is_refused(tmp_path: Path) -> None:
     p = onnxmodels.unranked(tmp_path / "u" / "1" / "model.onnx")
     with pytest.raises(ModelConfigError) as ei:
         load_config(tmp_path / "u")
-    assert str(ei.value) == f"{p}: input: input 'a' has no shape in the file: give its dims in config.pbtxt"
+    assert str(ei.value) == f"{p}: input: input 'a' has no shape in {p}: give the inputs' dims in config.pbtxt"
+    # With the tensors in config.pbtxt, the unknown shapes are not held against it.
+    (tmp_path / "u" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n'
+                                                 'input { name: "a" data_type: TYPE_FP32 dims: [ 2 ] }\n'
+                                                 'output { name: "b" data_type: TYPE_FP32 dims: [ 2 ] }\n')
+    complete.check_model_file(load_config(tmp_path / "u"), p)
 
 
 def test_a_corrupt_onnx_file_is_named(tmp_path: Path) -> None:
