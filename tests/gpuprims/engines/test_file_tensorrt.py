@@ -41,17 +41,20 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> Any:
     return mod
 
 
-@pytest.fixture
-def multi_plan(tmp_path: Path) -> tuple[Path, Path, ModelSignature]:
-    onnx_path, sig = fm.multi_io(tmp_path / "multi.onnx")
-    plan = standin.make_plan(
+def _multi_plan(onnx_path: Path, profiles: int = 1) -> bytes:
+    return standin.make_plan(
         onnx_path.read_bytes(),
         [_batched("image in", "FLOAT", [3, 4]), _batched("scale.factor", "HALF", [1, 1]),
          _batched("ids", "INT64", [5]), _batched("mask", "BOOL", [5])],
         [_follows("out.sum", "FLOAT", [3]), _follows("ids x2", "INT64", [5]), _follows("not mask", "BOOL", [5]),
-         _follows("half out", "HALF", [3])])
+         _follows("half out", "HALF", [3])], profiles=profiles)
+
+
+@pytest.fixture
+def multi_plan(tmp_path: Path) -> tuple[Path, Path, ModelSignature]:
+    onnx_path, sig = fm.multi_io(tmp_path / "multi.onnx")
     path = tmp_path / "model.plan"
-    path.write_bytes(plan)
+    path.write_bytes(_multi_plan(onnx_path))
     return path, onnx_path, sig
 
 
@@ -141,7 +144,7 @@ def test_data_dependent_outputs_through_an_output_allocator(fake_cuda: Any, trt:
 
 def test_plan_errors_are_one_clear_engine_error(fake_cuda: Any, trt: Any, multi_plan: Any, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    path, _, sig = multi_plan
+    path, onnx_path, sig = multi_plan
     cache = EngineCache(tmp_path / "cache")
     bad = tmp_path / "corrupt.plan"
     bad.write_bytes(b"not a plan at all")
@@ -158,6 +161,16 @@ def test_plan_errors_are_one_clear_engine_error(fake_cuda: Any, trt: Any, multi_
     renamed = ModelSignature(sig.inputs, (TensorSpec("sum", DataType.FP32, (3,)), *sig.outputs[1:]), MAX)
     with pytest.raises(EngineError, match=r"model.plan has no output 'sum'"):
         make_file_engine("tensorrt", path, renamed, Target("cuda")).prepare(cache)
+    # a profile the plan does not have; one it has is set on the stream the plan runs on
+    with pytest.raises(EngineError, match=r"model.plan has 1 optimization profile\(s\); option profile is 1"):
+        make_file_engine("tensorrt", path, sig, Target("cuda"), {"profile": 1}).prepare(cache)
+    two = tmp_path / "two.plan"
+    two.write_bytes(_multi_plan(onnx_path, profiles=2))
+    stream = Stream(0)
+    eng = make_file_engine("tensorrt", two, sig, Target("cuda", stream=stream), {"profile": 1})
+    eng.prepare(cache)
+    assert standin.args_of(trt, "IExecutionContext.set_optimization_profile_async") == [(1, stream.handle)]
+    eng.close()
     # a shape outside the plan's profile is named
     wide = ModelSignature(sig.inputs, sig.outputs, 16)
     eng = make_file_engine("tensorrt", path, wide, Target("cuda"))

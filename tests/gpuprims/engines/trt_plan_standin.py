@@ -72,11 +72,12 @@ NUMPY = {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT8: n
          DataType.BOOL: np.bool_, DataType.UINT8: np.uint8, DataType.BF16: np.uint16, DataType.INT64: np.int64}
 
 
-def make_plan(onnx_bytes: bytes, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> bytes:
+def make_plan(onnx_bytes: bytes, inputs: list[dict[str, Any]], outputs: list[dict[str, Any]],
+              profiles: int = 1) -> bytes:
     """A stand-in plan. ``inputs``: ``{"name", "dtype" (DataType name), "shape" (-1 dynamic), "min", "max"}``;
     ``outputs``: ``{"name", "dtype", "shape", "follows"}`` where ``follows[i]`` is ``[input, axis]`` for a
     dimension that follows an input's, or ``"dds"`` for a data-dependent one (None: fixed)."""
-    head = json.dumps({"inputs": inputs, "outputs": outputs}).encode()
+    head = json.dumps({"inputs": inputs, "outputs": outputs, "profiles": profiles}).encode()
     return MAGIC + len(head).to_bytes(4, "little") + head + onnx_bytes
 
 
@@ -131,6 +132,11 @@ def make(version: str = "10.9.0", *, fail_execute: bool = False) -> types.Module
                 return False
             self.addresses[name] = ptr
             return True
+
+        def set_optimization_profile_async(self, index: int, stream_handle: int) -> bool:
+            rec("IExecutionContext.set_optimization_profile_async", index, stream_handle)
+            assert isinstance(stream_handle, int)
+            return 0 <= index < self.engine.num_optimization_profiles
 
         def set_output_allocator(self, name: str, allocator: Any) -> bool:
             rec("IExecutionContext.set_output_allocator", name, allocator)
@@ -196,10 +202,15 @@ def make(version: str = "10.9.0", *, fail_execute: bool = False) -> types.Module
         def __init__(self, head: dict[str, Any], onnx_bytes: bytes) -> None:
             import onnxruntime as ort
 
+            self.head = head
             self.inputs = {i["name"]: i for i in head["inputs"]}
             self.outputs = {o["name"]: o for o in head["outputs"]}
             self.session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
             self.names = [*self.inputs, *self.outputs]
+
+        @property
+        def num_optimization_profiles(self) -> int:
+            return int(self.head.get("profiles", 1))
 
         @property
         def num_io_tensors(self) -> int:
