@@ -88,6 +88,8 @@ class FileTensor:
     name: str
     datatype: DataType
     shape: tuple[int, ...] | None
+    #: Other names the file gives the same tensor (an OpenVINO port has a set of names).
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,8 @@ def openvino_signature(path: Path) -> FileSignature:
         type_name = port.get_element_type().get_type_name()
         ps = port.get_partial_shape()
         shape = None if ps.rank.is_dynamic else [d.get_length() if d.is_static else -1 for d in ps]
-        return _file_tensor(path, what, name, _OPENVINO_TYPES.get(type_name), type_name, shape)
+        t = _file_tensor(path, what, name, _OPENVINO_TYPES.get(type_name), type_name, shape)
+        return FileTensor(t.name, t.datatype, t.shape, tuple(sorted(set(port.get_names()) - {name})))
 
     return _nonempty(path, tuple(one(p, "input") for p in model.inputs),
                      tuple(one(p, "output") for p in model.outputs))
@@ -377,7 +380,7 @@ def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool =
     batched = config.signature.max_batch_size > 0
     for what, specs, have in (("input", config.signature.inputs, sig.inputs),
                               ("output", config.signature.outputs, sig.outputs)):
-        by_name = {t.name: t for t in have}
+        by_name = {n: t for t in have for n in (t.name, *t.aliases)}
         if fmt == "torch_export" and not all(s.name in by_name for s in specs):
             # A torch.export program's tensors are positional (its outputs have no names, its inputs
             # are bound by name, INPUT__<i> or order: gpuprims.engines.file_torch): pair them in order.
@@ -390,7 +393,7 @@ def check_model_file(config: ModelConfigLike, path: str | Path, torch_ok: bool =
             t = by_name.get(spec.name)
             if t is None:
                 raise ModelConfigError(str(p), None, fld, f"the model file has no {what} {spec.name!r} (its {what}s: "
-                                                          f"{', '.join(repr(n) for n in by_name)})")
+                                                          f"{', '.join(repr(t.name) for t in have)})")
             if t.datatype is not spec.datatype:
                 raise ModelConfigError(str(p), None, f"{fld}.data_type",
                                        f"{what} {spec.name!r} is {t.datatype.config_name} in the model file, "

@@ -163,6 +163,15 @@ def test_an_openvino_ir_completes_where_openvino_imports(tmp_path: Path, monkeyp
         "openvino", "", "openvino_ir", "openvino", 4)
     assert _tensors(c.signature.inputs) == onnxmodels.MULTI_INPUTS
     assert _tensors(c.signature.outputs) == onnxmodels.MULTI_OUTPUTS
+    complete.check_model_file(c, xml)
+    # A port with several names: a config may use any of them.
+    model = ov.convert_model(str(src))
+    model.inputs[0].get_tensor().add_names({"pixels"})
+    ov.save_model(model, str(xml))
+    complete.check_model_file(c, xml)
+    with pytest.raises(ModelConfigError, match="the model file has no input 'image'"):
+        complete.check_model_file(parse_config(proto.to_text(c.message).replace('"x y"', '"image"', 1),
+                                               str(tmp_path / "ov" / "config.pbtxt")), xml)
     xml.write_text("<net/>")
     with pytest.raises(ModelConfigError, match="model file: not a readable OpenVINO IR"):
         load_config(tmp_path / "ov")
