@@ -6,19 +6,22 @@ dynamic batcher, say). What the config leaves out is read from the model file of
 - the platform/backend, from the file present (``model.onnx``, ``model.plan``, ``model.pt``,
   ``model.pt2``, ``model.xml``); a ``pytorch`` model whose version holds ``model.pt2`` (and no
   ``model.pt``) is a torch.export file;
-- the inputs and outputs (names, datatypes, dims), when the config lists none of them: from the ONNX
+- the inputs or outputs (names, datatypes, dims), where the config lists none of them: from the ONNX
   graph (the ``onnx`` package, imported when needed; initializers listed as graph inputs are weights,
   not inputs), from an OpenVINO IR where ``openvino`` imports, from a ``torch.export`` program where
-  torch imports, from a TensorRT plan where ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
+  torch may be loaded (inputs by argument name, outputs ``output__<i>``), from a TensorRT plan where
+  ``tensorrt`` imports (a GPU host). A TorchScript file carries no datatypes or shapes, so it needs
   its inputs and outputs in config.pbtxt. Unknown or symbolic dimensions are ``-1``;
-- batching: when the config lists no tensors and writes no ``max_batch_size``, a model whose every input
-  and output has a dynamic first dimension is batched, with ``max_batch_size`` 4 (Triton's default
-  for auto-complete; a TensorRT plan's optimization profile may cap it lower) and that dimension left
-  out of ``dims``, and gets a dynamic batcher with default settings as Triton gives it; otherwise
-  ``max_batch_size`` is 0. A written ``max_batch_size: 0`` is kept (the model is not batched, its
-  first dimension stays in ``dims``): protobuf reads it as "not set", so the text is asked.
+- batching: when the config lists no tensors and writes no ``max_batch_size``, a model whose every
+  input and output has a dynamic first dimension is batched, with ``max_batch_size`` 4 (Triton's
+  default for auto-complete; a TensorRT plan's optimization profile may cap it lower) and that
+  dimension left out of ``dims``, and gets a dynamic batcher with default settings as Triton gives it;
+  otherwise ``max_batch_size`` is 0. A written ``max_batch_size: 0`` is kept (the model is not
+  batched, its first dimension stays in ``dims``): protobuf reads it as "not set", so the text is asked.
 
-Importing this module imports none of onnx, torch or tensorrt.
+:func:`check_model_file` holds a config to its file as Triton does at load.
+
+Importing this module imports none of onnx, openvino, torch or tensorrt.
 """
 
 from __future__ import annotations
