@@ -151,6 +151,7 @@ def test_a_torchscript_file_needs_its_config(tmp_path: Path) -> None:
                              "and output in config.pbtxt")
 
 
+@pytest.mark.slow  # loads torch / OpenVINO and converts a model: seconds on a busy machine
 def test_an_openvino_ir_completes_where_openvino_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import openvino as ov
 
@@ -284,6 +285,7 @@ def _export(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # loads torch / OpenVINO and converts a model: seconds on a busy machine
 def test_a_torch_export_file_completes_where_torch_imports(tmp_path: Path) -> None:
     _export(tmp_path / "ex" / "1" / "model.pt2")
     c = load_config(tmp_path / "ex")
@@ -294,6 +296,7 @@ def test_a_torch_export_file_completes_where_torch_imports(tmp_path: Path) -> No
     assert _tensors(c.signature.outputs) == [("output__0", "TYPE_FP32", [4]), ("output__1", "TYPE_BOOL", [3, 4])]
 
 
+@pytest.mark.slow  # loads torch / OpenVINO and converts a model: seconds on a busy machine
 def test_a_pytorch_config_with_a_pt2_file_is_torch_export(tmp_path: Path) -> None:
     _export(tmp_path / "ex" / "1" / "model.pt2")
     (tmp_path / "ex" / "config.pbtxt").write_text(
@@ -305,6 +308,7 @@ def test_a_pytorch_config_with_a_pt2_file_is_torch_export(tmp_path: Path) -> Non
     assert (c.model_format, c.model_filename, c.max_batch_size) == ("torch_export", "model.pt2", 2)
 
 
+@pytest.mark.slow  # loads torch / OpenVINO and converts a model: seconds on a busy machine
 def test_a_torch_export_config_is_checked_in_order(tmp_path: Path) -> None:
     p = _export(tmp_path / "ex" / "1" / "model.pt2")
     text = ('backend: "pytorch"\nmax_batch_size: 2\ninput { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3, 4 ] }\n'
@@ -423,5 +427,15 @@ def test_files_without_a_checkable_signature_pass(tmp_path: Path, monkeypatch: p
     cfg = parse_config((text % "").replace('platform: ""', 'backend: "pytorch" default_model_filename: "model.pt2"'),
                        str(tmp_path / "config.pbtxt"))
     complete.check_model_file(cfg, pt2)  # torch_ok False: not loaded here
-    with pytest.raises(ModelConfigError, match=r"not a loadable torch\.export program"):
+
+
+@pytest.mark.slow  # loads torch: seconds on a busy machine
+def test_a_torch_export_file_that_does_not_load_is_named(tmp_path: Path) -> None:
+    pt2 = tmp_path / "model.pt2"
+    pt2.write_bytes(b"PK")
+    cfg = parse_config('backend: "pytorch" default_model_filename: "model.pt2"\n'
+                       'input { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3 ] }\n'
+                       'output { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 3 ] }\n', str(tmp_path / "config.pbtxt"))
+    with pytest.raises(ModelConfigError) as ei:
         complete.check_model_file(cfg, pt2, torch_ok=True)
+    assert str(ei.value).startswith(f"{pt2}: model file: not a loadable torch.export program")
