@@ -192,6 +192,14 @@ def test_refused_fields_name_file_line_and_field(snippet: str, fld: str, line: i
     assert (e.file, e.line, e.field) == (PATH, BASE_LINES + line, fld)
 
 
+def test_every_refused_field_has_its_test_above() -> None:
+    import re
+
+    tested = {re.sub(r"\[\d+\]", "", fld) for _, fld, _, _ in REFUSED}
+    refused = {k for k, (d, _) in config.FIELDS.items() if d == config.REFUSED}
+    assert sorted(refused - tested) == []
+
+
 # (text, line, field, words): every other error path of a config text.
 ERRORS = [
     (BASE + "max_batch_size 8 {\n", None, None, ""),  # syntax: checked apart below
