@@ -311,6 +311,7 @@ class ServingLoop:
         if n < take:
             self.stats.counts["error"] += take - n  # answered BAD_REQUEST by take
         if not n:
+            self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
             clock.cancel()
             return
         recs = self._recs[:n]
@@ -323,17 +324,21 @@ class ServingLoop:
             recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]  # copies
             q.clear_batch()
             if not recs.size:
+                self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
                 clock.cancel()
                 return
         clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
         done = self._timed_run(self.runner.model, x, "model", recs, info if info is not None else q.batch_info)
         if done is None:
             q.clear_batch()
+            self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
             clock.cancel()
             return
         clock.lap("model")
         out, model_ms = done
         self.policy.model.observe(recs.size, model_ms, at_s=time.monotonic())
+        # Timed before the answers go out, so a closed-loop client's next request always arrives after it.
+        self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
         if isinstance(out, list) or info is not None:  # a DAG app's groups of rows, or a batch with rows refused
             if info is None:
                 info = q.batch_info().copy()
@@ -404,6 +409,7 @@ class ServingLoop:
             self._pull(0)
         self._expire(time.monotonic_ns())  # after the pull: a request just taken has age >= 0
         if not self.queue:
+            self.policy.note_answered(time.monotonic_ns() / 1e6, 0)
             self.stats.stages.cancel()  # all of it expired: no batch runs, the next one's clock starts afresh
             return
         self._early_drop(time.monotonic_ns())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import math
 import socket
 import threading
 import time
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpuprims import wire
-from gpuprims.batching import LatencyModel
+from gpuprims.batching import BatchDecision, LatencyModel
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES
@@ -22,13 +24,13 @@ from orchestrator.instance import LATENCY_MEMORY_S, PROBE_AFTER_S, Instance, Ins
 SHAPE = (3, 32, 32)
 
 
-@pytest.fixture
-def setup() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+def _instance(slo_ms: float = 500.0, max_wait_ms: float = 0.0) -> Iterator[tuple[Instance, Ingest, socket.socket]]:
     pool = PacketPool.create(slot_count=1024, record_count=64, max_chunks=64, consumer_count=1)
     ing = Ingest(pool, [("127.0.0.1", 0)]).start()
     ing.set_route(1, [0])
     spec = InstanceSpec(name="t-0", app="t", app_id=1, model="mobilenet_v2", pool=pool.name, consumer=0,
-                        input_shape=SHAPE, num_classes=10, slo_ms=500.0, max_batch=4, max_wait_ms=0.0, warmup=False)
+                        input_shape=SHAPE, num_classes=10, slo_ms=slo_ms, max_batch=4, max_wait_ms=max_wait_ms,
+                        warmup=False)
     inst = Instance(spec, control=None)
     inst.init_compute(100)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -39,6 +41,19 @@ def setup() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
     inst.close()
     ing.stop()
     pool.close()
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+    yield from _instance()
+
+
+@pytest.fixture
+def waiting() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+    """An instance that may wait up to 2 s to fill a batch of up to 4 (longer than a closed loop's turn
+    takes on any machine, so the rule before waited on every request), with a deadline no busy machine
+    misses (a minute), so only the batching rule decides what it does."""
+    yield from _instance(slo_ms=60_000.0, max_wait_ms=2000.0)
 
 
 def _send(ing: Ingest, sock: socket.socket, rid: int) -> None:
@@ -373,3 +388,39 @@ def test_a_failing_model_answers_its_batch_internal_once_and_the_next_batch_is_s
     assert _serve_all(inst, sock, 1)[2].status == Status.OK
     assert inst.stats.counts["error"] == 1 and inst.stats.counts["ok"] == 1
     assert len(inst.queue) == 0 and inst.serving.held() == 0
+
+
+def test_a_closed_loop_client_is_answered_without_waiting_while_an_open_loop_burst_is_batched(
+        waiting: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    inst, ing, sock = waiting
+    inst.runner.warm_up(inst.policy.model)  # batch times known (and no cold first run among them)
+    decisions: list[tuple[int, BatchDecision]] = []
+    decide = inst.policy.decide
+
+    def recording(queue_len: int, oldest_age_ms: float, **kw: float | None) -> BatchDecision:
+        d = decide(queue_len, oldest_age_ms, **kw)
+        decisions.append((queue_len, d))
+        return d
+
+    monkeypatch.setattr(inst.policy, "decide", recording)
+    # A closed loop: one request at a time, the next sent once the last is answered.
+    for rid in range(12):
+        _send(ing, sock, rid)
+        assert _answer(inst, sock).status == Status.OK
+        if rid == 1:
+            decisions.clear()  # the first two teach the policy the traffic (the first waits, as before)
+    assert decisions and all(queued == 1 and d.take == 1 for queued, d in decisions), decisions
+    assert dict(inst.stats.batch_sizes) == {1: 12}
+    assert inst.policy.held.mean_gap_ms() == math.inf  # nothing ever came while a request was held
+    # An open-loop burst: twelve at once, served once the ring holds them all.
+    for rid in range(100, 112):
+        _send(ing, sock, rid)
+    deadline = time.monotonic() + 30
+    while inst.consumer.depth() < 12 and time.monotonic() < deadline:
+        time.sleep(0.001)  # the ingest reassembles them
+    assert inst.consumer.depth() == 12
+    got = _serve_all(inst, sock, 12)
+    assert all(r.status == Status.OK for r in got.values()), {k: r.status for k, r in got.items()}
+    burst = inst.stats.batch_sizes - collections.Counter({1: 12})
+    assert sum(b * n for b, n in burst.items()) == 12 and max(burst) == 4  # batched as max_batch allows
+    assert inst.policy.held.came_held() >= 11  # and learnt that requests now come while others are held
