@@ -175,8 +175,20 @@ class _IpcMapping:
                 "strides": None, "stream": None}
 
 
+class _FakeDeviceView:
+    """Fake CUDA runtime: "device" memory is host memory, viewed by numpy (and so by CPU tensors); it
+    keeps ``owner`` (the DeviceMemory or IPC mapping) alive for as long as a view of it lives, as
+    ``__cuda_array_interface__`` does for a real tensor."""
+
+    def __init__(self, owner: Any, ptr: int, nbytes: int) -> None:
+        self.owner = owner
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3, "data": (ptr, False)}
+
+
 def _flat_view(holder: Any, backend: str, device: int | None) -> Any:
     torch = _torch()
+    if backend == "cuda" and runtime.is_fake():
+        return torch.from_numpy(np.asarray(_FakeDeviceView(holder, holder.ptr, holder.nbytes)))
     if backend == "cuda":
         return torch.as_tensor(holder, device=f"cuda:{device}")
     with warnings.catch_warnings():
@@ -244,13 +256,19 @@ class ExportedParameters:
         self.close()
 
 
-def export_parameters(model: Any) -> ExportedParameters:
+def export_parameters(model: Any, *, backend: Literal["cuda", "cpu"] | None = None,
+                      gpu: int | None = None) -> ExportedParameters:
     """Move `model`'s parameters and buffers into one shared allocation and return its handles.
 
     All tensors must be on one device: a CUDA device (one cudaMalloc arena, one cudaIpcGetMemHandle)
     or the CPU (a POSIX shared-memory object). The model keeps working, now reading the shared copy;
     its previous tensors are released. Raises ValueError for a model without tensors or with tensors
     on several devices.
+
+    ``backend`` defaults to the tensors' device. On the fake CUDA runtime, where an instance's model
+    lives on the CPU, ``backend="cuda"`` (device ``gpu``, default 0) puts the arena in fake device
+    memory and exports it with the fake's cudaIpcGetMemHandle, so a node there runs CUDA's IPC path
+    and its lifetime rules; anywhere else CPU tensors with ``backend="cuda"`` are a ValueError.
     """
     torch = _torch()
     if not isinstance(model, torch.nn.Module):
@@ -264,6 +282,11 @@ def export_parameters(model: Any) -> ExportedParameters:
     device = devices.pop()
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"parameters must be on a CUDA device or the CPU, got {device}")
+    if backend not in (None, "cuda", "cpu") or (backend is not None and backend != device.type and not (
+            backend == "cuda" and device.type == "cpu" and runtime.is_fake())):
+        raise ValueError(f"cannot export tensors on {device} with backend={backend!r} (CPU tensors go to a CUDA "
+                         "arena only on the fake CUDA runtime)")
+    on_fake_gpu = backend == "cuda" and device.type == "cpu"
     entries: list[TensorEntry] = []
     offset = 0
     for kind, names, t in items:
@@ -272,13 +295,16 @@ def export_parameters(model: Any) -> ExportedParameters:
         offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
     total = offset
     token = uuid.uuid4().hex
-    if device.type == "cuda":
-        dev = device.index if device.index is not None else torch.cuda.current_device()
+    if device.type == "cuda" or on_fake_gpu:
+        if on_fake_gpu:
+            dev = gpu or 0
+        else:
+            dev = device.index if device.index is not None else torch.cuda.current_device()
         holder: Any = runtime.DeviceMemory(total, dev)
-        flat = torch.as_tensor(holder, device=f"cuda:{dev}")
+        flat = _flat_view(holder, "cuda", dev)
         handle = bytes(runtime.cuda().cuda_ipc_get_mem_handle(dev, holder.ptr))
         bus = runtime.pci_bus_id(dev)
-        backend: Literal["cuda", "cpu"] = "cuda"
+        kind: Literal["cuda", "cpu"] = "cuda"
     else:
         if not _SHM_DIR.is_dir():
             raise OSError(f"CPU parameter sharing needs POSIX shared memory at {_SHM_DIR}")
@@ -295,14 +321,14 @@ def export_parameters(model: Any) -> ExportedParameters:
             os.close(fd)
         holder = _HostHolder(np.frombuffer(mm, dtype=np.uint8), readonly=False)
         flat = torch.from_numpy(np.asarray(holder))
-        handle, bus, backend = name.encode(), "", "cpu"
+        handle, bus, kind = name.encode(), "", "cpu"
     with torch.no_grad():
         for (_, _, t), (e, view) in zip(items, _entry_views(flat, tuple(entries))):
             view.copy_(t)
             _install(model, e, view, as_parameter=False)
-    if backend == "cuda":
+    if kind == "cuda" and not on_fake_gpu:
         torch.cuda.synchronize(device)  # importers must see finished copies
-    handles = ParameterHandles(backend, token, os.getpid(), total, handle, bus, tuple(entries))
+    handles = ParameterHandles(kind, token, os.getpid(), total, handle, bus, tuple(entries))
     _exported_tokens.add(token)
     return ExportedParameters(handles, holder)
 

@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ from torch import nn
 
 from gpuprims.cuda import ParameterHandles, export_parameters, share_parameters
 from gpuprims.cuda.ipc import ENV_OWNER_PID
-from tests.gpuprims.cuda.workers import Big, build_tied, import_cpu, import_cuda, run_spawned
+from tests.gpuprims.cuda.workers import (
+    Big,
+    build_tied,
+    import_cpu,
+    import_cuda,
+    import_fake_cuda,
+    run_spawned,
+)
 
 
 def test_cpu_share_across_spawn_process_gives_identical_output() -> None:
@@ -72,6 +80,34 @@ def test_handles_round_trip_and_reject_garbage() -> None:
             ParameterHandles.from_bytes(dataclasses.replace(h, entries=(entry,)).to_bytes())
         with pytest.raises(ValueError, match="backend"):
             ParameterHandles.from_bytes(dataclasses.replace(h, backend="tpu").to_bytes())  # type: ignore[arg-type]
+
+
+def test_cuda_share_on_the_fake_runtime_goes_through_its_ipc(fake_cuda: Any) -> None:
+    """On the fake runtime a model on the CPU exports into fake device memory (backend="cuda"), so a node
+    there runs CUDA's IPC path: the importer maps it with cudaIpcOpenMemHandle and computes the same."""
+    model = build_tied(seed=4)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        ref = model(x)
+    exp = export_parameters(model, backend="cuda", gpu=0)
+    assert exp.handles.backend == "cuda" and exp.handles.handle.startswith(b"FAKEIPC")
+    (arena,) = fake_cuda.live("device")
+    assert arena.nbytes == exp.handles.nbytes
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)  # the exporter reads the arena now
+    report = run_spawned(import_fake_cuda, exp.to_bytes(), x)
+    assert torch.equal(torch.from_numpy(report["out"]), ref)
+    assert (report["mapped"], report["closed_after"]) == (1, 0)
+    exp.close()
+    del model
+    gc.collect()
+    assert exp.released and fake_cuda.live("device") == []  # freed with the exporting model's tensors
+
+
+def test_cpu_tensors_go_to_a_cuda_arena_only_on_the_fake_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUPRIMS_FAKE_CUDA", raising=False)
+    with pytest.raises(ValueError, match="only on the fake CUDA runtime"):
+        export_parameters(build_tied(seed=5), backend="cuda")
 
 
 def test_exporting_process_is_refused() -> None:

@@ -127,3 +127,32 @@ def run_spawned(target: Any, *args: Any, timeout_s: float = 120) -> dict[str, An
     if "error" in report:
         raise AssertionError(f"child failed: {report['error']}")
     return report
+
+
+def import_fake_cuda(blob: bytes, x: torch.Tensor, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    """On the fake CUDA runtime: map the exported parameters through the fake's IPC, run the model as a
+    host function on a fake stream (as a node's instance does) and report its output and the mappings."""
+    from gpuprims.cuda import fake, share_parameters
+
+    try:
+        rt = fake.runtime()
+        model = build_tied(seed=999)
+        shared = share_parameters(blob, model)
+        box: list[Any] = []
+
+        def run() -> None:
+            with torch.no_grad():
+                box.append(shared.model(x).numpy())
+
+        rt.launch_host_func(0, run)
+        rt.cuda_device_synchronize(0)
+        report: dict[str, Any] = {"out": box[0], "mapped": len(rt.live("ipc_open"))}
+        shared.close()
+        del model
+        import gc
+
+        gc.collect()
+        report["closed_after"] = len(rt.live("ipc_open"))
+        q.put(report)
+    except Exception as exc:
+        q.put({"error": repr(exc)})
