@@ -37,6 +37,7 @@ from gpuprims.device import warm_up
 from gpuprims.engines import Engine, EngineCache, EngineError, ModelSource, Target, engine_class, make_engine
 from gpuprims.gather import Gatherer, ModelRunner, default_method, make_gatherer, torch_device
 from gpuprims.pool import PacketPool
+from orchestrator.param_share import ERROR_SUFFIX
 from orchestrator.spec import InstanceSpec
 
 log = logging.getLogger("gpuprims.instance")
@@ -101,6 +102,32 @@ def default_profile_batches(max_batch: int) -> list[int]:
 def warm_sizes(max_batch: int) -> list[int]:
     """The batch sizes a warm-up runs: 1, max_batch/2 and max_batch."""
     return sorted({1, max(1, max_batch // 2), max_batch})
+
+
+#: How long an importer waits for the shared weights' handles to be written (a CUDA holder loading
+#: them on a busy machine; orchestrator/param_share.py).
+HANDLES_WAIT_S = 600.0
+
+
+def await_handles(path: str, timeout_s: float = HANDLES_WAIT_S) -> bytes:
+    """The shared weights' handles at ``path`` once their exporter or holder has written them (it writes
+    atomically). Raises RuntimeError with the holder's reason if it failed (``<path>.error``), and
+    TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
+        try:
+            with open(path + ERROR_SUFFIX, encoding="utf-8") as f:
+                raise RuntimeError(f"the holder of the shared weights {path} failed: {f.read()}")
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the shared weights' handles {path} were not written within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 class AppRunner:
@@ -195,15 +222,17 @@ class AppRunner:
         kw = {"seed": self.spec.seed, "num_classes": self.spec.num_classes, "input_shape": tuple(self.spec.input_shape)}
         mode, _, path = (self.spec.share_params or "").partition(":")
         if mode == "import":
-            with open(path, "rb") as f:
-                handles = f.read()
+            handles = await_handles(path)
             model = load_model(self.spec.model, device="meta", **kw)
             shared = share_parameters(handles, model)
             out.update(shared=shared, params_mode="imported")
             return shared.model.eval()
         model = load_model(self.spec.model, **kw).to(device).eval()
         if mode == "export":
-            exported = export_parameters(model)
+            # On the fake CUDA runtime the model is on the CPU, yet a cuda instance exports through
+            # the fake's IPC, so its lifetime rules hold in the node's tests as on a GPU.
+            exported = export_parameters(model, backend="cuda" if self.spec.backend == "cuda" else "cpu",
+                                         gpu=self.spec.gpu)
             tmp = f"{path}.{os.getpid()}"
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(exported.to_bytes())

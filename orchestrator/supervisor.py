@@ -15,6 +15,10 @@ every step. Its rules are what keeps every request answered exactly once when a 
   grows with consecutive failures), so ``shadow: true`` keeps holding.
 - **An active goes silent** (no heartbeat for ``node.hang_timeout_s`` once serving): it is killed, and
   the first rule applies.
+- **The holder of an app's shared weights dies** (CUDA Param-Share, orchestrator/param_share.py): every
+  instance that mapped its arena is killed, so none reads freed device memory, and the rules above
+  replace them; their replacements import from a new holder. Every instance's exit, whatever its
+  role, is told to Param-Share's bookkeeping, and a copy no instance maps any more is released.
 - **A CPU overflow instance dies** (role ``overflow``, issue 18): the route drops it first, what it
   held is requeued to the app's accelerator instances (or answered INSTANCE_FAILED when none is
   left), the failure is counted, and a new one is started after a back-off like a shadow's, so the
@@ -28,6 +32,7 @@ import itertools
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +49,7 @@ from orchestrator.launch import ENV_IMPORT_NICE
 from orchestrator.launcher import Launcher
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
-from orchestrator.param_share import ParamShare
+from orchestrator.param_share import ENV_HOLDER, HOLDER_MODULE, HolderProcess, HolderSpec, ParamShare
 from orchestrator.placement import Placement
 from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.state import AppState, InstanceState
@@ -55,6 +60,16 @@ log = logging.getLogger("gpuprims.node")
 SHADOW_BACKOFF_MAX_S = 30.0
 #: The nice value a pre-warming shadow (cpu backend) imports its code at (orchestrator.launch).
 SHADOW_IMPORT_NICE = 10
+#: The MPS percentage a Param-Share holder runs at: it only copies the weights once, then waits.
+HOLDER_GPU_PCT = 10
+#: The repository's root: a holder's working directory, so ``-m`` finds the package.
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_holder_process(env: dict[str, str]) -> HolderProcess:
+    """The node's way to start a Param-Share holder: ``<python> -m orchestrator.param_holder``."""
+    return subprocess.Popen([sys.executable, "-m", HOLDER_MODULE], env=env, stdin=subprocess.DEVNULL,
+                            cwd=str(_ROOT))
 
 
 def file_fields(app: AppConfig) -> dict[str, Any]:
@@ -66,7 +81,6 @@ def file_fields(app: AppConfig) -> dict[str, Any]:
             "model_fingerprint": f.fingerprint or None}
 
 
-
 class Supervisor:
     """The instance processes of one node (see the module docstring)."""
 
@@ -76,7 +90,8 @@ class Supervisor:
                  warmup: bool, consumers: int, mps: Any = None,
                  record: Callable[[dict[str, Any]], None] = lambda e: None,
                  on_lost: Callable[[InstanceState], None] = lambda st: None,
-                 overflow: NodeOverflow | None = None) -> None:
+                 overflow: NodeOverflow | None = None,
+                 holder_launcher: Callable[[dict[str, str]], HolderProcess] = start_holder_process) -> None:
         self.cfg = cfg
         self.apps = apps
         self.instances = instances
@@ -101,6 +116,8 @@ class Supervisor:
         self.overflow = overflow
         self._overflow_failures: dict[str, int] = {}
         self._overflow_not_before: dict[str, float] = {}
+        self.holder_launcher = holder_launcher
+        params.bind(backend, self._start_holder, cfg.gpu_of)
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
@@ -166,6 +183,17 @@ class Supervisor:
         self.instances[name] = st
         log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
         return st
+
+    def _start_holder(self, spec: HolderSpec) -> HolderProcess:
+        """Start the Param-Share holder of one copy of weights (CUDA; orchestrator/param_share.py), in the
+        node's environment and, under MPS, as the daemon's client like the instances."""
+        env = dict(os.environ)
+        env[ENV_HOLDER] = spec.to_json()
+        env["GPUPRIMS_LOG_LEVEL"] = self.cfg.node.log_level
+        env[ENV_OWNER_PID] = str(os.getpid())
+        if self.mps is not None:
+            env.update(self.mps.env(HOLDER_GPU_PCT))
+        return self.holder_launcher(env)
 
     def next_name(self, app: str, kind: str) -> str:
         """A fresh instance name: ``<app>-<kind><n>`` (``s`` shadow, ``r`` replacement, ``k`` restart)."""
@@ -277,6 +305,7 @@ class Supervisor:
                 continue
             del self.instances[st.name]
             gone.append(st)
+            self.params.instance_exited(st.name)
             app = self.apps[st.app]
             if st.role == "shadow":
                 self._release(st)
@@ -307,7 +336,33 @@ class Supervisor:
                               st.name, rc, requeued, failed)
                 self.record({"event": "killed_draining" if st.killed else "died_draining", "app": st.app,
                              "instance": st.name, "failed": failed, "requeued": requeued})
+        self._reap_holders()
+        # After the replacements above took their copies, never between an exit and its replacement.
+        self.params.release_unused()
         return gone
+
+    def _reap_holders(self) -> None:
+        """A Param-Share holder that died took its arena with it: every instance that mapped it is
+        killed (SIGKILL, its role kept), so the next :meth:`reap` replaces it by the rules above."""
+        for gone in self.params.reap_holders():
+            h = gone.export.holder
+            pid = h.pid if h is not None else -1
+            if not gone.exported:
+                log.error("the holder of the shared weights %s (pid %d) exited (status %s) before exporting them; "
+                          "the instances waiting for them fail with its reason", gone.export.key, pid, gone.rc)
+            else:
+                log.error("the holder of the shared weights %s (pid %d) died (status %s); restarting the %d "
+                          "instance(s) that mapped them", gone.export.key, pid, gone.rc, len(gone.users))
+            self.record({"event": "holder_died", "key": gone.export.key, "pid": pid, "rc": gone.rc,
+                         "exported": gone.exported, "users": list(gone.users)})
+            if not gone.exported:
+                continue
+            for name in gone.users:
+                st = self.instances.get(name)
+                if st is not None and st.alive:
+                    log.error("restarting %s: the weights it mapped died with their holder", name)
+                    st.killed = True
+                    st.proc.kill()
 
     def check_hangs(self, now: float, timeout_s: float) -> None:
         """Kill active instances that have been serving but sent no heartbeat for ``timeout_s``."""
@@ -414,13 +469,6 @@ class Supervisor:
         """An active instance died: replacement first, then reclaim (see the module docstring)."""
         app = self.apps[st.app]
         self.on_lost(st)
-        stale = self.params.exporter_died(app.cfg, st.name, self.backend)
-        if stale is not None:
-            for other in self.instances.values():
-                if other.spec.share_params == stale:
-                    log.error("restarting %s: the weights it imported were exported by %s, which died",
-                              other.name, st.name)
-                    other.proc.kill()
         share = None
         if self.backend == "cpu" and st.spec.cores:
             share = CpuShare(cores=list(st.spec.cores), threads=st.spec.threads or 1, gpu_pct=st.spec.gpu_pct)
@@ -475,4 +523,7 @@ class Supervisor:
         for st in list(self.instances.values()):
             if st.role != "shadow":
                 self.apps[st.app].retire(st)
+            self.params.instance_exited(st.name)
         self.instances.clear()
+        # Importers first, then the weights' holders (CUDA frees an exported arena with its process).
+        self.params.stop_holders()

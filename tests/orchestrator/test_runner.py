@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims.batching import LatencyModel
-from orchestrator.runner import AppRunner, DagModel
+from orchestrator.param_share import ERROR_SUFFIX
+from orchestrator.runner import AppRunner, DagModel, await_handles
 from orchestrator.spec import InstanceSpec
 
 SHAPE = (3, 32, 32)
@@ -152,3 +154,28 @@ def test_a_dag_app_has_one_engine_per_stage(tmp_path: Path) -> None:
         assert sum(len(rows) for rows, _ in groups) == 4
     finally:
         runner.close()
+
+
+def test_an_importer_waits_for_the_handles_its_holder_writes(tmp_path: Path) -> None:
+    path = tmp_path / "params-0.bin"
+
+    def holder() -> None:  # writes atomically, as a holder does, while the importer waits (or before)
+        tmp = tmp_path / "params-0.bin.tmp"
+        tmp.write_bytes(b"handles")
+        os.replace(tmp, path)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert await_handles(str(path), timeout_s=60) == b"handles"
+    finally:
+        t.join()
+
+
+def test_an_importer_fails_with_its_holders_reason_or_after_its_deadline(tmp_path: Path) -> None:
+    path = tmp_path / "params-0.bin"
+    with pytest.raises(TimeoutError, match=r"params-0\.bin"):
+        await_handles(str(path), timeout_s=0.05)
+    (tmp_path / ("params-0.bin" + ERROR_SUFFIX)).write_text("RuntimeError: out of memory")
+    with pytest.raises(RuntimeError, match=r"holder of the shared weights .* failed: RuntimeError: out of memory"):
+        await_handles(str(path), timeout_s=60)

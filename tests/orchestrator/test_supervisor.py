@@ -29,6 +29,7 @@ import yaml
 
 from gpuprims import wire
 from gpuprims.cpushare import CpuShare
+from gpuprims.cuda.ipc import ENV_OWNER_PID
 from gpuprims.profile import save_profile, with_stages
 from gpuprims.wire import Status
 from orchestrator.config import HostResources, load_config, parse_config
@@ -37,7 +38,7 @@ from orchestrator.errors import ChangeError
 from orchestrator.monitor import Monitor, MonitorPolicy
 from orchestrator.node import Node
 from orchestrator.overflow import OVERFLOW_ROLE
-from orchestrator.param_share import ParamShare
+from orchestrator.param_share import ENV_HOLDER, HolderSpec, ParamShare
 from orchestrator.reconfig import Phase
 from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.state import InstanceState
@@ -158,6 +159,7 @@ def test_shutdown_terminates_an_instance_still_starting_without_waiting_for_it(t
     sup = Supervisor.__new__(Supervisor)
     sup.server, app = _Server(), _App()
     sup.apps = {"a": app}  # type: ignore[dict-item]
+    sup.params = ParamShare(tmp_path)
     spec = InstanceSpec(name="x", app="a", app_id=1, model="m", pool="p", consumer=0)
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     starting = InstanceState(name="a-s0", app="a", spec=spec, proc=subprocess.Popen(sleeper), role="shadow")
@@ -370,8 +372,15 @@ class _RecordingLauncher:
         return SimpleNamespace(pid=4242 + len(self.envs), poll=lambda: None)
 
 
+def _recorded_holder(env: dict[str, str], holders: list[dict[str, str]] | None) -> Any:
+    """Records a Param-Share holder's environment and starts nothing."""
+    if holders is not None:
+        holders.append(env)
+    return SimpleNamespace(pid=4000, poll=lambda: None)
+
+
 def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
-                   roles: list[str | None]) -> list[InstanceSpec]:
+                   roles: list[str | None], holders: list[dict[str, str]] | None = None) -> list[InstanceSpec]:
     cfg_path = tmp_path / "apps.yaml"
     cfg_path.write_text(yaml.safe_dump({"node": {"backend": backend, "engine_cache": str(tmp_path / "c")},
                                          "apps": [app_yaml]}))
@@ -381,7 +390,8 @@ def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
     server = SimpleNamespace(address=ControlAddress("ipc:///tmp/x-i", "ipc:///tmp/x-c"))
     sup = Supervisor(cfg, {}, {}, pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
                      token="ab" * 16, run_dir=tmp_path, placement=placement, params=ParamShare(tmp_path),  # type: ignore[arg-type]
-                     backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8)
+                     backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8,
+                     holder_launcher=lambda env: _recorded_holder(env, holders))
     share = CpuShare(cores=[0], threads=1, gpu_pct=50)
     for i, role in enumerate(roles):
         sup.spawn(cfg.apps[0], f"{cfg.apps[0].name}-{i}", share, role=role)
@@ -400,6 +410,11 @@ def test_instances_get_the_apps_engine_and_the_overflow_instance_its_own(tmp_pat
 
 def test_eager_instances_still_share_their_weights(tmp_path: Path) -> None:
     app = {"name": "b", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 40}
-    first, second = _specs_spawned(tmp_path, "cuda", app, [None, None])
-    assert first.engine == "eager" and first.share_params.startswith("export:")  # type: ignore[union-attr]
-    assert second.share_params.startswith("import:")  # type: ignore[union-attr]
+    holders: list[dict[str, str]] = []
+    first, second = _specs_spawned(tmp_path, "cuda", app, [None, None], holders)
+    # On CUDA a holder the node owns exports the weights and every instance imports (Param-Share).
+    assert first.engine == "eager" and first.share_params.startswith("import:")  # type: ignore[union-attr]
+    assert second.share_params == first.share_params
+    (env,) = holders
+    assert HolderSpec.from_json(env[ENV_HOLDER]).path == first.share_params.removeprefix("import:")  # type: ignore[union-attr]
+    assert env[ENV_OWNER_PID] == str(os.getpid())
