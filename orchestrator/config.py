@@ -587,7 +587,8 @@ class AppConfig(BaseModel):
     def _check(self) -> AppConfig:
         if self.model is not None and is_model_file(self.model):
             for key in ("input_shape", "dtype", "num_classes", "seed"):
-                if key in self.model_fields_set:
+                # (a running app's config dumped and read again sets every key, at its default)
+                if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
                     raise _problem(key, "a model file's inputs and outputs come from the file; override them "
                                         "under 'config' with config.pbtxt's keys (input, output, ...)")
             if self.overflow != "none":
@@ -1065,6 +1066,7 @@ def _model_files(data: dict[str, Any], source: str, base_dir: Path | None, scan_
             found, bad = [], []
         out_apps.extend(found)
         unavailable.extend(bad)
+        data = {**data, "node": {**node, "model_repository": str(root.absolute())}}  # type: ignore[dict-item]
     if problems:
         raise ConfigError(source, problems)
     return {**data, "apps": out_apps, **({"unavailable": unavailable} if unavailable else {})}

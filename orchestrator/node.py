@@ -21,6 +21,7 @@ The node composes its parts and owns the loop; each part has one role:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -69,7 +70,7 @@ from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupErro
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
-from orchestrator.repository import LOADING_ROLE, Repository
+from orchestrator.repository import LOADING_ROLE, PollAction, Repository, RepositoryPoller
 from orchestrator.rundir import NodeRecord, RunDirBusy, claim, sweep_dead_segments, update_record
 from orchestrator.state import AppState, InstanceState
 from orchestrator.supervisor import Supervisor
@@ -165,6 +166,8 @@ class Node:
         self.frontdoor: FrontDoor | None = None  # Open Inference Protocol over HTTP/gRPC (node.http_port/grpc_port)
         self.overflow: NodeOverflow | None = None  # CPU overflow of apps with `overflow: cpu` (issue 18)
         self.repository: Repository | None = None  # load/unload at run time (node.repository; docs/oip.md)
+        self.poller: RepositoryPoller | None = None  # model_control_mode poll: the repository read again
+        self._poll_ops: dict[str, tuple[PollAction, concurrent.futures.Future[dict[str, Any]]]] = {}
         self.repository_token: str | None = None
         self.last_errors: dict[str, str] = {}  # instance -> the last Error it reported
         self.own_cores: list[int] | None = None  # where this process's threads are kept (None: anywhere)
@@ -248,7 +251,7 @@ class Node:
         # Room for a shadow per app, replacements and restarts, so a consumer index is never reused
         # while a dead instance's requests are being reclaimed.
         consumers = min(1024, 2 * total + 2 * len(self.apps) + 4 + 2 * len(self.overflow.pools if self.overflow else {})
-                        + (REPOSITORY_CONSUMERS if node.repository.enabled else 0))
+                        + (REPOSITORY_CONSUMERS if node.repository.enabled or self._polls else 0))
         p = node.pool
         self.pool = PacketPool.create(slot_count=p.slot_count, max_payload=p.max_payload, record_count=p.record_count,
                                       max_chunks=p.max_chunks, consumer_count=consumers,
@@ -301,7 +304,13 @@ class Node:
             self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
         if node.repository.enabled:
             self.repository_token = read_repository_token(node.repository)
+        if node.repository.enabled or self._polls:
             self.repository = Repository(self)
+        if self._polls:
+            assert node.model_repository is not None
+            self.poller = RepositoryPoller(node.model_repository, node.repository_poll_s, slo_ms=node.repository_slo_ms,
+                                           backend=self.backend).start()
+            log.info("polling the model repository %s every %g s", node.model_repository, node.repository_poll_s)
         if node.frontdoor_enabled:
             self._start_frontdoor()
         self._pin_threads()
@@ -335,7 +344,8 @@ class Node:
                 grpc_port=node.grpc_port or None, host=h,
                 ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
                 statistics={name: a.stats for name, a in self.apps.items()},
-                ingest=ingest, repository=self.repository, repository_token=self.repository_token,
+                ingest=ingest, repository=self.repository if node.repository.enabled else None,
+                repository_token=self.repository_token,
                 fleet_routes=node.fleet_routes, max_request_bytes=node.pool.max_request_bytes,
                 unavailable=[Unavailable(u.name, u.version, u.reason) for u in self.cfg.unavailable])
         except FrontDoorError as e:
@@ -477,10 +487,11 @@ class Node:
         self.placement.check_share(app_name, gpu_pct)
 
     def set_gpu(self, app: str, gpu_pct: int, *, origin: str = "set-gpu", method: str = "overlap",
-                reason: str | None = None) -> Change:
-        """Accept a change of the app's GPU% (Overlapped-Execution, or the restart baseline). The node's
-        loop carries it out; raises ChangeError when it is refused."""
-        return self.changes.submit(app, gpu_pct, origin=origin, method=method, reason=reason)
+                reason: str | None = None, model: str | None = None) -> Change:
+        """Accept a change of the app's GPU% (Overlapped-Execution, or the restart baseline), or with
+        ``model`` a change of its model file (reconfig.model_key). The node's loop carries it out; raises
+        ChangeError when it is refused."""
+        return self.changes.submit(app, gpu_pct, origin=origin, method=method, reason=reason, model=model)
 
     # -- running ---------------------------------------------------------------------------------------
     def serve(self, *, duration_s: float | None = None) -> None:
@@ -513,6 +524,8 @@ class Node:
         self._guard("changes", self.changes.advance)
         settling = self.changes.settling(now, self.cfg.node.shadow_settle_s)
         if self.repository is not None:
+            if self.poller is not None:
+                self._guard("repository", self._poll_repository)
             self._guard("repository", self.repository.advance)
             settling |= self.repository.busy
         self._guard("supervision", self.supervisor.refill_shadows, now, set(self.changes.running) | settling)
@@ -745,12 +758,32 @@ class Node:
         if item is not None and isinstance(item.msg, (Heartbeat, Ended)):
             self._handle(item)
 
+    @property
+    def _polls(self) -> bool:
+        return self.cfg.node.model_repository is not None and self.cfg.node.model_control_mode == "poll"
+
+    def _poll_repository(self) -> None:
+        """Submit what the last poll of the model repository found (new models, new versions, models gone)."""
+        assert self.poller is not None and self.repository is not None
+        for name, (act, fut) in list(self._poll_ops.items()):
+            if fut.done():
+                del self._poll_ops[name]
+                if fut.exception() is not None:  # not tried again until its files change again
+                    self.poller.give_up(act)
+        for act in self.poller.due({n: a.cfg for n, a in self.apps.items()},
+                                   self.repository.busy | set(self._poll_ops)):
+            log.info("repository poll: %s %s (%s)", act.kind, act.name, act.why)
+            self.record({"event": "repository_poll", "kind": act.kind, "app": act.name, "why": act.why})
+            self._poll_ops[act.name] = (act, self.repository.submit(act.kind, act.name, act.entry))
+
     def _teardown(self, drain: bool) -> None:
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             self._stop.set()
+            if self.poller is not None:
+                self.poller.close()
             if self.repository is not None:
                 self.repository.close()
             if self.frontdoor is not None:

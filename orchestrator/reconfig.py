@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from gpuprims.cpushare import CpuShare
 from orchestrator.errors import ChangeError
+from orchestrator.spec import InstanceSpec
 from orchestrator.state import AppState, InstanceState
 
 log = logging.getLogger("gpuprims.reconfig")
@@ -50,6 +51,14 @@ log = logging.getLogger("gpuprims.reconfig")
 #: compute the switch's downtime from the data path; after that the downtime stays unknown (None).
 DATA_PATH_WAIT_S = 30.0
 
+
+
+def model_key(spec: InstanceSpec) -> str:
+    """What tells two instances' models apart in a change of model: a model file's path, version and
+    content fingerprint (a zoo model's name)."""
+    if spec.model_path is None:
+        return spec.model
+    return f"{spec.model_path}|{spec.model_version}|{spec.model_fingerprint}"
 
 
 class Phase(str, enum.Enum):
@@ -94,6 +103,9 @@ class Change:
     origin: str = "set-gpu"  # set-gpu | monitor | api
     reason: str | None = None  # why it was asked for (the monitor's verdict and figures)
     timeout_s: float = 180.0
+    #: A change of model (a model file's new version or file, :func:`model_key`): every active that does not
+    #: serve it is replaced, at the same share too, and only a shadow of it takes over. None: a change of share.
+    model: str | None = None
     phase: Phase = Phase.PENDING
     error: str | None = None
     started: float = field(default_factory=time.monotonic)
@@ -174,8 +186,12 @@ class Change:
         """The next active instance still at another share (replacements started meanwhile included)."""
         cands = sorted((st for st in host.instances.values()
                         if st.app == self.app and st.role == "active" and st.name not in self._done_with
-                        and st.spec.gpu_pct != self.to_pct), key=lambda st: st.name)
+                        and (st.spec.gpu_pct != self.to_pct or self._other_model(st))), key=lambda st: st.name)
         return cands[0] if cands else None
+
+    def _other_model(self, st: InstanceState) -> bool:
+        """Whether ``st`` serves another model than a change of model brings."""
+        return self.model is not None and model_key(st.spec) != self.model
 
     def _complete(self, host: ChangeHost) -> None:
         host.apps[self.app].gpu_pct = self.to_pct
@@ -195,7 +211,11 @@ class Change:
                     return
                 self._old = old.name
             if self._new is None:
-                shadow = host.shadow_of(self.app) or host.spawn_shadow(self.app)
+                shadow = host.shadow_of(self.app)
+                if shadow is not None and self._other_model(shadow):  # a shadow of the model being replaced
+                    host.kill(shadow, role="stopping")
+                    shadow = None
+                shadow = shadow or host.spawn_shadow(self.app)
                 self._new = shadow.name
             shadow = host.instances.get(self._new)
             if shadow is None or shadow.error is not None:
@@ -347,7 +367,7 @@ class Change:
         """A JSON-able view for status and the CLI."""
         return {"id": self.id, "app": self.app, "from_pct": self.from_pct, "to_pct": self.to_pct,
                 "method": self.method, "origin": self.origin, "reason": self.reason, "phase": self.phase.value,
-                "error": self.error,
+                "error": self.error, "model": self.model,
                 "phases": [list(p) for p in self.phases], "switched": self.switched,
                 "elapsed_s": round((self.ended or time.monotonic()) - self.started, 3)}
 
@@ -393,8 +413,10 @@ class Changes:
         self._measuring: list[Change] = []  # finished, a switch still waiting for its data-path downtime
 
     def submit(self, app: str, to_pct: int, *, method: str = "overlap", origin: str = "set-gpu",
-               reason: str | None = None) -> Change:
-        """Accept a change (it starts on the next advance) or raise ChangeError saying why not."""
+               reason: str | None = None, model: str | None = None) -> Change:
+        """Accept a change (it starts on the next advance) or raise ChangeError saying why not. With
+        ``model`` (:func:`model_key` of the app's new model file, already its config) it is a change of model:
+        every active is replaced by an instance of the new model, through a shadow, even at the same share."""
         try:
             self.check(app, to_pct)
         except (KeyError, ValueError) as e:
@@ -404,10 +426,13 @@ class Changes:
             self.counts["refused"] += 1
             raise ChangeError(f"a change of {app} is already in progress; try again when it completes")
         state = self.host.apps[app]
+        if model is not None and method != "overlap":
+            self.counts["refused"] += 1
+            raise ChangeError("a change of model is made by Overlapped-Execution only")
         ch = Change(id=next(self._ids), app=app, from_pct=state.gpu_pct, to_pct=to_pct, method=method,
-                    origin=origin, reason=reason, timeout_s=self.timeout_s)
+                    origin=origin, reason=reason, timeout_s=self.timeout_s, model=model)
         self.counts["submitted"] += 1
-        if to_pct == state.gpu_pct and method == "overlap":
+        if to_pct == state.gpu_pct and method == "overlap" and model is None:
             ch.switched = []
             ch._enter(Phase.DONE)
             self._finish(ch)

@@ -27,16 +27,22 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from apps.zoo.names import NAMES
+from gpuprims.modelrepo import RepositoryError as ModelRepositoryError
+from gpuprims.modelrepo import RepositoryModel
+from gpuprims.modelrepo import load_model as load_repository_model
+from gpuprims.modelrepo import scan as scan_repository
 from orchestrator.config import AppConfig, ConfigError, NodeConfig, parse_config
 from orchestrator.errors import ChangeError, SupervisionError
+from orchestrator.model_files import ModelFileError, repository_app
 from orchestrator.placement import Placement
-from orchestrator.reconfig import Change, Phase
+from orchestrator.reconfig import Change, Phase, model_key
 from orchestrator.state import AppState, InstanceState
 
 log = logging.getLogger("gpuprims.node")
@@ -47,6 +53,9 @@ LOADING_ROLE = "loading"
 ERROR_GRACE_S = 2.0
 #: Error kinds (the front door maps them to HTTP codes).
 KINDS = ("invalid", "not_found", "unavailable")
+#: The app keys a new version of a model file may change while it serves (a change of model): the file and
+#: what its config sets. Anything else (instances, ports, overflow...) is refused as for any running app.
+SWAPPABLE = frozenset({"model", "file", "config", "max_batch", "max_wait_ms", "slo_ms", "engine"})
 
 
 class RepositoryError(Exception):
@@ -81,11 +90,20 @@ class RepositoryHost(Protocol):
     def unroute(self, app_name: str) -> None: ...
     def finish(self, st: InstanceState) -> None: ...
     def kill(self, st: InstanceState, role: str = "stopping") -> None: ...
-    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = ..., method: str = ...,
-                reason: str | None = None) -> Change: ...
     def publish_model(self, app: AppConfig) -> None: ...
     def withdraw_model(self, name: str) -> None: ...
     def record(self, event: dict[str, Any]) -> None: ...
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = ..., method: str = ...,
+                reason: str | None = None, model: str | None = None) -> Change: ...
+    def shadow_of(self, app_name: str) -> InstanceState | None: ...
+
+
+def file_key(app: AppConfig) -> str | None:
+    """The :func:`orchestrator.reconfig.model_key` of the instances of ``app`` (a model file's path, version
+    and fingerprint, as the supervisor puts them in their specs); None for an app without a model file."""
+    if app.file is None:
+        return None
+    return f"{app.file.path}|{app.file.version}|{app.file.fingerprint or None}"
 
 
 def validate_entry(cfg: NodeConfig, apps: Mapping[str, AppState], name: str, entry: Any) -> AppConfig:
@@ -134,6 +152,7 @@ class Operation:
     error: RepositoryError | None = None
     deadline: float = 0.0
     exit_seen: float | None = None  # when an instance of the load was first seen gone
+    previous: AppConfig | None = None  # a change of model: the config it replaces (restored if it fails)
 
     @property
     def done(self) -> bool:
@@ -249,12 +268,21 @@ class Repository:
             ch = op.change
             if ch.phase.terminal:
                 if ch.phase is not Phase.DONE:
+                    if op.previous is not None:  # a change of model: its next shadow serves the old model again
+                        h.apps[op.name].cfg = op.previous
+                        shadow = h.shadow_of(op.name)
+                        if shadow is not None and model_key(shadow.spec) != file_key(op.previous):
+                            h.kill(shadow)
                     raise RepositoryError("unavailable", f"the change of {op.name!r} failed, the old instances "
                                                          f"keep serving: {ch.message()}")
                 assert op.new is not None
                 h.apps[op.name].cfg = op.new
                 h.publish_model(op.new)
-                op.ok(f"changed to {op.new.gpu_pct}% by Overlapped-Execution (change {ch.id})")
+                if ch.model is not None and op.new.file is not None:
+                    op.ok(f"version {op.new.file.version} of {op.new.file.path} serving by Overlapped-Execution "
+                          f"(change {ch.id})")
+                else:
+                    op.ok(f"changed to {op.new.gpu_pct}% by Overlapped-Execution (change {ch.id})")
         elif op.phase == "starting":
             self._await_ready(op)
 
@@ -264,13 +292,16 @@ class Repository:
             raise RepositoryError("invalid", f"node.scheduler is {h.cfg.node.scheduler!r}: the live scheduler is "
                                              "planned at start; put the app in apps.yaml")
         current = h.apps.get(op.name)
-        if op.entry is None:
-            if current is None:
-                raise RepositoryError("invalid", f"{op.name!r} is not loaded; a load of a new app needs its "
-                                                 "config (parameters.config)")
-            op.ok("already loaded")
-            return
-        new = validate_entry(h.cfg, h.apps, op.name, op.entry)
+        entry = op.entry
+        if entry is None:
+            if h.cfg.node.model_repository is None or (current is not None and current.cfg.file is None):
+                if current is None:
+                    raise RepositoryError("invalid", f"{op.name!r} is not loaded; a load of a new app needs its "
+                                                     "config (parameters.config), or node.model_repository")
+                op.ok("already loaded")
+                return
+            entry = self._repository_entry(op.name)  # (re)load it from the node's model repository
+        new = validate_entry(h.cfg, h.apps, op.name, entry)
         op.new = new
         if current is not None:
             self._load_running(op, current, new)
@@ -332,11 +363,24 @@ class Repository:
         op.mine = []  # serving now: the node owns them
         op.ok(f"loaded: {n} instance(s) at {h.apps[op.name].gpu_pct}%")
 
+    def _repository_entry(self, name: str) -> dict[str, Any]:
+        """The app entry of model ``name`` of the node's model repository as its files are now."""
+        node = self.host.cfg.node
+        assert node.model_repository is not None
+        try:
+            m = load_repository_model(node.model_repository, name, torch_ok=False)
+            return repository_app(m, slo_ms=node.repository_slo_ms, backend=self.host.placement.backend)
+        except (ModelFileError, ModelRepositoryError) as e:
+            raise RepositoryError("invalid", f"load of {name!r} from {node.model_repository}: {e}") from None
+
     def _load_running(self, op: Operation, current: AppState, new: AppConfig) -> None:
         h = self.host
         old = current.cfg.model_dump()
         want = new.model_dump()
         differ = sorted(k for k in want if want[k] != old.get(k) and k != "gpu_pct")
+        if current.cfg.file is not None and new.file is not None and differ and set(differ) <= SWAPPABLE:
+            self._swap(op, current, new)
+            return
         if differ:
             raise RepositoryError("invalid", f"load of running app {op.name!r}: only gpu_pct can change while it "
                                              f"serves (an Overlapped-Execution change); {', '.join(differ)} "
@@ -349,6 +393,25 @@ class Repository:
             op.change = h.set_gpu(op.name, new.gpu_pct, origin="repository", reason="repository load")
         except ChangeError as e:
             raise RepositoryError("invalid", f"load of running app {op.name!r}: {e}") from None
+        op.phase = "changing"
+
+    def _swap(self, op: Operation, current: AppState, new: AppConfig) -> None:
+        """A model file's new version or changed file (or config): an Overlapped-Execution change of model.
+        The app's config becomes the new one (so its next shadow serves it), the shadow of the old model is
+        replaced, and each active is switched to an instance of the new model as in a change of share; if
+        the change fails, the old config comes back and the old instances keep serving."""
+        h = self.host
+        assert new.file is not None
+        op.previous = current.cfg
+        pct = new.gpu_pct if isinstance(new.gpu_pct, int) else current.gpu_pct
+        current.cfg = new
+        try:
+            op.change = h.set_gpu(op.name, pct, origin="repository", model=file_key(new),
+                                  reason=f"model file {new.file.path} version {new.file.version}")
+        except ChangeError as e:
+            current.cfg = op.previous
+            raise RepositoryError("invalid", f"load of running app {op.name!r}: {e}") from None
+        h.record({"event": "repository_swap", "app": op.name, "version": new.file.version, "path": new.file.path})
         op.phase = "changing"
 
     def _unload(self, op: Operation) -> None:
@@ -380,3 +443,123 @@ class Repository:
             del h.apps[op.name]
             op.ok("unloaded")
 
+
+
+@dataclass(frozen=True)
+class PollAction:
+    """A repository operation a poll found due: ``load`` (``entry``: a new model, or a new version or file of a
+    served one) or ``unload`` (the model left the repository)."""
+
+    kind: str
+    name: str
+    entry: dict[str, Any] | None = None
+    why: str = ""
+
+
+def _entry_key(entry: Mapping[str, Any]) -> str:
+    f = entry["file"]
+    return f"{f['path']}|{f['version']}|{f['fingerprint'] or None}"
+
+
+class RepositoryPoller:
+    """``model_control_mode: poll``: the node's model repository read again every ``interval_s``.
+
+    The scan runs on a thread of its own (reading and fingerprinting files never stalls the node's loop; a
+    rescan reads again only files whose name, size or time changed); the loop takes what the last scan
+    found with :meth:`due` and submits it to the :class:`Repository`, where a new model is a load, a new
+    version or changed file of a served model an Overlapped-Execution change of model (no request lost,
+    none answered twice) and a model gone from the repository an unload. A model whose new files fail to
+    read keeps serving what it served, and its error is logged once.
+    """
+
+    def __init__(self, root: str, interval_s: float, *, slo_ms: float, backend: str,
+                 scanner: Any = None) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self.slo_ms = slo_ms
+        self.backend = backend
+        self._scan = scanner or (lambda previous: scan_repository(root, previous, torch_ok=False))
+        self._latest: list[RepositoryModel] | None = None
+        self._previous: dict[str, RepositoryModel] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reported: dict[str, str] = {}  # model -> the error last logged for it
+        self._given_up: dict[str, str | None] = {}  # model -> the files whose load failed (not tried again)
+        self.scans = 0
+        self.errors = 0
+
+    def start(self) -> RepositoryPoller:
+        self._thread = threading.Thread(target=self._run, name="repository-poll", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.scan_once()
+
+    def scan_once(self) -> None:
+        """Read the repository once (the poll thread's step; tests call it directly)."""
+        try:
+            models = self._scan(self._previous)
+        except Exception as e:  # the repository itself unreadable: keep serving, say so
+            self.errors += 1
+            log.error("repository poll of %s failed: %s", self.root, e)
+            return
+        with self._lock:
+            self._latest = models
+            self._previous = {m.name: m for m in models}
+            self.scans += 1
+
+    def due(self, served: Mapping[str, AppConfig], busy: Collection[str]) -> list[PollAction]:
+        """What the last scan (if it is new) asks of the node: loads and unloads of the repository's models
+        against ``served`` (the node's apps), skipping those a repository operation is working on."""
+        with self._lock:
+            models, self._latest = self._latest, None
+        if models is None:
+            return []
+        out: list[PollAction] = []
+        seen = set()
+        for m in models:
+            seen.add(m.name)
+            if m.name in busy:
+                continue
+            current = served.get(m.name)
+            if current is not None and (current.file is None or current.file.repository is None):
+                continue  # an apps.yaml app of that name: not the repository's
+            if m.error is not None:
+                if self._reported.get(m.name) != m.error:
+                    self._reported[m.name] = m.error
+                    log.error("repository poll: model %s cannot be %s: %s", m.name,
+                              "updated (it keeps serving what it served)" if current is not None else "loaded",
+                              m.error)
+                continue
+            try:
+                entry = repository_app(m, slo_ms=self.slo_ms, backend=self.backend)
+            except ModelFileError as e:
+                if self._reported.get(m.name) != str(e):
+                    self._reported[m.name] = str(e)
+                    log.error("repository poll: model %s cannot be served: %s", m.name, e)
+                continue
+            self._reported.pop(m.name, None)
+            key = _entry_key(entry)
+            if self._given_up.get(m.name, "") == key:
+                continue
+            if current is None:
+                out.append(PollAction("load", m.name, entry, "new model"))
+            elif file_key(current) != key:
+                out.append(PollAction("load", m.name, entry, f"version {entry['file']['version']} or its files changed"))
+        for name, cfg in served.items():
+            if name not in seen and name not in busy and cfg.file is not None and cfg.file.repository is not None:
+                out.append(PollAction("unload", name, None, "gone from the repository"))
+        return out
+
+    def give_up(self, act: PollAction) -> None:
+        """The operation ``act`` failed: it is not asked for again until the model's files change again."""
+        self._given_up[act.name] = _entry_key(act.entry) if act.entry is not None else None
+        log.error("repository poll: %s of %s failed; it is tried again when its files change", act.kind, act.name)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -102,6 +102,7 @@ class TensorServingLoop(ServingLoop):
         if n < take:
             self.stats.counts["error"] += take - n  # answered BAD_REQUEST by take (a dtype no body may have)
         if not n:
+            self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
             clock.cancel()
             return
         recs = self._recs[:n].copy()
@@ -121,6 +122,7 @@ class TensorServingLoop(ServingLoop):
             self.fail(recs[bad], info[bad], Status.BAD_REQUEST)
         clock.lap("gather")
         if not good:
+            self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
             clock.cancel()
             return
         sig = self.signature
@@ -138,6 +140,8 @@ class TensorServingLoop(ServingLoop):
             per = split(out, len(group)) if sig.batched else [out]
             self._answer_each(recs[idx], info[idx], per, model_ms)
         clock.lap("model")
+        # (told before the answers go out, so a closed-loop client's next request always arrives after it)
+        self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))
         self.stats.mark_answered(model_total)
         clock.lap("respond")
         oldest = info[int(np.argmin(info["first_ns"]))]

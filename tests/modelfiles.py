@@ -81,14 +81,14 @@ def multi_io_onnx(path: Path) -> Path:
     return _save(helper.make_graph(nodes, "multi io", [x, k, f], outs, inits), path)
 
 
-def detector_onnx(path: Path) -> Path:
-    """``idx`` = the indices of ``scores`` above 0.5: its length depends on the input."""
+def detector_onnx(path: Path, threshold: float = 0.5) -> Path:
+    """``idx`` = the indices of ``scores`` above ``threshold``: its length depends on the input."""
     s = helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["K"])
     out = helper.make_tensor_value_info("idx", TensorProto.INT64, ["M"])
     nodes = [helper.make_node("Greater", ["scores", "half"], ["g"]),
              helper.make_node("NonZero", ["g"], ["nz"]),
              helper.make_node("Reshape", ["nz", "flat"], ["idx"])]
-    inits = [helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]),
+    inits = [helper.make_tensor("half", TensorProto.FLOAT, [], [threshold]),
              helper.make_tensor("flat", TensorProto.INT64, [1], [-1])]
     return _save(helper.make_graph(nodes, "detector", [s], [out], inits), path)
 
