@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from orchestrator.control import (
     write_token,
 )
 from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, rename_profile, stage_names
-from orchestrator.errors import ChangeError, StartError
+from orchestrator.errors import ChangeError, StartError, SupervisionError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.frontdoor.core import Unavailable
 from orchestrator.launcher import ForkLauncher, Launcher
@@ -167,6 +168,8 @@ class Node:
         self.overflow: NodeOverflow | None = None  # CPU overflow of apps with `overflow: cpu` (issue 18)
         self.repository: Repository | None = None  # load/unload at run time (node.repository; docs/oip.md)
         self.poller: RepositoryPoller | None = None  # model_control_mode poll: the repository read again
+        #: Models of node.model_repository that cannot be served (the front door's index lists them).
+        self.unavailable: list[Unavailable] = [Unavailable(u.name, u.version, u.reason) for u in cfg.unavailable]
         self._poll_ops: dict[str, tuple[PollAction, concurrent.futures.Future[dict[str, Any]]]] = {}
         self.repository_token: str | None = None
         self.last_errors: dict[str, str] = {}  # instance -> the last Error it reported
@@ -282,8 +285,22 @@ class Node:
                     later.append((app, name))
                 else:
                     self.supervisor.spawn(app, name, shares.get(name))
-        self.supervisor.await_ready(list(self.instances.values()), self.ready_timeout_s, self._handle,
-                                    self._stop.is_set)
+        # A model of the model repository that fails to start (a file its engine cannot run) is UNAVAILABLE
+        # alone; every other app starts all-or-nothing, as before.
+        from_repository = {a.name for a in self.cfg.apps if a.file is not None and a.file.repository is not None}
+        self.supervisor.await_ready([st for st in self.instances.values() if st.app not in from_repository],
+                                    self.ready_timeout_s, self._handle, self._stop.is_set)
+        failed: dict[str, str] = {}
+        for name in sorted(from_repository):
+            try:  # (a Ready taken while another app was awaited has marked its instance ready already)
+                self.supervisor.await_ready([st for st in self.instances.values() if st.app == name and not st.ready],
+                                            self.ready_timeout_s, self._handle, self._stop.is_set)
+            except SupervisionError as e:
+                if self._stop.is_set():
+                    raise
+                failed[name] = str(e)
+        if failed:
+            self._drop_apps(failed)
         if later:
             self.supervisor.await_ready([self.supervisor.spawn(app, name, shares.get(name)) for app, name in later],
                                         self.ready_timeout_s, self._handle, self._stop.is_set)
@@ -297,6 +314,8 @@ class Node:
         if self.scheduled:
             self._start_dispatcher()
         for app in self.cfg.apps:
+            if app.name not in self.apps:
+                continue  # a repository model that failed to start (UNAVAILABLE)
             self.supervisor.route(app.name)
             if app.shadow and not self.scheduled:
                 self.supervisor.spawn_shadow(app.name)
@@ -340,14 +359,15 @@ class Node:
         ingest = self.ingest
         try:
             self.frontdoor = start_frontdoor(
-                self.cfg.apps, (udp_host, ingest.ports[0]), http_port=node.http_port or None,
+                [a for a in self.cfg.apps if a.name in self.apps], (udp_host, ingest.ports[0]),
+                http_port=node.http_port or None,
                 grpc_port=node.grpc_port or None, host=h,
                 ready=lambda name: name in self.apps and bool(ingest.route(self.apps[name].cfg.app_id)),
                 statistics={name: a.stats for name, a in self.apps.items()},
                 ingest=ingest, repository=self.repository if node.repository.enabled else None,
                 repository_token=self.repository_token,
                 fleet_routes=node.fleet_routes, max_request_bytes=node.pool.max_request_bytes,
-                unavailable=[Unavailable(u.name, u.version, u.reason) for u in self.cfg.unavailable])
+                unavailable=self.unavailable)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 
@@ -757,6 +777,28 @@ class Node:
         item = self.server.poll(ms)
         if item is not None and isinstance(item.msg, (Heartbeat, Ended)):
             self._handle(item)
+
+    def _drop_apps(self, failed: dict[str, str]) -> None:
+        """Start-up: take the repository models whose instances failed to start out of the node and list each
+        UNAVAILABLE with its reason; the other apps start without them. Every instance of theirs is killed
+        first (none of them is then taken for a crashed active to replace), waited for and reaped."""
+        sup = self._sup()
+        mine = [st for st in self.instances.values() if st.app in failed]
+        for st in mine:
+            sup.kill(st)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for st in mine:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                st.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        sup.reap()
+        for name, why in sorted(failed.items()):
+            # Its own words, where an instance's Error was taken while another app was awaited.
+            why = next((f"instance {st.name} failed to start: {self.last_errors[st.name]}" for st in mine
+                        if st.app == name and st.name in self.last_errors), why)
+            cfg = self.apps.pop(name).cfg
+            log.error("model %s is UNAVAILABLE: %s", name, why)
+            self.unavailable.append(Unavailable(name, str(cfg.file.version) if cfg.file is not None else "", why))
+            self.record({"event": "model_unavailable", "app": name, "reason": why})
 
     @property
     def _polls(self) -> bool:

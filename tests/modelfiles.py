@@ -93,6 +93,20 @@ def detector_onnx(path: Path, threshold: float = 0.5) -> Path:
     return _save(helper.make_graph(nodes, "detector", [s], [out], inits), path)
 
 
+def unrunnable_onnx(path: Path) -> Path:
+    """A well-formed ONNX file whose one op no runtime has (``Foo`` of domain ``com.example``): it reads,
+    its tensors match its config, and it fails only when an engine loads it."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["K"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["K"])
+    graph = helper.make_graph([helper.make_node("Foo", ["x"], ["y"], domain="com.example")], "unrunnable", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.example", 1)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
 def multi_inputs(n: int, width: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A batch of ``n`` requests of :func:`multi_io_onnx` (image width ``width``)."""
     rng = np.random.default_rng(seed)

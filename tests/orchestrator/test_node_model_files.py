@@ -19,7 +19,7 @@ from gpuprims.ingest import packet_balance
 from orchestrator.config import load_config
 from orchestrator.node import Node
 
-from ..modelfiles import multi_inputs, multi_io_onnx, repository, run_onnx
+from ..modelfiles import multi_inputs, multi_io_onnx, repository, run_onnx, unrunnable_onnx
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,14 @@ apps:
 """
 
 
+UNRUNNABLE_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
 def _free_port() -> int:
     import socket
 
@@ -54,6 +62,8 @@ def _free_port() -> int:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp = tmp_path_factory.mktemp("filenode")
     repository(tmp / "repo")
+    unrunnable_onnx(tmp / "repo" / "unrunnable" / "1" / "model.onnx")  # fails only when its engine loads it
+    (tmp / "repo" / "unrunnable" / "config.pbtxt").write_text(UNRUNNABLE_CONFIG)
     multi_io_onnx(tmp / "files" / "multi.onnx")
     p = tmp / "apps.yaml"
     p.write_text(CONFIG.replace("RUN_DIR", str(tmp / "run")).replace("HTTP", str(_free_port()))
@@ -144,7 +154,10 @@ def test_metadata_config_and_index_speak_for_the_files(node: Node) -> None:
         assert int(cfg["dynamic_batching"]["max_queue_delay_microseconds"]) == 2000
         index = {m["name"]: m for m in h.get_model_repository_index()}
         assert {index[n]["state"] for n in ("multi", "noconfig", "detector", "yaml-multi")} == {"READY"}
-        assert index["broken"]["state"] == "UNAVAILABLE" and "not a readable ONNX model" in index["broken"]["reason"]
+        assert index["broken"]["state"] == "UNAVAILABLE" and index["broken"]["reason"]
+        # Read and checked, it failed only in its instance: it alone is UNAVAILABLE, with the engine's words.
+        assert index["unrunnable"]["state"] == "UNAVAILABLE" and "Foo" in index["unrunnable"]["reason"]
+        assert not h.is_model_ready("unrunnable")
     with _grpc(node) as g:
         md = g.get_model_metadata("noconfig", as_json=True)
         assert [t["name"] for t in md["inputs"]] == ["image in", "scale.k", "flag"]
