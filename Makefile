@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := pyproject.toml CMakeLists.txt scripts/setup.sh $(shell find native -type f 2>/dev/null)
 
-.PHONY: setup test test-fast test-contended test-heavy lint demo bench clean
+.PHONY: setup test test-fast test-contended test-heavy lint demo demo-repository bench clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ test-heavy: setup
 
 demo: setup
 	$(PY) -m orchestrator.demo
+
+# Your models (README.md): build the example Triton model repository, serve it with
+# `gpuprims-orchestrator start --model-repository`, ask every model over HTTP, gRPC and UDP, stop the node.
+demo-repository: setup
+	$(PY) examples/repository_demo.py
 
 bench: setup
 	$(PY) -m bench.run_all

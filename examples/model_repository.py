@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,11 +288,16 @@ class ScriptedMLP(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.hidden = torch.nn.Linear(16, 32)
-        self.out = torch.nn.Linear(32, 4)
+        # Plain parameters, not nn.Linear: TorchScript writes a submodule's __constants__ (a set) in the
+        # order of the string hash, which changes with PYTHONHASHSEED, so the file's bytes would too.
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32) * 0.25)
+        self.b1 = torch.nn.Parameter(torch.randn(32) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(32, 4) * 0.25)
+        self.b2 = torch.nn.Parameter(torch.randn(4) * 0.1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(self.out(torch.relu(self.hidden(x))), dim=1)
+        hidden = torch.relu(torch.matmul(x, self.w1) + self.b1)
+        probs = torch.softmax(torch.matmul(hidden, self.w2) + self.b2, dim=1)
         return probs, torch.argmax(probs, dim=1, keepdim=True)
 
 
@@ -310,9 +316,12 @@ class Exported(torch.nn.Module):
 def scripted_pt(path: Path) -> None:
     """``scripted``: :class:`ScriptedMLP` with seed 5, saved by ``torch.jit.script`` + ``torch.jit.save``."""
     torch.manual_seed(5)
-    module = torch.jit.script(ScriptedMLP().eval())
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.save(module, str(path))
+    # TorchScript is deprecated in torch, and is still what Triton's pytorch_libtorch backend serves: the
+    # example shows that format on purpose, so its warnings say nothing to the user here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(ScriptedMLP().eval()), str(path))
 
 
 def exported_pt2(path: Path) -> None:
@@ -358,4 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The torch files record their modules' qualified names (``__torch__.model_repository.ScriptedMLP``): run
+    # as a script, build from the module imported by its name, so every way of building writes the same bytes.
+    import model_repository
+
+    sys.exit(model_repository.main())

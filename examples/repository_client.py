@@ -19,6 +19,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,10 @@ RTOL = 1e-3
 ATOL = 1e-4
 #: FP16 answers: one half-precision step near 1.
 ATOL_FP16 = 2e-3
+#: Each request's deadline (the wire's ``deadline_us``, OIP's ``timeout``): this client checks answers, not
+#: latency, so a request may take this long on a busy machine before the node gives up on it; without it
+#: the model's ``slo_ms`` is the deadline and a loaded laptop answers some DEADLINE_MISSED.
+DEADLINE_US = 10_000_000
 
 _NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -107,7 +112,9 @@ class Oracle:
         elif suffix in (".pt", ".pt2"):
             import torch
 
-            module = torch.jit.load(str(model.file)) if suffix == ".pt" else torch.export.load(str(model.file)).module()
+            with warnings.catch_warnings():  # torch.jit.load is deprecated; a .pt file is TorchScript all the same
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = torch.jit.load(str(model.file)) if suffix == ".pt" else torch.export.load(str(model.file)).module()
 
             def run(x: Tensors) -> Tensors:
                 # Triton's binding of a torch file: inputs in the config's order, outputs by position.
@@ -243,7 +250,7 @@ def _http_infer(c: httpclient.InferenceServerClient, model: Model, x: Tensors) -
         i = httpclient.InferInput(t.name, list(arr.shape), t.datatype)
         i.set_data_from_numpy(arr, binary_data=True)
         inputs.append(i)
-    res = c.infer(model.name, inputs)
+    res = c.infer(model.name, inputs, timeout=DEADLINE_US)
     out: Tensors = {}
     for t in model.outputs:
         arr = res.as_numpy(t.name)
@@ -264,7 +271,7 @@ def _grpc_infer(c: grpcclient.InferenceServerClient, model: Model, x: Tensors) -
         i = grpcclient.InferInput(t.name, list(arr.shape), t.datatype)
         i.set_data_from_numpy(arr)
         inputs.append(i)
-    res = c.infer(model.name, inputs)
+    res = c.infer(model.name, inputs, timeout=DEADLINE_US, client_timeout=2 * DEADLINE_US / 1e6)
     return {t.name: res.as_numpy(t.name) for t in model.outputs}
 
 
@@ -313,7 +320,7 @@ def check_model(model: Model, http: httpclient.InferenceServerClient, grpc: grpc
 
     def udp_step() -> None:
         for x in singles:
-            r = udp.infer(model.app_id, _row(model, x, 0)).raise_for_status()
+            r = udp.infer(model.app_id, _row(model, x, 0), deadline_us=DEADLINE_US).raise_for_status()
             want = oracle(x)
             _check(rows["udp"], model, dict(r.outputs or {}), {k: _row(model, want, 0)[k] for k in want},
                    _shape_text(_row(model, x, 0)))
