@@ -29,15 +29,49 @@ _APP_KEYS = {"rate": float, "pps": float, "process": str, "count": int, "duratio
              "image": str, "variants": int, "deadline_us": int, "chunk": int, "intervals": str}
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    """'224x224x3' -> (224, 224, 3); '' is a scalar. ValueError for anything else."""
+    return tuple(int(d) for d in text.lower().split("x")) if text.strip() else ()
+
+
+def parse_tensors(spec: str, text: str) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """'NAME=SHAPE:DTYPE[;NAME=SHAPE:DTYPE...]' -> ((name, shape, dtype), ...). A name may hold spaces,
+    dots, '=' and ':' (the last '=' ends it), not ';' or ','."""
+    out = []
+    for item in text.split(";"):
+        name, eq, rest = item.rpartition("=")
+        shape_s, colon, dtype = rest.partition(":")
+        if not eq or not name or not colon or not dtype:
+            raise click.BadParameter(f"{spec!r}: tensor {item!r} is not NAME=SHAPE:DTYPE (like image=3x224x224:float32)",
+                                     param_hint="--app")
+        try:
+            shape = _shape(shape_s)
+        except ValueError:
+            raise click.BadParameter(f"{spec!r}: tensor {name!r}: SHAPE {shape_s!r} is not integers like 3x224",
+                                     param_hint="--app") from None
+        out.append((name, shape, dtype))
+    return tuple(out)
+
+
 def parse_app(spec: str, defaults: dict[str, Any]) -> AppStream:
-    """'ID:SHAPE:DTYPE[,key=value,...]' (SHAPE like 224x224x3) with defaults for the keys not given."""
+    """'ID:SHAPE:DTYPE[,key=value,...]' (SHAPE like 224x224x3), or for a multi-tensor app
+    'ID:tensors:NAME=SHAPE:DTYPE[;NAME=SHAPE:DTYPE...][,key=value,...]', with defaults for the keys not given."""
     head, *pairs = spec.split(",")
-    parts = head.split(":")
+    tensors = None
+    if head.split(":", 2)[1:2] == ["tensors"]:
+        parts = head.split(":", 2)
+        if len(parts) != 3:
+            raise click.BadParameter(f"{spec!r}: expected ID:tensors:NAME=SHAPE:DTYPE[;...]", param_hint="--app")
+        tensors = parse_tensors(spec, parts[2])
+        parts = [parts[0], "1"]  # shape and dtype do not apply to a tensors body
+    else:
+        parts = head.split(":")
     if len(parts) not in (2, 3):
-        raise click.BadParameter(f"{spec!r}: expected ID:SHAPE[:DTYPE][,key=value...]", param_hint="--app")
+        raise click.BadParameter(f"{spec!r}: expected ID:SHAPE[:DTYPE][,key=value...] or "
+                                 "ID:tensors:NAME=SHAPE:DTYPE[;...][,key=value...]", param_hint="--app")
     try:
         app_id = int(parts[0])
-        shape = tuple(int(d) for d in parts[1].lower().split("x"))
+        shape = _shape(parts[1])
     except ValueError:
         raise click.BadParameter(f"{spec!r}: ID and SHAPE must be integers (SHAPE like 224x224x3)",
                                  param_hint="--app") from None
@@ -68,7 +102,7 @@ def parse_app(spec: str, defaults: dict[str, Any]) -> AppStream:
                          duration_s=opts.get("duration"), intervals_s=intervals,
                          to=parse_addr(opts.get("to", "127.0.0.1:9000")), image=opts.get("image", "astronaut"),
                          variants=opts.get("variants", 1), chunk_payload=opts.get("chunk", wire.DEFAULT_CHUNK_PAYLOAD),
-                         deadline_us=opts.get("deadline_us", 0))
+                         deadline_us=opts.get("deadline_us", 0), tensors=tensors)
     except ValueError as e:
         raise click.BadParameter(f"{spec!r}: {e}", param_hint="--app") from None
 
@@ -76,7 +110,8 @@ def parse_app(spec: str, defaults: dict[str, Any]) -> AppStream:
 def _stream_options(f):
     opts = [
         click.option("--app", "apps", multiple=True, metavar="ID:SHAPE[:DTYPE][,k=v...]",
-                     help="An app's requests, e.g. 1:224x224x3:float32,rate=100,to=127.0.0.1:9001. Repeat for "
+                     help="An app's requests, e.g. 1:224x224x3:float32,rate=100,to=127.0.0.1:9001, or a "
+                          "multi-tensor app's, e.g. '3:tensors:image in=3x5:float32;scale.k=1:int64'. Repeat for "
                           "several apps; keys: " + ", ".join(_APP_KEYS) + " (default to the options below)."),
         click.option("--rate", type=float, help="Requests/s (per app unless the app says otherwise)."),
         click.option("--pps", type=float, help="Packets/s; the request rate follows from packets per request."),
@@ -152,6 +187,11 @@ def gen(output: str | None, **kw: Any) -> None:
         bodies = app.bodies()
         for v, b in enumerate(bodies):
             arrays[f"app{app.app_id}_v{v}"] = b
+        if app.tensors is not None:  # each body is a TENSORS body; say what it holds
+            out["apps"].append({"app_id": app.app_id, "dtype": "tensors", "variants": len(bodies),
+                                "tensors": [{"name": n, "shape": list(sh), "dtype": dt} for n, sh, dt in app.tensors],
+                                "body_bytes": app.body_bytes, "packets_per_request": app.packets_per_request})
+            continue
         out["apps"].append({"app_id": app.app_id, "shape": list(app.shape), "dtype": app.dtype,
                             "image": app.image, "variants": len(bodies), "body_bytes": app.body_bytes,
                             "packets_per_request": app.packets_per_request,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuprims import wire
+from gpuprims import tensorwire, wire
 
 PROCESSES = ("constant", "poisson")
 #: Request ids must stay below this so (app_id, request_id) packs into one u64 key for matching.
@@ -101,6 +101,9 @@ class AppStream:
     chunk_payload: int = wire.DEFAULT_CHUNK_PAYLOAD
     deadline_us: int = 0
     body: np.ndarray | None = field(default=None, compare=False, repr=False)
+    #: A multi-tensor app's inputs, (name, shape, dtype) each: its requests are TENSORS bodies
+    #: (gpuprims.tensorwire) of seeded random values, and ``shape``/``dtype``/``image`` do not apply.
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.app_id <= 0xFFFF:
@@ -134,6 +137,10 @@ class AppStream:
         wire.chunk_count_for(1, self.chunk_payload)  # validates chunk_payload
         if not 0 <= self.deadline_us < 2**32:
             raise ValueError(f"app {self.app_id}: deadline_us must be a u32, got {self.deadline_us}")
+        if self.tensors is not None:
+            if self.body is not None:
+                raise ValueError(f"app {self.app_id}: give body or tensors, not both")
+            object.__setattr__(self, "tensors", _tensor_specs(self.app_id, self.tensors))
         if self.body is not None:
             b = np.ascontiguousarray(self.body)
             if b.nbytes == 0:
@@ -144,7 +151,14 @@ class AppStream:
 
     @property
     def body_bytes(self) -> int:
+        if self.tensors is not None:  # every variant encodes to the same length: same names, shapes, dtypes
+            return len(self.bodies()[0])
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def wire_dtype(self) -> int:
+        """The wire dtype of this app's requests: TENSORS for a multi-tensor app, else its array's."""
+        return int(wire.DType.TENSORS if self.tensors is not None else wire.DType.from_numpy(np.dtype(self.dtype)))
 
     @property
     def packets_per_request(self) -> int:
@@ -163,6 +177,9 @@ class AppStream:
         """The distinct request bodies this app rotates through."""
         if self.body is not None:
             return [self.body]
+        if self.tensors is not None:
+            return [np.frombuffer(tensorwire.encode_arrays(tensor_values(self.tensors, seed=v)), np.uint8)
+                    for v in range(self.variants)]
         from gpuprims.traffic.images import request_body
 
         return [request_body(self.shape, self.dtype, self.image, variant=v) for v in range(self.variants)]
@@ -189,6 +206,51 @@ class AppStream:
             assert r is not None
             gaps_for = lambda n: rng.exponential(1.0 / r, n)  # noqa: E731
         return _warm_then_gen(gaps_for, warmup_s, self.count, self.duration_s)
+
+
+def _tensor_specs(app_id: int, specs: Sequence[tuple[str, Sequence[int], str]]
+                  ) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """``specs`` checked (a name once, dims >= 0, a dtype the tensor body carries) and made hashable."""
+    out: list[tuple[str, tuple[int, ...], str]] = []
+    for name, shape, dtype in specs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"app {app_id}: a tensor needs a name, got {name!r}")
+        if any(n == name for n, _, _ in out):
+            raise ValueError(f"app {app_id}: tensor {name!r} given twice")
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise ValueError(f"app {app_id}: tensor {name!r}: dims must be >= 0, got {list(dims)}")
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"app {app_id}: tensor {name!r}: {dtype!r} is not a dtype") from None
+        out.append((name, dims, str(np_dtype)))
+    if not out:
+        raise ValueError(f"app {app_id}: tensors lists no tensor")
+    try:  # what the wire cannot carry is refused here, naming the tensor, not when the plan is sent
+        tensorwire.encode_arrays(tensor_values(tuple(out), seed=0))
+    except tensorwire.TensorBodyError as e:
+        raise ValueError(f"app {app_id}: {e}") from None
+    return tuple(out)
+
+
+def tensor_values(specs: Sequence[tuple[str, tuple[int, ...], str]], seed: int) -> dict[str, np.ndarray]:
+    """One request's named tensors for ``specs``, seeded: floats standard normal, integers in -3..3 (0..3
+    unsigned), booleans fair coins; the same ``seed`` gives the same values."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape, dtype in specs:
+        dt = np.dtype(dtype)
+        if dt.kind == "f":
+            a = rng.standard_normal(shape).astype(dt)
+        elif dt.kind == "b":
+            a = rng.integers(0, 2, size=shape).astype(bool)
+        elif dt.kind in "iu":
+            a = rng.integers(0 if dt.kind == "u" else -3, 4, size=shape).astype(dt)
+        else:
+            a = np.zeros(shape, dt)  # the wire refuses it, naming the tensor
+        out[name] = np.ascontiguousarray(a)
+    return out
 
 
 def _warm_then(t_s: np.ndarray, warmup_s: float, count: int | None, duration_s: float | None) -> np.ndarray:
@@ -385,7 +447,7 @@ class Stream:
             variant_units = []
             for body in app.bodies():
                 dg = wire.encode_request(app.app_id, 0, body, chunk_payload=app.chunk_payload,
-                                         deadline_us=app.deadline_us)
+                                         deadline_us=app.deadline_us, dtype=app.wire_dtype)
                 variant_units.append(b.add_unit(dg, patch=True))
             t = app.arrivals_ns(rng, self.warmup_s)
             n = len(t)
@@ -420,9 +482,13 @@ class Stream:
 
 
 def describe(app: AppStream) -> dict:
-    d = {k: v for k, v in dataclasses.asdict(app).items() if k not in ("body", "intervals_s")}
+    d = {k: v for k, v in dataclasses.asdict(app).items() if k not in ("body", "intervals_s", "tensors")}
     d["to"] = f"{app.to[0]}:{app.to[1]}"
     d["shape"] = list(app.shape)
+    if app.tensors is not None:  # its body is the named tensors, not one array of shape and dtype
+        d["tensors"] = [{"name": n, "shape": list(sh), "dtype": dt} for n, sh, dt in app.tensors]
+        d["shape"], d["dtype"] = [app.body_bytes], "tensors"
+        d.pop("image", None)
     d["packets_per_request"] = app.packets_per_request
     d["body_bytes"] = app.body_bytes
     if app.intervals_s is not None:
