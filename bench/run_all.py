@@ -56,6 +56,7 @@ EXPERIMENTS = (
     Experiment("engines", lambda: _missing_modules("onnxruntime", extra="onnx")),
     Experiment("engines_node", lambda: _missing_modules("onnxruntime", extra="onnx")),
     Experiment("single_stream", lambda: _missing_modules("onnxruntime", extra="onnx")),
+    Experiment("repository", lambda: _missing_modules("onnxruntime", "onnx", extra="onnx")),
     Experiment("engines_gpu", lambda: "needs a GPU: run it on a GPU host (scripts/gpu-engines.sh); "
                "python -m bench.engines_gpu --quick --fake checks the script here"),
     Experiment("fleet", lambda: _missing_modules("ray", extra="fleet")),
