@@ -86,6 +86,8 @@ class Row:
     matched: int = 0
     max_abs_err: float = 0.0
     shapes: set[str] = field(default_factory=set)
+    #: The shapes of the first output answered (a detector's differ with the image).
+    out_shapes: set[str] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -278,6 +280,9 @@ def _grpc_infer(c: grpcclient.InferenceServerClient, model: Model, x: Tensors) -
 def _check(row: Row, model: Model, got: Tensors, want: Tensors, shape: str) -> None:
     row.requests += 1
     row.shapes.add(shape)
+    first = got.get(model.outputs[0].name)
+    if first is not None:
+        row.out_shapes.add(str(list(np.shape(first))))
     problems, worst = compare(got, want, model.outputs)
     row.max_abs_err = max(row.max_abs_err, worst)
     if problems:
@@ -356,12 +361,13 @@ def check_node(http_url: str, grpc_target: str, udp: tuple[str, int], repository
 
 def format_table(rows: list[Row], unavailable: dict[str, str]) -> str:
     """The rows as a table (one line per model and path, then each failure and each unavailable model)."""
-    lines = [f"{'model':<10}{'path':<6}{'requests':>9}{'matched':>9}{'max |err|':>11}  shapes"]
+    lines = [f"{'model':<10}{'path':<6}{'requests':>9}{'matched':>9}{'max |err|':>11}  {'':<9}"
+             "input shapes -> first output's shapes"]
     for r in rows:
         err = f"{r.max_abs_err:.2g}" if math.isfinite(r.max_abs_err) else "-"
-        shapes = " ".join(sorted(r.shapes))
+        shapes = " ".join(sorted(r.shapes)) + " -> " + " ".join(sorted(r.out_shapes))
         lines.append(f"{r.model:<10}{r.path:<6}{r.requests:>9}{r.matched:>9}{err:>11}  "
-                     f"{'ok' if r.ok else 'MISMATCH'}  {shapes[:60]}")
+                     f"{'ok' if r.ok else 'MISMATCH':<9}{shapes[:90]}")
     for r in rows:
         lines += [f"  {r.model} over {r.path}: {p}" for p in r.problems]
     lines += [f"  {name}: not READY: {why}" for name, why in unavailable.items()]
