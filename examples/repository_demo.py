@@ -18,6 +18,7 @@ Exits 0 when every answer matched, 1 when one did not or the node did not start 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -82,7 +83,8 @@ def stop_node(node: subprocess.Popen[bytes], name: str, timeout_s: float = STOP_
             node.wait(timeout=timeout_s)
             return
         except subprocess.TimeoutExpired:
-            os.killpg(node.pid, sig)  # the node leads its own session: its instances go with it
+            with contextlib.suppress(ProcessLookupError):  # it ended in between
+                os.killpg(node.pid, sig)  # the node leads its own session: its instances go with it
     node.wait()
 
 
