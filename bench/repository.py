@@ -529,10 +529,19 @@ class Driver:
         self.cmds, self.out = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_driver, args=(self.cmds, self.out), daemon=True, name="bench-repository-driver")
         self.proc.start()
+        self.broken = False  # a trial failed or went silent: its result may still come, so never reuse this one
 
     def trial(self, node: Node, *, wait_s: float, **kw: Any) -> dict[str, Any]:
         """Run one trial (`send_trial`'s arguments, `schedule`'s and ``cores``) in the driver and return its
-        records, pumping ``node`` meanwhile; RuntimeError when the driver fails or is silent for ``wait_s``."""
+        records, pumping ``node`` meanwhile; RuntimeError when the driver fails or is silent for ``wait_s``
+        (the driver is then ``broken``)."""
+        try:
+            return self._trial(node, wait_s, kw)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _trial(self, node: Node, wait_s: float, kw: dict[str, Any]) -> dict[str, Any]:
         self.cmds.put(("trial", kw))
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
@@ -767,9 +776,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
         drivers: list[Driver] = []
 
         def driver() -> Driver:
+            if drivers and (drivers[-1].broken or not drivers[-1].proc.is_alive()):
+                drivers.pop().close()  # the next model gets a fresh one
             if not drivers:  # started when the first trial needs it: a model without a node needs none
                 drivers.append(Driver())
-            return drivers[0]
+            return drivers[-1]
 
         try:
             for name in models:

@@ -233,3 +233,27 @@ def test_a_quick_run_serves_the_dynamic_model_and_writes_the_result(tmp_path: Pa
             assert trial["once"] == trial["sent_all"] == len(trial["requests"]["status"])
     assert set(ocr["mixed"]["history"][0]["requests"]["width"]) == set(bench.MIXED_WIDTHS)
     assert set(ocr["engine"]["times_ms"]) == {"b1", "b4", "b4@w32", "b4@w64", "b4@w128"}
+
+
+class _Pumped:
+    """What Driver.trial pumps while it waits: a node's control loop, counted."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, timeout_ms: float) -> None:
+        self.steps += 1
+
+
+@pytest.mark.slow  # spawns the driver process (it imports the bench)
+def test_a_driver_whose_trial_fails_says_why_is_broken_and_is_reaped() -> None:
+    driver = bench.Driver()
+    try:
+        node = _Pumped()
+        with pytest.raises(RuntimeError, match=r"the driver failed: .*process must be constant or poisson"):
+            driver.trial(node, wait_s=120, port=9, app_id=1, bodies=[], rate=10.0, duration_s=1.0, warmup_s=0.0,
+                         process="bursty", seed=0, timeout_s=1.0, cores=[0])
+        assert driver.broken and node.steps > 0 and driver.proc.is_alive()
+    finally:
+        driver.close()
+    assert not driver.proc.is_alive() and driver.proc.exitcode is not None
