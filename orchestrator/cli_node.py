@@ -26,7 +26,14 @@ import click
 from apps.zoo.names import known_names
 from gpuprims.backend import resolve_backend
 from orchestrator.cli_control import echo_removed, named_dir, runtime_base, sweep_dead
-from orchestrator.config import ConfigError, NodeConfig, engine_problems, load_config, parse_config
+from orchestrator.config import (
+    ConfigError,
+    NodeConfig,
+    engine_problems,
+    is_loopback,
+    load_config,
+    parse_config,
+)
 from orchestrator.control import make_run_dir
 from orchestrator.logs import setup_logging
 from orchestrator.monitor import Monitor
@@ -80,7 +87,7 @@ def _load(config: str | None, model_repository: str | None, load_models: tuple[s
           control_mode: str | None = None) -> tuple[NodeConfig, str]:
     """The node's config and the name to give it in messages: CONFIG (its node.model_repository replaced
     by ``model_repository`` when given), or, without CONFIG, a node of :data:`REPOSITORY_DEFAULTS` serving
-    ``model_repository``."""
+    ``model_repository``; in explicit mode with the repository API (``node.repository.enabled``) on."""
     extra: dict[str, Any] = {}
     if model_repository is not None:
         extra["model_repository"] = str(Path(model_repository).expanduser().absolute())
@@ -93,16 +100,40 @@ def _load(config: str | None, model_repository: str | None, load_models: tuple[s
         if model_repository is None:
             raise click.UsageError("give CONFIG (an apps.yaml), --model-repository DIR, or both")
         source = f"--model-repository {model_repository}"
+        node: dict[str, Any] = {**REPOSITORY_DEFAULTS, **extra}
+        if node.get("model_control_mode") == "explicit":
+            # Explicit mode means models are loaded by name at run time: the repository API is what does it.
+            node["repository"] = {"enabled": True}
         try:
-            return parse_config({"node": {**REPOSITORY_DEFAULTS, **extra}, "apps": []}, source=source), source
+            return parse_config({"node": node, "apps": []}, source=source), source
         except ConfigError as e:
             raise click.ClickException(str(e)) from e
     if extra and load_models and model_repository is None:
         raise click.UsageError("--load-model needs --model-repository (or node.model_repository in CONFIG)")
     try:
-        return load_config(config, known_models=known_names(), node_overrides=extra or None), config
+        cfg = load_config(config, known_models=known_names(), node_overrides=extra or None)
     except ConfigError as e:
         raise click.ClickException(str(e)) from e
+    return _explicit_repository_api(cfg, config), config
+
+
+def _explicit_repository_api(cfg: NodeConfig, source: str) -> NodeConfig:
+    """``cfg`` with ``node.repository.enabled`` on when it serves a model repository in explicit mode (the
+    repository API is how a model is loaded by name), keeping its token settings; a ClickException naming
+    the key to set when the API cannot be served (no ``node.http_port``; not loopback and no token)."""
+    n = cfg.node
+    if n.model_repository is None or n.model_control_mode != "explicit" or n.repository.enabled:
+        return cfg
+    if not n.http_port:
+        raise click.ClickException(f"{source}: node.model_control_mode explicit loads models through the repository "
+                                   "API on the HTTP front door; set node.http_port (0 is off)")
+    if not n.repository.has_token and not is_loopback(n.listen.host):
+        raise click.ClickException(f"{source}: node.model_control_mode explicit serves the repository API, which "
+                                   f"loads code into the node; on {n.listen.host!r} (not loopback) set "
+                                   "node.repository.token_file or token_env")
+    # The checks above are NodeSettings' own for repository.enabled, so the copy needs no second validation.
+    repo = n.repository.model_copy(update={"enabled": True})
+    return cfg.model_copy(update={"node": n.model_copy(update={"repository": repo})})
 
 
 def _port_in_use(e: BaseException) -> str | None:
