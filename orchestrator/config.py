@@ -33,7 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gpuprims.engines import EngineError, check_engine, engine_class
-from gpuprims.engines.files import file_engine_class
+from gpuprims.engines.files import file_engine_class, resolve_file_kind
 from gpuprims.modelrepo import ModelConfig
 from orchestrator import model_files
 from orchestrator.model_files import MODEL_FILE_SUFFIXES, is_model_file
@@ -229,7 +229,12 @@ def _engine_ref(v: Any) -> EngineChoice:
     try:
         engine_class(kind).validate_options(options)  # the kind and its option names; the backend later
     except EngineError as e:
-        raise ValueError(str(e)) from None
+        # A kind that only runs model files (torchscript, torch_export), or a file kind's own options: the
+        # app checks it against its model (AppConfig._check).
+        try:
+            file_engine_class(kind).validate_options(options)
+        except EngineError:
+            raise ValueError(str(e)) from None
     return EngineChoice(kind=kind, options=options)
 
 
@@ -593,11 +598,22 @@ class AppConfig(BaseModel):
                                         "under 'config' with config.pbtxt's keys (input, output, ...)")
             if self.overflow != "none":
                 raise _problem("overflow", "CPU overflow does not take model files yet")
+            try:
+                file_engine_class(resolve_file_kind(self.engine.kind, self.model)).validate_options(self.engine.options)
+            except EngineError as e:
+                raise _problem("engine", str(e)) from None
             if self.file is None:
                 raise _problem("model", "a model file is read by load_config (its path is relative to the YAML "
                                         "file); this config was not")
-        elif self.config is not None:
-            raise _problem("config", "applies only to a model file (model: path/to/model.onnx)")
+        else:
+            if self.config is not None:
+                raise _problem("config", "applies only to a model file (model: path/to/model.onnx)")
+            for key, eng in self.engines():
+                try:
+                    engine_class(eng.kind).validate_options(eng.options)
+                except EngineError as e:
+                    raise _problem(key, f"{e} (a zoo or module:factory model; the file engines take model files)") \
+                        from None
         if self.stages is None:
             if self.model is None:
                 raise _problem("model", "is required (or give 'stages' for a DAG app)")
@@ -850,7 +866,7 @@ def engine_problems(cfg: NodeConfig, backend: str) -> list[tuple[str, str]]:
         for key, eng in a.engines():
             try:
                 if a.file is not None:
-                    file_engine_class(eng.kind).check(backend, eng.options)
+                    file_engine_class(resolve_file_kind(eng.kind, a.file.path)).check(backend, eng.options)
                 else:
                     check_engine(eng.kind, backend, eng.options)
             except EngineError as e:

@@ -21,7 +21,7 @@ import numpy as np
 from gpuprims.batching import LatencyModel
 from gpuprims.cpushare import CpuShare, apply_cpu_share
 from gpuprims.engines import EngineCache, Target
-from gpuprims.engines.files import FileEngine, make_file_engine
+from gpuprims.engines.files import FileEngine, make_file_engine, resolve_file_kind
 from gpuprims.modelrepo import ModelConfig
 from gpuprims.pool import PacketPool
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
@@ -85,7 +85,7 @@ class FileRunner:
     def build(self, device: Any) -> dict[str, Any]:
         """Make and prepare the file's engine (built, or taken from the engine cache by the file's
         content); returns what :meth:`install` takes, so a pre-warm thread can build it."""
-        kind = self.spec.engine
+        kind = resolve_file_kind(self.spec.engine, self.spec.model_path)  # (eager on a torch file: the file run by torch)
         t0 = time.perf_counter()
         engine = make_file_engine(kind, self.spec.model_path, self.signature, self._target(),
                                   self.spec.engine_options or {}, self.spec.model_fingerprint)

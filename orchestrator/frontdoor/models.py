@@ -157,6 +157,15 @@ def output_dim(app: AppConfig) -> int:
     return math.prod(out.shape[1:])
 
 
+def _with_app_keys(cfg: dict[str, Any], app: AppConfig) -> dict[str, Any]:
+    """A model file's config as the front door reports it: its own, with the node's ``app_id`` (a UDP
+    client's address for it) and ``slo_ms`` among its parameters, as a zoo app's config has them."""
+    params = dict(cfg.get("parameters") or {})
+    params["app_id"] = {"string_value": str(app.app_id)}
+    params["slo_ms"] = {"string_value": f"{app.slo_ms:g}"}
+    return {**cfg, "parameters": params}
+
+
 def model_info(app: AppConfig, request_bytes_max: int = DEFAULT_REQUEST_BYTES) -> ModelInfo:
     """The ModelInfo of one app (builds a user model once to learn its output size). A model file's
     comes from its config; ``request_bytes_max`` bounds a request with dynamic dimensions (the pool's
@@ -170,7 +179,7 @@ def model_info(app: AppConfig, request_bytes_max: int = DEFAULT_REQUEST_BYTES) -
         return ModelInfo(name=app.name, app_id=app.app_id, input_shape=(), dtype="uint8", output_dim=-1,
                          max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, slo_ms=app.slo_ms,
                          instances=app.instances if app.instances != "auto" else 0, signature=cfg.signature,
-                         triton_config=app.file.triton_json(), version=str(app.file.version),
+                         triton_config=_with_app_keys(app.file.triton_json(), app), version=str(app.file.version),
                          request_bytes_max=bound, platform=cfg.platform or cfg.backend or PLATFORM)
     return ModelInfo(name=app.name, app_id=app.app_id, input_shape=tuple(app.input_shape), dtype=app.dtype,
                      output_dim=output_dim(app), max_batch=app.max_batch, max_wait_ms=app.max_wait_ms,

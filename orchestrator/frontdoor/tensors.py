@@ -102,6 +102,8 @@ def _from_bytes(info: ModelInfo, name: str, dt: DataType, shape: list[int], raw:
     if len(raw) != want:
         raise OipError("invalid", f"model {info.name!r}: input {name!r} {dt.value} {shape} needs {want} bytes, "
                                   f"got {len(raw)}")
+    if dt is DataType.BOOL:  # any nonzero byte is true, as Triton takes it (perf_analyzer sends random bytes)
+        return (np.frombuffer(raw, dtype=np.uint8) != 0).reshape(shape)
     return np.frombuffer(raw, dtype=dt.numpy).reshape(shape)
 
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from gpuprims.engines.files import resolve_file_kind
 from orchestrator.cli import main as cli_main
-from orchestrator.config import ConfigError, NodeConfig, load_config, parse_config
+from orchestrator.config import NodeConfig, load_config, parse_config
 from orchestrator.node import Node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,14 +29,6 @@ sys.path.insert(0, str(EXAMPLES))
 
 import model_repository  # noqa: E402
 import repository_client  # noqa: E402
-
-#: The node's config reader refuses the torch files' engines (orchestrator/config.py `_engine_ref` checks an
-#: app's ``engine`` against gpuprims.engines.KINDS, which has no ``torchscript`` or ``torch_export``, the
-#: kinds orchestrator/model_files.py `app_keys` gives a .pt / .pt2 model): the whole repository is refused.
-#: Strict, so the fix turns these tests green and this marker must go.
-TORCH_FILES_REFUSED = pytest.mark.xfail(
-    raises=ConfigError, strict=True,
-    reason="the node's config refuses engine 'torchscript'/'torch_export' that model_files gives .pt/.pt2 models")
 
 #: The engine the node runs each model with on a CPU (docs/model-repository.md, "Which engine runs a model").
 ENGINES = {"mixed": "onnxruntime", "ocr": "onnxruntime", "noconfig": "onnxruntime", "detector": "onnxruntime",
@@ -95,7 +87,6 @@ def _repository_node(repo: Path, **node: object) -> NodeConfig:
                                   "model_repository": str(repo), **node}, "apps": []}, source="test")
 
 
-@TORCH_FILES_REFUSED
 def test_the_node_reads_every_model_with_the_engine_its_file_wants(repo: Path) -> None:
     cfg = _repository_node(repo)
     assert not cfg.unavailable, cfg.unavailable
@@ -178,9 +169,8 @@ def node(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]
 
 
 @pytest.mark.slow
-@TORCH_FILES_REFUSED
 def test_a_node_on_the_repository_answers_every_model_as_its_file(repo: Path, request: pytest.FixtureRequest) -> None:
-    node: Node = request.getfixturevalue("node")  # inside the test: the xfail covers its start too
+    node: Node = request.getfixturevalue("node")
     assert node.frontdoor is not None and node.ingest is not None
     http = node.frontdoor.http_url.removeprefix("http://")  # type: ignore[union-attr]
     app_ids = {a.name: a.app_id for a in node.cfg.apps}
