@@ -29,6 +29,7 @@ from gpuprims.modelrepo import (
     scan,
 )
 from gpuprims.modelrepo import load_model as load_repository_model
+from gpuprims.modelrepo.complete import check_model_file
 from gpuprims.modelrepo.formats import EXTENSIONS
 
 #: What a model file's name ends with (a ``model:`` that ends so is a file, not a zoo name).
@@ -105,6 +106,7 @@ def file_app(entry: Mapping[str, Any], base_dir: Path | None, backend: str = "cp
         # torch_ok off: the node maps no torch; a torch.export file names its tensors in config:
         cfg = config_for_file(path, text, source=f"{ref} (config:)" if text else None,
                               name=str(entry.get("name", "")) or None, torch_ok=False)
+        check_model_file(cfg, path)  # the config against the file, as Triton checks it at load (and a scan does)
     except ModelConfigError as e:
         raise ModelFileError("config" if text and e.file.endswith("(config:)") else "model", str(e)) from None
     try:

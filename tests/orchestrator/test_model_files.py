@@ -72,6 +72,9 @@ def test_config_overrides_use_config_pbtxt_keys(tmp_path: Path) -> None:
     ("{name: m, model: mobilenet_v2, slo_ms: 50, config: {max_batch_size: 1}}", "apps[0].config",
      "applies only to a model file"),
     ("{name: m, model: m.onnx, slo_ms: 50, overflow: cpu}", "apps[0].overflow", "model files"),
+    # The config checked against the file as Triton checks it at load (no max_batch_size: no batch dimension).
+    ("{name: m, model: m.onnx, slo_ms: 50, config: {input: [{name: flag, data_type: TYPE_BOOL, dims: [1]}]}}",
+     "apps[0].model", r"input 'flag' has shape \[-1, 1\] in the model file; the config gives \[1\]"),
 ])
 def test_a_bad_model_file_entry_is_refused_naming_the_key(tmp_path: Path, entry: str, key: str, match: str) -> None:
     multi_io_onnx(tmp_path / "m.onnx")

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from google.protobuf import json_format
 
-from orchestrator.config import AppConfig, StageConfig
+from orchestrator.config import AppConfig, StageConfig, parse_config
 from orchestrator.frontdoor import model_info, oip_pb2
+from orchestrator.frontdoor.models import HEAD_BYTES
+
+from ...modelfiles import detector_onnx, multi_io_onnx
 
 
 def test_output_size_comes_from_the_zoo_or_the_model() -> None:
@@ -30,3 +35,27 @@ def test_metadata_and_config_fit_the_protocol_messages() -> None:
     assert cfg.max_batch_size == 4 and list(cfg.output[0].dims) == [10]
     assert cfg.dynamic_batching.max_queue_delay_microseconds == 3000
     assert cfg.parameters["app_id"].string_value == "9"
+
+
+def test_a_model_files_info_speaks_for_its_tensors_and_bounds_its_bodies(tmp_path: Path) -> None:
+    detector_onnx(tmp_path / "det.onnx")
+    multi_io_onnx(tmp_path / "multi.onnx")
+    cfg = parse_config({"node": {"backend": "cpu"}, "apps": [
+        {"name": "det", "model": "det.onnx", "slo_ms": 50, "config": {"max_batch_size": 0}},
+        {"name": "multi", "model": "multi.onnx", "slo_ms": 50,
+         "config": {"max_batch_size": 4, "input": [{"name": "image in", "data_type": "TYPE_FP32", "dims": [3, 8]},
+                                                   {"name": "scale.k", "data_type": "TYPE_INT64", "dims": [1]},
+                                                   {"name": "flag", "data_type": "TYPE_BOOL", "dims": [1]}]}}]},
+        base_dir=tmp_path)
+    det = model_info(cfg.app_by_name("det"), request_bytes_max=4096)
+    assert det.metadata()["inputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1]}]
+    assert det.rows_max == 1 and det.request_bytes_max == 4096  # dynamic: the pool's bound
+    assert det.max_body_bytes(binary=True) == 4096 + HEAD_BYTES
+    multi = model_info(cfg.app_by_name("multi"), request_bytes_max=1 << 20)
+    # Every input fixed: a request is 3*8*4 + 8 + 1 bytes, and a batch is max_batch_size (4) of them.
+    assert multi.request_bytes_max == 3 * 8 * 4 + 8 + 1 and multi.rows_max == 4
+    assert multi.max_body_bytes(binary=True) == 4 * (3 * 8 * 4 + 8 + 1) + HEAD_BYTES
+    conf = multi.config()
+    assert conf["parameters"]["app_id"]["string_value"] == str(cfg.app_by_name("multi").app_id)
+    pb = json_format.ParseDict(conf, oip_pb2.ModelConfig(), ignore_unknown_fields=True)
+    assert [i.name for i in pb.input] == ["image in", "scale.k", "flag"] and pb.max_batch_size == 4
