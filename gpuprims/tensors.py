@@ -233,10 +233,13 @@ class ModelSignature:
                 raise SignatureError(f"missing input {spec.describe()}")
             want = spec.datatype.numpy
             got = arr.dtype
-            if spec.datatype is DataType.BYTES or got.newbyteorder("=") != want.newbyteorder("="):
-                if not (spec.datatype is DataType.BYTES and got.kind in "SUO"):
-                    raise SignatureError(f"input {spec.name!r} has datatype {_name_of(got)}, the model wants "
-                                         f"{spec.datatype.value}")
+            if spec.datatype is DataType.BYTES:
+                fits = got.kind in "SUO"
+            else:
+                fits = got.newbyteorder("=") == want.newbyteorder("=")
+            if not fits:
+                raise SignatureError(f"input {spec.name!r} has datatype {_name_of(got)}, the model wants "
+                                     f"{spec.datatype.value}")
             if not spec.accepts(tuple(arr.shape)):
                 raise SignatureError(f"input {spec.name!r} has shape {list(arr.shape)}, the model wants "
                                      f"[{','.join(map(str, spec.dims))}] (-1: any size)")
