@@ -26,6 +26,7 @@ not recompile on the serving path; False specialises on every shape seen). Prepa
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 import json
@@ -158,14 +159,13 @@ class TorchFileEngine(FileEngine):
             return torch.device("cuda", self.target.device_index)
         return torch.device("cpu")
 
-
+    @abc.abstractmethod
     def _load(self) -> Any:
         """The callable model from the file (raises EngineError naming the file and the reason)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _params(self, model: Any) -> list[str]:
         """The names of the model's ``forward`` parameters, in order (empty where unknown)."""
-        raise NotImplementedError
 
     def _file_io(self, model: Any, order: list[str | None]
                  ) -> tuple[dict[str, tuple[DataType | None, tuple[int | None, ...] | None]],
