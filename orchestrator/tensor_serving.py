@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuprims.engines import EngineError
 from gpuprims.engines.files import batch_groups, split, stack
 from gpuprims.pool import ANY_SIZE, RECORD_DTYPE, PacketPool
 from gpuprims.tensors import ModelSignature, SignatureError, TensorSpec
@@ -137,7 +138,12 @@ class TensorServingLoop(ServingLoop):
             out, model_ms = done
             model_total += model_ms
             self.policy.model.observe(len(group), model_ms, at_s=time.monotonic())
-            per = split(out, len(group)) if sig.batched else [out]
+            try:
+                per = split(out, len(group)) if sig.batched else [out]
+            except EngineError as e:  # an output without the batch dimension: the model's fault, this batch's
+                log.error("%s: the model's outputs do not split into %d requests: %s", self.spec.name, len(group), e)
+                self.fail(recs[idx], info[idx], Status.INTERNAL)
+                continue
             self._answer_each(recs[idx], info[idx], per, model_ms)
         clock.lap("model")
         # (told before the answers go out, so a closed-loop client's next request always arrives after it)

@@ -163,3 +163,24 @@ def test_the_runner_warms_up_every_batch_size_and_describes_its_file(node) -> No
     assert all(inst.policy.model.samples(b) >= 1 for b in (1, 4, 8))
     d = inst.runner.describe()
     assert d["model_path"].endswith("multi/1/model.onnx") and d["model_version"] == 1
+
+
+def test_outputs_that_do_not_split_into_the_batch_fail_that_batch_only(node, repo: Path) -> None:
+    insts, ing, sock = node
+    inst = insts[MULTI]
+    engine_run = inst.runner.model
+    inst.runner.model = lambda x, outputs=None: {k: v[:1] for k, v in engine_run(x).items()}  # one row, whatever the batch
+    x = {k: v[0] for k, v in multi_inputs(1, 4).items()}
+    try:
+        for rid in range(3):
+            _send(ing, sock, MULTI, rid, encode_arrays(x))
+        deadline = time.monotonic() + 30
+        while len(inst.queue) < 3:  # (so the three run as one batch of 3, whose outputs have 1 row)
+            assert time.monotonic() < deadline, "the three requests never reached the instance"
+            inst._pull(50)
+        got = _serve(insts, sock, 3)
+    finally:
+        inst.runner.model = engine_run
+    assert {r.status for r in got.values()} == {Status.INTERNAL}
+    _send(ing, sock, MULTI, 10, encode_arrays(x))
+    assert _serve(insts, sock, 1)[10].status == Status.OK  # the instance serves on
