@@ -46,7 +46,12 @@ FLEET = {"ping_interval_s": 0.2, "suspect_after_s": 1.0,
 def _wait(what: str, cond: Any, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        v = cond()
+        try:
+            v = cond()
+        except ray.exceptions.GetTimeoutError:
+            # An actor busy past one status call's 30 s (a load on agents, on a busy machine) is asked again:
+            # only the wait's own deadline decides.
+            v = None
         if v:
             return v
         time.sleep(0.2)
