@@ -25,25 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from .trt_standin import ILogger, Severity  # the same logger API as the builder's stand-in
+
 MAGIC = b"FAKEPLAN"
-
-
-class Severity(enum.IntEnum):
-    INTERNAL_ERROR = 0
-    ERROR = 1
-    WARNING = 2
-    INFO = 3
-    VERBOSE = 4
-
-
-class ILogger:
-    Severity = Severity
-
-    def __init__(self) -> None:
-        pass
-
-    def log(self, severity: Severity, msg: str) -> None:  # overridden by the caller's logger
-        raise NotImplementedError
 
 
 class IOutputAllocator:
