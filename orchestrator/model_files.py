@@ -134,24 +134,72 @@ def _check_readable(m: RepositoryModel, path: str) -> str | None:
     return None
 
 
-def repository_app(m: RepositoryModel, *, slo_ms: float, backend: str = "cpu") -> dict[str, Any]:
-    """The app entry of one readable repository model (its highest served version). Raises
-    :class:`ModelFileError` when it cannot be served."""
+def serves_versions(cfg: ModelConfig) -> bool:
+    """Whether a model's ``version_policy`` may serve several versions at once (``latest`` with
+    ``num_versions`` > 1, ``all``, ``specific`` with more than one version): then each served version is an
+    app of its own, named :func:`version_app_name`. Otherwise the model is one app named as the model, and a
+    new version replaces the old one by an Overlapped-Execution change of model."""
+    p = cfg.version_policy
+    return p.kind == "all" or (p.kind == "latest" and p.num_versions > 1) or (p.kind == "specific" and len(p.versions) > 1)
+
+
+def version_app_name(model: str, version: int) -> str:
+    """The app that serves ``version`` of ``model`` when its policy serves several versions (its UDP app
+    id is that app's: ``status`` and the model's config, ``parameters.app_id``, give it)."""
+    return f"{model}-v{version}"
+
+
+def model_name(app_name: str, file_config_name: str | None, repository: str | None) -> str:
+    """The OIP model name of an app: a repository model's (its config's ``name``), else the app's name."""
+    return (file_config_name or app_name) if repository is not None else app_name
+
+
+def repository_app(m: RepositoryModel, *, slo_ms: float, backend: str = "cpu", version: int | None = None) -> dict[str, Any]:
+    """The app entry of one readable repository model: of ``version`` (default: its highest served version).
+    A model whose policy serves several versions (:func:`serves_versions`) gets an app per version, named
+    :func:`version_app_name`; another is one app named as the model. Raises :class:`ModelFileError` when it
+    cannot be served."""
     if m.error is not None or m.config is None:
         raise ModelFileError("model", m.error or "no config")
     if not _NAME_RE.match(m.name):
         raise ModelFileError("name", f"model name {m.name!r} is not an app name gpuprims serves "
                                      "(1-64 characters of [a-z0-9_-])")
-    latest = m.latest
-    if latest is None:
-        raise ModelFileError("version", "no version to serve")
-    why = _check_readable(m, latest.model_path)
+    files = m.latest if version is None else m.versions.get(version)
+    if files is None:
+        raise ModelFileError("version", "no version to serve" if version is None else
+                                        f"version {version} is not served (served: {sorted(m.versions)})")
+    why = _check_readable(m, files.model_path)
     if why is not None:
         raise ModelFileError("model", why)
-    entry: dict[str, Any] = {"name": m.name, "model": latest.model_path, "slo_ms": slo_ms}
+    name = version_app_name(m.name, files.version) if serves_versions(m.config) else m.name
+    if not _NAME_RE.match(name):
+        raise ModelFileError("name", f"app name {name!r} of version {files.version} is longer than 64 characters; "
+                                     "shorten the model's name")
+    entry: dict[str, Any] = {"name": name, "model": files.model_path, "slo_ms": slo_ms}
     entry.update(app_keys(m.config, backend))
-    entry["file"] = _file(m.config, Path(latest.model_path), latest.version, latest.fingerprint, str(Path(m.directory).parent))
+    entry["file"] = _file(m.config, Path(files.model_path), files.version, files.fingerprint,
+                          str(Path(m.directory).parent))
     return entry
+
+
+def repository_version_apps(m: RepositoryModel, *, slo_ms: float,
+                            backend: str = "cpu") -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The app entries of every version ``m`` serves (one, named as the model, unless its policy serves
+    several: :func:`serves_versions`), and the versions that cannot be served with the reason. Raises
+    :class:`ModelFileError` when the model itself cannot be served."""
+    if m.error is not None or m.config is None or not serves_versions(m.config):
+        return [repository_app(m, slo_ms=slo_ms, backend=backend)], []
+    if not _NAME_RE.match(m.name):
+        raise ModelFileError("name", f"model name {m.name!r} is not an app name gpuprims serves "
+                                     "(1-64 characters of [a-z0-9_-])")
+    apps: list[dict[str, Any]] = []
+    bad: list[dict[str, str]] = []
+    for v in m.versions:
+        try:
+            apps.append(repository_app(m, slo_ms=slo_ms, backend=backend, version=v))
+        except ModelFileError as e:
+            bad.append({"name": m.name, "version": str(v), "reason": str(e)})
+    return apps, bad
 
 
 def repository_apps(root: Path, *, mode: str = "none", load: Collection[str] = (), slo_ms: float = 100.0,
@@ -180,18 +228,20 @@ def repository_apps(root: Path, *, mode: str = "none", load: Collection[str] = (
             bad.append({"name": m.name, "reason": f"an app of the config is named {m.name!r} too"})
             continue
         try:
-            apps.append(repository_app(m, slo_ms=slo_ms, backend=backend))
+            found, failed = repository_version_apps(m, slo_ms=slo_ms, backend=backend)
         except ModelFileError as e:
             bad.append({"name": m.name, "reason": str(e)})
             continue
-        versions = sorted(m.versions)
-        if len(versions) > 1:
-            for v in versions[:-1]:  # served: the highest; the others are listed, and say why not
-                bad.append({"name": m.name, "version": str(v),
-                            "reason": "gpuprims serves one version of a model at a time: the highest its "
-                                      f"version_policy selects ({versions[-1]})"})
+        used = {*taken, *(a["name"] for a in apps)}
+        clash = [a["name"] for a in found if a["name"] != m.name and a["name"] in used]
+        if clash:
+            bad.append({"name": m.name, "reason": f"the app name of a version, {clash[0]!r}, is taken by "
+                                                  "another app"})
+            continue
+        apps.extend(found)
+        bad.extend(failed)
     return apps, bad
 
 
-__all__ = ["MODEL_FILE_SUFFIXES", "ModelFileError", "app_keys", "file_app", "is_model_file",
-           "repository_app", "repository_apps"]
+__all__ = ["MODEL_FILE_SUFFIXES", "ModelFileError", "app_keys", "file_app", "is_model_file", "model_name",
+           "repository_app", "repository_apps", "repository_version_apps", "serves_versions", "version_app_name"]

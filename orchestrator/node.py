@@ -71,7 +71,13 @@ from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupErro
 from orchestrator.param_share import ParamShare
 from orchestrator.placement import Placement, model_key
 from orchestrator.reconfig import Change, Changes
-from orchestrator.repository import LOADING_ROLE, PollAction, Repository, RepositoryPoller
+from orchestrator.repository import (
+    LOADING_ROLE,
+    PollAction,
+    Repository,
+    RepositoryPoller,
+    repository_model_of,
+)
 from orchestrator.rundir import NodeRecord, RunDirBusy, claim, sweep_dead_segments, update_record
 from orchestrator.state import AppState, InstanceState
 from orchestrator.supervisor import Supervisor
@@ -797,7 +803,8 @@ class Node:
                         if st.app == name and st.name in self.last_errors), why)
             cfg = self.apps.pop(name).cfg
             log.error("model %s is UNAVAILABLE: %s", name, why)
-            self.unavailable.append(Unavailable(name, str(cfg.file.version) if cfg.file is not None else "", why))
+            self.unavailable.append(Unavailable(repository_model_of(cfg) or name,
+                                                str(cfg.file.version) if cfg.file is not None else "", why))
             self.record({"event": "model_unavailable", "app": name, "reason": why})
 
     @property

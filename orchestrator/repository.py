@@ -40,7 +40,7 @@ from gpuprims.modelrepo import load_model as load_repository_model
 from gpuprims.modelrepo import scan as scan_repository
 from orchestrator.config import AppConfig, ConfigError, NodeConfig, parse_config
 from orchestrator.errors import ChangeError, SupervisionError
-from orchestrator.model_files import ModelFileError, repository_app
+from orchestrator.model_files import ModelFileError, model_name, repository_app, repository_version_apps
 from orchestrator.placement import Placement
 from orchestrator.reconfig import Change, Phase, model_key
 from orchestrator.state import AppState, InstanceState
@@ -106,6 +106,14 @@ def file_key(app: AppConfig) -> str | None:
     return f"{app.file.path}|{app.file.version}|{app.file.fingerprint or None}"
 
 
+def repository_model_of(app: AppConfig) -> str | None:
+    """The model of the node's model repository that ``app`` serves (one version of it), or None for an app
+    of apps.yaml (or one loaded with a config of its own)."""
+    if app.file is None or app.file.repository is None:
+        return None
+    return model_name(app.name, app.file.config.name, app.file.repository)
+
+
 def validate_entry(cfg: NodeConfig, apps: Mapping[str, AppState], name: str, entry: Any) -> AppConfig:
     """The app ``entry`` (an apps.yaml ``apps:`` item) for ``name``, validated as in apps.yaml next to
     the node's other apps; RepositoryError(invalid) naming the key and what is wrong."""
@@ -153,6 +161,7 @@ class Operation:
     deadline: float = 0.0
     exit_seen: float | None = None  # when an instance of the load was first seen gone
     previous: AppConfig | None = None  # a change of model: the config it replaces (restored if it fails)
+    children: list[tuple[str, concurrent.futures.Future[dict[str, Any]]]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -259,7 +268,11 @@ class Repository:
     # -- the operations ----------------------------------------------------------------------------------
     def _step(self, op: Operation) -> None:
         h = self.host
-        if op.kind == "unload":
+        if op.phase == "pending" and op.name not in h.apps and self._versions_of(op):
+            return
+        if op.phase == "children":
+            self._await_children(op)
+        elif op.kind == "unload":
             self._unload(op)
         elif op.phase == "pending":
             self._start_load(op)
@@ -363,10 +376,67 @@ class Repository:
         op.mine = []  # serving now: the node owns them
         op.ok(f"loaded: {n} instance(s) at {h.apps[op.name].gpu_pct}%")
 
+    def _versions_of(self, op: Operation) -> bool:
+        """A load or unload of a repository model whose versions are apps of their own (``<model>-v<N>``):
+        one operation per version app (children of ``op``, which ends when they all have). True when ``op``
+        became such a parent."""
+        h = self.host
+        apps = sorted(n for n, a in h.apps.items() if repository_model_of(a.cfg) == op.name)
+        if op.kind == "unload":
+            jobs: list[tuple[str, str, Any]] = [("unload", n, None) for n in apps]
+        else:
+            if op.entry is not None or h.cfg.node.model_repository is None:
+                return False
+            entries = self._repository_entries(op.name)
+            if len(entries) == 1 and entries[0]["name"] == op.name:
+                return False  # one app named as the model: the load below
+            wanted = {e["name"] for e in entries}
+            jobs = [("load", e["name"], e) for e in entries] + [("unload", n, None) for n in apps if n not in wanted]
+        if not jobs:
+            return False
+        for kind, name, entry in jobs:
+            fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+            self._inbox.put(Operation(kind, name, entry, fut))
+            op.children.append((name, fut))
+        op.phase = "children"
+        return True
+
+    def _await_children(self, op: Operation) -> None:
+        if not all(f.done() for _, f in op.children):
+            return
+        failed = [(n, f.exception()) for n, f in op.children if f.exception() is not None]
+        if failed:
+            kind = next((e.kind for _, e in failed if isinstance(e, RepositoryError)), "unavailable")
+            raise RepositoryError(kind, f"{op.kind} of {op.name!r}: " + "; ".join(f"{n}: {e}" for n, e in failed))
+        op.ok(f"{op.kind}ed: " + ", ".join(f"{n} ({f.result()['message']})" for n, f in op.children))
+
+    def _repository_entries(self, name: str) -> list[dict[str, Any]]:
+        """The app entries of every version model ``name`` of the node's model repository serves now."""
+        node = self.host.cfg.node
+        assert node.model_repository is not None
+        try:
+            m = load_repository_model(node.model_repository, name, torch_ok=False)
+            entries, failed = repository_version_apps(m, slo_ms=node.repository_slo_ms,
+                                                      backend=self.host.placement.backend)
+        except (ModelFileError, ModelRepositoryError) as e:
+            raise RepositoryError("invalid", f"load of {name!r} from {node.model_repository}: {e}") from None
+        if not entries:
+            raise RepositoryError("invalid", f"load of {name!r} from {node.model_repository}: no version can be "
+                                             "served: " + "; ".join(f"version {b['version']}: {b['reason']}"
+                                                                   for b in failed))
+        return entries
+
     def _repository_entry(self, name: str) -> dict[str, Any]:
         """The app entry of model ``name`` of the node's model repository as its files are now."""
         node = self.host.cfg.node
         assert node.model_repository is not None
+        current = self.host.apps.get(name)
+        model = repository_model_of(current.cfg) if current is not None else None
+        if model is not None and model != name:  # one version's app of a model that serves several
+            entry = next((e for e in self._repository_entries(model) if e["name"] == name), None)
+            if entry is None:
+                raise RepositoryError("invalid", f"load of {name!r}: {model}'s version_policy no longer serves it")
+            return entry
         try:
             m = load_repository_model(node.model_repository, name, torch_ok=False)
             return repository_app(m, slo_ms=node.repository_slo_ms, backend=self.host.placement.backend)
@@ -513,45 +583,66 @@ class RepositoryPoller:
 
     def due(self, served: Mapping[str, AppConfig], busy: Collection[str]) -> list[PollAction]:
         """What the last scan (if it is new) asks of the node: loads and unloads of the repository's models
-        against ``served`` (the node's apps), skipping those a repository operation is working on."""
+        against ``served`` (the node's apps), skipping those a repository operation is working on. A model
+        whose policy serves several versions has an app per version (``<model>-v<N>``): a version that
+        appears is loaded as an app of its own, one that leaves the policy (or its directory) is unloaded."""
         with self._lock:
             models, self._latest = self._latest, None
         if models is None:
             return []
         out: list[PollAction] = []
         seen = set()
+        by_model: dict[str, list[str]] = {}  # the repository's model -> the apps serving it now
+        for name, cfg in served.items():
+            m_name = repository_model_of(cfg)
+            if m_name is not None:
+                by_model.setdefault(m_name, []).append(name)
         for m in models:
             seen.add(m.name)
-            if m.name in busy:
-                continue
             current = served.get(m.name)
-            if current is not None and (current.file is None or current.file.repository is None):
+            if current is not None and repository_model_of(current) is None:
                 continue  # an apps.yaml app of that name: not the repository's
+            mine = by_model.get(m.name, [])
             if m.error is not None:
                 if self._reported.get(m.name) != m.error:
                     self._reported[m.name] = m.error
                     log.error("repository poll: model %s cannot be %s: %s", m.name,
-                              "updated (it keeps serving what it served)" if current is not None else "loaded",
-                              m.error)
+                              "updated (it keeps serving what it served)" if mine else "loaded", m.error)
                 continue
             try:
-                entry = repository_app(m, slo_ms=self.slo_ms, backend=self.backend)
+                entries, failed = repository_version_apps(m, slo_ms=self.slo_ms, backend=self.backend)
             except ModelFileError as e:
                 if self._reported.get(m.name) != str(e):
                     self._reported[m.name] = str(e)
                     log.error("repository poll: model %s cannot be served: %s", m.name, e)
                 continue
-            self._reported.pop(m.name, None)
-            key = _entry_key(entry)
-            if self._given_up.get(m.name, "") == key:
-                continue
-            if current is None:
-                out.append(PollAction("load", m.name, entry, "new model"))
-            elif file_key(current) != key:
-                out.append(PollAction("load", m.name, entry, f"version {entry['file']['version']} or its files changed"))
-        for name, cfg in served.items():
-            if name not in seen and name not in busy and cfg.file is not None and cfg.file.repository is not None:
-                out.append(PollAction("unload", name, None, "gone from the repository"))
+            why = "; ".join(f"version {b['version']}: {b['reason']}" for b in failed)
+            if why and self._reported.get(m.name) != why:
+                self._reported[m.name] = why
+                log.error("repository poll: model %s: %s", m.name, why)
+            elif not why:
+                self._reported.pop(m.name, None)
+            wanted = {e["name"] for e in entries}
+            for entry in entries:
+                app = entry["name"]
+                if app in busy:
+                    continue
+                key = _entry_key(entry)
+                if self._given_up.get(app, "") == key:
+                    continue
+                now = served.get(app)
+                if now is None:
+                    out.append(PollAction("load", app, entry, "new model" if not mine else
+                                          f"version {entry['file']['version']} of {m.name} is served"))
+                elif file_key(now) != key:
+                    out.append(PollAction("load", app, entry, f"version {entry['file']['version']} or its files changed"))
+            for app in mine:
+                if app not in wanted and app not in busy:
+                    out.append(PollAction("unload", app, None, f"{m.name}'s version_policy or versions no longer "
+                                                               "serve it"))
+        for m_name, apps in by_model.items():
+            if m_name not in seen:
+                out.extend(PollAction("unload", app, None, "gone from the repository") for app in apps if app not in busy)
         return out
 
     def give_up(self, act: PollAction) -> None:

@@ -104,7 +104,9 @@ class Core:
                  ready: Callable[[str], bool] | None = None,
                  statistics: Mapping[str, AppStatistics] | None = None,
                  shed_lag_fraction: float | None = SHED_LAG_FRACTION, forwarder: Forwarder | None = None) -> None:
-        self.models = {m.name: m for m in infos}
+        #: Models by the app serving them: the model's name, or one version's app where the model's
+        #: version_policy serves several versions at once (ModelInfo.app; ``model`` resolves OIP names).
+        self.models = {m.app_name: m for m in infos}
         #: Models of the node's repository that cannot be served (listed by the index with the reason).
         self.unavailable: list[Unavailable] = []
         self.forwarder = forwarder
@@ -112,7 +114,7 @@ class Core:
         self.timeout_s = timeout_s
         self._ready = ready
         given = statistics or {}
-        self.stats = {m.name: given.get(m.name) or AppStatistics() for m in infos}
+        self.stats = {m.app_name: given.get(m.app_name) or AppStatistics() for m in infos}
         #: Stage durations of the last 1024 inferences answered OK, per protocol (http, grpc).
         self.clocks: dict[str, StageClock] = {}
         #: Overload shedding (:meth:`admit`): None turns it off.
@@ -179,7 +181,7 @@ class Core:
         if lag_ms <= limit_ms:
             return
         self.shed[info.name] = self.shed.get(info.name, 0) + 1
-        self.stats[info.name].record_inference(rows=0, duration_ns=0, ok=False, statuses={"SHED": 1})
+        self.stats[info.app_name].record_inference(rows=0, duration_ns=0, ok=False, statuses={"SHED": 1})
         raise OipError("unavailable", f"model {info.name!r}: front door overloaded (its loop runs "
                                       f"{lag_ms:.0f} ms behind, over {limit_ms:.0f} ms for this model's "
                                       f"{info.slo_ms:g} ms SLO); retry later")
@@ -209,8 +211,25 @@ class Core:
             out[protocol] = {"transport": self.transport.name, **snap}
         return out
 
-    def model(self, name: str, version: str = "") -> ModelInfo:
+    def versions(self, name: str) -> list[ModelInfo]:
+        """The versions of model ``name`` this node serves, ascending (one app each)."""
         info = self.models.get(name)
+        if info is not None and info.name == name:
+            return [info]
+        return sorted((m for m in self.models.values() if m.name == name), key=lambda m: int(m.version))
+
+    def model(self, name: str, version: str = "") -> ModelInfo:
+        """Model ``name`` (OipError not_found): ``version`` of it, or without one its highest version that is
+        ready (its highest when none is), as Triton routes an unversioned request."""
+        served = self.versions(name)
+        if len(served) > 1 or (served and version):
+            pick = [m for m in served if m.version == version] if version else \
+                [m for m in served if self._app_ready(m)] or served
+            if not pick:
+                raise OipError("not_found", f"model {name!r} has no version {version!r} (versions: "
+                                            f"{', '.join(m.version for m in served)})")
+            return pick[-1]
+        info = served[0] if served else None
         if info is None and self.forwarder is not None:
             info = self.forwarder.info(name)
             if info is not None:
@@ -225,24 +244,38 @@ class Core:
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """The repository index: every model served (READY, or UNAVAILABLE while no instance serves it)
         and every model of the node's model repository that cannot be served, with the reason."""
-        out = [{"name": n, "version": m.version, "state": "READY" if self.model_ready(n) else "UNAVAILABLE"}
-               for n, m in sorted(self.models.items())]
+        out = [{"name": m.name, "version": m.version, "state": "READY" if self._app_ready(m) else "UNAVAILABLE"}
+               for m in sorted(self.models.values(), key=lambda m: (m.name, int(m.version)))]
         out += [{"name": u.name, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason}
                 for u in self.unavailable]
         return [m for m in out if m["state"] == "READY" or not ready_only]
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        self.model(name, version)
-        if name not in self.models:  # forwarded: ready while the table routes it somewhere
+        info = self.model(name, version)
+        if self.models.get(info.app_name) is not info:  # forwarded: ready while the table routes it somewhere
             return self.forwarder is not None and self.forwarder.route(name) is not None
-        return self._ready is None or bool(self._ready(name))
+        return self._app_ready(info)
+
+    def _app_ready(self, info: ModelInfo) -> bool:
+        return self._ready is None or bool(self._ready(info.app_name))
+
+    def statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
+        """Triton's ModelStatistics of model ``name`` (``version`` of it, or every version), or of every
+        model this node serves."""
+        infos = ([self.model(name, version)] if version else self.versions(name) or [self.model(name)]) if name \
+            else sorted(self.models.values(), key=lambda m: (m.name, int(m.version)))
+        out = []
+        for m in infos:
+            st = self.stats.setdefault(m.app_name, AppStatistics())
+            out.append({**st.model_statistics(m.name), "version": m.version})
+        return out
 
     def forwarded(self, info: ModelInfo) -> bool:
         """Whether inferences of ``info`` go to another node (it is not hosted here)."""
-        return self.forwarder is not None and self.models.get(info.name) is not info
+        return self.forwarder is not None and self.models.get(info.app_name) is not info
 
     def server_ready(self) -> bool:
-        return all(self.model_ready(n) for n in self.models)
+        return all(self._app_ready(m) for m in self.models.values())
 
     def row_timeout_s(self, info: ModelInfo, deadline_us: int = 0) -> float:
         """How long to wait for one row's answer: the node answers by about its deadline (the request's
@@ -272,7 +305,7 @@ class Core:
         ``marks`` (the request's stage durations so far) gets the submit, node, back and collect stages.
         """
         t0 = time.monotonic_ns()
-        st = self.stats[info.name]
+        st = self.stats[info.app_name]
         marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:
@@ -298,7 +331,7 @@ class Core:
         """Run a model file's requests (each a dict of named tensors, already checked against its
         signature) through the node as multi-tensor bodies; each request's outputs, or OipError."""
         t0 = time.monotonic_ns()
-        st = self.stats[info.name]
+        st = self.stats[info.app_name]
         marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:

@@ -85,8 +85,7 @@ class Servicer:
         return pb.ModelConfigResponse(config=json_format.ParseDict(cfg, pb.ModelConfig(), ignore_unknown_fields=True))
 
     async def ModelStatistics(self, req: pb.ModelStatisticsRequest, ctx: Any) -> pb.ModelStatisticsResponse:
-        names = [self.core.model(req.name, req.version).name] if req.name else sorted(self.core.models)
-        stats = [self.core.stats[n].model_statistics(n) for n in names]
+        stats = self.core.statistics(req.name, req.version)
         return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, req: pb.RepositoryIndexRequest, ctx: Any) -> pb.RepositoryIndexResponse:

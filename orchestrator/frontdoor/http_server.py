@@ -1,6 +1,6 @@
 """The Open Inference Protocol over HTTP/REST (aiohttp), with Triton's binary tensor data extension.
 
-Routes (``/versions/<v>`` may follow a model name; only version ``1`` exists):
+Routes (``/versions/<v>`` may follow a model name: that version; without it a model's highest ready version):
 
 - ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``: server liveness, readiness, metadata
 - ``GET /v2/models/<name>``, ``GET /v2/models/<name>/ready``: model metadata and readiness
@@ -81,7 +81,7 @@ async def model_metadata(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     info = _model(request)
-    ok = _core(request).model_ready(info.name)
+    ok = _core(request).model_ready(info.name, request.match_info.get("version", ""))
     return _json({"name": info.name, "ready": ok}, 200 if ok else 503)
 
 
@@ -91,8 +91,8 @@ async def model_config(request: web.Request) -> web.Response:
 
 async def model_stats(request: web.Request) -> web.Response:
     core = _core(request)
-    names = [_model(request).name] if "name" in request.match_info else sorted(core.models)
-    return _json({"model_stats": [core.stats[n].model_statistics(n) for n in names]})
+    return _json({"model_stats": core.statistics(request.match_info.get("name", ""),
+                                                 request.match_info.get("version", ""))})
 
 
 async def repository_index(request: web.Request) -> web.Response:

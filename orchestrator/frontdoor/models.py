@@ -18,6 +18,7 @@ import numpy as np
 from apps.zoo.names import NAMES, canonical_name
 from gpuprims.tensors import ModelSignature, TensorSpec
 from orchestrator.config import AppConfig
+from orchestrator.model_files import model_name
 
 #: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
 OIP_DATATYPE = {"float32": "FP32", "uint8": "UINT8"}
@@ -60,6 +61,13 @@ class ModelInfo:
     #: node's pool bound (node.pool.max_chunks x max_payload).
     request_bytes_max: int = 0
     platform: str = PLATFORM
+    #: The app that serves it: the model's name, or one version's app (``<model>-v<version>``) when the
+    #: model's version_policy serves several versions (orchestrator/model_files.py). "" means ``name``.
+    app: str = ""
+
+    @property
+    def app_name(self) -> str:
+        return self.app or self.name
 
     @property
     def datatype(self) -> str:
@@ -159,9 +167,10 @@ def output_dim(app: AppConfig) -> int:
 
 def _with_app_keys(cfg: dict[str, Any], app: AppConfig) -> dict[str, Any]:
     """A model file's config as the front door reports it: its own, with the node's ``app_id`` (a UDP
-    client's address for it) and ``slo_ms`` among its parameters, as a zoo app's config has them."""
+    client's address for it: one version's, where each version is an app), ``app`` and ``slo_ms`` among its parameters, as a zoo app's config has them."""
     params = dict(cfg.get("parameters") or {})
     params["app_id"] = {"string_value": str(app.app_id)}
+    params["app"] = {"string_value": app.name}
     params["slo_ms"] = {"string_value": f"{app.slo_ms:g}"}
     return {**cfg, "parameters": params}
 
@@ -176,7 +185,8 @@ def model_info(app: AppConfig, request_bytes_max: int = DEFAULT_REQUEST_BYTES) -
         fixed = None if any(b is None for b in sizes) else sum(b or 0 for b in sizes)
         bound = fixed if fixed is not None and (not request_bytes_max or fixed <= request_bytes_max) \
             else request_bytes_max or (fixed or 0)
-        return ModelInfo(name=app.name, app_id=app.app_id, input_shape=(), dtype="uint8", output_dim=-1,
+        name = model_name(app.name, cfg.name, app.file.repository)
+        return ModelInfo(name=name, app=app.name, app_id=app.app_id, input_shape=(), dtype="uint8", output_dim=-1,
                          max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, slo_ms=app.slo_ms,
                          instances=app.instances if app.instances != "auto" else 0, signature=cfg.signature,
                          triton_config=_with_app_keys(app.file.triton_json(), app), version=str(app.file.version),

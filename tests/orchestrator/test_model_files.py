@@ -13,7 +13,7 @@ from orchestrator.cli import main as cli_main
 from orchestrator.config import ConfigError, load_config, parse_config
 from orchestrator.model_files import app_keys, is_model_file
 
-from ..modelfiles import detector_onnx, multi_io_onnx, repository
+from ..modelfiles import DETECTOR_CONFIG, detector_onnx, multi_io_onnx, repository
 
 NODE = "node: {listen: {host: 127.0.0.1, port: 0}, backend: cpu}\n"
 
@@ -93,6 +93,39 @@ def test_a_repository_becomes_apps_and_a_broken_model_is_unavailable_alone(repo:
     assert multi.slo_ms == 5000 and multi.max_batch == 8 and multi.max_wait_ms == 2.0
     assert cfg.app_by_name("noconfig").slo_ms == 100.0  # node.repository_slo_ms
     assert len({a.app_id for a in cfg.apps}) == 3
+
+
+def _versions_repo(root: Path, policy: str, versions: tuple[int, ...] = (1, 2, 3)) -> Path:
+    for v in versions:
+        detector_onnx(root / "det" / str(v) / "model.onnx", 0.1 * v)
+    (root / "det" / "config.pbtxt").write_text(DETECTOR_CONFIG.format(name="det") + policy)
+    return root
+
+
+@pytest.mark.parametrize(("policy", "apps"), [
+    ("", ["det"]),  # latest 1: one app named as the model
+    ("version_policy { latest { num_versions: 2 } }", ["det-v2", "det-v3"]),
+    ("version_policy { all { } }", ["det-v1", "det-v2", "det-v3"]),
+    ("version_policy { specific { versions: [1, 3] } }", ["det-v1", "det-v3"]),
+    ("version_policy { specific { versions: [2] } }", ["det"]),
+])
+def test_a_policy_of_several_versions_serves_each_as_an_app(tmp_path: Path, policy: str, apps: list[str]) -> None:
+    cfg = parse_config({"node": {"model_repository": str(_versions_repo(tmp_path, policy)), "backend": "cpu"},
+                        "apps": []})
+    assert [a.name for a in cfg.apps] == apps and not cfg.unavailable
+    for a in cfg.apps:
+        assert a.file is not None and a.file.config.name == "det"
+        assert a.file.path.endswith(f"/det/{a.file.version}/model.onnx")
+        assert a.name in ("det", f"det-v{a.file.version}")
+    assert len({a.app_id for a in cfg.apps}) == len(apps)
+
+
+def test_a_version_app_named_like_another_app_makes_the_model_unavailable(tmp_path: Path) -> None:
+    repo = _versions_repo(tmp_path / "repo", "version_policy { all { } }", (1, 2))
+    cfg = parse_config({"node": {"model_repository": str(repo)},
+                        "apps": [{"name": "det-v2", "model": "mobilenet_v2", "slo_ms": 100}]})
+    assert [a.name for a in cfg.apps] == ["det-v2"] and cfg.apps[0].file is None
+    assert [(u.name, "det-v2" in u.reason) for u in cfg.unavailable] == [("det", True)]
 
 
 def test_explicit_mode_loads_only_the_named_models(repo: Path) -> None:

@@ -5,6 +5,7 @@ holds the HTTP routes' own checks)."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -23,8 +24,10 @@ from gpuprims.gather import preprocess
 from orchestrator.config import ConfigError, load_config, parse_config
 from orchestrator.errors import StartError
 from orchestrator.node import Node, read_repository_token
-from orchestrator.repository import RepositoryError, validate_entry
+from orchestrator.repository import RepositoryError, RepositoryPoller, validate_entry
 from orchestrator.state import AppState
+
+from ..modelfiles import DETECTOR_CONFIG, detector_onnx
 
 TOKEN = "a-test-token-of-enough-length"
 
@@ -236,3 +239,32 @@ def test_load_change_unload_on_a_real_node(serving: Serving) -> None:
         time.sleep(0.05)
     assert "det" not in serving.node.status()["apps"]
     assert serving.post("/v2/repository/models/det/unload")[0] == 404
+
+
+def test_a_poll_adds_and_removes_the_apps_of_versions(tmp_path: Path) -> None:
+    """A model whose policy serves several versions: each version's app is loaded when its directory appears
+    and unloaded when it goes; the model gone unloads every one; an apps.yaml app is never touched."""
+    repo = tmp_path / "repo"
+    for v in (1, 2):
+        detector_onnx(repo / "det" / str(v) / "model.onnx", 0.2 * v)
+    (repo / "det" / "config.pbtxt").write_text(DETECTOR_CONFIG.format(name="det") + "version_policy { all { } }\n")
+    poller = RepositoryPoller(str(repo), 60.0, slo_ms=100.0, backend="cpu")
+    poller.scan_once()
+    first = poller.due({}, ())
+    assert [(a.kind, a.name) for a in first] == [("load", "det-v1"), ("load", "det-v2")]
+    assert poller.due({}, ()) == []  # nothing new scanned
+    zoo = {"name": "other", "model": "mobilenet_v2", "slo_ms": 100}
+    cfg = parse_config({"node": {"backend": "cpu"}, "apps": [zoo, *(a.entry for a in first)]}, source="test")
+    served = {a.name: a for a in cfg.apps}
+    poller.scan_once()
+    assert poller.due(served, ()) == []  # served as the repository has them
+    detector_onnx(repo / "det" / "3" / "model.onnx", 0.6)
+    (repo / "det" / "1" / "model.onnx").unlink()
+    (repo / "det" / "1").rmdir()
+    poller.scan_once()
+    assert sorted((a.kind, a.name) for a in poller.due(served, ())) == [("load", "det-v3"), ("unload", "det-v1")]
+    poller.scan_once()
+    assert [(a.kind, a.name) for a in poller.due(served, {"det-v1", "det-v3"})] == []  # busy: left alone
+    shutil.rmtree(repo / "det")
+    poller.scan_once()
+    assert sorted((a.kind, a.name) for a in poller.due(served, ())) == [("unload", "det-v1"), ("unload", "det-v2")]
