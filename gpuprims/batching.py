@@ -391,11 +391,16 @@ class BatchPolicy:
         self.arrivals = ArrivalGaps()
         self.held = HeldArrivals()
 
-    def note_arrivals(self, times_ms: Sequence[float]) -> None:
+    def note_arrivals(self, times_ms: Sequence[float], *, queries_ms: Sequence[float] | None = None) -> None:
         """Arrival times (ms, monotonic) of requests just queued (held until `note_answered` says they
-        are not): rule 4 of `decide` learns from them whether a wait for a bigger batch can pay."""
+        are not): rule 4 of `decide` learns from them whether a wait for a bigger batch can pay.
+
+        ``queries_ms``: the arrival times of the queries these requests end, when some are samples of a
+        MultiStream query (wire ``FLAG_MORE``): such a query counts once, at its last sample, for what
+        arrives while requests are held (`HeldArrivals`), so its own samples, sent together, do not make
+        a closed-loop MultiStream client look like open-loop load. Default: every request is a query."""
         self.arrivals.note(times_ms)
-        self.held.note_arrivals(times_ms)
+        self.held.note_arrivals(times_ms if queries_ms is None else queries_ms)
 
     def note_answered(self, at_ms: float, held: int) -> None:
         """The caller answered requests at `at_ms` (ms, the clock of `note_arrivals`) and now holds
@@ -412,7 +417,7 @@ class BatchPolicy:
         return self.model.predict(batch_size) + self.margin_ms
 
     def decide(self, queue_len: int, oldest_age_ms: float, *, slack_ms: float | None = None,
-               now_ms: float | None = None) -> BatchDecision:
+               now_ms: float | None = None, more: bool = False) -> BatchDecision:
         """Decide how many of `queue_len` queued requests to start now.
 
         `oldest_age_ms` is how long the oldest queued request has waited; its time left is
@@ -439,6 +444,13 @@ class BatchPolicy:
               open-loop load arrives whatever is held, so it waits as before.
 
            Until two arrivals are known it waits (the first requests teach the policy the traffic).
+
+           `more` (the newest queued request says more of its query follow at once: a MultiStream
+           query of several samples, ``Client.infer_many`` or an OIP request of several rows, wire
+           ``FLAG_MORE``) makes the wait pay without a or b: the rest of the query is on its way, and
+           serving its first samples alone would run the engine several times for one answer. The
+           other bounds stay (`max_wait_ms` after the oldest arrived, the deadline of a batch one
+           larger, `max_batch`), so a query whose last request is lost waits no longer than any wait.
         5. If not even one request fits (its deadline is lost anyway), take min(queue_len, max_batch)
            to drain the backlog fastest; `expired` tells which requests to answer as missed instead.
         """
@@ -465,7 +477,7 @@ class BatchPolicy:
         if fit == cap and cap < self.max_batch and age < self.max_wait_ms:
             room_ms = left_ms - self.predict(cap + 1)
             wait_ms = min(self.max_wait_ms - age, room_ms)
-            if room_ms > 0 and self.wait_pays(cap, wait_ms, now_ms=now_ms):
+            if room_ms > 0 and (more or self.wait_pays(cap, wait_ms, now_ms=now_ms)):
                 return BatchDecision(0, wait_ms)
         return BatchDecision(fit, 0.0)
 

@@ -225,11 +225,11 @@ class _Book:
         self._next_id += 1
         return rid
 
-    def encode(self, app_id: int, rid: int, body: _Body, deadline_us: int) -> tuple[list[bytes], int]:
+    def encode(self, app_id: int, rid: int, body: _Body, deadline_us: int, flags: int = 0) -> tuple[list[bytes], int]:
         ts = time.monotonic_ns()
         data, dtype = body
         return wire.encode_request(app_id, rid, data, chunk_payload=self.chunk_payload, dtype=dtype,
-                                   deadline_us=deadline_us, client_ts_ns=ts), ts
+                                   deadline_us=deadline_us, client_ts_ns=ts, flags=flags), ts
 
     def feed(self, data: bytes) -> wire.Response | None:
         try:
@@ -252,6 +252,7 @@ class _Pending:
     attempts: int = 0
     future: concurrent.futures.Future[Result] | None = None
     to: Address | None = None  # where to send (default: the client's node)
+    flags: int = 0  # wire flags (wire.FLAG_MORE: more of its query follow)
 
 
 class Client:
@@ -297,10 +298,12 @@ class Client:
         return self._book.malformed
 
     def submit(self, app_id: int, tensor: Any, *, deadline_us: int = 0, timeout_s: float | None = None,
-               to: Address | None = None) -> concurrent.futures.Future[Result]:
+               to: Address | None = None, more: bool = False) -> concurrent.futures.Future[Result]:
         """Send one request now (to ``to``, default the client's node); the Future resolves to its
         Result or raises RequestLost (or MalformedAnswer). ``tensor`` is an array or a mapping
-        ``{name: array}`` (a multi-tensor body; :func:`request_body`)."""
+        ``{name: array}`` (a multi-tensor body; :func:`request_body`). ``more``: another request of
+        the same query follows at once (`wire.FLAG_MORE`; `infer_many` sets it on all but the last), so
+        the instance may hold this one to batch it with the rest."""
         if not self._thread.is_alive():
             raise RuntimeError("client is closed")
         body = request_body(tensor)
@@ -309,7 +312,7 @@ class Client:
         _check_request(app_id, deadline_us)
         p = _Pending(app_id=int(app_id), body=body, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
                      attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future(),
-                     to=None if to is None else (str(to[0]), int(to[1])))
+                     to=None if to is None else (str(to[0]), int(to[1])), flags=wire.FLAG_MORE if more else 0)
         self._send(p)
         assert p.future is not None
         return p.future
@@ -322,13 +325,17 @@ class Client:
     def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
                    timeout_s: float | None = None) -> list[Result]:
         """Send every tensor (array or mapping) at once, all in flight together, and return their Results
-        in order."""
-        futs = [self.submit(app_id, t, deadline_us=deadline_us, timeout_s=timeout_s) for t in tensors]
+        in order. They are sent as one query (every request but the last says more follow,
+        `wire.FLAG_MORE`): the instance serves them as one batch when its ``max_batch`` and their
+        deadline allow (MultiStream)."""
+        last = len(tensors) - 1
+        futs = [self.submit(app_id, t, deadline_us=deadline_us, timeout_s=timeout_s, more=i < last)
+                for i, t in enumerate(tensors)]
         return [f.result() for f in futs]
 
     def _send(self, p: _Pending) -> None:
         rid = self._book.new_id()
-        dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us)
+        dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us, p.flags)
         with self._lock:
             p.rid, p.attempts, p.attempts_left = rid, p.attempts + 1, p.attempts_left - 1
             p.first_ns = p.first_ns or ts
@@ -501,9 +508,10 @@ class AsyncClient:
         fut.set_result((r, time.monotonic_ns()))
 
     async def infer(self, app_id: int, tensor: Any, *, deadline_us: int = 0,
-                    timeout_s: float | None = None) -> Result:
+                    timeout_s: float | None = None, more: bool = False) -> Result:
         """Send one request (an array, or a mapping of names to arrays) and await its Result (raises
-        RequestLost after the timeout, MalformedAnswer for an OK answer that does not decode)."""
+        RequestLost after the timeout, MalformedAnswer for an OK answer that does not decode). ``more``:
+        another request of the same query follows at once (`Client.submit`)."""
         if self._transport is None:
             raise RuntimeError("client is not open: use 'async with AsyncClient(...)' or 'await open()'")
         body = request_body(tensor)
@@ -516,7 +524,7 @@ class AsyncClient:
         rid = 0
         for attempt in range(1, self.retries + 2):
             rid = self._book.new_id()
-            dgrams, ts = self._book.encode(app_id, rid, body, deadline_us)
+            dgrams, ts = self._book.encode(app_id, rid, body, deadline_us, wire.FLAG_MORE if more else 0)
             first_ns = first_ns or ts
             fut: asyncio.Future[tuple[wire.Response, int]] = loop.create_future()
             key = (app_id, rid)
@@ -545,10 +553,11 @@ class AsyncClient:
 
     async def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
                          timeout_s: float | None = None) -> list[Result]:
-        """All tensors (arrays or mappings) in flight together; Results in order (the first RequestLost
-        or MalformedAnswer is raised)."""
-        return list(await asyncio.gather(*(self.infer(app_id, x, deadline_us=deadline_us, timeout_s=timeout_s)
-                                           for x in tensors)))
+        """All tensors (arrays or mappings) in flight together, as one query (`Client.infer_many`);
+        Results in order (the first RequestLost or MalformedAnswer is raised)."""
+        last = len(tensors) - 1
+        return list(await asyncio.gather(*(self.infer(app_id, x, deadline_us=deadline_us, timeout_s=timeout_s,
+                                                      more=i < last) for i, x in enumerate(tensors))))
 
     def close(self) -> None:
         if self._transport is not None:

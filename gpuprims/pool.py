@@ -29,11 +29,11 @@ RECORD_DTYPE = np.dtype(
         "names": [
             "state", "owner", "app_id", "dtype", "addr_len", "chunk_count", "chunks_received", "stride",
             "total_len", "deadline_us", "generation", "request_id", "client_ts_ns", "first_ns", "complete_ns",
-            "addr",
+            "addr", "flags",
         ],
         "formats": ["<u4", "<u4", "<u2", "u1", "u1", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8",
-                    "<u8", "<u8", ("u1", 28)],
-        "offsets": [0, 4, 8, 10, 11, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 72],
+                    "<u8", "<u8", ("u1", 28), "u1"],
+        "offsets": [0, 4, 8, 10, 11, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 72, 100],
         "itemsize": 128,
     }
 )
@@ -314,6 +314,7 @@ class LocalQueue:
         self.first_ns = n.first_ns  #: first_ns(i): arrival (CLOCK_MONOTONIC ns) of queued request i
         self.set_first_ns = n.set_first_ns  #: set_first_ns(i, ns): re-time queued request i
         self.deadline_ms = n.deadline_ms  #: deadline_ms(i, default_ms): its deadline after arrival
+        self.flags = n.flags  #: flags(i): its wire flags (``gpuprims.wire.FLAG_MORE``: more of its query follow)
 
     def __len__(self) -> int:
         return len(self._native)

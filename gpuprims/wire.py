@@ -24,6 +24,10 @@ KIND_REQUEST = 0
 KIND_RESPONSE = 1
 HEADER_SIZE = 48
 DEFAULT_CHUNK_PAYLOAD = 1024
+#: Request flag (header ``flags``, native ``wire::kFlagMore``): another request of the same query follows
+#: from this client (set on every request of a query but its last, e.g. ``Client.infer_many``). A hint for
+#: the instance's batcher (MultiStream); no check rejects a request for its flags.
+FLAG_MORE = 1
 MAX_DATAGRAM_PAYLOAD = 65507 - HEADER_SIZE  # largest UDP/IPv4 payload less our header
 
 # Field name -> (offset, struct code). The one Python statement of the layout.
@@ -221,7 +225,7 @@ def chunk_count_for(total_len: int, chunk_payload: int = DEFAULT_CHUNK_PAYLOAD) 
 
 def _encode(kind: int, app_id: int, request_id: int, body: bytes | memoryview | np.ndarray, *,
             chunk_payload: int, dtype: int, status: int, deadline_us: int,
-            client_ts_ns: int) -> list[bytes]:
+            client_ts_ns: int, flags: int = 0) -> list[bytes]:
     data = memoryview(np.ascontiguousarray(body)).cast("B") if isinstance(body, np.ndarray) else memoryview(body)
     total = len(data)
     if not 0 <= app_id <= 0xFFFF:
@@ -234,13 +238,13 @@ def _encode(kind: int, app_id: int, request_id: int, body: bytes | memoryview | 
         # An empty body (e.g. an error response) is one datagram with payload_len 0.
         if kind == KIND_REQUEST:
             raise ValueError("a request needs a non-empty body")
-        return [_STRUCT.pack(MAGIC, VERSION, kind, status, app_id, dtype, 0, 0, 1, 0, request_id, 0,
+        return [_STRUCT.pack(MAGIC, VERSION, kind, status, app_id, dtype, flags, 0, 1, 0, request_id, 0,
                              deadline_us, client_ts_ns)]
     n = chunk_count_for(total, chunk_payload)
     out = []
     for i in range(n):
         piece = data[i * chunk_payload:(i + 1) * chunk_payload]
-        hdr = _STRUCT.pack(MAGIC, VERSION, kind, status, app_id, dtype, 0, i, n, len(piece), request_id,
+        hdr = _STRUCT.pack(MAGIC, VERSION, kind, status, app_id, dtype, flags, i, n, len(piece), request_id,
                            total, deadline_us, client_ts_ns)
         out.append(hdr + bytes(piece))
     return out
@@ -248,17 +252,20 @@ def _encode(kind: int, app_id: int, request_id: int, body: bytes | memoryview | 
 
 def encode_request(app_id: int, request_id: int, body: bytes | memoryview | np.ndarray, *,
                    chunk_payload: int = DEFAULT_CHUNK_PAYLOAD, dtype: int | None = None,
-                   deadline_us: int = 0, client_ts_ns: int = 0) -> list[bytes]:
+                   deadline_us: int = 0, client_ts_ns: int = 0, flags: int = 0) -> list[bytes]:
     """Split one request body into its datagrams, in chunk order.
 
-    ``dtype`` defaults to the wire type of ``body`` when it is a numpy array, else BYTES.
+    ``dtype`` defaults to the wire type of ``body`` when it is a numpy array, else BYTES. ``flags`` is
+    the header's flags byte (`FLAG_MORE`), the same in every datagram.
     """
     if dtype is None:
         dtype = DType.from_numpy(body.dtype) if isinstance(body, np.ndarray) else DType.BYTES
     if not 0 <= deadline_us < 2**32:
         raise ValueError(f"deadline_us must be a u32, got {deadline_us}")
+    if isinstance(flags, bool) or not isinstance(flags, int) or not 0 <= flags <= 0xFF:
+        raise ValueError(f"flags must be a u8, got {flags!r}")
     return _encode(KIND_REQUEST, app_id, request_id, body, chunk_payload=chunk_payload, dtype=int(dtype),
-                   status=0, deadline_us=deadline_us, client_ts_ns=client_ts_ns)
+                   status=0, deadline_us=deadline_us, client_ts_ns=client_ts_ns, flags=flags)
 
 
 def encode_response(app_id: int, request_id: int, status: int, body: bytes | np.ndarray = b"", *,

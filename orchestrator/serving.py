@@ -29,7 +29,7 @@ from gpuprims.batching import BatchPolicy
 from gpuprims.gather import Gatherer, HostGatherer
 from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
 from gpuprims.stats import DURATION_BOUNDS_S, RequestHistograms, Reservoir, StageClock
-from gpuprims.wire import DType, Status
+from gpuprims.wire import FLAG_MORE, DType, Status
 from orchestrator.messages import BatchDone, RunBatch
 from orchestrator.runner import AppRunner
 from orchestrator.spec import InstanceSpec
@@ -180,7 +180,13 @@ class ServingLoop:
         if n:
             if not self.stats.stages.running:
                 self.stats.stages.start()  # the next batch's clock starts when its first request is taken
-            self.policy.note_arrivals(arrivals)  # whether waiting will pay
+            q = len(self.queue)
+            flags = self.queue.flags
+            if any(flags(i) & FLAG_MORE for i in range(q - n, q)):  # samples of a MultiStream query
+                ends = [t for i, t in zip(range(q - n, q), arrivals) if not flags(i) & FLAG_MORE]
+                self.policy.note_arrivals(arrivals, queries_ms=ends)  # whether waiting will pay
+            else:
+                self.policy.note_arrivals(arrivals)
             self.stats.counts["received"] += n
             if not self.stats.first_request_ns:
                 q = len(self.queue)
@@ -392,13 +398,19 @@ class ServingLoop:
             self.stats.stages.observe("reassembly", complete - first)
             self.stats.stages.observe("delivery", self.stats.stages.start_ns - complete)
 
+    def _more(self) -> bool:
+        """Whether the newest queued request says more of its query follow (wire FLAG_MORE: a MultiStream
+        query of several samples, `Client.infer_many` or an OIP request of several rows), so the batcher
+        holds the query's first samples for the rest (``BatchPolicy.decide``, ``more``)."""
+        return bool(self.queue.flags(len(self.queue) - 1) & FLAG_MORE)
+
     def step(self, max_wait_ms: float = 50.0) -> None:
         """One iteration: pull, expire, decide, maybe serve."""
         now = time.monotonic_ns()
         pulled = 0
         if self.queue:
             oldest_age = max(0.0, (now - self.queue.first_ns(0)) / 1e6)
-            decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
+            decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6, more=self._more())
             if decision.take == 0:
                 pulled = self._pull(min(max_wait_ms, max(0.0, decision.wait_ms)))
         else:
@@ -415,7 +427,7 @@ class ServingLoop:
         self._early_drop(time.monotonic_ns())
         now = time.monotonic_ns()
         oldest_age = max(0.0, (now - self.queue.first_ns(0)) / 1e6)
-        decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6)
+        decision = self.policy.decide(len(self.queue), oldest_age, now_ms=now / 1e6, more=self._more())
         if decision.take:
             self._serve_batch(min(decision.take, len(self.queue)))
             self._last_served = time.monotonic()

@@ -448,7 +448,7 @@ std::vector<LocalAnswer> Ingest::take_local(int port) {
 }
 
 void Ingest::place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
-                         uint32_t deadline_us, uint64_t token, uint64_t now) {
+                         uint32_t deadline_us, uint64_t token, uint64_t now, uint8_t flags) {
   bump(kLocalSubmitted);
   auto refuse = [&](uint16_t status) {
     push_local(port, LocalAnswer{token, status, uint8_t(wire::kDTypeBytes), 0, clock_(), {}});
@@ -480,6 +480,7 @@ void Ingest::place_local(int port, uint16_t app_id, const uint8_t* row, size_t r
   rec->deadline_us = deadline_us;
   rec->request_id = token;
   rec->client_ts_ns = 0;
+  rec->flags = flags;
   rec->first_ns = now;
   rec->complete_ns = now;
   std::memset(rec->addr, 0, sizeof rec->addr);
@@ -526,7 +527,8 @@ void Ingest::submit(int port, uint16_t app_id, const uint8_t* data, size_t n, si
     apply_routes();
     const uint64_t now = clock_();
     for (size_t i = 0; i < n; ++i)
-      place_local(port, app_id, rows->data() + i * row_bytes, row_bytes, dtype, deadline_us, token0 + i, now);
+      place_local(port, app_id, rows->data() + i * row_bytes, row_bytes, dtype, deadline_us, token0 + i, now,
+                  i + 1 < n ? wire::kFlagMore : uint8_t(0));  // the rows of one call are one query
     signal_consumers();
     publish_gauges();
   };
@@ -1057,6 +1059,7 @@ void Ingest::handle_packet(int sock, uint8_t* data, size_t len, int msg_flags, c
     rec->deadline_us = h.deadline_us;
     rec->request_id = h.request_id;
     rec->client_ts_ns = h.client_ts_ns;
+    rec->flags = uint8_t(h.flags & wire::kFlagsKnown);
     rec->first_ns = now;
     rec->complete_ns = 0;
     std::memcpy(rec->addr, &addr, std::min<size_t>(addrlen, sizeof rec->addr));

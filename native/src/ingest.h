@@ -213,8 +213,9 @@ class Ingest {
   // sock < 0: a submitted request, answered through the local queue (always, whatever answer_drops).
   void send_status(int sock, const pool::Record& rec, uint16_t status);
   // A submitted request's rec_sock_ is -(port + 1).
+  // flags: the record's wire flags (wire::kFlagMore on every row of a submit but its last).
   void place_local(int port, uint16_t app_id, const uint8_t* row, size_t row_bytes, uint8_t dtype,
-                   uint32_t deadline_us, uint64_t token, uint64_t now);
+                   uint32_t deadline_us, uint64_t token, uint64_t now, uint8_t flags);
   void push_local(int port, LocalAnswer&& a);
   struct LocalPort {
     std::mutex mu;

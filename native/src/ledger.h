@@ -36,7 +36,8 @@ struct RecordCopy {
   uint64_t first_ns;
   uint64_t complete_ns;
   uint8_t addr[28];
-  uint32_t reserved0;
+  uint8_t flags;
+  uint8_t reserved0[3];
   uint8_t pad[128 - 108];
 };
 static_assert(sizeof(RecordCopy) == sizeof(pool::Record), "RecordCopy mirrors pool::Record");
@@ -45,6 +46,7 @@ static_assert(offsetof(RecordCopy, first_ns) == offsetof(pool::Record, first_ns)
 static_assert(offsetof(RecordCopy, complete_ns) == offsetof(pool::Record, complete_ns), "layout");
 static_assert(offsetof(RecordCopy, deadline_us) == offsetof(pool::Record, deadline_us), "layout");
 static_assert(offsetof(RecordCopy, addr) == offsetof(pool::Record, addr), "layout");
+static_assert(offsetof(RecordCopy, flags) == offsetof(pool::Record, flags), "layout");
 
 // Per-batch statistics of an answered batch, for the caller's counters and histograms.
 struct Answered {
@@ -79,6 +81,8 @@ class Ledger {
   // first_ns of queued request i (0 = the oldest).
   uint64_t first_ns(size_t i) const { return at(i).rec.first_ns; }
   void set_first_ns(size_t i, uint64_t ns) { at(i).rec.first_ns = ns; }
+  // The wire flags of queued request i (wire::kFlagMore: more of its query follow).
+  uint8_t flags(size_t i) const { return at(i).rec.flags; }
   // Deadline of queued request i in ms after its arrival (its own, else default_ms).
   double deadline_ms(size_t i, double default_ms) const;
   // Answer DEADLINE_MISSED, oldest first, the queued requests past their deadline at now_ns, or whose

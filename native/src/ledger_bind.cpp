@@ -47,6 +47,7 @@ void bind_ledger(nb::module_& m) {
       .def("first_ns", &Ledger::first_ns, nb::arg("i"))
       .def("set_first_ns", &Ledger::set_first_ns, nb::arg("i"), nb::arg("ns"))
       .def("deadline_ms", &Ledger::deadline_ms, nb::arg("i"), nb::arg("default_ms"))
+      .def("flags", &Ledger::flags, nb::arg("i"))
       .def(
           "expire",
           [](Ledger& l, uint64_t now_ns, double default_ms, double need_ms, int64_t timeout_us) {

@@ -694,3 +694,46 @@ def test_the_wait_pays_only_if_a_bigger_batch_is_needed_and_another_request_is_e
     assert slow.held.mean_gap_ms(now_ms=128.5) < 5.0  # expected within a 5 ms wait ...
     assert not slow.wait_pays(1, 5.0, now_ms=128.5)  # ... but batches of one (3 ms) keep up: no wait
     assert policy().wait_pays(1, 4.0)  # nothing known yet: waits, as before
+
+
+# --- MultiStream: the samples of one query are one batch ----------------------------------------------
+
+
+def test_a_query_with_more_samples_on_their_way_waits_for_them_within_the_bounds() -> None:
+    p = policy()  # max_wait_ms 5, t(b) = 2 + b, deadline 20, max_batch 8
+    p.note_arrivals([0.0, 40.0, 80.0, 120.0])  # a slow closed loop: on its own the policy would not wait
+    assert p.decide(3, 0.5, now_ms=120.5) == BatchDecision(3, 0.0)
+    # The newest queued request says more of its query follow: the wait pays without the traffic's say.
+    assert p.decide(3, 0.5, now_ms=120.5, more=True) == BatchDecision(0, 4.5)
+    # The bounds stay: max_wait_ms, a full batch, a batch one larger that would miss its deadline.
+    assert p.decide(3, 5.0, now_ms=125.0, more=True) == BatchDecision(3, 0.0)
+    assert p.decide(8, 0.5, now_ms=120.5, more=True) == BatchDecision(8, 0.0)
+    assert policy(max_wait_ms=100.0).decide(3, 14.0, more=True) == BatchDecision(3, 0.0)
+    assert policy(max_wait_ms=0.0).decide(1, 0.0, more=True) == BatchDecision(1, 0.0)
+
+
+def test_a_closed_loop_multistream_client_does_not_look_like_open_loop_load() -> None:
+    """Queries of 8 samples sent together, the next query once the last is answered: counted once per
+    query (at its last sample) for what arrives while requests are held, the samples of a query do not
+    teach the policy that requests come while others are held, so a single request after them is served
+    at once."""
+    p = policy()
+    t = 0.0
+    for _ in range(4):
+        samples = [t + 0.01 * i for i in range(8)]
+        p.note_arrivals(samples, queries_ms=samples[-1:])
+        t = samples[-1] + p.predict(8)
+        p.note_answered(t, 0)
+        t += 0.5  # the client's turn
+    assert p.held.came_held() == 0 and p.held.mean_gap_ms() == math.inf
+    p.note_arrivals([t])
+    assert p.decide(1, 0.0, now_ms=t) == BatchDecision(1, 0.0)
+    # Counted per request (no queries_ms), the same traffic looks like requests arriving while held.
+    q = policy()
+    t = 0.0
+    for _ in range(4):
+        q.note_arrivals([t + 0.01 * i for i in range(8)])
+        t += 0.07 + q.predict(8)
+        q.note_answered(t, 0)
+        t += 0.5
+    assert q.held.came_held() > 0

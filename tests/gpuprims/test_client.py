@@ -467,3 +467,32 @@ def test_bad_tensor_mappings_are_refused_before_anything_is_sent() -> None:
         with pytest.raises(ValueError, match="no tensor datatype"):
             c.submit(3, {"z": np.zeros(2, np.complex64)})
         assert node.datagrams == [] and c.in_flight == 0
+
+
+def test_infer_many_sends_one_query_every_request_but_the_last_saying_more_follow() -> None:
+    xs = [_input(i) for i in range(4)]  # 3 datagrams each
+    with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node, Client(node.address, timeout_s=5) as c:
+        assert all(r.ok for r in c.infer_many(4, xs))
+        one = c.infer(4, xs[0])
+        assert one.ok
+    flags: dict[int, set[int]] = {}
+    for d in node.datagrams:
+        h = wire.unpack_header(d)
+        flags.setdefault(h.request_id, set()).add(h.flags)
+    rids = sorted(flags)
+    assert len(rids) == 5 and len(node.datagrams) == 15
+    # every datagram of a request carries its flag; the query's last request and a single one none
+    assert [flags[r] for r in rids] == [{wire.FLAG_MORE}] * 3 + [{0}, {0}]
+
+
+def test_async_infer_many_sends_one_query_too() -> None:
+    xs = [_input(i) for i in range(3)]
+
+    async def run(address: tuple[str, int]) -> list[Result]:
+        async with AsyncClient(address, timeout_s=5) as c:
+            return await c.infer_many(4, xs)
+
+    with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node:
+        assert all(r.ok for r in asyncio.run(run(node.address)))
+    by_rid = {wire.unpack_header(d).request_id: wire.unpack_header(d).flags for d in node.datagrams}
+    assert [by_rid[r] for r in sorted(by_rid)] == [wire.FLAG_MORE, wire.FLAG_MORE, 0]

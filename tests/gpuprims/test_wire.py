@@ -165,3 +165,16 @@ def test_fuzz_header_parser_python_and_native_agree(fields: dict[str, int], payl
 @given(st.binary(max_size=120))
 def test_fuzz_random_bytes_agree(data: bytes) -> None:
     assert int(wire.check_request(data)) == _native.check_request(data)
+
+
+def test_request_flags_are_in_every_datagram_and_no_check_refuses_them() -> None:
+    body = np.zeros(3000, np.uint8)
+    for flags in (0, wire.FLAG_MORE, 0xFF):  # unknown bits are ignored, not refused
+        dgrams = wire.encode_request(1, 9, body, flags=flags)
+        assert len(dgrams) == 3
+        for d in dgrams:
+            assert wire.unpack_header(d).flags == flags
+            assert wire.check_request(d) == Verdict.OK and _native.check_request(d) == 0
+    for bad in (-1, 256, True, 1.0):
+        with pytest.raises(ValueError, match="flags must be a u8"):
+            wire.encode_request(1, 9, body, flags=bad)  # type: ignore[arg-type]

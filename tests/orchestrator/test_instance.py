@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpuprims import wire
 from gpuprims.batching import BatchDecision, LatencyModel
-from gpuprims.ingest import Ingest
+from gpuprims.client import Client, Result
+from gpuprims.ingest import Ingest, LocalAnswer
 from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES
 from gpuprims.wire import Status
@@ -24,12 +27,13 @@ from orchestrator.instance import LATENCY_MEMORY_S, PROBE_AFTER_S, Instance, Ins
 SHAPE = (3, 32, 32)
 
 
-def _instance(slo_ms: float = 500.0, max_wait_ms: float = 0.0) -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+def _instance(slo_ms: float = 500.0, max_wait_ms: float = 0.0,
+              max_batch: int = 4) -> Iterator[tuple[Instance, Ingest, socket.socket]]:
     pool = PacketPool.create(slot_count=1024, record_count=64, max_chunks=64, consumer_count=1)
     ing = Ingest(pool, [("127.0.0.1", 0)]).start()
     ing.set_route(1, [0])
     spec = InstanceSpec(name="t-0", app="t", app_id=1, model="mobilenet_v2", pool=pool.name, consumer=0,
-                        input_shape=SHAPE, num_classes=10, slo_ms=slo_ms, max_batch=4, max_wait_ms=max_wait_ms,
+                        input_shape=SHAPE, num_classes=10, slo_ms=slo_ms, max_batch=max_batch, max_wait_ms=max_wait_ms,
                         warmup=False)
     inst = Instance(spec, control=None)
     inst.init_compute(100)
@@ -54,6 +58,13 @@ def waiting() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
     takes on any machine, so the rule before waited on every request), with a deadline no busy machine
     misses (a minute), so only the batching rule decides what it does."""
     yield from _instance(slo_ms=60_000.0, max_wait_ms=2000.0)
+
+
+@pytest.fixture
+def waiting16() -> Iterator[tuple[Instance, Ingest, socket.socket]]:
+    """`waiting` with batches of up to 16: a MultiStream query of 8 is not a full batch, so only the
+    query's own signal (wire FLAG_MORE) makes the instance hold its first samples for the rest."""
+    yield from _instance(slo_ms=60_000.0, max_wait_ms=2000.0, max_batch=16)
 
 
 def _send(ing: Ingest, sock: socket.socket, rid: int) -> None:
@@ -424,3 +435,86 @@ def test_a_closed_loop_client_is_answered_without_waiting_while_an_open_loop_bur
     burst = inst.stats.batch_sizes - collections.Counter({1: 12})
     assert sum(b * n for b, n in burst.items()) == 12 and max(burst) == 4  # batched as max_batch allows
     assert inst.policy.held.came_held() >= 11  # and learnt that requests now come while others are held
+
+
+def _step_until(inst: Instance, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not done() and time.monotonic() < deadline:
+        inst.step(max_wait_ms=10)
+    assert done(), what
+
+
+def test_a_multistream_query_of_8_is_one_batch_and_single_requests_beside_it_go_at_once(
+        waiting16: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    inst, ing, _ = waiting16
+    inst.runner.warm_up(inst.policy.model)
+    decisions: list[tuple[int, bool, BatchDecision]] = []
+    decide = inst.policy.decide
+
+    def recording(queue_len: int, oldest_age_ms: float, **kw: Any) -> BatchDecision:
+        d = decide(queue_len, oldest_age_ms, **kw)
+        decisions.append((queue_len, bool(kw.get("more")), d))
+        return d
+
+    monkeypatch.setattr(inst.policy, "decide", recording)
+    x = np.random.default_rng(0).random((8, *SHAPE), dtype=np.float32)
+    with Client(("127.0.0.1", ing.ports[0]), timeout_s=60.0) as client:
+        # Closed-loop MultiStream: queries of 8 (Client.infer_many), the next once the last is answered.
+        for q in range(4):
+            futs = [client.submit(1, row, more=i < 7) for i, row in enumerate(x)]  # what infer_many sends
+            _step_until(inst, lambda fs=futs: all(f.done() for f in fs), f"query {q} answered")
+            assert [f.result().status for f in futs] == [Status.OK] * 8
+        assert dict(inst.stats.batch_sizes) == {8: 4}  # one engine call per query, not eight
+        assert all(d.take == 0 for n, more, d in decisions if more)  # held while more were on their way
+        # infer_many itself (from a thread, the instance stepped here): one batch of 8 again.
+        many: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
+        t = threading.Thread(target=lambda: many.set_result(client.infer_many(1, list(x))), daemon=True)
+        t.start()
+        _step_until(inst, many.done, "infer_many answered")
+        t.join(timeout=30)
+        assert [r.status for r in many.result()] == [Status.OK] * 8
+        assert dict(inst.stats.batch_sizes) == {8: 5}
+        # A closed loop of single requests right after: each served alone, none held for a batch.
+        decisions.clear()
+        for rid in range(6):
+            f = client.submit(1, x[rid])
+            _step_until(inst, f.done, f"single {rid} answered")
+            assert f.result().status == Status.OK
+        assert decisions and all(n == 1 and d.take == 1 for n, _, d in decisions), decisions
+        assert dict(inst.stats.batch_sizes) == {8: 5, 1: 6}
+        # And a query after them (the policy now sure nothing comes while a request is held): still one
+        # batch, held for its samples by their flag alone.
+        futs = [client.submit(1, row, more=i < 7) for i, row in enumerate(x)]
+        _step_until(inst, lambda: all(f.done() for f in futs), "the last query answered")
+        assert dict(inst.stats.batch_sizes) == {8: 6, 1: 6}
+    assert inst.policy.held.mean_gap_ms() == math.inf  # no query ever came while another was held
+
+
+def test_an_oip_request_of_8_rows_is_queued_as_one_query_and_served_as_one_batch(
+        waiting16: tuple[Instance, Ingest, socket.socket]) -> None:
+    inst, ing, _ = waiting16
+    inst.runner.warm_up(inst.policy.model)
+    port = ing.local_port()
+    try:
+        x = np.random.default_rng(1).random((8, *SHAPE), dtype=np.float32)
+        port.submit(1, x, token0=100)  # what the front door does for an inference request of batch 8
+        deadline = time.monotonic() + 30
+        while inst.consumer.depth() < 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        inst._pull(0)
+        assert len(inst.queue) == 8
+        # Every row of the request but its last says more of its query follow.
+        assert [inst.queue.flags(i) for i in range(8)] == [wire.FLAG_MORE] * 7 + [0]
+        answers: list[LocalAnswer] = []
+
+        def all_answered() -> bool:
+            answers.extend(port.take())
+            return len(answers) >= 8
+
+        _step_until(inst, all_answered, "8 answers")
+        assert len(answers) == 8
+        assert sorted(a.token for a in answers) == list(range(100, 108))
+        assert all(a.status == Status.OK for a in answers)
+        assert dict(inst.stats.batch_sizes) == {8: 1}
+    finally:
+        port.close()

@@ -53,7 +53,8 @@ struct alignas(64) Record {
   uint64_t first_ns;         // CLOCK_MONOTONIC ns of the first chunk's arrival
   uint64_t complete_ns;      // CLOCK_MONOTONIC ns when the last chunk arrived
   uint8_t addr[28];          // client's sockaddr_in / sockaddr_in6, for the response
-  uint32_t reserved0;
+  uint8_t flags;             // the request's wire flags (wire::kFlagsKnown bits of its first datagram)
+  uint8_t reserved0[3];
 };
 static_assert(sizeof(Record) == 128, "Record is two cache lines");
 

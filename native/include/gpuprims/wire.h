@@ -22,7 +22,7 @@ struct Header {
   uint16_t status;        //  6 response status (Status); 0 in requests
   uint16_t app_id;        //  8
   uint8_t dtype;          // 10 element type of the body (DType)
-  uint8_t flags;          // 11 reserved, 0
+  uint8_t flags;          // 11 request hints (kFlag*); 0 in responses
   uint32_t chunk_index;   // 12
   uint32_t chunk_count;   // 16
   uint32_t payload_len;   // 20 bytes of body in this datagram
@@ -35,6 +35,13 @@ static_assert(sizeof(Header) == 48, "wire header must be 48 bytes");
 static_assert(offsetof(Header, request_id) == 24 && offsetof(Header, client_ts_ns) == 40, "layout");
 
 constexpr size_t kHeaderSize = sizeof(Header);
+
+// Request flags (Header::flags). kFlagMore: another request of the same query follows from this
+// client (every request of a query but its last carries it), so the instance's batcher may hold this
+// one for it (gpuprims.batching, MultiStream). A hint only: no check rejects a request for its flags,
+// and bits not named here are ignored.
+constexpr uint8_t kFlagMore = 1;
+constexpr uint8_t kFlagsKnown = kFlagMore;
 
 // kDTypeTensors: the body is a multi-tensor body (named tensors of any datatype, laid out as
 // docs/wire-format.md "Multi-tensor bodies" says; gpuprims/tensorwire.py encodes and decodes it). The
