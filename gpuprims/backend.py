@@ -99,6 +99,32 @@ def _probe_in_child(device: int | None, timeout_s: float) -> CudaProbe:
         return CudaProbe(False, f"the CUDA probe process failed: {e}")
 
 
+_RESOLVE_CHILD = ("import json; from gpuprims.backend import cuda_available, cuda_probe; t = cuda_available(); "
+                  "print(json.dumps({{'torch_cuda': t, 'probe': cuda_probe({dev}).as_dict() if t else None}}))")
+
+
+#: _resolve_in_child's answers by device: a node's `validate` and `start` ask once between them.
+_RESOLVED: dict[int | None, tuple[bool, CudaProbe]] = {}
+
+
+def _resolve_in_child(device: int | None, timeout_s: float = 120.0) -> tuple[bool, CudaProbe]:
+    """(torch sees a CUDA device, the native probe) asked of a short-lived child, so the caller imports
+    no torch and creates no CUDA context. A child that fails says no device (and is asked again next
+    time); an answer is kept for the process."""
+    if device in _RESOLVED:
+        return _RESOLVED[device]
+    try:
+        r = subprocess.run([sys.executable, "-c", _RESOLVE_CHILD.format(dev=device)], capture_output=True,
+                           text=True, timeout=timeout_s, env=dict(os.environ))
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+        probe = CudaProbe(**d["probe"]) if d["probe"] is not None else CudaProbe(False, "torch sees no CUDA device")
+        _RESOLVED[device] = (bool(d["torch_cuda"]), probe)
+        return _RESOLVED[device]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError, KeyError) as e:
+        log.warning("backend: the CUDA check process failed (%s); taking no GPU", e)
+        return False, CudaProbe(False, f"the CUDA check process failed: {e}")
+
+
 def cuda_probe(device: int | None = None, *, isolated: bool = False, timeout_s: float = 120.0) -> CudaProbe:
     """Ask the native CUDA layer whether it can run here (never raises).
 
@@ -177,11 +203,24 @@ def resolve_backend(requested: str, *, device: int | None = None, isolated: bool
     if requested == "cpu":
         return "cpu"
     fake = runtime.is_fake()
+    if isolated and not fake:
+        # torch's CUDA check imports torch (libtorch: ~200 MB mapped): a supervisor asks a child.
+        torch_cuda, probe = _resolve_in_child(device)
+        if not torch_cuda:
+            if requested == "cuda":
+                raise RuntimeError("backend 'cuda' was requested but torch sees no CUDA device with a driver")
+            return "cpu"
+        return _from_probe(requested, probe)
     if not fake and not cuda_available():
         if requested == "cuda":
             raise RuntimeError("backend 'cuda' was requested but torch sees no CUDA device with a driver")
         return "cpu"
-    probe = cuda_probe(device, isolated=isolated)
+    return _from_probe(requested, cuda_probe(device, isolated=isolated))
+
+
+def _from_probe(requested: str, probe: CudaProbe) -> BackendName:
+    """cuda when the native layer's probe passed (torch sees a device); else cpu for auto, or the
+    reason for cuda."""
     if probe.ok:
         return "cuda"
     if requested == "cuda":
