@@ -4,8 +4,11 @@ plan...) with named tensors: the app's :class:`gpuprims.modelrepo.ModelConfig` o
 The counterpart of :class:`orchestrator.runner.AppRunner` for models users bring: it takes the share
 (cores and threads on cpu, the MPS percentage on cuda), makes the file's engine
 (:mod:`gpuprims.engines.files`), prepares it at start or in a shadow's pre-warm (never on the serving
-path), and warms it up on zero inputs of the model's own datatypes to seed the batching policy's
-latency model. The serving loop (:class:`orchestrator.tensor_serving.TensorServingLoop`) runs batches
+path), runs the config's ``model_warmup`` samples as Triton does at load (:meth:`FileRunner.model_warmup`:
+each sample's ``zero_data``, ``random_data`` or ``input_data_file`` inputs, repeated to its ``batch_size``,
+``count`` times; a sample that cannot be read or run fails the instance's start with the reason, so the
+model is UNAVAILABLE), and warms it up on zero inputs of the model's own datatypes to seed the batching
+policy's latency model. The serving loop (:class:`orchestrator.tensor_serving.TensorServingLoop`) runs batches
 of named tensors through :attr:`model`.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +27,7 @@ from gpuprims.cpushare import CpuShare, apply_cpu_share
 from gpuprims.engines import EngineCache, Target
 from gpuprims.engines.files import FileEngine, make_file_engine, resolve_file_kind
 from gpuprims.modelrepo import ModelConfig
+from gpuprims.modelrepo.config import Warmup, WarmupInput
 from gpuprims.pool import PacketPool
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
 from orchestrator.spec import InstanceSpec
@@ -31,6 +36,50 @@ log = logging.getLogger("gpuprims.instance")
 
 #: A dynamic dimension's size in the warm-up's inputs (and in a profile's, until requests say more).
 WARM_DYNAMIC_DIM = 1
+#: The seed of ``random_data`` warm-up inputs (the same values at every start).
+WARMUP_SEED = 0
+
+
+class WarmupError(ValueError):
+    """A ``model_warmup`` sample that cannot be read or run: the instance does not start (Triton does not
+    load a model whose warm-up fails)."""
+
+
+def warmup_dir(model_path: str) -> Path:
+    """The ``warmup/`` directory of a model file's model: beside its version directory
+    (``<model>/<version>/model.onnx`` -> ``<model>/warmup``), else beside the file."""
+    path = Path(model_path)
+    for parent in path.parents:
+        if parent.name.isdigit():
+            return parent.parent / "warmup"
+    return path.parent / "warmup"
+
+
+def warmup_input(inp: WarmupInput, directory: Path, rng: np.random.Generator) -> np.ndarray:
+    """One warm-up input of one request (its ``dims``), as Triton makes it: zeros, random values of its
+    datatype, or the raw row-major bytes of ``directory/<input_data_file>``. WarmupError when the file is
+    missing, unreadable or not exactly the input's size."""
+    dt = inp.datatype.numpy
+    if inp.data == "zero":
+        return np.zeros(inp.dims, dt)
+    if inp.data == "random":
+        if dt.kind == "f":
+            return rng.random(inp.dims).astype(dt)
+        if dt.kind == "b":
+            return rng.integers(0, 2, inp.dims).astype(dt)
+        info = np.iinfo(dt)
+        return rng.integers(max(info.min, -128), min(info.max, 127), inp.dims, endpoint=True).astype(dt)
+    assert inp.data_file is not None
+    path = directory / inp.data_file
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise WarmupError(f"input {inp.name!r}: input_data_file {path} cannot be read: {e.strerror or e}") from None
+    want = int(np.prod(inp.dims, dtype=np.int64)) * dt.itemsize
+    if len(raw) != want:
+        raise WarmupError(f"input {inp.name!r}: input_data_file {path} holds {len(raw)} bytes; dims "
+                          f"{list(inp.dims)} of {inp.datatype.value} take {want}")
+    return np.frombuffer(raw, dt).reshape(inp.dims).copy()
 
 
 def zero_request(signature: ModelSignature) -> dict[str, np.ndarray]:
@@ -60,6 +109,8 @@ class FileRunner:
         self.cache = EngineCache(spec.engine_cache)
         self.stream: Any = None
         self.stages: dict[str, Any] = {}
+        #: The model_warmup samples ran on the installed engine (a shadow's pre-warm runs them early).
+        self.samples_run = False
 
     # -- the device --------------------------------------------------------------------------------
     def init_device(self, gpu_pct: int) -> None:
@@ -98,12 +149,14 @@ class FileRunner:
         """Take what :meth:`build` returned. An engine prepared before the share was known (a
         shadow's pre-warm) with other threads is made again for it; the cache makes that a load."""
         engine: FileEngine = built["engine"]
+        self.samples_run = bool(built.get("samples_run"))
         if engine.target.threads != self._target().threads:
             fresh = make_file_engine(engine.kind, self.spec.model_path, self.signature, self._target(),
                                      self.spec.engine_options or {}, self.spec.model_fingerprint)
             fresh.prepare(self.cache)
             engine.close()
             engine = fresh
+            self.samples_run = False
         self.engine = engine
         self.model = engine.run
 
@@ -113,9 +166,45 @@ class FileRunner:
         return {**d, "model_path": self.spec.model_path, "model_version": self.spec.model_version}
 
     def warm(self, built: dict[str, Any]) -> None:
-        """Run the freshly built engine once on zeros (a shadow's pre-warm)."""
+        """Run the freshly built engine's model_warmup samples, then once on zeros (a shadow's pre-warm)."""
         engine: FileEngine = built["engine"]
+        self._run_samples(engine)
+        built["samples_run"] = True
         engine.run(self._zeros(1))
+
+    def warmup_requests(self) -> list[tuple[Warmup, dict[str, np.ndarray]]]:
+        """Each ``model_warmup`` sample of the config as the batch it runs: its inputs (read from the model's
+        ``warmup/`` directory where a file gives them) repeated to its ``batch_size`` on a batched model.
+        WarmupError naming the sample and the input when one cannot be made."""
+        directory = warmup_dir(self.spec.model_path or "")
+        rng = np.random.default_rng(WARMUP_SEED)
+        out = []
+        for w in self.config.warmup:
+            try:
+                one = {inp.name: warmup_input(inp, directory, rng) for inp in w.inputs}
+            except WarmupError as e:
+                raise WarmupError(f"app {self.spec.app}: model_warmup {w.name!r}: {e}") from None
+            if self.signature.batched:
+                one = {k: np.broadcast_to(v, (w.batch_size, *v.shape)).copy() for k, v in one.items()}
+            out.append((w, one))
+        return out
+
+    def _run_samples(self, engine: FileEngine) -> None:
+        for w, x in self.warmup_requests():
+            for _ in range(w.count):
+                try:
+                    engine.run(x)
+                except Exception as e:  # the engine's own error (onnxruntime's, torch's...): the sample fails
+                    raise WarmupError(f"app {self.spec.app}: model_warmup {w.name!r} failed in the engine: "
+                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+    def model_warmup(self) -> None:
+        """Run the config's ``model_warmup`` samples on the installed engine, unless a pre-warm ran them on
+        it already (Triton runs them at every load). WarmupError when one cannot be read or run."""
+        assert self.engine is not None
+        if not self.samples_run:
+            self._run_samples(self.engine)
+            self.samples_run = True
 
     # -- the seams around the model ------------------------------------------------------------------
     def open_seams(self, pool: PacketPool) -> None:

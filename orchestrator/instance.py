@@ -156,6 +156,8 @@ class Instance:
         loaded = self._take_prewarmed()
         self.runner.install(loaded or self._build_models(self.runner.device))
         self.serving.attach(self.runner.open_seams(self.pool))
+        if isinstance(self.runner, FileRunner):
+            self.runner.model_warmup()  # config.pbtxt's model_warmup samples, before the model serves
         if self.spec.dispatched:
             self.runner.measure_stages()  # the scheduler's starting profile, needed even without warm-up
         elif self.spec.warmup:
