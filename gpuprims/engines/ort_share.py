@@ -1,0 +1,230 @@
+"""Param-Share for ONNX Runtime on the CPU: one copy of a model's initializers for every session of it.
+
+The first instance of an app (``export:PATH``) reads the initializers of the ONNX file its session
+loads (the cache entry's optimized model, or the file itself), copies them into one POSIX
+shared-memory object named after the node (:data:`gpuprims.cuda.ipc.ENV_OWNER_PID`, so the node owns
+it and unlinks it, exactly as for eager's shared weights) and writes the handles
+(:class:`gpuprims.cuda.ipc.ParameterHandles`, one entry per initializer) to PATH. Every instance, the
+exporter included, then maps the object and hands each initializer to its session with
+``SessionOptions.add_initializer(name, OrtValue)``, the OrtValue made over the mapping by
+``OrtValue.ortvalue_from_numpy`` (on the CPU it wraps the array and keeps a reference; nothing is
+copied). ONNX Runtime documents ``AddInitializer`` as "ORT will use this initializer instance instead
+of deserializing one from the model file ... useful when you want to share the same initializer across
+sessions"; the OrtValue must outlive the session, so :class:`SharedInitializers` stays with the engine.
+
+Pre-packing: MLAS re-lays out some weights (MatMul/Gemm B, some Conv) into buffers of the session's
+own at load. For a shared initializer that would be a private copy per session again; the C API's
+``CreateSessionWithPrepackedWeightsContainer`` shares those too, but the Python API does not expose
+it, so a sharing session sets ``session.disable_prepacking`` (measured in bench/share.py).
+
+Nothing here imports torch or onnx's runtime pieces: exporting needs the ``onnx`` package (to read the
+initializers); importing needs only numpy and onnxruntime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from gpuprims.cuda.ipc import _SHM_DIR, ENV_OWNER_PID, ParameterHandles, TensorEntry
+
+log = logging.getLogger("gpuprims.engines")
+
+_ALIGN = 256
+#: Initializer dtypes shared (numpy names, which are also the torch names ParameterHandles uses).
+SHARED_DTYPES = frozenset({"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"})
+#: Session config entry that keeps MLAS from re-packing the shared initializers into private buffers.
+DISABLE_PREPACKING = "session.disable_prepacking"
+
+
+@dataclass
+class SharedInitializers:
+    """A mapping of shared initializers, by name, and the OrtValues the sessions use (keep alive)."""
+
+    mode: Literal["exported", "imported"]
+    handles: ParameterHandles
+    arrays: dict[str, np.ndarray]
+    _mmap: Any = None
+    _values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of initializer data shared."""
+        return self.handles.weights_nbytes
+
+    def add_to(self, ort: Any, so: Any) -> None:
+        """Give every shared initializer to ``so`` (a SessionOptions), and switch pre-packing off."""
+        for name, arr in self.arrays.items():
+            if name not in self._values:  # ORT does not own it: it must outlive every session given it
+                self._values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            so.add_initializer(name, self._values[name])
+        so.add_session_config_entry(DISABLE_PREPACKING, "1")
+
+    def describe(self) -> dict[str, Any]:
+        """For status: how this session got its initializers."""
+        return {"mode": self.mode, "initializers": len(self.arrays), "shared_mb": round(self.nbytes / 2**20, 2),
+                "segment": self.handles.handle.decode()}
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``): the parsed model's
+    buffers, freed by ONNX Runtime and by :func:`read_initializers`, otherwise stay in the process's
+    heap and count in its PSS. A no-op without glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        return
+
+
+def read_initializers(model_path: Path) -> dict[str, np.ndarray]:
+    """The top-level graph's initializers of an ONNX file (external data included) that can be shared."""
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError as e:
+        raise OSError(f"sharing an ONNX model's initializers needs the onnx package ({e})") from None
+    model = onnx.load(str(model_path), load_external_data=True)
+    out: dict[str, np.ndarray] = {}
+    for init in model.graph.initializer:
+        arr = numpy_helper.to_array(init, base_dir=str(model_path.parent))
+        if arr.dtype.name in SHARED_DTYPES and arr.size > 0:
+            out[init.name] = arr
+    return out
+
+
+def export_initializers(model_path: Path, handles_path: Path) -> SharedInitializers:
+    """Copy ``model_path``'s initializers into a new shared-memory object, write its handles to
+    ``handles_path`` atomically, and return the mapping (read-only views). Raises OSError when there is
+    nothing to share or the object cannot be made."""
+    arrays = read_initializers(model_path)
+    if not arrays:
+        raise OSError(f"{model_path.name} has no initializers to share")
+    entries: list[TensorEntry] = []
+    offset = 0
+    for name, arr in arrays.items():
+        entries.append(TensorEntry((name,), "parameter", arr.dtype.name, tuple(int(d) for d in arr.shape), offset,
+                                   int(arr.nbytes)))
+        offset += -(-max(int(arr.nbytes), 1) // _ALIGN) * _ALIGN
+    token = uuid.uuid4().hex
+    owner = os.environ.get(ENV_OWNER_PID, "")
+    name = f"gpuprims-params-{owner if owner.isdigit() else os.getpid()}-{token[:12]}"
+    fd = os.open(_SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+        with mmap.mmap(fd, offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            flat = np.frombuffer(mm, dtype=np.uint8)
+            for e, arr in zip(entries, arrays.values()):
+                flat[e.offset:e.offset + e.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            del flat
+    except BaseException:
+        os.unlink(_SHM_DIR / name)
+        raise
+    finally:
+        os.close(fd)
+    del arrays  # the model's own copy goes; only the segment holds the weights from here
+    trim_heap()
+    handles = ParameterHandles("cpu", token, os.getpid(), offset, name.encode(), "", tuple(entries))
+    tmp = f"{handles_path}.{os.getpid()}"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(handles.to_bytes())
+    os.replace(tmp, handles_path)  # importers never see a partial file
+    shared = map_initializers(handles)
+    shared.mode = "exported"
+    return shared
+
+
+def map_initializers(handles: ParameterHandles | bytes) -> SharedInitializers:
+    """Map exported initializers (copy-on-write mapping: ORT gets writable arrays, yet never writes
+    initializers, so every page stays the segment's). ValueError when the export is gone or malformed."""
+    if not isinstance(handles, ParameterHandles):
+        handles = ParameterHandles.from_bytes(handles)
+    if handles.backend != "cpu":
+        raise ValueError(f"ONNX Runtime initializers are shared through CPU shared memory, got {handles.backend!r}")
+    path = _SHM_DIR / handles.handle.decode()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ValueError(f"shared initializers {path} do not exist (the export was released)") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < handles.nbytes:
+            raise ValueError(f"{path} holds {size} bytes, less than the {handles.nbytes} exported")
+        mm = mmap.mmap(fd, handles.nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    flat = np.frombuffer(mm, dtype=np.uint8)
+    arrays = {e.names[0]: flat[e.offset:e.offset + e.nbytes].view(np.dtype(e.dtype)).reshape(e.shape)
+              for e in handles.entries}
+    return SharedInitializers("imported", handles, arrays, mm)
+
+
+class InitializerSource:
+    """Where an instance's ONNX Runtime sessions take their initializers from: the node's Param-Share
+    mode (``export:PATH`` for the first instance of the weights, ``import:PATH`` after that). The
+    mapping is made once and reused by every session of the instance (a shadow's engine is made again
+    for its share's threads)."""
+
+    def __init__(self, mode: Literal["export", "import"], path: str, wait: Callable[[str], bytes],
+                 error_suffix: str = ".error") -> None:
+        self.mode = mode
+        self.path = path
+        self._wait = wait
+        self._error_path = Path(path + error_suffix)
+        self.shared: SharedInitializers | None = None
+
+    @classmethod
+    def parse(cls, share_params: str | None, wait: Callable[[str], bytes]) -> InitializerSource | None:
+        """From an instance spec's ``share_params``; None without one. ValueError on another form."""
+        if not share_params:
+            return None
+        mode, _, path = share_params.partition(":")
+        if mode not in ("export", "import") or not path:
+            raise ValueError(f"share_params must be 'export:PATH' or 'import:PATH', got {share_params!r}")
+        return cls("export" if mode == "export" else "import", path, wait)
+
+    def get(self, model_path: Path) -> SharedInitializers:
+        """The shared initializers of ``model_path`` (exported here, or mapped). An exporter that fails
+        writes the reason beside the handles' path, so importers waiting for them fail with it."""
+        if self.shared is None:
+            if self.mode == "export":
+                try:
+                    self.shared = export_initializers(model_path, Path(self.path))
+                except (OSError, ValueError) as e:
+                    with contextlib.suppress(OSError):
+                        self._error_path.write_text(f"{type(e).__name__}: {e}")
+                    raise
+            else:
+                self.shared = map_initializers(self._wait(self.path))
+        return self.shared
+
+
+def take_shared(source: InitializerSource | None, model_path: Path, provider: str,
+                who: str) -> tuple[SharedInitializers | None, str | None]:
+    """The shared initializers a session of ``model_path`` should use, or (None, why not): none asked
+    for, a GPU provider (device initializers are not shared yet: docs/primitives.md), or a failure to
+    export or map them, after which the session loads its own copy (logged once)."""
+    if source is None:
+        return None, None
+    if provider != "cpu":
+        return None, f"provider {provider!r}: ONNX Runtime initializers are shared on the CPU provider only"
+    try:
+        return source.get(model_path), None
+    except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+        log.warning("%s: cannot share the initializers of %s (%s: %s); this session loads its own copy", who,
+                    model_path.name, type(e).__name__, e)
+        return None, f"{type(e).__name__}: {e}"
