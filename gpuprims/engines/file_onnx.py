@@ -40,6 +40,13 @@ from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
 from gpuprims.engines.cache import EngineCache, device_identity
 from gpuprims.engines.files import FileEngine, first_line
+from gpuprims.engines.ort_share import (
+    InitializerSource,
+    SharedInitializers,
+    open_session,
+    take_shared,
+    trim_heap,
+)
 from gpuprims.tensors import DataType
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -147,6 +154,11 @@ class OnnxRuntimeFileEngine(FileEngine):
     suffixes = (".onnx",)
     libraries = ("onnxruntime",)
     install_hint = "pip install 'gpuprims[onnx]'"
+    #: Param-Share (CPU provider): where the served session takes its initializers from (set before
+    #: prepare; :mod:`gpuprims.engines.ort_share`). None: the session loads its own copy.
+    initializers_from: InitializerSource | None = None
+    shared: SharedInitializers | None = None
+    share_refused: str | None = None
 
     @classmethod
     def validate_options(cls, options: Any) -> dict[str, Any]:
@@ -220,9 +232,11 @@ class OnnxRuntimeFileEngine(FileEngine):
             providers.insert(0, (PROVIDERS["tensorrt"], trt))
         return providers
 
-    def _session(self, ort: Any, path: Path, level: str, trt_dir: Path | None, optimized_out: Path | None = None
-                 ) -> Any:
+    def _session(self, ort: Any, path: Path, level: str, trt_dir: Path | None, optimized_out: Path | None = None,
+                 shared: SharedInitializers | None = None) -> Any:
         so = self._session_options(ort, level)
+        if shared is not None:
+            shared.add_to(ort, so)
         if optimized_out is not None:
             so.optimized_model_filepath = str(optimized_out)
             if self.related_files():
@@ -265,11 +279,19 @@ class OnnxRuntimeFileEngine(FileEngine):
         entry = cache.get_or_build(self.cache_key(), build)
         t0 = time.perf_counter()
         optimized = entry.file(OPTIMIZED_FILE)
+        served = optimized if optimized.is_file() else self.path
+        who = f"engine 'onnxruntime' ({self.path.name})"
+        self.shared, self.share_refused = take_shared(self.initializers_from, served, provider, who)
         if optimized.is_file():  # already rewritten at the chosen level for this device: load it as it is
-            self.session = self._session(ort, optimized, "ORT_DISABLE_ALL", None)
+            self.session, self.shared, self.share_refused = open_session(
+                lambda shared: self._session(ort, optimized, "ORT_DISABLE_ALL", None, shared=shared),
+                self.shared, self.share_refused, who)
         else:
             trt_dir = entry.file(TRT_DIR) if provider == "tensorrt" else None
-            self.session = self._session(ort, self.path, level, trt_dir)
+            self.session, self.shared, self.share_refused = open_session(
+                lambda shared: self._session(ort, self.path, level, trt_dir, shared=shared),
+                self.shared, self.share_refused, who)
+        trim_heap()  # the parsed model's buffers, freed by ORT, leave the heap (they count in PSS)
         self._check_session(self.session)
         self._bf16_outputs = {o.name for o in self.session.get_outputs() if o.type == "tensor(bfloat16)"}
         self._ort = ort
@@ -296,10 +318,13 @@ class OnnxRuntimeFileEngine(FileEngine):
         return {name: (_bf16_bits(v) if name in self._bf16_outputs else v.numpy()) for name, v in zip(outputs, got)}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "threads": self.threads}
+        return {**super().describe(), "threads": self.threads,
+                "initializers": self.shared.describe() if self.shared is not None
+                else {"mode": "own", **({"why": self.share_refused} if self.share_refused else {})}}
 
     def close(self) -> None:
         self.__dict__.pop("session", None)
+        self.__dict__.pop("shared", None)
         super().close()
 
 

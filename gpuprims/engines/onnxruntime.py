@@ -40,6 +40,13 @@ from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
 from gpuprims.engines.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
+from gpuprims.engines.ort_share import (
+    InitializerSource,
+    SharedInitializers,
+    open_session,
+    take_shared,
+    trim_heap,
+)
 from gpuprims.gather import torch_device
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -85,6 +92,11 @@ class OnnxRuntimeEngine(Engine):
     #: With ``precision: fp16`` (TensorRT): half precision keeps about 3 significant digits.
     fp16_tolerance = (2e-2, 2e-2)
     uses_torch_weights = False
+    #: Param-Share (CPU provider): where the served session takes its initializers from (set before
+    #: prepare; :mod:`gpuprims.engines.ort_share`). None: the session loads its own copy.
+    initializers_from: InitializerSource | None = None
+    shared: SharedInitializers | None = None
+    share_refused: str | None = None
 
     @classmethod
     def validate_options(cls, options: Any) -> dict[str, Any]:
@@ -164,11 +176,13 @@ class OnnxRuntimeEngine(Engine):
             providers.insert(0, (PROVIDERS["tensorrt"], trt))
         return providers
 
-    def _session(self, ort: Any, path: Path, level: str, trt_dir: Path | None, optimized_out: Path | None = None
-                 ) -> Any:
+    def _session(self, ort: Any, path: Path, level: str, trt_dir: Path | None, optimized_out: Path | None = None,
+                 shared: SharedInitializers | None = None) -> Any:
         so = self._session_options(ort, level)
         if optimized_out is not None:
             so.optimized_model_filepath = str(optimized_out)
+        if shared is not None:
+            shared.add_to(ort, so)
         try:
             return ort.InferenceSession(str(path), sess_options=so, providers=self._providers(trt_dir))
         except Exception as e:
@@ -204,11 +218,19 @@ class OnnxRuntimeEngine(Engine):
         entry = cache.get_or_build(key, build, progress=progress)
         t0 = time.perf_counter()
         optimized = entry.file(OPTIMIZED_FILE)
+        served = optimized if optimized.is_file() else entry.file(ONNX_FILE)
+        who = f"engine 'onnxruntime' ({self.source.model})"
+        self.shared, self.share_refused = take_shared(self.initializers_from, served, provider, who)
         if optimized.is_file():  # already rewritten at the chosen level: load it as it is
-            self.session = self._session(ort, optimized, "ORT_DISABLE_ALL", None)
+            self.session, self.shared, self.share_refused = open_session(
+                lambda shared: self._session(ort, optimized, "ORT_DISABLE_ALL", None, shared=shared),
+                self.shared, self.share_refused, who)
         else:
             trt_dir = entry.file(TRT_DIR) if provider == "tensorrt" else None
-            self.session = self._session(ort, entry.file(ONNX_FILE), level, trt_dir)
+            self.session, self.shared, self.share_refused = open_session(
+                lambda shared: self._session(ort, served, level, trt_dir, shared=shared),
+                self.shared, self.share_refused, who)
+        trim_heap()  # the parsed model's buffers, freed by ORT, leave the heap (they count in PSS)
         self.output_shape = tuple(int(d) for d in entry.meta.get("output_shape", ()))
         if self.on_device:
             self._bind(ort)
@@ -265,9 +287,11 @@ class OnnxRuntimeEngine(Engine):
         return out  # a view of the preallocated output: valid until the next run()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "tolerance": list(self.tolerance_now), "threads": self.threads}
+        return {**super().describe(), "tolerance": list(self.tolerance_now), "threads": self.threads,
+                "initializers": self.shared.describe() if self.shared is not None
+                else {"mode": "own", **({"why": self.share_refused} if self.share_refused else {})}}
 
     def close(self) -> None:
-        for name in ("session", "_binding", "_run_options", "_input", "_output"):
+        for name in ("session", "_binding", "_run_options", "_input", "_output", "shared"):
             self.__dict__.pop(name, None)
         super().close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import hashlib
 import logging
 import mmap
 import os
@@ -33,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -91,6 +92,15 @@ def trim_heap() -> None:
         return
 
 
+def model_digest(model_path: Path) -> str:
+    """SHA-256 (32 hex digits) of an ONNX file: the model a segment's initializers belong to."""
+    h = hashlib.sha256()
+    with open(model_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:32]
+
+
 def read_initializers(model_path: Path) -> dict[str, np.ndarray]:
     """The top-level graph's initializers of an ONNX file (external data included) that can be shared."""
     try:
@@ -120,7 +130,7 @@ def export_initializers(model_path: Path, handles_path: Path) -> SharedInitializ
         entries.append(TensorEntry((name,), "parameter", arr.dtype.name, tuple(int(d) for d in arr.shape), offset,
                                    int(arr.nbytes)))
         offset += -(-max(int(arr.nbytes), 1) // _ALIGN) * _ALIGN
-    token = uuid.uuid4().hex
+    token = f"{uuid.uuid4().hex}.{model_digest(model_path)}"  # the export, and the model it is of
     owner = os.environ.get(ENV_OWNER_PID, "")
     name = f"gpuprims-params-{owner if owner.isdigit() else os.getpid()}-{token[:12]}"
     fd = os.open(_SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -143,18 +153,25 @@ def export_initializers(model_path: Path, handles_path: Path) -> SharedInitializ
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(handles.to_bytes())
     os.replace(tmp, handles_path)  # importers never see a partial file
-    shared = map_initializers(handles)
+    shared = map_initializers(handles, model_path)
     shared.mode = "exported"
     return shared
 
 
-def map_initializers(handles: ParameterHandles | bytes) -> SharedInitializers:
+def map_initializers(handles: ParameterHandles | bytes, model_path: Path | None = None) -> SharedInitializers:
     """Map exported initializers (copy-on-write mapping: ORT gets writable arrays, yet never writes
-    initializers, so every page stays the segment's). ValueError when the export is gone or malformed."""
+    initializers, so every page stays the segment's). ValueError when the export is gone or malformed,
+    or (given ``model_path``) is of another model file: ORT does not check a given initializer's shape
+    against the graph at load, so a segment of another model must never reach a session."""
     if not isinstance(handles, ParameterHandles):
         handles = ParameterHandles.from_bytes(handles)
     if handles.backend != "cpu":
         raise ValueError(f"ONNX Runtime initializers are shared through CPU shared memory, got {handles.backend!r}")
+    if model_path is not None:
+        _, _, digest = handles.token.partition(".")
+        if digest != model_digest(model_path):
+            raise ValueError(f"the shared initializers are of another model than {model_path.name} "
+                             f"(digest {digest or 'none'})")
     path = _SHM_DIR / handles.handle.decode()
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -209,7 +226,7 @@ class InitializerSource:
                         self._error_path.write_text(f"{type(e).__name__}: {e}")
                     raise
             else:
-                self.shared = map_initializers(self._wait(self.path))
+                self.shared = map_initializers(self._wait(self.path), model_path)
         return self.shared
 
 
@@ -228,3 +245,26 @@ def take_shared(source: InitializerSource | None, model_path: Path, provider: st
         log.warning("%s: cannot share the initializers of %s (%s: %s); this session loads its own copy", who,
                     model_path.name, type(e).__name__, e)
         return None, f"{type(e).__name__}: {e}"
+
+
+@runtime_checkable
+class SharesInitializers(Protocol):
+    """An engine whose ONNX Runtime session can take shared initializers (set before prepare)."""
+
+    initializers_from: InitializerSource | None
+    shared: SharedInitializers | None
+
+
+def open_session(make: Callable[[SharedInitializers | None], Any], shared: SharedInitializers | None,
+                 why: str | None, who: str) -> tuple[Any, SharedInitializers | None, str | None]:
+    """``make(shared)``, and if a session over the shared initializers fails (a segment of another
+    model: a name or shape that does not fit), ``make(None)``: the session loads its own copy rather
+    than the instance falling back to another engine. Returns (session, shared or None, why not)."""
+    if shared is None:
+        return make(None), None, why
+    try:
+        return make(shared), shared, None
+    except ValueError as e:  # (EngineError) a refusal of the shared initializers: load our own
+        log.warning("%s: a session over the shared initializers failed (%s: %s); loading its own copy", who,
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return make(None), None, f"{type(e).__name__}: {e}"
