@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import random
 import select
@@ -90,6 +91,21 @@ class RequestLost(TimeoutError):
 
 
 @dataclass(frozen=True, slots=True)
+class ClientTrace:
+    """The client's side of one request's way (``Client(trace=True)``), CLOCK_MONOTONIC ns
+    (``time.monotonic_ns``, the clock the node's trace uses on the same host): ``start_ns`` the call,
+    ``client_ts_ns`` the request built (the wire header's, echoed by the node), ``first_sent_ns`` and
+    ``last_sent_ns`` its first and last datagram handed to the kernel, ``answered_ns`` its answer's last
+    datagram read by the receive thread (just before the Result is handed over)."""
+
+    start_ns: int
+    client_ts_ns: int
+    first_sent_ns: int
+    last_sent_ns: int
+    answered_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """One answered request: its status, output (OK only) and the latency the client saw.
 
@@ -105,6 +121,7 @@ class Result:
     latency_ms: float
     attempts: int = 1
     outputs: dict[str, np.ndarray] | None = None
+    trace: ClientTrace | None = None  #: the client's timestamps, from a Client made with trace=True
 
     @property
     def ok(self) -> bool:
@@ -253,19 +270,27 @@ class _Pending:
     future: concurrent.futures.Future[Result] | None = None
     to: Address | None = None  # where to send (default: the client's node)
     flags: int = 0  # wire flags (wire.FLAG_MORE: more of its query follow)
+    # Client(trace=True) only: the call, the request built, its first and last datagram sent (ns).
+    start_ns: int = 0
+    client_ts_ns: int = 0
+    first_sent_ns: int = 0
+    last_sent_ns: int = 0
 
 
 class Client:
     """Blocking client with a receive thread; ``submit`` returns a Future, so many can be in flight.
 
     ``node`` is the node's UDP listen address. ``bind_host`` is the local address to receive answers
-    on (default: any). Close it with ``close()`` or ``with``.
+    on (default: any). ``trace``: every Result carries its `ClientTrace` (the client's timestamps of
+    the request, to join with the node's stage trace, orchestrator.serving ``TRACE_ENV``); off, the
+    path takes no timestamps beyond the latency. Close it with ``close()`` or ``with``.
     """
 
     def __init__(self, node: Address = ("127.0.0.1", 9000), *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  retries: int = 0, chunk_payload: int = wire.DEFAULT_CHUNK_PAYLOAD,
-                 bind_host: str | None = None) -> None:
+                 bind_host: str | None = None, trace: bool = False) -> None:
         _check_args(timeout_s, retries, chunk_payload)
+        self.trace = bool(trace)
         self.node = (str(node[0]), int(node[1]))
         self.timeout_s, self.retries = float(timeout_s), retries
         self._book = _Book(chunk_payload)
@@ -304,6 +329,7 @@ class Client:
         ``{name: array}`` (a multi-tensor body; :func:`request_body`). ``more``: another request of
         the same query follows at once (`wire.FLAG_MORE`; `infer_many` sets it on all but the last), so
         the instance may hold this one to batch it with the rest."""
+        start_ns = time.monotonic_ns() if self.trace else 0
         if not self._thread.is_alive():
             raise RuntimeError("client is closed")
         body = request_body(tensor)
@@ -312,7 +338,8 @@ class Client:
         _check_request(app_id, deadline_us)
         p = _Pending(app_id=int(app_id), body=body, deadline_us=int(deadline_us), timeout_ns=round(t * 1e9),
                      attempts_left=self.retries + 1, first_ns=0, future=concurrent.futures.Future(),
-                     to=None if to is None else (str(to[0]), int(to[1])), flags=wire.FLAG_MORE if more else 0)
+                     to=None if to is None else (str(to[0]), int(to[1])), flags=wire.FLAG_MORE if more else 0,
+                     start_ns=start_ns)
         self._send(p)
         assert p.future is not None
         return p.future
@@ -342,12 +369,23 @@ class Client:
             p.expires_ns = ts + p.timeout_ns
             self._pending[(p.app_id, rid)] = p
         try:
-            for d in dgrams:
-                self._sock.sendto(d, p.to or self.node)
+            if self.trace:
+                self._send_traced(p, dgrams, ts)
+            else:
+                for d in dgrams:
+                    self._sock.sendto(d, p.to or self.node)
         except OSError:
             with self._lock:
                 self._pending.pop((p.app_id, rid), None)
             raise
+
+    def _send_traced(self, p: _Pending, dgrams: list[bytes], ts: int) -> None:
+        to = p.to or self.node
+        self._sock.sendto(dgrams[0], to)
+        first = time.monotonic_ns()
+        for d in dgrams[1:]:
+            self._sock.sendto(d, to)
+        p.client_ts_ns, p.first_sent_ns, p.last_sent_ns = ts, first, time.monotonic_ns()
 
     def _send_again(self, p: _Pending) -> None:
         """A retry from the receive thread: a send error fails the request instead of the thread."""
@@ -399,6 +437,9 @@ class Client:
             self._book.malformed += 1
             p.future.set_exception(e)
             return
+        if self.trace:
+            res = dataclasses.replace(res, trace=ClientTrace(p.start_ns, p.client_ts_ns, p.first_sent_ns,
+                                                             p.last_sent_ns, now_ns))
         p.future.set_result(res)
 
     def _expire(self, now_ns: int) -> None:

@@ -17,10 +17,14 @@ instance ends (Finish, Shutdown).
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -49,7 +53,81 @@ PULL_MAX = 64
 #: How long an answer may wait for room in the answer ring before the ingest counts as gone (us).
 ANSWER_TIMEOUT_US = 5_000_000
 
+#: Opt-in trace of every request an instance answers on its fast path: the directory named by this
+#: environment variable (of the instance's process) gets one JSON line per request (`TracedRequest`) in
+#: ``<instance>-<pid>.trace.jsonl``. Unset (the default): nothing is timed or written beyond one check
+#: per batch. bench/single_stream ``--trace`` joins it with the client's side (gpuprims.client ``trace``).
+TRACE_ENV = "GPUPRIMS_TRACE_DIR"
+
 log = logging.getLogger("gpuprims.instance")
+
+
+@dataclass(frozen=True, slots=True)
+class TracedRequest:
+    """One request's way through the node, CLOCK_MONOTONIC ns (one clock for every process on a host,
+    ``time.monotonic_ns``): ``client_ts_ns`` the client's clock when it built the request (the wire
+    header's), ``first_ns`` its first datagram in at the ingest, ``complete_ns`` reassembly complete and
+    pushed to the instance's ring, ``woke_ns`` the instance took its batch's first request off the ring,
+    ``take_ns`` the batch started (after the batching wait), ``gathered_ns`` the batch gathered,
+    ``model_ns`` the engine done, ``answered_ns`` the answers published to the answer ring (the ingest
+    sends them); ``batch`` its batch's size."""
+
+    instance: str
+    request_id: int
+    client_ts_ns: int
+    first_ns: int
+    complete_ns: int
+    woke_ns: int
+    take_ns: int
+    gathered_ns: int
+    model_ns: int
+    answered_ns: int
+    batch: int
+
+
+class StageTrace:
+    """Where an instance writes `TracedRequest` lines when `TRACE_ENV` names a directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = path.open("a", buffering=1)  # a line each: readable while running
+
+    @classmethod
+    def from_env(cls, instance: str) -> StageTrace | None:
+        """The trace `TRACE_ENV` asks for, or None. A directory that cannot be written is logged and the
+        instance serves untraced (a trace is a measurement aid, never a reason not to serve)."""
+        where = os.environ.get(TRACE_ENV)
+        if not where:
+            return None
+        try:
+            d = Path(where)
+            d.mkdir(parents=True, exist_ok=True)
+            return cls(d / f"{instance}-{os.getpid()}.trace.jsonl")
+        except OSError as e:
+            log.warning("%s: %s=%r cannot be written (%s): serving untraced", instance, TRACE_ENV, where, e)
+            return None
+
+    def write(self, rows: list[TracedRequest]) -> None:
+        if self._file is not None:
+            self._file.write("".join(json.dumps(asdict(r)) + "\n" for r in rows))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_trace(directory: Path) -> list[TracedRequest]:
+    """Every `TracedRequest` the instances wrote under `directory` (`TRACE_ENV`); a line cut short by an
+    instance that ended mid-write is skipped."""
+    out = []
+    for path in sorted(directory.glob("*.trace.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(TracedRequest(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return out
 
 
 class LatencyStats:
@@ -152,6 +230,7 @@ class ServingLoop:
         self.stage_queues: dict[str, collections.deque[tuple[int, np.ndarray]]] = {}
         self._last_error: str | None = None
         self.gatherer: Gatherer | None = None
+        self.trace = StageTrace.from_env(spec.name)  # None unless TRACE_ENV asks for it
 
     def attach(self, gatherer: Gatherer) -> None:
         """Take the gather step the runner made for the device (at init_compute)."""
@@ -310,6 +389,8 @@ class ServingLoop:
         if not clock.running:
             clock.start()
         clock.lap("wait")
+        trace = self.trace
+        take_ns = time.monotonic_ns() if trace is not None else 0
         q, g = self.queue, self.gatherer
         assert g is not None
         host = isinstance(g, HostGatherer)  # then take copies the payloads into its batch buffer too
@@ -334,6 +415,7 @@ class ServingLoop:
                 clock.cancel()
                 return
         clock.lap("gather")  # the seam's own bookkeeping (the host gatherer laps its copy itself)
+        gathered_ns = time.monotonic_ns() if trace is not None else 0
         done = self._timed_run(self.runner.model, x, "model", recs, info if info is not None else q.batch_info)
         if done is None:
             q.clear_batch()
@@ -356,13 +438,27 @@ class ServingLoop:
             oldest = info[int(np.argmin(info["first_ns"]))]
             first, complete = int(oldest["first_ns"]), int(oldest["complete_ns"])
         else:  # one model, the whole batch: one native call answers it and measures its latencies
+            traced = q.batch_info().copy() if trace is not None else None
+            model_ns = time.monotonic_ns() if trace is not None else 0
             first, complete = self._answer_batch(out.float().cpu().numpy().reshape(n, -1), model_ms)
+            if trace is not None and traced is not None:
+                self._write_trace(trace, traced, take_ns, gathered_ns, model_ns)
         self.stats.mark_answered(model_ms)
         clock.lap("respond")
         self._clock_ingest(first, complete)
         clock.end()
         if self.queue:
             clock.start()  # requests left in the local queue: the next batch's wait starts now
+
+    def _write_trace(self, trace: StageTrace, info: np.ndarray, take_ns: int, gathered_ns: int,
+                     model_ns: int) -> None:
+        """Write the batch just answered (``info``: its records) to the trace (`TRACE_ENV`)."""
+        answered_ns = time.monotonic_ns()
+        woke_ns = self.stats.stages.start_ns
+        n = len(info)
+        trace.write([TracedRequest(self.spec.name, int(r["request_id"]), int(r["client_ts_ns"]), int(r["first_ns"]),
+                                   int(r["complete_ns"]), woke_ns, take_ns, gathered_ns, model_ns, answered_ns, n)
+                     for r in info])
 
     def _answer_batch(self, body: np.ndarray, model_ms: float) -> tuple[int, int]:
         """Answer the local queue's current batch OK with ``body`` (one row each) and count it; returns
@@ -562,6 +658,8 @@ class ServingLoop:
 
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         if self.gatherer is not None:
             self.gatherer.close()  # before the pool it registered goes
             self.gatherer = None

@@ -496,3 +496,17 @@ def test_async_infer_many_sends_one_query_too() -> None:
         assert all(r.ok for r in asyncio.run(run(node.address)))
     by_rid = {wire.unpack_header(d).request_id: wire.unpack_header(d).flags for d in node.datagrams}
     assert [by_rid[r] for r in sorted(by_rid)] == [wire.FLAG_MORE, wire.FLAG_MORE, 0]
+
+
+def test_a_traced_client_gives_each_result_its_timestamps_in_order_and_an_untraced_one_none() -> None:
+    x = _input(3)  # 3 datagrams
+    with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node:
+        with Client(node.address, timeout_s=5, trace=True) as c:
+            r = c.infer(4, x)
+        with Client(node.address, timeout_s=5) as plain:
+            assert plain.infer(4, x).trace is None
+    t = r.trace
+    assert t is not None
+    assert 0 < t.start_ns <= t.client_ts_ns <= t.first_sent_ns <= t.last_sent_ns <= t.answered_ns
+    sent = [wire.unpack_header(d) for d in node.datagrams[:3]]
+    assert {h.client_ts_ns for h in sent} == {t.client_ts_ns} and sent[0].request_id == r.request_id

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from gpuprims.stats import STAGES
 from gpuprims.wire import Status
 from orchestrator import instance as instance_mod
 from orchestrator.instance import LATENCY_MEMORY_S, PROBE_AFTER_S, Instance, InstanceSpec
+from orchestrator.serving import TRACE_ENV, read_trace
 
 SHAPE = (3, 32, 32)
 
@@ -518,3 +520,32 @@ def test_an_oip_request_of_8_rows_is_queued_as_one_query_and_served_as_one_batch
         assert dict(inst.stats.batch_sizes) == {8: 1}
     finally:
         port.close()
+
+
+def test_a_traced_instance_writes_each_requests_stage_timestamps_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))
+    for inst, ing, sock in _instance(slo_ms=60_000.0):  # a deadline no cold first run misses
+        assert inst.serving.trace is not None
+        for rid in (7, 8, 9):
+            _send(ing, sock, rid)
+            assert _answer(inst, sock).status == Status.OK
+    rows = read_trace(tmp_path / "trace")
+    assert sorted(r.request_id for r in rows) == [7, 8, 9]
+    for r in rows:
+        assert r.instance == "t-0" and r.batch == 1
+        assert 0 < r.first_ns <= r.complete_ns <= r.woke_ns <= r.take_ns <= r.gathered_ns <= r.model_ns <= r.answered_ns
+
+
+def test_an_instance_is_untraced_by_default_and_when_the_trace_directory_cannot_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    for inst, _, _ in _instance():
+        assert inst.serving.trace is None
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(TRACE_ENV, str(blocker / "trace"))
+    for inst, ing, sock in _instance(slo_ms=60_000.0):
+        assert inst.serving.trace is None  # logged, and served untraced
+        _send(ing, sock, 1)
+        assert _answer(inst, sock).status == Status.OK
