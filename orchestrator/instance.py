@@ -49,6 +49,7 @@ from orchestrator.control import connect_instance_from_env
 from orchestrator.file_runner import FileRunner
 from orchestrator.launch import die_with_parent
 from orchestrator.logs import setup_logging
+from orchestrator.memory import instance_device_bytes
 from orchestrator.messages import (
     Ended,
     Error,
@@ -258,7 +259,8 @@ class Instance:
         self._last_beat = now
         snap = self.serving.snapshot()
         snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
-                    params=self.runner.params_mode, engine=self.runner.describe(), mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+                    params=self.runner.params_mode, engine=self.runner.describe(), mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                    device_bytes=instance_device_bytes(self.spec.backend))
         with contextlib.suppress(Exception):
             self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
 

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from gpuprims import __version__
 from gpuprims.stats import DurationHistogram, RequestHistograms, add_wire
 
-__all__ = ["FAILURE_REASONS", "AppStatistics", "MetricsServer"]
+__all__ = ["FAILURE_REASONS", "AppStatistics", "MetricsServer", "NodeLoad"]
 
 #: Status rates are over about this many seconds of heartbeats (not since the instance started).
 RATE_WINDOW_S = 5.0
@@ -90,11 +90,29 @@ class FrontDoorCounts:
     execution_count: int = 0  # inferences answered OK
     last_inference_ms: int = 0  # Unix time of the last inference answered OK
     statuses: dict[str, int] = field(default_factory=dict)  # row answers by wire status name (LOST: none)
+    admitted: dict[int, int] = field(default_factory=dict)  # inferences admitted, by priority level
+    refused: dict[tuple[int, str], int] = field(default_factory=dict)  # refused, by (level, reason)
 
     def as_dict(self) -> dict[str, Any]:
+        refused: dict[str, dict[str, int]] = {}
+        for (level, reason), n in sorted(self.refused.items()):
+            refused.setdefault(str(level), {})[reason] = n
         return {"success": self.success.as_dict(), "fail": self.fail.as_dict(), "node": self.node.as_dict(),
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
-                "last_inference_ms": self.last_inference_ms, "statuses": dict(self.statuses)}
+                "last_inference_ms": self.last_inference_ms, "statuses": dict(self.statuses),
+                "admission": {"admitted": {str(k): n for k, n in sorted(self.admitted.items())}, "refused": refused}}
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """What an app's live instances said in their last heartbeats, summed: the front door's admission
+    reads it (orchestrator/frontdoor/admission.py). Cumulative counters since each instance started."""
+
+    held: int = 0  # requests queued or running at the instances
+    batches: int = 0
+    rows_run: int = 0  # requests run through the model (answered OK or with a model error)
+    busy_ms: float = 0.0  # time spent running the model
+    instances: int = 0  # live instances that heartbeat
 
 
 @dataclass
@@ -182,6 +200,25 @@ class AppStatistics:
                 d.last_inference_ms = int(time.time() * 1e3)
             for k, n in statuses.items():
                 d.statuses[k] = d.statuses.get(k, 0) + int(n)
+
+    def record_admission(self, level: int, reason: str | None) -> None:
+        """One inference at the front door's admission: admitted at priority ``level`` (``reason``
+        None), or refused for ``reason`` (``queue_full``, ``predicted_late``)."""
+        with self._lock:
+            d = self._door
+            if reason is None:
+                d.admitted[level] = d.admitted.get(level, 0) + 1
+            else:
+                d.refused[(level, reason)] = d.refused.get((level, reason), 0) + 1
+
+    def node_load(self) -> NodeLoad:
+        """The live instances' last heartbeats, summed (cheap: no histograms)."""
+        with self._lock:
+            lives = [lv.stats for lv in self._live.values()]
+        return NodeLoad(held=sum(_as_count(s.get("held")) for s in lives),
+                        batches=sum(_as_count(s.get("batches")) for s in lives),
+                        rows_run=sum(_as_count(s.get("ok")) + _as_count(s.get("errors")) for s in lives),
+                        busy_ms=sum(_num(s.get("busy_ms")) or 0.0 for s in lives), instances=len(lives))
 
     def _merged(self) -> tuple[dict[str, Any], dict[str, int], RequestHistograms]:
         totals: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
@@ -376,6 +413,10 @@ class _Collector(Collector):
             "held": GaugeMetricFamily("gpuprims_app_held_requests", "Requests the app's instances hold (queued "
                                       "plus running)", labels=a_),
         }
+        admitted = CounterMetricFamily("gpuprims_frontdoor_admitted", "Inferences the HTTP/gRPC front door admitted, "
+                                       "by priority level (1 highest)", labels=["app", "level"])
+        refused = CounterMetricFamily("gpuprims_frontdoor_refused", "Inferences the HTTP/gRPC front door refused at "
+                                      "admission, by priority level and reason", labels=["app", "level", "reason"])
         roles = GaugeMetricFamily("gpuprims_app_instances", "Instance processes of the app by role",
                                   labels=["app", "role"])
         device = GaugeMetricFamily("gpuprims_app_device_share_ratio", "The app's share (0-1, summed over its "
@@ -423,6 +464,13 @@ class _Collector(Collector):
                 g["slo"].add_metric([app], slo / 1000)
             for key in ("queue_len", "held"):
                 g[key].add_metric([app], float(_as_count(a.get(key))))
+            door = a.get("oip") if isinstance(a.get("oip"), Mapping) else {}
+            adm = door.get("admission") if isinstance(door.get("admission"), Mapping) else {}
+            for level, n in (adm.get("admitted") or {}).items():
+                admitted.add_metric([app, str(level)], float(_as_count(n)))
+            for level, by in (adm.get("refused") or {}).items():
+                for reason, n in (by.items() if isinstance(by, Mapping) else ()):
+                    refused.add_metric([app, str(level), str(reason)], float(_as_count(n)))
             per_dev: dict[str, float] = {}
             for i in insts:
                 if i.get("gpu") is not None and i.get("role", "active") == "active":
@@ -447,10 +495,13 @@ class _Collector(Collector):
         yield from hist.values()
         yield batch
         yield from g.values()
+        yield admitted
+        yield refused
         yield roles
         yield device
         yield from ovf.values()
         yield from _engine_families(apps)
+        yield from _memory_families(st, apps)
         yield from self._node_families(st)
 
     @staticmethod
@@ -522,6 +573,56 @@ def _engine_families(apps: Mapping[str, Any]) -> Iterator[Any]:
                 hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
     yield build
     yield hit
+
+
+_MEMORY_KINDS = (("pss", "pss_bytes"), ("device", "device_bytes"))
+
+
+def _memory_families(st: Mapping[str, Any], apps: Mapping[str, Any]) -> Iterator[Any]:
+    """Memory (orchestrator/memory.py): each instance's and app's PSS and device memory, each of the node's
+    own processes' PSS (node, fork servers, Param-Share holders), and the whole tree's. A figure not known
+    (not read yet, unreadable, no device memory on the CPU backend) has no sample."""
+    inst = GaugeMetricFamily("gpuprims_instance_memory_bytes", "An instance process's memory: kind=pss its "
+                             "proportional set size, kind=device the device memory it allocated",
+                             labels=["app", "instance", "kind"])
+    app_fam = GaugeMetricFamily("gpuprims_app_memory_bytes", "The app's instances' memory summed (actives, "
+                                "shadow, draining, overflow), by kind (pss, device)", labels=["app", "kind"])
+    for name, a in apps.items():
+        if not isinstance(a, Mapping):
+            continue
+        for key, field_ in _MEMORY_KINDS:
+            v = _num(_as_mapping(a.get("memory")).get(field_))
+            if v is not None:
+                app_fam.add_metric([str(name), key], v)
+        for i in a.get("instances") or ():
+            if not isinstance(i, Mapping):
+                continue
+            for key, field_ in _MEMORY_KINDS:
+                v = _num(_as_mapping(i.get("memory")).get(field_))
+                if v is not None:
+                    inst.add_metric([str(name), str(i.get("name", "?")), key], v)
+    mem = _as_mapping(_as_mapping(st.get("node")).get("memory"))
+    procs = GaugeMetricFamily("gpuprims_node_process_memory_bytes", "PSS of the node's processes other than "
+                              "instances: the node itself, its fork servers, its Param-Share holders",
+                              labels=["process", "pid"])
+    for p in mem.get("processes") or ():
+        v = _num(_as_mapping(p).get("pss_bytes"))
+        if v is not None:
+            procs.add_metric([str(p.get("kind", "?")), str(p.get("pid", "?"))], v)
+    whole = GaugeMetricFamily("gpuprims_node_memory_bytes", "The whole node's memory (its processes and every "
+                              "instance), by kind (pss, device)", labels=["kind"])
+    for key, field_ in _MEMORY_KINDS:
+        v = _num(_as_mapping(mem.get("total")).get(field_))
+        if v is not None:
+            whole.add_metric([key], v)
+    yield inst
+    yield app_fam
+    yield procs
+    yield whole
+
+
+def _as_mapping(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
 
 
 def _status_ready(status: Mapping[str, Any]) -> bool:

@@ -66,7 +66,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
     lines = ["node: " + ("  ".join(head) if head else "-")]
     cols = ["APP / INSTANCE", "ROLE", "DEVICE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
-            "SLO att.", "ERRORS"]
+            "SLO att.", "PSS MB", "DEV MB", "ERRORS"]
     rows: list[list[str]] = []
     apps = {str(k): a for k, a in _mapping(status.get("apps")).items() if isinstance(a, Mapping)}
     for app_name, a in apps.items():
@@ -76,7 +76,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                      _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
                      _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
                      "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
-                     _counts(_errors(a))])
+                     *_mem(a.get("memory")), _counts(_errors(a))])
         insts = a.get("instances")
         for i in insts if isinstance(insts, list) else ():
             if not isinstance(i, Mapping):
@@ -85,7 +85,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                          _fmt(i.get("gpu_pct"), "d"),
                          _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
                          _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
-                         "", _pct(i.get("slo_attainment")), _counts(_errors(i))])
+                         "", _pct(i.get("slo_attainment")), *_mem(i.get("memory")), _counts(_errors(i))])
     if rows:
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
         left = {0, 1, 2, len(cols) - 1}
@@ -110,6 +110,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                          + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
     lines.extend(_engine_lines(apps))
+    lines.extend(_memory_lines(node.get("memory")))
     drops = dict(_mapping(status.get("drops")))
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
@@ -180,6 +181,35 @@ def _engine_lines(apps: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 if isinstance(d, Mapping) and (d.get("kind") != "eager" or d.get("fallback")):
                     out.append(_engine_line(f"{i.get('name', '?')}{f' stage {stage}' if stage else ''}", d))
     return out
+
+
+def _mb(v: Any) -> str:
+    n = _num(v)
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def _mem(v: Any) -> tuple[str, str]:
+    """An app's or instance's memory cells: PSS and device memory in MiB (``-`` when not known)."""
+    m = _mapping(v)
+    return _mb(m.get("pss_bytes")), _mb(m.get("device_bytes"))
+
+
+def _memory_lines(v: Any) -> list[str]:
+    """The node's memory (orchestrator.memory.NodeMemory): its own processes' PSS by kind, the
+    instances' sum, the whole tree's total."""
+    m = _mapping(v)
+    if not m:
+        return []
+    by_kind: dict[str, list[str]] = {}
+    for p in m.get("processes") or ():
+        if isinstance(p, Mapping):
+            by_kind.setdefault(str(p.get("kind", "?")), []).append(f"{_mb(p.get('pss_bytes'))} (pid {p.get('pid')})")
+    parts = [f"{kind.replace('_', ' ')} {', '.join(vals)}" for kind, vals in by_kind.items()]
+    insts, whole = _mapping(m.get("instances")), _mapping(m.get("total"))
+    parts.append(f"instances {_mb(insts.get('pss_bytes'))}")
+    dev = "" if _num(whole.get("device_bytes")) is None else f", device {_mb(whole.get('device_bytes'))}"
+    unread = f"  ({_fmt(m.get('unreadable'), 'd')} unreadable reads)" if _as_count(m.get("unreadable")) else ""
+    return [f"memory (PSS MB): {'  '.join(parts)}  total {_mb(whole.get('pss_bytes'))}{dev}{unread}"]
 
 
 def _dev(v: Any) -> str:

@@ -46,7 +46,8 @@ from orchestrator.config import AppConfig, NodeConfig
 from orchestrator.control import ControlServer, instance_env
 from orchestrator.errors import SupervisionError
 from orchestrator.launch import ENV_IMPORT_NICE
-from orchestrator.launcher import Launcher
+from orchestrator.launcher import ForkLauncher, Launcher
+from orchestrator.memory import MemoryReading, MemorySampler, NodeMemory, ProcessMemory, total
 from orchestrator.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.overflow import OVERFLOW_ROLE, NodeOverflow
 from orchestrator.param_share import ENV_HOLDER, HOLDER_MODULE, HolderProcess, HolderSpec, ParamShare
@@ -118,6 +119,7 @@ class Supervisor:
         self._overflow_not_before: dict[str, float] = {}
         self.holder_launcher = holder_launcher
         params.bind(backend, self._start_holder, cfg.gpu_of)
+        self.memory = MemorySampler()
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
@@ -194,6 +196,40 @@ class Supervisor:
         if self.mps is not None:
             env.update(self.mps.env(HOLDER_GPU_PCT))
         return self.holder_launcher(env)
+
+    # -- memory --------------------------------------------------------------------------------------
+    def _own_processes(self) -> list[tuple[str, int]]:
+        """The node's processes that are not instances, as (kind, pid): itself, its fork servers and
+        its Param-Share holders."""
+        out = [("node", os.getpid())]
+        if isinstance(self.launcher, ForkLauncher):
+            out += [("fork_server", int(d["pid"])) for d in self.launcher.describe() if isinstance(d.get("pid"), int)]
+        out += [("param_holder", h.pid) for h in self.params.holders()]
+        return out
+
+    def sample_memory(self, now: float) -> None:
+        """Read the PSS of every process of the node, at most every ``memory.interval_s`` (the node's
+        loop calls this each pass; orchestrator/memory.py)."""
+        if self.memory.due(now):
+            pids = [pid for _, pid in self._own_processes()] + [st.pid for st in self.instances.values()]
+            self.memory.sample(now, pids)
+
+    def instance_memory(self, st: InstanceState) -> MemoryReading:
+        """An instance's last PSS reading and its heartbeat's device memory (cuda backend)."""
+        dev = st.stats.get("device_bytes")
+        ok = isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0
+        return MemoryReading(self.memory.get(st.pid), dev if ok else None)
+
+    def app_memory(self, app_name: str) -> MemoryReading:
+        """The sum over the app's instances (actives, shadow, finishing, overflow)."""
+        return total(self.instance_memory(st) for st in self.instances.values() if st.app == app_name)
+
+    def node_memory(self) -> NodeMemory:
+        """The node's processes, its instances' sum, and the total of the whole tree."""
+        procs = tuple(ProcessMemory(kind, pid, self.memory.get(pid)) for kind, pid in self._own_processes())
+        insts = total(self.instance_memory(st) for st in self.instances.values())
+        whole = total([insts, *(MemoryReading(p.pss_bytes) for p in procs)])
+        return NodeMemory(procs, insts, whole, self.memory.unreadable)
 
     def next_name(self, app: str, kind: str) -> str:
         """A fresh instance name: ``<app>-<kind><n>`` (``s`` shadow, ``r`` replacement, ``k`` restart)."""

@@ -171,6 +171,30 @@ def _release(fn: Any, *args: Any) -> None:
         log.error("CUDA context lost (%s): %s not released, it goes with the process", e.name, e.call)
 
 
+#: Device memory this process holds through :class:`DeviceMemory`, by device (bytes).
+_device_bytes: dict[int, int] = {}
+
+
+def _count_device(device: int, nbytes: int) -> None:
+    _device_bytes[device] = _device_bytes.get(device, 0) + nbytes
+
+
+def _free_device(rt: Any, device: int, ptr: int, nbytes: int) -> None:
+    """DeviceMemory's finalizer: cudaFree, then the count goes down (also when the context is lost: the
+    memory goes with it)."""
+    _release(rt.cuda_free, device, ptr)
+    _count_device(device, -nbytes)
+
+
+def device_bytes_in_use(device: int | None = None) -> int:
+    """Bytes of device memory this process allocated through :class:`DeviceMemory` (cudaMalloc) and has
+    not freed, on ``device`` or on all devices. A per-process count (cudaMemGetInfo's is per device);
+    memory torch's allocator holds is not in it (see ``orchestrator.memory``)."""
+    if device is not None:
+        return _device_bytes.get(device, 0)
+    return sum(_device_bytes.values())
+
+
 def _host_array(address: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
     buf = (ctypes.c_char * nbytes).from_address(address)
     return np.frombuffer(buf, dtype=np.uint8).view(dtype)
@@ -191,7 +215,8 @@ class DeviceMemory:
         self.device = device
         self.nbytes = nbytes
         self.ptr = int(rt.cuda_malloc(device, nbytes))
-        self._finalizer = weakref.finalize(self, _release, rt.cuda_free, device, self.ptr)
+        _count_device(device, nbytes)
+        self._finalizer = weakref.finalize(self, _free_device, rt, device, self.ptr, nbytes)
         self._finalizer.atexit = False
 
     @property

@@ -419,3 +419,40 @@ def test_devices_and_expired_held_answers_in_status_and_metrics() -> None:
     text = format_status(status)
     assert "DEVICE" in text and re.search(r"a-0\s+active\s+gpu 1\s+30", text), text
     assert "ingest drops:" in text and "answers_expired=3" in text, text
+
+
+def _memory_status() -> dict[str, Any]:
+    mib = 1 << 20
+    return {"node": {"memory": {"processes": [{"kind": "node", "pid": 10, "pss_bytes": 90 * mib},
+                                              {"kind": "fork_server", "pid": 11, "pss_bytes": 150 * mib},
+                                              {"kind": "param_holder", "pid": 12, "pss_bytes": None}],
+                                "instances": {"pss_bytes": 300 * mib, "device_bytes": 64 * mib},
+                                "total": {"pss_bytes": 540 * mib, "device_bytes": 64 * mib}, "unreadable": 1}},
+            "apps": {"a": {"memory": {"pss_bytes": 300 * mib, "device_bytes": 64 * mib},
+                           "instances": [{"name": "a-0", "role": "active",
+                                          "memory": {"pss_bytes": 200 * mib, "device_bytes": 64 * mib}},
+                                         {"name": "a-s1", "role": "shadow",
+                                          "memory": {"pss_bytes": 100 * mib, "device_bytes": None}},
+                                         {"name": "a-k2", "role": "active", "memory": "garbage"}]}}}
+
+
+def test_memory_in_status_and_metrics() -> None:
+    fams = {f.name: f for f in _Collector(_memory_status).collect()}
+    mib = 1 << 20
+    inst = {(s.labels["instance"], s.labels["kind"]): s.value for s in fams["gpuprims_instance_memory_bytes"].samples}
+    assert inst == {("a-0", "pss"): 200 * mib, ("a-0", "device"): 64 * mib, ("a-s1", "pss"): 100 * mib}
+    app = {(s.labels["app"], s.labels["kind"]): s.value for s in fams["gpuprims_app_memory_bytes"].samples}
+    assert app == {("a", "pss"): 300 * mib, ("a", "device"): 64 * mib}
+    procs = {(s.labels["process"], s.labels["pid"]): s.value for s in fams["gpuprims_node_process_memory_bytes"].samples}
+    assert procs == {("node", "10"): 90 * mib, ("fork_server", "11"): 150 * mib}  # the unread holder: no sample
+    assert {s.labels["kind"]: s.value for s in fams["gpuprims_node_memory_bytes"].samples} == \
+        {"pss": 540 * mib, "device": 64 * mib}
+    text = format_status(_memory_status())
+    lines = text.splitlines()
+    assert "PSS MB" in lines[1] and "DEV MB" in lines[1]
+    assert " 300 " in next(ln for ln in lines if ln.startswith("a (id -)"))
+    shadow = next(ln for ln in lines if ln.startswith("  a-s1"))
+    assert " 100 " in shadow and " - " in shadow
+    mem = next(ln for ln in lines if ln.startswith("memory (PSS MB):"))
+    assert "node 90 (pid 10)" in mem and "fork server 150 (pid 11)" in mem and "param holder - (pid 12)" in mem
+    assert "instances 300" in mem and "total 540, device 64" in mem and "1 unreadable" in mem
