@@ -32,8 +32,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gpuprims.engines import EngineError, check_engine, engine_class
-from gpuprims.engines.files import file_engine_class, resolve_file_kind
+from gpuprims.engines import EngineError, check_engine
+from gpuprims.engines.files import resolve_file_kind
+from gpuprims.engines.kinds import engine_kind, file_engine_kind
 from gpuprims.modelrepo import ModelConfig
 from orchestrator import model_files
 from orchestrator.model_files import MODEL_FILE_SUFFIXES, is_model_file
@@ -227,12 +228,12 @@ def _engine_ref(v: Any) -> EngineChoice:
         raise ValueError(f"must be an engine name such as 'eager' or 'onnxruntime', or a mapping "
                          f"{{kind: NAME, option: value, ...}}, got {v!r}")
     try:
-        engine_class(kind).validate_options(options)  # the kind and its option names; the backend later
+        engine_kind(kind).validate_options(options)  # the kind and its options (no engine module imported)
     except EngineError as e:
         # A kind that only runs model files (torchscript, torch_export), or a file kind's own options: the
         # app checks it against its model (AppConfig._check).
         try:
-            file_engine_class(kind).validate_options(options)
+            file_engine_kind(kind).validate_options(options)
         except EngineError:
             raise ValueError(str(e)) from None
     return EngineChoice(kind=kind, options=options)
@@ -318,21 +319,17 @@ def is_loopback(host: str) -> bool:
     return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
-class RepositoryConfig(BaseModel):
-    """``node.repository``: the OIP model-repository API (load/unload apps at run time) on the front door.
-
-    Off unless ``enabled``. A load can name a user model (``module:factory``), code the node imports,
-    so the API takes a bearer token (read from ``token_file`` or the environment variable
-    ``token_env``); without one it is refused on any address but loopback (docs/oip.md)."""
+class TokenSource(BaseModel):
+    """Where a bearer token is read when the node starts: the file ``token_file`` or the environment
+    variable ``token_env`` (one of them, or neither: no token)."""
 
     model_config = _STRICT
 
-    enabled: bool = False
     token_file: str | None = None
     token_env: str | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> RepositoryConfig:
+    def _one_source(self) -> TokenSource:
         if self.token_file is not None and self.token_env is not None:
             raise _problem("token_env", "give token_file or token_env, not both")
         for key in ("token_file", "token_env"):
@@ -344,6 +341,35 @@ class RepositoryConfig(BaseModel):
     @property
     def has_token(self) -> bool:
         return self.token_file is not None or self.token_env is not None
+
+
+class RepositoryConfig(TokenSource):
+    """``node.repository``: the OIP model-repository API (load/unload apps at run time) on the front door.
+
+    Off unless ``enabled``. A load can name a user model (``module:factory``), code the node imports,
+    so the API takes a bearer token (read from ``token_file`` or the environment variable
+    ``token_env``); without one it is refused on any address but loopback (docs/oip.md)."""
+
+    enabled: bool = False
+
+
+class TlsConfig(BaseModel):
+    """``node.tls``: the front door serves HTTPS and gRPC over TLS with the PEM certificate (chain)
+    ``cert`` and its private key ``key``; with ``ca`` it also requires a client certificate signed by
+    that CA (mutual TLS). The files are read when the node starts (docs/oip.md, "TLS and tokens")."""
+
+    model_config = _STRICT
+
+    cert: str
+    key: str
+    ca: str | None = None
+
+    @field_validator("cert", "key", "ca")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must be a PEM file path")
+        return v
 
 
 class NodeSettings(BaseModel):
@@ -389,6 +415,9 @@ class NodeSettings(BaseModel):
     engine_cache: str | None = None
     # The model-repository API on the front door (load/unload apps at run time; docs/oip.md).
     repository: RepositoryConfig = RepositoryConfig()
+    # The front door's TLS (HTTP and gRPC) and the bearer token inference calls must carry (docs/oip.md).
+    tls: TlsConfig | None = None
+    auth: TokenSource = TokenSource()
     # A Triton model repository (docs/apps-yaml.md, "Model files"): every model in it becomes an app, after
     # the apps listed under ``apps:``. ``model_control_mode`` as Triton's: none (serve every model),
     # explicit (only those in ``load_models``), poll (also look for new versions and changed files every
@@ -466,6 +495,13 @@ class NodeSettings(BaseModel):
                                          f"{self.listen.host!r} (not loopback) it needs token_file or token_env")
         return self
 
+    @model_validator(mode="after")
+    def _security_needs_a_front_door(self) -> NodeSettings:
+        for key, on in (("tls", self.tls is not None), ("auth", self.auth.has_token)):
+            if on and not self.frontdoor_enabled:
+                raise _problem(key, "applies to the OIP front door; set node.http_port or grpc_port")
+        return self
+
     @property
     def frontdoor_enabled(self) -> bool:
         """True when the OIP front door serves HTTP or gRPC."""
@@ -480,6 +516,39 @@ class NodeSettings(BaseModel):
     def default_gpu(self) -> int:
         """The device an app without ``gpu`` lands on: the first listed, or 0 with ``gpus: all``."""
         return 0 if self.gpus == "all" else self.gpus[0]
+
+
+class QueuePolicyConfig(BaseModel):
+    """``admission.default_queue_policy`` of an app: Triton's ``ModelQueuePolicy`` (docs/oip.md, "Admission")."""
+
+    model_config = _STRICT
+
+    max_queue_size: int = Field(0, ge=0, le=2**31 - 1)
+    default_timeout_microseconds: int = Field(0, ge=0, le=2**32 - 1)
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    allow_timeout_override: bool = False
+
+
+class AdmissionConfig(BaseModel):
+    """``admission:`` of an app: the front door's queue policy and priority levels, as Triton's
+    ``dynamic_batching`` names them, and the HTTP code of a refusal (503, or 429). A model file's
+    config.pbtxt ``dynamic_batching`` gives the same keys; this section, where given, overrides them."""
+
+    model_config = _STRICT
+
+    default_queue_policy: QueuePolicyConfig = QueuePolicyConfig()
+    priority_levels: int = Field(0, ge=0, le=255)
+    default_priority_level: int = Field(0, ge=0, le=255)
+    refuse_status: Literal[503, 429] = 503
+
+    @model_validator(mode="after")
+    def _levels(self) -> AdmissionConfig:
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            raise _problem("default_priority_level", f"must be 1..{self.priority_levels} (priority_levels), "
+                                                     f"got {self.default_priority_level}")
+        if not self.priority_levels and self.default_priority_level:
+            raise _problem("default_priority_level", "needs priority_levels")
+        return self
 
 
 class StageConfig(BaseModel):
@@ -575,6 +644,8 @@ class AppConfig(BaseModel):
     config: dict[str, Any] | None = None
     # What the loader made of a model file (FileModel); None for a zoo or module:factory model.
     file: FileModel | None = None
+    # The front door's admission: queue policy, priority levels, refusal code (docs/oip.md, "Admission").
+    admission: AdmissionConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -599,7 +670,7 @@ class AppConfig(BaseModel):
             if self.overflow != "none":
                 raise _problem("overflow", "CPU overflow does not take model files yet")
             try:
-                file_engine_class(resolve_file_kind(self.engine.kind, self.model)).validate_options(self.engine.options)
+                file_engine_kind(resolve_file_kind(self.engine.kind, self.model)).validate_options(self.engine.options)
             except EngineError as e:
                 raise _problem("engine", str(e)) from None
             if self.file is None:
@@ -610,7 +681,7 @@ class AppConfig(BaseModel):
                 raise _problem("config", "applies only to a model file (model: path/to/model.onnx)")
             for key, eng in self.engines():
                 try:
-                    engine_class(eng.kind).validate_options(eng.options)
+                    engine_kind(eng.kind).validate_options(eng.options)
                 except EngineError as e:
                     raise _problem(key, f"{e} (a zoo or module:factory model; the file engines take model files)") \
                         from None
@@ -866,7 +937,7 @@ def engine_problems(cfg: NodeConfig, backend: str) -> list[tuple[str, str]]:
         for key, eng in a.engines():
             try:
                 if a.file is not None:
-                    file_engine_class(resolve_file_kind(eng.kind, a.file.path)).check(backend, eng.options)
+                    file_engine_kind(resolve_file_kind(eng.kind, a.file.path)).check(backend, eng.options)
                 else:
                     check_engine(eng.kind, backend, eng.options)
             except EngineError as e:

@@ -10,7 +10,7 @@ zero input; a DAG app's K depends on the stage a request ends at, so it is ``-1`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from apps.zoo.names import NAMES, canonical_name
 from gpuprims.tensors import ModelSignature, TensorSpec
 from orchestrator.config import AppConfig
+from orchestrator.frontdoor.policy import AdmissionPolicy, admission_policy
 from orchestrator.model_files import model_name
 
 #: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
@@ -61,6 +62,8 @@ class ModelInfo:
     #: node's pool bound (node.pool.max_chunks x max_payload).
     request_bytes_max: int = 0
     platform: str = PLATFORM
+    #: Queue policy and priority levels at the front door (orchestrator/frontdoor/admission.py).
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     #: The app that serves it: the model's name, or one version's app (``<model>-v<version>``) when the
     #: model's version_policy serves several versions (orchestrator/model_files.py). "" means ``name``.
     app: str = ""
@@ -190,7 +193,9 @@ def model_info(app: AppConfig, request_bytes_max: int = DEFAULT_REQUEST_BYTES) -
                          max_batch=app.max_batch, max_wait_ms=app.max_wait_ms, slo_ms=app.slo_ms,
                          instances=app.instances if app.instances != "auto" else 0, signature=cfg.signature,
                          triton_config=_with_app_keys(app.file.triton_json(), app), version=str(app.file.version),
-                         request_bytes_max=bound, platform=cfg.platform or cfg.backend or PLATFORM)
+                         request_bytes_max=bound, platform=cfg.platform or cfg.backend or PLATFORM,
+                         admission=admission_policy(app))
     return ModelInfo(name=app.name, app_id=app.app_id, input_shape=tuple(app.input_shape), dtype=app.dtype,
                      output_dim=output_dim(app), max_batch=app.max_batch, max_wait_ms=app.max_wait_ms,
-                     slo_ms=app.slo_ms, instances=app.instances if app.instances != "auto" else 0)
+                     slo_ms=app.slo_ms, instances=app.instances if app.instances != "auto" else 0,
+                     admission=admission_policy(app))
