@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -326,6 +326,15 @@ class Core:
         marks.lap("collect")
         return out
 
+    def _rows(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int, timeout_s: float, marks: Marks,
+              dtype: DType | None = None) -> Awaitable[list[Result | BaseException]]:
+        """Send ``x``'s rows to the node, or to the model's owner when it is forwarded (a fleet's)."""
+        if self.forwarded(info):
+            assert self.forwarder is not None
+            return self.forwarder.rows(info, x, deadline_us=deadline_us, timeout_s=timeout_s, marks=marks, dtype=dtype)
+        return self.transport.rows(info.app_id, x, deadline_us=deadline_us, timeout_s=timeout_s, marks=marks,
+                                   dtype=dtype)
+
     async def infer_tensors(self, info: ModelInfo, requests: list[dict[str, np.ndarray]], *, deadline_us: int = 0,
                             marks: Marks | None = None) -> list[dict[str, np.ndarray]]:
         """Run a model file's requests (each a dict of named tensors, already checked against its
@@ -335,9 +344,6 @@ class Core:
         marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:
-            if self.forwarded(info):
-                raise OipError("unavailable", f"model {info.name!r} is a model file hosted on another node; "
-                                              "forwarding model files is not supported yet")
             bodies = [np.frombuffer(encode_arrays(r), np.uint8) for r in requests]
             if len({b.size for b in bodies}) == 1:
                 groups = [list(range(len(bodies)))]
@@ -345,9 +351,8 @@ class Core:
                 groups = [[i] for i in range(len(bodies))]
             timeout_s = self.row_timeout_s(info, deadline_us)
             results: list[Result | BaseException] = [RequestLost(info.app_id, 0, timeout_s, 1)] * len(bodies)
-            got = await asyncio.gather(*[self.transport.rows(info.app_id, np.stack([bodies[i] for i in g]),
-                                                             deadline_us=deadline_us, timeout_s=timeout_s,
-                                                             marks=marks, dtype=DType.TENSORS)
+            got = await asyncio.gather(*[self._rows(info, np.stack([bodies[i] for i in g]), deadline_us=deadline_us,
+                                                    timeout_s=timeout_s, marks=marks, dtype=DType.TENSORS)
                                          for g in groups])
             for g, rs in zip(groups, got):
                 for i, r in zip(g, rs):

@@ -9,7 +9,9 @@ as :class:`gpuprims.client.FleetClient` does: straight to the primary's UDP inge
 
 - The model's shape, dtype, batch and SLO come from the table (``route_model``: the controller puts
   them there), so the request is checked and decoded here as a hosted model's is, and refused
-  before it leaves the node when it is not the model's.
+  before it leaves the node when it is not the model's. A model file's route carries its completed
+  config.pbtxt (``file``: its named tensors, datatypes and dims), and its requests travel as
+  multi-tensor bodies (docs/wire-format.md), as a hosted file model's do.
 - No answer within :data:`FAILOVER_S`, or the app's SLO where that is longer (or the owner answers UNKNOWN_APP / INSTANCE_FAILED /
   SHUTTING_DOWN): the table is fetched again and the row sent again, under a new request id, to the
   new primary or the standby. Both stay open; the first usable answer is the row's, and any later
@@ -32,9 +34,12 @@ import aiohttp
 import numpy as np
 
 from gpuprims.client import FAILOVER_STATUSES, AsyncClient, RequestLost, Result
-from gpuprims.wire import Status
+from gpuprims.modelrepo import ModelConfig
+from gpuprims.tensorwire import decode
+from gpuprims.wire import DType, Status
+from orchestrator import model_files
 from orchestrator.config import AppConfig
-from orchestrator.frontdoor.models import ModelInfo, output_dim
+from orchestrator.frontdoor.models import ModelInfo, model_info, output_dim
 from orchestrator.frontdoor.transport import Marks
 
 log = logging.getLogger("gpuprims.frontdoor")
@@ -52,11 +57,19 @@ Address = tuple[str, int]
 def route_model(entry: Mapping[str, Any]) -> dict[str, Any]:
     """What a front door needs to take requests of an app it does not host, from the app's apps.yaml
     entry with the node's defaults applied: its input shape and dtype, output size (-1 for a user
-    model or a DAG: it is not built here), batch bound and wait, and SLO."""
-    app = AppConfig.model_validate(dict(entry))
-    zoo = app.stages is None and app.model is not None and ":" not in app.model
-    return {"input_shape": list(app.input_shape), "dtype": app.dtype, "output_dim": output_dim(app) if zoo else -1,
-            "max_batch": app.max_batch, "max_wait_ms": app.max_wait_ms, "slo_ms": app.slo_ms}
+    model or a DAG: it is not built here), batch bound and wait, and SLO. A model file's (``model:
+    path/to/model.onnx``, read here as the node reads it, or an entry with its ``file`` already) also
+    carries ``file``: its completed config.pbtxt as JSON and its version."""
+    entry = dict(entry)
+    if entry.get("file") is None and isinstance(entry.get("model"), str) and model_files.is_model_file(entry["model"]):
+        entry = model_files.file_app(entry, None)
+    app = AppConfig.model_validate(entry)
+    zoo = app.stages is None and app.model is not None and ":" not in app.model and app.file is None
+    out = {"input_shape": list(app.input_shape), "dtype": app.dtype, "output_dim": output_dim(app) if zoo else -1,
+           "max_batch": app.max_batch, "max_wait_ms": app.max_wait_ms, "slo_ms": app.slo_ms}
+    if app.file is not None:
+        out["file"] = {"config_json": app.file.config_json, "version": app.file.version}
+    return out
 
 
 def model_info_from_route(name: str, route: Mapping[str, Any]) -> ModelInfo | None:
@@ -64,6 +77,22 @@ def model_info_from_route(name: str, route: Mapping[str, Any]) -> ModelInfo | No
     m = route.get("model")
     if not isinstance(m, Mapping):
         return None
+    f = m.get("file")
+    if f is not None:
+        try:
+            cfg = ModelConfig.from_json(str(f["config_json"]))
+            version = int(f.get("version", 1))
+            # The info a hosting node makes of the app (its config's tensors; requests bounded as the
+            # node's default pool bounds them), under the routed app id, batch bound and SLO.
+            app = AppConfig.model_validate({
+                "name": name, "model": "/routed/model.onnx", "app_id": int(route["app_id"]),
+                "max_batch": int(m["max_batch"]), "max_wait_ms": float(m["max_wait_ms"]),
+                "slo_ms": float(m["slo_ms"]), "engine": "onnxruntime",
+                "file": {"path": "/routed/model.onnx", "config_json": cfg.to_json(), "version": version}})
+            return model_info(app)
+        except Exception as e:  # a table this front door cannot read (a newer controller's): not forwarded
+            log.warning("front door: the route of %s carries a model file config that does not read: %s", name, e)
+            return None
     try:
         return ModelInfo(name=name, app_id=int(route["app_id"]), input_shape=tuple(int(d) for d in m["input_shape"]),
                          dtype=str(m["dtype"]), output_dim=int(m.get("output_dim", -1)),
@@ -153,14 +182,16 @@ class Forwarder:
         return c
 
     async def rows(self, info: ModelInfo, x: np.ndarray, *, deadline_us: int, timeout_s: float,
-                   marks: Marks) -> list[Result | BaseException]:
-        """Each row of ``x`` to the owner of ``info``'s app (and again to the standby on a failover)."""
+                   marks: Marks, dtype: DType | None = None) -> list[Result | BaseException]:
+        """Each row of ``x`` to the owner of ``info``'s app (and again to the standby on a failover); rows
+        of ``dtype`` TENSORS are multi-tensor bodies (a model file's requests), sent as their tensors."""
         route = self.route(info.name)
         if route is None or _address(route.get("primary")) is None:
             # The table stopped routing it since the request was looked up: nowhere serves it now.
             return [Result(info.app_id, 0, Status.UNKNOWN_APP, None, 0.0, 0) for _ in range(len(x))]
         self.forwarded += len(x)
-        tasks = [asyncio.ensure_future(self._one(info, route, row, deadline_us, timeout_s)) for row in x]
+        items = [{t.name: t.array for t in decode(row)} for row in x] if dtype == DType.TENSORS else list(x)
+        tasks = [asyncio.ensure_future(self._one(info, route, row, deadline_us, timeout_s)) for row in items]
         try:
             await asyncio.sleep(0)
             marks.lap("submit")
@@ -172,7 +203,7 @@ class Forwarder:
         marks.lap("node")
         return list(results)
 
-    async def _one(self, info: ModelInfo, route: Mapping[str, Any], row: np.ndarray, deadline_us: int,
+    async def _one(self, info: ModelInfo, route: Mapping[str, Any], row: Any, deadline_us: int,
                    timeout_s: float) -> Result:
         t0 = time.monotonic()
         primary = _address(route["primary"])
@@ -203,7 +234,7 @@ class Forwarder:
         only a silent one is failed over), and at most half the row's timeout."""
         return min(max(self.failover_s, info.slo_ms / 1e3), timeout_s / 2)
 
-    async def _send(self, addr: Address, app_id: int, row: np.ndarray, deadline_us: int, timeout_s: float) -> Result:
+    async def _send(self, addr: Address, app_id: int, row: Any, deadline_us: int, timeout_s: float) -> Result:
         client = await self._client(addr)
         return await client.infer(app_id, row, deadline_us=deadline_us, timeout_s=timeout_s)
 

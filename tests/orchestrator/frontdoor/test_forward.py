@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from apps.zoo import build_model
 from gpuprims.client import Result
 from gpuprims.wire import Status
-from orchestrator.config import ConfigError, parse_config
+from orchestrator.config import ConfigError, load_config, parse_config
 from orchestrator.fleet.plan import Assignment, Slot, route_table
 from orchestrator.fleet.routes import RoutesServer
 from orchestrator.frontdoor import start_frontdoor
@@ -28,7 +29,9 @@ from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.forward import Forwarder, model_info_from_route, route_model
 from orchestrator.frontdoor.models import model_info
 from orchestrator.frontdoor.transport import Marks
+from orchestrator.node import Node
 from tests.loopnode import LoopNode
+from tests.modelfiles import multi_inputs, multi_io_onnx, run_onnx
 from tests.orchestrator.frontdoor.conftest import APPS, direct, inputs
 
 CLASSIFY = APPS[0]
@@ -305,6 +308,18 @@ def test_the_routing_table_carries_what_a_front_door_needs_to_take_the_app() -> 
     assert model_info_from_route("a", {"app_id": 4}) is None  # an older controller's table: not forwarded
 
 
+def test_a_model_file_route_carries_its_config_and_a_bad_one_is_not_forwarded(tmp_path: Any) -> None:
+    model = multi_io_onnx(tmp_path / "m.onnx")
+    m = route_model({"name": "m", "model": str(model), "slo_ms": 50})
+    assert m["file"]["version"] == 1 and m["output_dim"] == -1
+    info = model_info_from_route("m", {"app_id": 7, "model": m})
+    assert info is not None and info.app_id == 7 and info.signature is not None and info.slo_ms == 50
+    assert [t.name for t in info.signature.inputs] == ["image in", "scale.k", "flag"]
+    assert info.config()["parameters"]["app_id"]["string_value"] == "7"
+    bad = {**m, "file": {"config_json": "not a config", "version": 1}}
+    assert model_info_from_route("m", {"app_id": 7, "model": bad}) is None
+
+
 def test_config_wants_routes_urls_and_a_front_door_to_forward_through() -> None:
     app = {"name": "a", "model": "mobilenet_v2", "slo_ms": 50}
     ok = parse_config({"node": {"http_port": 8000, "fleet_routes": ["http://10.0.0.2:8200"]}, "apps": [app]},
@@ -314,3 +329,70 @@ def test_config_wants_routes_urls_and_a_front_door_to_forward_through() -> None:
         parse_config({"node": {"fleet_routes": ["http://10.0.0.2:8200"]}, "apps": [app]}, source="test")
     with pytest.raises(ConfigError, match="routes URL"):
         parse_config({"node": {"http_port": 8000, "fleet_routes": ["10.0.0.2:8200"]}, "apps": [app]}, source="test")
+
+
+FILE_NODE = """
+node:
+  listen: {{host: 127.0.0.1, port: 0}}
+  backend: cpu
+  run_dir: {run_dir}
+  autoscale: false
+apps:
+  - {{name: multi, model: {model}, slo_ms: 5000}}
+"""
+
+
+@pytest.mark.slow
+def test_a_model_file_elsewhere_is_answered_by_its_owner_with_every_tensor(routes: Routes, tmp_path: Any) -> None:
+    """A multi-tensor model file hosted by a real node (the owner) is served through a front door that hosts
+    nothing: its route carries the file's config, a request of three named inputs goes over the wire as
+    multi-tensor bodies, and the four named outputs come back as the file computes them (HTTP and gRPC)."""
+    model = multi_io_onnx(tmp_path / "multi.onnx")
+    p = tmp_path / "apps.yaml"
+    p.write_text(FILE_NODE.format(run_dir=tmp_path / "run", model=model))
+    node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
+    loop = threading.Thread(target=node.serve, name="owner", daemon=True)
+    loop.start()
+    door = None
+    try:
+        app = node.cfg.app_by_name("multi")
+        assert node.ingest is not None and app.file is not None
+        target = {"host": "127.0.0.1", "udp_port": node.ingest.ports[0], "http_port": 0, "node": "owner", "gpu": 0}
+        routes.table = {"version": 1, "apps": {"multi": {
+            "app_id": app.app_id, "slo_ms": app.slo_ms, "primary": target, "standby": None,
+            "model": route_model({"name": "multi", "model": str(model), "slo_ms": 5000})}}}
+        door = _door(routes)
+        host = door.http_url.removeprefix("http://")
+        x = multi_inputs(3, 5, seed=4)
+        want = run_onnx(model, x)
+        with httpclient.InferenceServerClient(host) as c:
+            _until(lambda: c.is_model_ready("multi"), "the route")
+            meta = c.get_model_metadata("multi")
+            assert [t["name"] for t in meta["inputs"]] == ["image in", "scale.k", "flag"]
+            ins = []
+            for name, arr in x.items():
+                t = httpclient.InferInput(name, list(arr.shape), {"float32": "FP32", "int64": "INT64",
+                                                                 "bool": "BOOL"}[arr.dtype.name])
+                t.set_data_from_numpy(arr, binary_data=True)
+                ins.append(t)
+            r = c.infer("multi", ins)
+            for k, v in want.items():
+                np.testing.assert_allclose(r.as_numpy(k), v, rtol=1e-3, atol=1e-3)
+        with grpcclient.InferenceServerClient(door.grpc_target) as g:
+            gins = []
+            for name, arr in x.items():
+                t = grpcclient.InferInput(name, list(arr.shape), {"float32": "FP32", "int64": "INT64",
+                                                                 "bool": "BOOL"}[arr.dtype.name])
+                t.set_data_from_numpy(arr)
+                gins.append(t)
+            gr = g.infer("multi", gins)
+            for k, v in want.items():
+                np.testing.assert_allclose(gr.as_numpy(k), v, rtol=1e-3, atol=1e-3)
+        fwd = door.core.forwarder
+        assert fwd is not None and fwd.forwarded == 6 and fwd.failovers == 0
+    finally:
+        if door is not None:
+            door.close()
+        node.request_stop()
+        loop.join(timeout=60)
+        node.stop()
