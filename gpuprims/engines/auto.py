@@ -20,10 +20,11 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from gpuprims.engines.base import KINDS, BuildInfo, Engine, EngineError, Progress, make_engine
 from gpuprims.engines.cache import EngineCache, engine_key
+from gpuprims.engines.kinds import ENGINE_KINDS
 from gpuprims.gather import torch_device
 
 #: Every candidate (kind, options) per backend, in the order tried.
@@ -43,28 +44,10 @@ class AutoEngine(Engine):
     """Picks and then is the fastest candidate that equals eager (see the module docstring)."""
 
     kind = "auto"
-    option_defaults: ClassVar[dict[str, Any]] = {"candidates": None, "runs": 10}
+    spec = ENGINE_KINDS["auto"]
     #: Not used to judge anything: each candidate is held to its own tolerance; describe() gives the
     #: picked engine's.
     tolerance = (0.0, 0.0)
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        cands = opts["candidates"]
-        if cands is not None:
-            if isinstance(cands, str) or not isinstance(cands, (list, tuple)) or not cands:
-                raise EngineError(f"engine 'auto': candidates must be a non-empty list of engine kinds, "
-                                  f"got {cands!r}")
-            unknown = [c for c in cands if c not in KINDS or c == "auto"]
-            if unknown:
-                known = ", ".join(k for k in KINDS if k != "auto")
-                raise EngineError(f"engine 'auto': unknown candidate(s) {unknown} (known: {known})")
-            opts["candidates"] = list(cands)
-        runs = opts["runs"]
-        if isinstance(runs, bool) or not isinstance(runs, int) or not 1 <= runs <= 1000:
-            raise EngineError(f"engine 'auto': runs must be an integer in 1..1000, got {runs!r}")
-        return opts
 
     def candidates(self) -> list[tuple[str, dict[str, Any]]]:
         """The (kind, options) this backend offers that are registered and pass their own check()."""

@@ -24,41 +24,22 @@ without them. Engine modules import their libraries lazily for the same reason.
 from __future__ import annotations
 
 import abc
-import importlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-#: Every kind an app's ``engine:`` may name, and the module:class that implements it (imported on use).
-KINDS: dict[str, str] = {
-    "eager": "gpuprims.engines.eager:EagerEngine",
-    "onnxruntime": "gpuprims.engines.onnxruntime:OnnxRuntimeEngine",
-    "cudagraph": "gpuprims.engines.cudagraph:CudaGraphEngine",
-    "tensorrt": "gpuprims.engines.tensorrt:TensorRTEngine",
-    "compile": "gpuprims.engines.compile:CompileEngine",
-    "openvino": "gpuprims.engines.openvino:OpenVinoEngine",
-    "duet": "gpuprims.engines.duet:DuetEngine",
-    "chrion": "gpuprims.engines.chrion:ChrionEngine",
-    "auto": "gpuprims.engines.auto:AutoEngine",
-}
-#: Backends an instance runs on (``auto`` is resolved by the node before an engine is made).
-BACKENDS = ("cpu", "cuda")
+from gpuprims.engines.errors import EngineError, EngineUnavailable, ExportError
+from gpuprims.engines.kinds import BACKENDS, ENGINE_KINDS, EngineKind, engine_kind
+
+__all__ = ["BACKENDS", "KINDS", "BuildInfo", "Engine", "EngineError", "EngineUnavailable", "ExportError",
+           "ModelSource", "Progress", "Target", "check_engine", "engine_class", "make_engine"]
+
+#: Every kind an app's ``engine:`` may name: the kinds table (:data:`gpuprims.engines.kinds.ENGINE_KINDS`).
+KINDS: dict[str, EngineKind] = ENGINE_KINDS
 
 #: progress(message, fraction or None): how a long build says how far it is (log, status, progress bar).
 Progress = Callable[[str, "float | None"], None]
-
-
-class EngineError(ValueError):
-    """An engine cannot be made, built or run as configured; the message says why."""
-
-
-class EngineUnavailable(EngineError):
-    """This kind of engine cannot run here: wrong backend, or its library is not installed."""
-
-
-class ExportError(EngineError):
-    """The model does not convert to this engine's format (ONNX export, tracing, capture...)."""
 
 
 @dataclass(frozen=True)
@@ -135,11 +116,15 @@ class BuildInfo:
 class Engine(abc.ABC):
     """One model on one device behind the run seam (see the module docstring).
 
-    Subclasses set :attr:`kind`, :attr:`backends`, :attr:`option_defaults` (every option key the kind
-    takes, with its default) and :attr:`tolerance`, and implement :meth:`_prepare` and :meth:`run`.
+    Subclasses set :attr:`kind` and :attr:`spec` (their row of :data:`~gpuprims.engines.kinds.ENGINE_KINDS`,
+    which gives :attr:`backends`, :attr:`option_defaults` and the option checks), or else :attr:`backends` and
+    :attr:`option_defaults` themselves (a custom engine), and :attr:`tolerance`, and implement
+    :meth:`_prepare` and :meth:`run`.
     """
 
     kind: ClassVar[str] = ""
+    #: The kind's row of the kinds table: its options, their checks and its backends, written once there.
+    spec: ClassVar[EngineKind | None] = None
     backends: ClassVar[tuple[str, ...]] = BACKENDS
     #: Every option this kind takes, with its default: anything else is refused by name.
     option_defaults: ClassVar[Mapping[str, Any]] = {}
@@ -150,6 +135,12 @@ class Engine(abc.ABC):
     #: Whether run() only enqueues on Target.stream and returns (a CUDA graph, TensorRT): the run seam
     #: then calls it on the host thread and waits on an event recorded after it (Sync-lite).
     asynchronous: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__ and cls.spec is not None:
+            cls.backends = cls.spec.backends
+            cls.option_defaults = cls.spec.options
 
     def __init__(self, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
                  cache: Any = None) -> None:
@@ -165,8 +156,9 @@ class Engine(abc.ABC):
     # -- configuration -----------------------------------------------------------------------------------
     @classmethod
     def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The options with defaults filled in; unknown keys are refused by name. Subclasses may check
-        values too (call this first)."""
+        """The options with defaults filled in; unknown keys and bad values are refused by name."""
+        if cls.spec is not None:
+            return cls.spec.validate_options(options)
         options = dict(options or {})
         unknown = sorted(set(options) - set(cls.option_defaults))
         if unknown:
@@ -178,6 +170,9 @@ class Engine(abc.ABC):
     def check(cls, backend: str, options: Mapping[str, Any] | None = None) -> None:
         """Raise :class:`EngineUnavailable` when this kind cannot run on ``backend`` (or its library is
         missing), :class:`EngineError` for bad options. Builds nothing and imports no engine library."""
+        if cls.spec is not None:
+            cls.spec.check(backend, options)
+            return
         if backend not in cls.backends:
             raise EngineUnavailable(f"engine {cls.kind!r} needs the {' or '.join(cls.backends)} backend; "
                                     f"this node runs on {backend}")
@@ -231,17 +226,15 @@ class Engine(abc.ABC):
 
 
 def engine_class(kind: str) -> type[Engine]:
-    """The class implementing ``kind``; raises :class:`EngineError` naming the known kinds."""
-    path = KINDS.get(kind) if isinstance(kind, str) else None
-    if path is None:
-        raise EngineError(f"unknown engine {kind!r}; known engines: {', '.join(KINDS)}")
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The class implementing ``kind`` (its module imported now); raises :class:`EngineError` naming the
+    known kinds."""
+    return engine_kind(kind).load()  # type: ignore[no-any-return]
 
 
 def check_engine(kind: str, backend: str, options: Mapping[str, Any] | None = None) -> None:
-    """Validate an app's ``engine:`` and its options for ``backend`` without building anything."""
-    engine_class(kind).check(backend, options)
+    """Validate an app's ``engine:`` and its options for ``backend`` without building anything or
+    importing the engine's module (:data:`~gpuprims.engines.kinds.ENGINE_KINDS`)."""
+    engine_kind(kind).check(backend, options)
 
 
 def make_engine(kind: str, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,

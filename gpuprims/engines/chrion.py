@@ -25,21 +25,17 @@ shows how Chrion trades cores against contention and memory, not a speed-up over
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from apps.zoo.seqnets import StackedLSTM
 from gpuprims.coexec.fx_exec import LstmExecutor, measure_lstm_cell_ms
 from gpuprims.coexec.graph import CPU, PCIE, SHARED_MEMORY
 from gpuprims.coexec.oppart import CpuCores, chrion_plan, lstm_graph
 from gpuprims.engines.base import Engine, EngineError, ExportError, Progress
-from gpuprims.engines.duet import accelerator, check_batch, check_repeats, example_batch
-
-#: The most CPU cores the option ``cores`` may ask for.
-MAX_CORES = 256
+from gpuprims.engines.duet import accelerator, check_batch, example_batch
+from gpuprims.engines.kinds import ENGINE_KINDS
 
 
 def _median_ms(fn: Any, repeats: int) -> float:
@@ -56,23 +52,11 @@ class ChrionEngine(Engine):
     """Chrion's placement of an unrolled LSTM's cells on the accelerator and k CPU cores (module docstring)."""
 
     kind = "chrion"
-    option_defaults: ClassVar[Mapping[str, Any]] = {"cores": None, "alpha": 0.0, "repeats": 20}
+    spec = ENGINE_KINDS["chrion"]
     #: The same cells on the same tensors as eager; the last bits may differ with the intra-op thread
     #: count of the thread a cell runs on (oneDNN blocks by it), as eager's own answers do between batch
     #: sizes: the bound the node's eager oracle uses.
     tolerance = (1e-4, 1e-5)
-
-    @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        check_repeats(cls.kind, opts)
-        c = opts["cores"]
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CORES):
-            raise EngineError(f"engine 'chrion' option cores must be an integer in 1..{MAX_CORES} or null, got {c!r}")
-        a = opts["alpha"]
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and a >= 0):
-            raise EngineError(f"engine 'chrion' option alpha must be a finite number >= 0, got {a!r}")
-        return opts
 
     def _cores(self) -> int:
         share = self.target.threads

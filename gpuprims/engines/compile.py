@@ -25,21 +25,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, ExportError, Progress
+from gpuprims.engines.base import BuildInfo, Engine, EngineError, ExportError, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
+from gpuprims.engines.kinds import ENGINE_KINDS
 from gpuprims.gather import torch_device
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-BUCKETS = ("pow2", "all", "max")
-#: torch.compile backends: inductor (the compiler), aot_eager (traces and runs the graph with eager
-#: kernels, compiling nothing: for checking a model traces, in seconds rather than minutes).
-COMPILERS = ("inductor", "aot_eager")
 INDUCTOR_DIR = "inductor"
 
 
@@ -79,35 +74,11 @@ class CompileEngine(Engine):
     """``torch.compile`` with batch buckets (see the module docstring)."""
 
     kind = "compile"
-    option_defaults: ClassVar[dict[str, Any]] = {"mode": "default", "buckets": "pow2", "backend": "inductor"}
+    spec = ENGINE_KINDS["compile"]
     #: float32 on the CPU, every zoo model tests/gpuprims/engines/test_equal.py covers: inductor reorders
     #: and fuses float sums, so outputs differ from eager's by rounding (measured up to ~1e-5 relative).
     tolerance = (1e-3, 1e-4)
     uses_torch_weights = True
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["mode"] not in MODES:
-            raise EngineError(f"engine 'compile': mode must be one of {', '.join(MODES)}, got {opts['mode']!r}")
-        if opts["buckets"] not in BUCKETS:
-            raise EngineError(f"engine 'compile': buckets must be one of {', '.join(BUCKETS)}, "
-                              f"got {opts['buckets']!r}")
-        if opts["backend"] not in COMPILERS:
-            raise EngineError(f"engine 'compile': backend must be one of {', '.join(COMPILERS)}, "
-                              f"got {opts['backend']!r}")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Any = None) -> None:
-        super().check(backend, options)
-        opts = cls.validate_options(options)
-        if backend == "cpu" and opts["mode"] == "reduce-overhead":
-            raise EngineUnavailable("engine 'compile': mode 'reduce-overhead' is CUDA graphs and needs the cuda "
-                                    "backend; this node runs on cpu")
-        if backend == "cpu" and opts["backend"] == "inductor" and shutil.which(os.environ.get("CXX", "g++")) is None:
-            raise EngineUnavailable("engine 'compile' on the cpu backend needs a C++ compiler (g++, or $CXX) "
-                                    "for inductor's kernels; none is on PATH")
 
     @property
     def buckets(self) -> list[int]:

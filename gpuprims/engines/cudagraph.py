@@ -50,7 +50,6 @@ import ctypes
 import logging
 import math
 import time
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from gpuprims.cuda import runtime
@@ -58,12 +57,9 @@ from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.cuda.graph import CudaGraph, capture_plan
 from gpuprims.engines.base import Engine, EngineError, Progress
+from gpuprims.engines.kinds import ENGINE_KINDS
 
 log = logging.getLogger("gpuprims.engines")
-
-STREAM_MODES = ("single", "opara")
-#: The largest ``max_streams`` accepted: far above any plan of the zoo (GoogLeNet: 28, BERT: 25).
-MAX_STREAMS = 256
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -100,32 +96,12 @@ class CudaGraphEngine(Engine):
     """CUDA graphs per batch bucket, replayed on the instance's stream (see the module docstring)."""
 
     kind = "cudagraph"
-    backends = ("cuda",)
-    option_defaults: ClassVar[Mapping[str, Any]] = {"streams": "single", "warmup": 3, "max_streams": None}
+    spec = ENGINE_KINDS["cudagraph"]
     #: A padded bucket may run other kernels (cuDNN picks per batch size) than eager at ``n`` rows.
     tolerance = (1e-4, 1e-5)
     uses_torch_weights = True
     #: run() enqueues on Target.stream and returns at once; completion is an event recorded after it.
     asynchronous: ClassVar[bool] = True
-
-    @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["streams"] not in STREAM_MODES:
-            raise EngineError(f"engine 'cudagraph' option streams must be one of {STREAM_MODES}, "
-                              f"got {opts['streams']!r}")
-        cap = opts["max_streams"]
-        if cap is not None:
-            if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= MAX_STREAMS:
-                raise EngineError(f"engine 'cudagraph' option max_streams must be an integer in 1..{MAX_STREAMS} "
-                                  f"or null, got {cap!r}")
-            if opts["streams"] != "opara":
-                raise EngineError(f"engine 'cudagraph' option max_streams={cap} applies only to streams: opara "
-                                  f"(streams is {opts['streams']!r})")
-        w = opts["warmup"]
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 100:
-            raise EngineError(f"engine 'cudagraph' option warmup must be an integer in 1..100, got {w!r}")
-        return opts
 
     # -- prepare -------------------------------------------------------------------------------------
     def _prepare(self, module: Any, progress: Progress | None) -> None:

@@ -23,16 +23,13 @@ gets its own copy), so Param-Share does not apply.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from gpuprims.coexec.fx_exec import SubgraphExecutor, partition, profile_subgraphs
 from gpuprims.coexec.graph import CPU, GPU, PCIE, SHARED_MEMORY
 from gpuprims.coexec.subgraph import duet
 from gpuprims.engines.base import Engine, EngineError, ExportError, ModelSource, Progress, Target
-
-#: The largest ``repeats`` accepted (profiling runs per subgraph and device, at prepare).
-MAX_REPEATS = 1000
+from gpuprims.engines.kinds import ENGINE_KINDS
 
 
 def check_batch(kind: str, x: Any, source: ModelSource) -> None:
@@ -41,12 +38,6 @@ def check_batch(kind: str, x: Any, source: ModelSource) -> None:
     if len(shape) != 4 or shape[1:] != source.input_shape or not 1 <= shape[0] <= source.max_batch:
         raise EngineError(f"engine {kind!r} takes (n, {', '.join(map(str, source.input_shape))}) with "
                           f"1 <= n <= {source.max_batch}, got {shape or type(x).__name__}")
-
-
-def check_repeats(kind: str, opts: Mapping[str, Any]) -> None:
-    r = opts["repeats"]
-    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_REPEATS:
-        raise EngineError(f"engine {kind!r} option repeats must be an integer in 1..{MAX_REPEATS}, got {r!r}")
 
 
 def accelerator(target: Target) -> Any:
@@ -68,17 +59,11 @@ class DuetEngine(Engine):
     """DUET's placement of the model's subgraphs on the accelerator and the CPU (module docstring)."""
 
     kind = "duet"
-    option_defaults: ClassVar[Mapping[str, Any]] = {"repeats": 5}
+    spec = ENGINE_KINDS["duet"]
     #: The same operators on the same tensors as eager; the last bits may differ with the intra-op thread
     #: count of the thread a subgraph runs on (oneDNN blocks by it), as eager's own answers do between batch
     #: sizes: the bound the node's eager oracle uses.
     tolerance = (1e-4, 1e-5)
-
-    @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        check_repeats(cls.kind, opts)
-        return opts
 
     def _prepare(self, module: Any, progress: Progress | None) -> None:
         import torch

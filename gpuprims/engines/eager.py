@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuprims.engines.base import Engine, Progress
+from gpuprims.engines.kinds import ENGINE_KINDS
 
 
 class EagerEngine(Engine):
@@ -12,6 +13,7 @@ class EagerEngine(Engine):
     Param-Share applies: ``prepare(module)`` takes the instance's (possibly shared) module as it is."""
 
     kind = "eager"
+    spec = ENGINE_KINDS["eager"]
     tolerance = (0.0, 0.0)
     uses_torch_weights = True
 

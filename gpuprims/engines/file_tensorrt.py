@@ -32,9 +32,8 @@ import importlib
 import importlib.util
 import logging
 import math
-import sys
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +43,7 @@ from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
 from gpuprims.engines.cache import EngineCache
 from gpuprims.engines.files import FileEngine, first_line
+from gpuprims.engines.kinds import FILE_ENGINE_KINDS
 from gpuprims.tensors import DataType
 
 log = logging.getLogger("gpuprims.engines")
@@ -141,27 +141,10 @@ class TensorRTFileEngine(FileEngine):
     """A serialized TensorRT plan with named tensors (see the module docstring)."""
 
     kind = "tensorrt"
-    backends = ("cuda",)
+    spec = FILE_ENGINE_KINDS["tensorrt"]
     #: The plan's own kernels, against the same plan run directly with TensorRT.
     tolerance = (1e-5, 1e-6)
     suffixes = (".plan", ".engine")
-    option_defaults: ClassVar[dict[str, Any]] = {"profile": 0}
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        p = opts["profile"]
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-            raise EngineError(f"engine 'tensorrt' option profile (the plan's optimization profile) must be an "
-                              f"integer >= 0, got {p!r}")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Any = None) -> None:
-        super().check(backend, options)
-        # find_spec raises on a module put in sys.modules without a spec (a test's stand-in): look there first
-        if "tensorrt" not in sys.modules and importlib.util.find_spec("tensorrt") is None:
-            _trt()  # raises EngineUnavailable with the install line
 
     def device_identity(self) -> dict[str, Any]:
         rt: Any = runtime.cuda()

@@ -32,20 +32,20 @@ import inspect
 import json
 import os
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from gpuprims.cuda.event import stream_handle
-from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
+from gpuprims.engines.base import BuildInfo, EngineError
 from gpuprims.engines.cache import EngineCache
 from gpuprims.engines.files import FileEngine, first_line
+from gpuprims.engines.kinds import FILE_ENGINE_KINDS
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
 
 #: torch dtypes -> datatypes (BF16 travels as uint16 bits).
@@ -56,8 +56,6 @@ TORCH_TYPES: dict[torch.dtype, DataType] = {
     torch.float64: DataType.FP64, torch.uint16: DataType.UINT16, torch.uint32: DataType.UINT32,
     torch.uint64: DataType.UINT64,
 }
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILERS = ("inductor", "aot_eager")
 INDUCTOR_DIR = "inductor"
 #: Triton's TorchScript naming convention: ``<name>__<index>`` binds by position.
 _INDEXED = re.compile(r"^.*__(\d+)$")
@@ -256,6 +254,7 @@ class TorchScriptFileEngine(TorchFileEngine):
     """A TorchScript archive through ``torch.jit.load`` (see the module docstring)."""
 
     kind = "torchscript"
+    spec = FILE_ENGINE_KINDS["torchscript"]
     suffixes = (".pt", ".pth")
 
     def _load(self) -> Any:
@@ -282,6 +281,7 @@ class TorchExportFileEngine(TorchFileEngine):
     """A ``torch.export`` program through ``torch.export.load(...).module()`` (see the module docstring)."""
 
     kind = "torch_export"
+    spec = FILE_ENGINE_KINDS["torch_export"]
     suffixes = (".pt2",)
 
     def _load_program(self) -> Any:
@@ -364,7 +364,7 @@ class CompileFileEngine(TorchExportFileEngine):
     """``torch.compile`` over a ``torch.export`` program (see the module docstring)."""
 
     kind = "compile"
-    option_defaults: ClassVar[dict[str, Any]] = {"mode": "default", "backend": "inductor", "dynamic": True}
+    spec = FILE_ENGINE_KINDS["compile"]
     #: inductor fuses and reorders float sums: outputs differ from the program run directly by rounding.
     tolerance = (1e-4, 1e-5)
     suffixes = (".pt2",)
@@ -376,29 +376,6 @@ class CompileFileEngine(TorchExportFileEngine):
                               "TorchScript archive, which torch.compile refuses to compile (use engine "
                               "'torchscript', or export the model with torch.export)")
         super().__init__(path, signature, target, options, fingerprint)
-
-    @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["mode"] not in MODES:
-            raise EngineError(f"engine 'compile': mode must be one of {', '.join(MODES)}, got {opts['mode']!r}")
-        if opts["backend"] not in COMPILERS:
-            raise EngineError(f"engine 'compile': backend must be one of {', '.join(COMPILERS)}, "
-                              f"got {opts['backend']!r}")
-        if opts["dynamic"] not in (True, False, None):
-            raise EngineError(f"engine 'compile': dynamic must be true, false or null, got {opts['dynamic']!r}")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Mapping[str, Any] | None = None) -> None:
-        super().check(backend, options)
-        opts = cls.validate_options(options)
-        if backend == "cpu" and opts["mode"] == "reduce-overhead":
-            raise EngineUnavailable("engine 'compile': mode 'reduce-overhead' is CUDA graphs and needs the cuda "
-                                    "backend; this node runs on cpu")
-        if backend == "cpu" and opts["backend"] == "inductor" and shutil.which(os.environ.get("CXX", "g++")) is None:
-            raise EngineUnavailable("engine 'compile' on the cpu backend needs a C++ compiler (g++, or $CXX) for "
-                                    "inductor's kernels; none is on PATH")
 
     def warm_sizes(self) -> list[int]:
         """The batch sizes prepare compiles: 1, 2 and max_batch_size (1 for an unbatched model)."""

@@ -38,17 +38,11 @@ import numpy as np
 
 from gpuprims.engines.base import BACKENDS, BuildInfo, EngineError, EngineUnavailable, Target
 from gpuprims.engines.cache import EngineCache, device_identity, fingerprint, library_versions
+from gpuprims.engines.kinds import FILE_ENGINE_KINDS, EngineKind, file_engine_kind
 from gpuprims.tensors import DataType, ModelSignature, SignatureError, TensorSpec
 
-#: Every kind a model file may be served by, and the module:class that implements it (imported on use).
-FILE_KINDS: dict[str, str] = {
-    "onnxruntime": "gpuprims.engines.file_onnx:OnnxRuntimeFileEngine",
-    "openvino": "gpuprims.engines.file_onnx:OpenVinoFileEngine",
-    "torchscript": "gpuprims.engines.file_torch:TorchScriptFileEngine",
-    "torch_export": "gpuprims.engines.file_torch:TorchExportFileEngine",
-    "compile": "gpuprims.engines.file_torch:CompileFileEngine",
-    "tensorrt": "gpuprims.engines.file_tensorrt:TensorRTFileEngine",
-}
+#: Every kind a model file may be served by: the kinds table (:data:`gpuprims.engines.kinds.FILE_ENGINE_KINDS`).
+FILE_KINDS: dict[str, EngineKind] = FILE_ENGINE_KINDS
 #: The kind that serves a file by default, by its suffix (Triton's default file names: model.onnx,
 #: model.plan, model.pt, model.pt2; OpenVINO's IR is model.xml beside model.bin).
 DEFAULT_KIND_BY_SUFFIX: dict[str, str] = {
@@ -138,6 +132,9 @@ class FileEngine(abc.ABC):
     """
 
     kind: ClassVar[str] = ""
+    #: The kind's row of the kinds table (its options, their checks, its backends and libraries), or None
+    #: for a class that sets those itself.
+    spec: ClassVar[EngineKind | None] = None
     backends: ClassVar[tuple[str, ...]] = BACKENDS
     #: Every option this kind takes, with its default: anything else is refused by name.
     option_defaults: ClassVar[Mapping[str, Any]] = {}
@@ -150,6 +147,14 @@ class FileEngine(abc.ABC):
     libraries: ClassVar[tuple[str, ...]] = ()
     #: The install line check() gives when a library is missing.
     install_hint: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__ and cls.spec is not None:
+            cls.backends = cls.spec.backends
+            cls.option_defaults = cls.spec.options
+            cls.libraries = cls.spec.libraries
+            cls.install_hint = cls.spec.install_hint
 
     def __init__(self, path: str | Path, signature: ModelSignature, target: Target,
                  options: Mapping[str, Any] | None = None, fingerprint: str | None = None) -> None:
@@ -180,8 +185,9 @@ class FileEngine(abc.ABC):
     # -- configuration -----------------------------------------------------------------------------------
     @classmethod
     def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The options with defaults filled in; unknown keys are refused by name. Subclasses check values
-        too (call this first)."""
+        """The options with defaults filled in; unknown keys and bad values are refused by name."""
+        if cls.spec is not None:
+            return cls.spec.validate_options(options)
         options = dict(options or {})
         unknown = sorted(set(options) - set(cls.option_defaults))
         if unknown:
@@ -193,6 +199,9 @@ class FileEngine(abc.ABC):
     def check(cls, backend: str, options: Mapping[str, Any] | None = None) -> None:
         """Raise :class:`EngineUnavailable` when this kind cannot run on ``backend`` or its library is
         missing, :class:`EngineError` for bad options. Builds nothing and imports no engine library."""
+        if cls.spec is not None:
+            cls.spec.check(backend, options)
+            return
         if backend not in cls.backends:
             raise EngineUnavailable(f"engine {cls.kind!r} needs the {' or '.join(cls.backends)} backend; "
                                     f"this node runs on {backend}")
@@ -420,17 +429,15 @@ def _reshape_back(arr: np.ndarray, spec: TensorSpec, batched: bool) -> np.ndarra
 
 # -- the registry ----------------------------------------------------------------------------------------
 def file_engine_class(kind: str) -> type[FileEngine]:
-    """The class implementing ``kind``; raises :class:`EngineError` naming the known kinds."""
-    path = FILE_KINDS.get(kind) if isinstance(kind, str) else None
-    if path is None:
-        raise EngineError(f"unknown model file engine {kind!r}; known: {', '.join(FILE_KINDS)}")
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The class implementing ``kind`` (its module imported now); raises :class:`EngineError` naming the
+    known kinds."""
+    return file_engine_kind(kind).load()  # type: ignore[no-any-return]
 
 
 def check_file_engine(kind: str, backend: str, options: Mapping[str, Any] | None = None) -> None:
-    """Validate a file engine kind and its options for ``backend`` without building anything."""
-    file_engine_class(kind).check(backend, options)
+    """Validate a file engine kind and its options for ``backend`` without building anything or importing
+    the engine's module (:data:`~gpuprims.engines.kinds.FILE_ENGINE_KINDS`)."""
+    file_engine_kind(kind).check(backend, options)
 
 
 def make_file_engine(kind: str | None, path: str | Path, signature: ModelSignature, target: Target,

@@ -18,17 +18,16 @@ of a second for the zoo's CNNs).
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, Progress
+from gpuprims.engines.base import BuildInfo, Engine, EngineError, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
+from gpuprims.engines.kinds import ENGINE_KINDS, OV_HINTS
 from gpuprims.engines.onnx import INPUT_NAME, export_onnx
 from gpuprims.engines.onnxruntime import default_threads
 
-HINTS = {"latency": "LATENCY", "throughput": "THROUGHPUT"}
 ONNX_FILE = "model.onnx"
 
 
@@ -42,24 +41,10 @@ class OpenVinoEngine(Engine):
     """An OpenVINO compiled model on the CPU (see the module docstring)."""
 
     kind = "openvino"
-    backends = ("cpu",)
-    option_defaults: ClassVar[dict[str, Any]] = {"hint": "latency"}
+    spec = ENGINE_KINDS["openvino"]
     #: float32 (INFERENCE_PRECISION_HINT f32: no silent bf16 on CPUs that have it). The VGGs at 224x224
     #: differ from eager by up to 2.6e-4 absolute (float32 sums in another order), hence atol 1e-3.
     tolerance = (1e-3, 1e-3)
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["hint"] not in HINTS:
-            raise EngineError(f"engine 'openvino': hint must be one of {', '.join(HINTS)}, got {opts['hint']!r}")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Any = None) -> None:
-        super().check(backend, options)
-        if importlib.util.find_spec("openvino") is None:
-            raise EngineUnavailable("engine 'openvino' needs the openvino package: pip install 'gpuprims[openvino]'")
 
     @property
     def threads(self) -> int:
@@ -83,7 +68,7 @@ class OpenVinoEngine(Engine):
             c, h, w = self.source.input_shape
             model.reshape({INPUT_NAME: ov.PartialShape([ov.Dimension(1, self.source.max_batch), c, h, w])})
             config = {"INFERENCE_NUM_THREADS": self.threads, "NUM_STREAMS": 1,
-                      "PERFORMANCE_HINT": HINTS[self.options["hint"]], "INFERENCE_PRECISION_HINT": "f32",
+                      "PERFORMANCE_HINT": OV_HINTS[self.options["hint"]], "INFERENCE_PRECISION_HINT": "f32",
                       "ENABLE_CPU_PINNING": False}
             self.compiled = core.compile_model(model, "CPU", config)
             self.request = self.compiled.create_infer_request()

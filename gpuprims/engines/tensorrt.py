@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -38,11 +37,11 @@ from gpuprims.cuda import runtime
 from gpuprims.cuda.event import Event, Stream, stream_handle
 from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, ExportError, Progress
 from gpuprims.engines.cudagraph import _settle, device_tensor
+from gpuprims.engines.kinds import ENGINE_KINDS
 from gpuprims.engines.onnx import export_onnx
 
 log = logging.getLogger("gpuprims.engines")
 
-PRECISIONS = ("fp32", "fp16")
 PLAN = "model.plan"
 ONNX = "model.onnx"
 #: The tolerances (rtol, atol) against eager per precision: FP32 without TF32 is close to eager (kernels
@@ -62,31 +61,9 @@ class TensorRTEngine(Engine):
     """A TensorRT plan behind the run seam (see the module docstring)."""
 
     kind = "tensorrt"
-    backends = ("cuda",)
-    option_defaults: ClassVar[Mapping[str, Any]] = {"precision": "fp32", "opt_batch": None, "workspace_mb": 1024}
+    spec = ENGINE_KINDS["tensorrt"]
     tolerance = TOLERANCES["fp32"]
     asynchronous: ClassVar[bool] = True
-
-    @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["precision"] not in PRECISIONS:
-            raise EngineError(f"engine 'tensorrt' option precision must be one of {PRECISIONS}, "
-                              f"got {opts['precision']!r}")
-        ob = opts["opt_batch"]
-        if ob is not None and (isinstance(ob, bool) or not isinstance(ob, int) or ob < 1):
-            raise EngineError(f"engine 'tensorrt' option opt_batch must be an integer >= 1 (or unset for "
-                              f"max_batch), got {ob!r}")
-        ws = opts["workspace_mb"]
-        if isinstance(ws, bool) or not isinstance(ws, int) or not 16 <= ws <= 1 << 20:
-            raise EngineError(f"engine 'tensorrt' option workspace_mb must be an integer in 16..1048576, got {ws!r}")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Mapping[str, Any] | None = None) -> None:
-        super().check(backend, options)
-        if "tensorrt" not in sys.modules and importlib.util.find_spec("tensorrt") is None:
-            _trt()  # raises EngineUnavailable with the install line
 
     def __init__(self, source: Any, target: Any, options: Mapping[str, Any] | None = None, *,
                  cache: Any = None) -> None:

@@ -21,6 +21,7 @@ from gpuprims.engines import (
 from gpuprims.engines import auto as auto_mod
 from gpuprims.engines.auto import AutoEngine
 from gpuprims.engines.eager import EagerEngine
+from gpuprims.engines.kinds import EngineKind
 from tests.gpuprims.engines.tinynet import SPEC
 
 SRC = ModelSource(SPEC, (3, 16, 16), max_batch=4)
@@ -47,8 +48,8 @@ class MissingEngine(EagerEngine):
 
 @pytest.fixture
 def extra_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(KINDS, "wrong", f"{__name__}:WrongEngine")
-    monkeypatch.setitem(KINDS, "missing", f"{__name__}:MissingEngine")
+    monkeypatch.setitem(KINDS, "wrong", EngineKind("wrong", f"{__name__}:WrongEngine", needs_torch=True))
+    monkeypatch.setitem(KINDS, "missing", EngineKind("missing", f"{__name__}:MissingEngine", needs_torch=True))
     monkeypatch.setitem(auto_mod.CANDIDATES, "cpu", (("eager", {}), ("onnxruntime", {"provider": "cpu"}),
                                                      ("wrong", {}), ("missing", {}), ("compile", {})))
 
