@@ -26,10 +26,12 @@ from gpuprims.batching import LatencyModel
 from gpuprims.cpushare import CpuShare, apply_cpu_share
 from gpuprims.engines import EngineCache, Target
 from gpuprims.engines.files import FileEngine, make_file_engine, resolve_file_kind
+from gpuprims.engines.ort_share import InitializerSource, SharesInitializers
 from gpuprims.modelrepo import ModelConfig
 from gpuprims.modelrepo.config import Warmup, WarmupInput
 from gpuprims.pool import PacketPool
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
+from orchestrator.param_share import await_handles
 from orchestrator.spec import InstanceSpec
 
 log = logging.getLogger("gpuprims.instance")
@@ -140,6 +142,8 @@ class FileRunner:
         t0 = time.perf_counter()
         engine = make_file_engine(kind, self.spec.model_path, self.signature, self._target(),
                                   self.spec.engine_options or {}, self.spec.model_fingerprint)
+        if isinstance(engine, SharesInitializers):  # Param-Share: the node's segment of its initializers
+            engine.initializers_from = InitializerSource.parse(self.spec.share_params, await_handles)
         info = engine.prepare(self.cache)
         log.info("app %s: %s engine for %s ready in %.0f ms (%s)", self.spec.app, kind, self.spec.model_path,
                  (time.perf_counter() - t0) * 1e3, "cache hit" if info.cache_hit else "built")
@@ -153,12 +157,16 @@ class FileRunner:
         if engine.target.threads != self._target().threads:
             fresh = make_file_engine(engine.kind, self.spec.model_path, self.signature, self._target(),
                                      self.spec.engine_options or {}, self.spec.model_fingerprint)
+            if isinstance(engine, SharesInitializers) and isinstance(fresh, SharesInitializers):
+                fresh.initializers_from = engine.initializers_from  # the mapping made for the first
             fresh.prepare(self.cache)
             engine.close()
             engine = fresh
             self.samples_run = False
         self.engine = engine
         self.model = engine.run
+        if isinstance(engine, SharesInitializers) and engine.shared is not None:
+            self.params_mode = engine.shared.mode  # exported | imported: the node's segment
 
     def describe(self) -> dict[str, Any]:
         """What status shows about the engine, plus the model file and version it serves."""

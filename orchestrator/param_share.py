@@ -32,6 +32,10 @@ of share, restarts, crashes and stops:
   node (``GPUPRIMS_SHM_OWNER_PID``), which outlives the exporting process: the exporter exits like
   any instance and importers keep reading. The node unlinks it when no instance maps it any more,
   and at ``stop``. A holder would add a process that imports torch to every node for nothing.
+- **ONNX Runtime (CPU provider, cpu node): the node, the same way.** The copy is the served ONNX
+  model's initializers (:mod:`gpuprims.engines.ort_share`), keyed by model, seed, classes, input shape
+  (or the model file's fingerprint and version) and optimization level; every session takes them with
+  ``add_initializer`` over the mapping. GPU providers keep their own copy (docs/primitives.md).
 
 Every instance's exit, normal or crash, goes through :meth:`ParamShare.instance_exited`, so no
 export names a process that is gone.
@@ -45,13 +49,15 @@ import json
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from gpuprims.cuda.ipc import ParameterHandles
-from gpuprims.engines import engine_class
+from gpuprims.engines import EngineError, engine_class
+from gpuprims.engines.files import resolve_file_kind
 from orchestrator.config import AppConfig
 
 log = logging.getLogger("gpuprims.node")
@@ -65,6 +71,31 @@ ENV_HOLDER = "GPUPRIMS_PARAM_HOLDER"
 ERROR_SUFFIX = ".error"
 #: How long :meth:`ParamShare.stop_holders` waits for holders to exit after SIGTERM before SIGKILL.
 HOLDER_STOP_S = 5.0
+
+#: How long an importer waits for the shared weights' handles to be written (a CUDA holder loading
+#: them on a busy machine). Torch-free: the model-file runner waits with it too.
+HANDLES_WAIT_S = 600.0
+
+
+def await_handles(path: str, timeout_s: float = HANDLES_WAIT_S) -> bytes:
+    """The shared weights' handles at ``path`` once their exporter or holder has written them (it writes
+    atomically). Raises RuntimeError with the holder's reason if it failed (``<path>.error``), and
+    TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
+        try:
+            with open(path + ERROR_SUFFIX, encoding="utf-8") as f:
+                raise RuntimeError(f"the holder of the shared weights {path} failed: {f.read()}")
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the shared weights' handles {path} were not written within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 class HolderProcess(Protocol):
@@ -176,12 +207,34 @@ class ParamShare:
 
     def key(self, app: AppConfig) -> str | None:
         """Instances with the same key have identical weights and share one copy."""
-        if not self.enabled or app.is_dag or not app.model or app.file is not None:
-            return None  # (a model file's engine holds its own copy of the weights)
+        if not self.enabled or app.is_dag or not app.model:
+            return None
+        ort = self._ort_key(app)
+        if ort is not None or app.file is not None:
+            return ort  # (another model file's engine holds its own copy of the weights)
         if not engine_class(app.engine.kind).uses_torch_weights:
             return None  # the engine runs its own copy of the weights (an ONNX session, a plan...)
         gpu = f"|gpu{self._gpu_of(app)}" if self.backend == "cuda" else ""
         return f"{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}{gpu}"
+
+    def _ort_key(self, app: AppConfig) -> str | None:
+        """ONNX Runtime on the CPU provider of a cpu node: its sessions take one copy of the served
+        model's initializers (:mod:`gpuprims.engines.ort_share`). Device initializers are not shared
+        (docs/primitives.md says why)."""
+        if self.backend != "cpu":
+            return None
+        kind = app.engine.kind
+        if app.file is not None:
+            try:
+                kind = resolve_file_kind(None if kind == "eager" else kind, app.file.path)
+            except EngineError:
+                return None
+        if kind != "onnxruntime" or app.engine.options.get("provider", "cpu") != "cpu":
+            return None
+        level = app.engine.options.get("optimization", "all")
+        if app.file is not None:
+            return f"onnxruntime|{app.file.fingerprint or app.file.path}|v{app.file.version}|{level}"
+        return f"onnxruntime|{app.model}|{app.seed}|{app.num_classes}|{'x'.join(map(str, app.input_shape))}|{level}"
 
     def exported(self, app: AppConfig) -> bool:
         """True if a copy of this app's weights exists (or is being made)."""

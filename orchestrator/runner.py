@@ -11,7 +11,9 @@ the node's scheduler. Like vLLM's ``gpu_model_runner`` beside its ``gpu_worker``
 touches the model, the serving loop never builds one.
 
 Param-Share (export or import of the torch weights) applies where the engine runs on them
-(``Engine.uses_torch_weights``: eager); any other engine holds its own copy, and ``params_mode`` says so.
+(``Engine.uses_torch_weights``: eager); an ONNX Runtime session on the CPU provider takes the served
+model's initializers from the node's shared segment instead (:mod:`gpuprims.engines.ort_share`); any
+other engine holds its own copy, and ``params_mode`` says so.
 A model the engine cannot take (an export that fails) is served with eager instead, after one ERROR line
 naming the app, the engine and the reason; :meth:`AppRunner.describe` says ``fallback`` with the reason.
 """
@@ -19,6 +21,7 @@ naming the app, the engine and the reason; :meth:`AppRunner.describe` says ``fal
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -35,9 +38,10 @@ from gpuprims.cuda.event import Stream
 from gpuprims.cuda.ipc import export_parameters, share_parameters
 from gpuprims.device import warm_up
 from gpuprims.engines import Engine, EngineCache, EngineError, ModelSource, Target, engine_class, make_engine
+from gpuprims.engines.ort_share import InitializerSource, SharesInitializers
 from gpuprims.gather import Gatherer, ModelRunner, default_method, make_gatherer, torch_device
 from gpuprims.pool import PacketPool
-from orchestrator.param_share import ERROR_SUFFIX
+from orchestrator.param_share import await_handles
 from orchestrator.spec import InstanceSpec
 
 log = logging.getLogger("gpuprims.instance")
@@ -102,32 +106,6 @@ def default_profile_batches(max_batch: int) -> list[int]:
 def warm_sizes(max_batch: int) -> list[int]:
     """The batch sizes a warm-up runs: 1, max_batch/2 and max_batch."""
     return sorted({1, max(1, max_batch // 2), max_batch})
-
-
-#: How long an importer waits for the shared weights' handles to be written (a CUDA holder loading
-#: them on a busy machine; orchestrator/param_share.py).
-HANDLES_WAIT_S = 600.0
-
-
-def await_handles(path: str, timeout_s: float = HANDLES_WAIT_S) -> bytes:
-    """The shared weights' handles at ``path`` once their exporter or holder has written them (it writes
-    atomically). Raises RuntimeError with the holder's reason if it failed (``<path>.error``), and
-    TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            pass
-        try:
-            with open(path + ERROR_SUFFIX, encoding="utf-8") as f:
-                raise RuntimeError(f"the holder of the shared weights {path} failed: {f.read()}")
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the shared weights' handles {path} were not written within {timeout_s:.0f} s")
-        time.sleep(0.01)
 
 
 class AppRunner:
@@ -208,9 +186,16 @@ class AppRunner:
         engine = self._prepared("main", self.spec.model, self.spec.engine, self.spec.engine_options, device, module,
                                 fallbacks)
         out.update(engines={"main": engine}, fallbacks=fallbacks, model=engine)
+        if isinstance(engine, SharesInitializers) and engine.shared is not None:
+            out["params_mode"] = engine.shared.mode  # the session's initializers are the node's segment
         if fallbacks:
             out["params_mode"] = "own"
         return out
+
+    @functools.cached_property
+    def initializers(self) -> InitializerSource | None:
+        """Where an ONNX Runtime session takes its initializers from (the spec's ``share_params``)."""
+        return InitializerSource.parse(self.spec.share_params, await_handles)
 
     def _load_single(self, device: Any, out: dict[str, Any]) -> Any:
         """Load the app's model: its own weights, or (Param-Share) the weights another instance exported.
@@ -260,6 +245,8 @@ class AppRunner:
 
         try:
             engine = make_engine(kind, source, self._target(), options, cache=self.cache)
+            if stage == "main" and module is None and isinstance(engine, SharesInitializers):
+                engine.initializers_from = self.initializers
             engine.prepare(module, progress)
         except EngineError as e:
             log.error("app %s: engine %s cannot serve model %s: %s; serving it with eager instead",
@@ -280,6 +267,8 @@ class AppRunner:
             if engine.uses_torch_weights or engine.target.threads == want:
                 continue
             fresh = make_engine(engine.kind, engine.source, self._target(), engine.options, cache=self.cache)
+            if isinstance(engine, SharesInitializers) and isinstance(fresh, SharesInitializers):
+                fresh.initializers_from = engine.initializers_from  # the mapping made for the first
             fresh.prepare()
             engine.close()
             self.engines[stage] = fresh

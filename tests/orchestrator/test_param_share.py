@@ -204,6 +204,87 @@ def test_on_the_cpu_an_exporter_that_died_before_exporting_is_forgotten(tmp_path
     assert again is not None and again.startswith("export:") and again != first
 
 
+def test_onnxruntime_on_the_cpu_provider_shares_one_copy_of_its_initializers(tmp_path: Path) -> None:
+    ps = ParamShare(tmp_path)
+    ps.bind("cpu", lambda spec: pytest.fail("no holder on the CPU"), lambda app: 0)
+    a, b = _apps(engine="onnxruntime")
+    assert ps.key(a) is not None and not ps.key(a).startswith("onnxruntime")  # (eager: torch weights)
+    key = ps.key(b)
+    assert key is not None and key.startswith("onnxruntime|mobilenet_v2|5|10|3x32x32|all")
+    first = ps.mode_for(b, "b-0")
+    assert first is not None and first.startswith("export:")
+    assert ps.mode_for(b, "b-1") == "import:" + first.removeprefix("export:")
+    _, basic = _apps(engine={"kind": "onnxruntime", "optimization": "basic"})
+    assert ps.key(basic) not in (None, key)  # another optimized graph: other initializers
+
+
+def test_onnxruntime_on_a_gpu_provider_or_a_cuda_node_keeps_its_own_copy(tmp_path: Path) -> None:
+    base = {"model": "mobilenet_v2", "input_shape": [3, 32, 32], "slo_ms": 100, "gpu_pct": 40, "app_id": 1}
+    cfg = parse_config({"node": {"backend": "cuda", "mps": "off", "allow_oversubscribe": True},
+                        "apps": [{"name": "g", **base, "engine": {"kind": "onnxruntime", "provider": "cuda"}}]})
+    (gpu_app,) = cfg.apps
+    cuda, started = _cuda_share(tmp_path)
+    assert cuda.key(gpu_app) is None and cuda.mode_for(gpu_app, "g-0") is None
+    _, b = _apps(engine="onnxruntime")
+    assert cuda.key(b) is None and cuda.mode_for(b, "b-0") is None
+    assert started == []  # no holder for initializers a GPU session would copy to the device anyway
+
+
+ORT_CONFIG = """
+node:
+  listen: {host: 127.0.0.1, port: 0}
+  backend: cpu
+  allow_oversubscribe: true
+  pool: {slot_count: 4096, max_chunks: 64, record_count: 256}
+  engine_cache: CACHE
+apps:
+  - {name: a, model: mobilenet_v2, input_shape: [3, 32, 32], slo_ms: 10000, gpu_pct: 50, instances: 2, max_batch: 4,
+     app_id: 1, num_classes: 10, seed: 5, shadow: false, engine: onnxruntime}
+"""
+
+
+@pytest.mark.slow
+def test_onnxruntime_instances_serve_from_one_segment_and_survive_the_exporters_death(tmp_path: Path) -> None:
+    p = tmp_path / "apps.yaml"
+    p.write_text(ORT_CONFIG.replace("CACHE", str(tmp_path / "cache")))
+    node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
+    segments: list[str] = []
+    try:
+        insts = sorted(node.instances.values(), key=lambda st: st.name)
+        assert [st.spec.share_params.split(":")[0] for st in insts] == ["export", "import"]
+        for _ in range(10):
+            node.step(50)
+        assert sorted(st.stats.get("params") for st in node.instances.values()) == ["exported", "imported"]
+        from gpuprims.cuda.ipc import ParameterHandles
+
+        exp = next(iter(node.params.exports.values()))
+        segments.append(ParameterHandles.from_bytes(exp.path.read_bytes()).handle.decode())
+        assert {st.stats["engine"]["initializers"]["segment"] for st in node.instances.values()} == set(segments)
+        ref_model = load_model("mobilenet_v2", seed=5, num_classes=10, input_shape=(3, 32, 32)).eval()
+        rng = np.random.default_rng(0)
+
+        def check(xs: dict[int, np.ndarray]) -> None:
+            got = ask(node, {rid: (1, x) for rid, x in xs.items()})
+            assert sorted(got) == sorted(xs) and all(r.status == Status.OK for r in got.values())
+            for rid, x in xs.items():
+                with torch.inference_mode():
+                    ref = ref_model(torch.from_numpy(x)[None]).numpy()[0]
+                np.testing.assert_allclose(got[rid].array(), ref, rtol=1e-3, atol=1e-3)
+
+        check({rid: rng.random((3, 32, 32), dtype=np.float32) for rid in range(16)})
+        os.kill(insts[0].pid, signal.SIGKILL)  # the exporter: the segment is the node's
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                st.name.startswith("a-r") and st.ready for st in node.instances.values()):
+            node.step(50)
+        repl = next(st for st in node.instances.values() if st.name.startswith("a-r"))
+        assert repl.spec.share_params.startswith("import:")
+        check({rid: rng.random((3, 32, 32), dtype=np.float32) for rid in range(100, 116)})
+    finally:
+        node.stop()
+    assert not any(os.path.exists("/dev/shm/" + n) for n in segments), "stop removes the shared initializers"
+
+
 @pytest.mark.slow
 def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
