@@ -84,11 +84,12 @@ REPOSITORY_DEFAULTS: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": 9
 
 
 def _load(config: str | None, model_repository: str | None, load_models: tuple[str, ...] = (),
-          control_mode: str | None = None) -> tuple[NodeConfig, str]:
+          control_mode: str | None = None, security: dict[str, Any] | None = None) -> tuple[NodeConfig, str]:
     """The node's config and the name to give it in messages: CONFIG (its node.model_repository replaced
     by ``model_repository`` when given), or, without CONFIG, a node of :data:`REPOSITORY_DEFAULTS` serving
-    ``model_repository``; in explicit mode with the repository API (``node.repository.enabled``) on."""
-    extra: dict[str, Any] = {}
+    ``model_repository``; in explicit mode with the repository API (``node.repository.enabled``) on.
+    ``security`` (:func:`_security`) replaces CONFIG's node.tls / node.auth."""
+    extra: dict[str, Any] = dict(security or {})
     if model_repository is not None:
         extra["model_repository"] = str(Path(model_repository).expanduser().absolute())
     if control_mode is not None:
@@ -108,7 +109,7 @@ def _load(config: str | None, model_repository: str | None, load_models: tuple[s
             return parse_config({"node": node, "apps": []}, source=source), source
         except ConfigError as e:
             raise click.ClickException(str(e)) from e
-    if extra and load_models and model_repository is None:
+    if load_models and model_repository is None:
         raise click.UsageError("--load-model needs --model-repository (or node.model_repository in CONFIG)")
     try:
         cfg = load_config(config, known_models=known_names(), node_overrides=extra or None)
@@ -136,6 +137,20 @@ def _explicit_repository_api(cfg: NodeConfig, source: str) -> NodeConfig:
     return cfg.model_copy(update={"node": n.model_copy(update={"repository": repo})})
 
 
+def _security(tls_cert: str | None, tls_key: str | None, tls_ca: str | None, token_file: str | None) -> dict[str, Any]:
+    """The node keys start's --tls-* and --token-file set (node.tls, node.auth), checked as a whole."""
+    out: dict[str, Any] = {}
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together (the certificate and its private key)")
+    if tls_ca is not None and tls_cert is None:
+        raise click.UsageError("--tls-ca (require client certificates) needs --tls-cert and --tls-key")
+    if tls_cert is not None:
+        out["tls"] = {"cert": tls_cert, "key": tls_key, **({"ca": tls_ca} if tls_ca is not None else {})}
+    if token_file is not None:
+        out["auth"] = {"token_file": token_file}
+    return out
+
+
 def _port_in_use(e: BaseException) -> str | None:
     """The one line to print for an address-in-use failure anywhere in ``e``'s chain, else None."""
     seen: BaseException | None = e
@@ -160,14 +175,24 @@ def _port_in_use(e: BaseException) -> str | None:
 @click.option("--run-dir", default=None, help="Run directory (default: node.run_dir of CONFIG, else a fresh one).")
 @click.option("--ready-timeout", default=180.0, show_default=True, help="Seconds each instance may take to load.")
 @click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Serve HTTPS and gRPC over TLS with this PEM certificate (chain) (node.tls.cert).")
+@click.option("--tls-key", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="The certificate's PEM private key (node.tls.key).")
+@click.option("--tls-ca", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Require client certificates signed by this PEM CA (node.tls.ca).")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Inference needs 'Authorization: Bearer <the token in this file>' (node.auth.token_file).")
 def start(config: str | None, model_repository: str | None, model_control_mode: str | None,
           load_models: tuple[str, ...], name: str | None, run_dir: str | None, ready_timeout: float,
-          duration: float | None) -> None:
+          duration: float | None, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
+          token_file: str | None) -> None:
     """Start the node described by CONFIG (and/or serving --model-repository DIR) and run until stopped
     (SIGINT/SIGTERM or `stop`)."""
     if run_dir and name:
         raise click.UsageError("give --run-dir or --name, not both")
-    cfg, config = _load(config, model_repository, load_models, model_control_mode)
+    cfg, config = _load(config, model_repository, load_models, model_control_mode,
+                        _security(tls_cert, tls_key, tls_ca, token_file))
     _check_user_models(cfg, config)
     setup_logging(cfg.node.log_level, cfg.node.log_format)
     sweep_dead()

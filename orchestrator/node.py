@@ -52,6 +52,7 @@ from orchestrator.dispatch import LiveScheduler, core_groups, measured_profile, 
 from orchestrator.errors import ChangeError, StartError, SupervisionError
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.frontdoor.core import Unavailable
+from orchestrator.frontdoor.security import ServerTls, TlsError, load_tls
 from orchestrator.launcher import ForkLauncher, Launcher
 from orchestrator.messages import (
     BatchDone,
@@ -95,19 +96,25 @@ REPOSITORY_CONSUMERS = 32
 def read_repository_token(rc: Any) -> str | None:
     """The repository API's bearer token from ``node.repository`` (token_file or token_env), or None when
     none is configured; StartError when the configured source is missing, unreadable or empty."""
-    if rc.token_file is not None:
-        try:
-            token = Path(rc.token_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise StartError(f"node.repository.token_file {rc.token_file!r} cannot be read: {e.strerror or e}") \
-                from None
-        where = f"node.repository.token_file {rc.token_file!r}"
-    elif rc.token_env is not None:
-        token = os.environ.get(rc.token_env, "").strip()
-        where = f"node.repository.token_env: the environment variable {rc.token_env}"
-    else:
+    if not rc.has_token:
         log.warning("node.repository is on without a token: anyone who reaches the loopback front door can load "
                     "apps (and user code) into this node")
+    return read_bearer_token(rc, "node.repository")
+
+
+def read_bearer_token(src: Any, key: str) -> str | None:
+    """The bearer token of the TokenSource ``src`` (the setting ``key``: its token_file or token_env), or None
+    when it names none; StartError when the named source is missing, unreadable, empty or too short."""
+    if src.token_file is not None:
+        try:
+            token = Path(src.token_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise StartError(f"{key}.token_file {src.token_file!r} cannot be read: {e.strerror or e}") from None
+        where = f"{key}.token_file {src.token_file!r}"
+    elif src.token_env is not None:
+        token = os.environ.get(src.token_env, "").strip()
+        where = f"{key}.token_env: the environment variable {src.token_env}"
+    else:
         return None
     if len(token) < 16:
         raise StartError(f"{where} holds {'no' if not token else 'a too short'} token; use at least 16 "
@@ -178,6 +185,8 @@ class Node:
         self.unavailable: list[Unavailable] = [Unavailable(u.name, u.version, u.reason) for u in cfg.unavailable]
         self._poll_ops: dict[str, tuple[PollAction, concurrent.futures.Future[dict[str, Any]]]] = {}
         self.repository_token: str | None = None
+        self.tls: ServerTls | None = None  # node.tls, read at start
+        self.inference_token: str | None = None  # node.auth's, read at start
         self.last_errors: dict[str, str] = {}  # instance -> the last Error it reported
         self.own_cores: list[int] | None = None  # where this process's threads are kept (None: anywhere)
         self._pin_wish: tuple[int, ...] | None = None
@@ -213,6 +222,12 @@ class Node:
         problems = engine_problems(self.cfg, self.backend)  # a GPU-only engine on the cpu backend, ...
         if problems:
             raise StartError("; ".join(f"{key}: {what}" for key, what in problems))
+        # The front door's certificate, key and token are read before anything starts.
+        try:
+            self.tls = load_tls(node.tls.cert, node.tls.key, node.tls.ca) if node.tls is not None else None
+        except TlsError as e:
+            raise StartError(str(e)) from None
+        self.inference_token = read_bearer_token(node.auth, "node.auth")
         self._own_run_dir = node.run_dir is None
         self.run_dir = make_run_dir(node.run_dir)
         try:
@@ -373,7 +388,7 @@ class Node:
                 ingest=ingest, repository=self.repository if node.repository.enabled else None,
                 repository_token=self.repository_token,
                 fleet_routes=node.fleet_routes, max_request_bytes=node.pool.max_request_bytes,
-                unavailable=self.unavailable)
+                unavailable=self.unavailable, tls=self.tls, inference_token=self.inference_token)
         except FrontDoorError as e:
             raise StartError(f"the Open Inference Protocol front door could not start: {e}") from e
 

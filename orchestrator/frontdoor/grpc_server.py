@@ -15,7 +15,7 @@ own check (:func:`max_message_bytes`).
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -221,11 +221,13 @@ def max_message_bytes(core: Core, *, models_change: bool = False) -> int:
     return max(bound, CHANGING_MODELS_MESSAGE_BYTES) if models_change else bound
 
 
-def make_server(core: Core, *, models_change: bool = False) -> grpc.aio.Server:
+def make_server(core: Core, *, models_change: bool = False,
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """A grpc.aio server with the service added (add a port, then ``await start()``); ``models_change``:
-    see :func:`max_message_bytes`."""
+    see :func:`max_message_bytes`; ``interceptors`` see every call first (security.TokenGuard's)."""
     limit = max_message_bytes(core, models_change=models_change)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", MAX_SEND_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_SEND_BYTES)],
+                             interceptors=list(interceptors) or None)
     server.add_generic_rpc_handlers((make_handler(core),))
     return server

@@ -28,6 +28,7 @@ from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.grpc_server import make_server
 from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import DEFAULT_REQUEST_BYTES, ModelInfo, model_info
+from orchestrator.frontdoor.security import ServerTls, TokenGuard, plaintext_warning
 from orchestrator.frontdoor.transport import PoolTransport, Transport, UdpTransport
 from orchestrator.metrics import AppStatistics
 
@@ -49,7 +50,8 @@ class FrontDoor:
                  http_port: int | None, grpc_port: int | None, *, timeout_s: float | None,
                  ready: Callable[[str], bool] | None, statistics: Mapping[str, AppStatistics] | None = None,
                  ingest: Ingest | None = None, repository: Any = None, repository_token: str | None = None,
-                 fleet_routes: Sequence[str] = ()) -> None:
+                 fleet_routes: Sequence[str] = (), tls: ServerTls | None = None,
+                 inference_token: str | None = None) -> None:
         self.models = infos
         self.max_request_bytes = DEFAULT_REQUEST_BYTES  # a dynamic model file's request bound (add_model)
         self.unavailable: list[Unavailable] = []  # the model repository's models that cannot be served
@@ -64,6 +66,9 @@ class FrontDoor:
         self._http_port, self._grpc_port = http_port, grpc_port
         self._timeout_s, self._ready, self._statistics = timeout_s, ready, statistics
         self._repository, self._repository_token = repository, repository_token
+        self.tls = tls
+        #: The inference token's check and its count of refusals per protocol (None: no token).
+        self.guard = TokenGuard(inference_token) if inference_token is not None else None
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -97,22 +102,27 @@ class FrontDoor:
         try:
             host_url = f"[{self.host}]" if ":" in self.host else self.host
             if self._http_port is not None:
-                runner = web.AppRunner(make_app(self.core, self._repository, self._repository_token), access_log=None, handle_signals=False,
-                                       shutdown_timeout=STOP_GRACE_S)
+                app = make_app(self.core, self._repository, self._repository_token)
+                if self.guard is not None:  # innermost: runs once the route is known, before the body is read
+                    app.middlewares.append(self.guard.http_middleware())
+                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE_S)
                 await runner.setup()
-                site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True)
+                site = web.TCPSite(runner, self.host, self._http_port, reuse_address=True,
+                                   ssl_context=self.tls.context if self.tls is not None else None)
                 try:
                     await site.start()
                 except OSError as e:
                     raise FrontDoorError(f"cannot serve HTTP on {self.host}:{self._http_port}: {e.strerror or e}; "
                                          "pick another node.http_port") from None
                 port = runner.addresses[0][1]
-                self.http_url = f"http://{host_url}:{port}"
+                self.http_url = f"{'https' if self.tls is not None else 'http'}://{host_url}:{port}"
             if self._grpc_port is not None:
-                grpc_server = make_server(self.core, models_change=self._repository is not None
-                                                                    or forwarder is not None)
+                grpc_server = make_server(self.core, models_change=self._repository is not None or forwarder is not None,
+                                          interceptors=[self.guard.grpc_interceptor()] if self.guard else [])
+                address = f"{host_url}:{self._grpc_port}"
                 try:
-                    port = grpc_server.add_insecure_port(f"{host_url}:{self._grpc_port}")
+                    port = (grpc_server.add_secure_port(address, self.tls.grpc_credentials()) if self.tls is not None
+                            else grpc_server.add_insecure_port(address))
                 except RuntimeError as e:
                     raise FrontDoorError(f"cannot serve gRPC on {self.host}:{self._grpc_port}: {e}; "
                                          "pick another node.grpc_port") from None
@@ -120,6 +130,9 @@ class FrontDoor:
                 self.grpc_target = f"{host_url}:{port}"
             log.info("front door: HTTP %s, gRPC %s -> %s", self.http_url or "off", self.grpc_target or "off",
                      "the packet pool" if self.ingest is not None else "UDP {}:{}".format(*self.udp_target))
+            warning = plaintext_warning(self.host, self.tls, self.guard.token if self.guard else None)
+            if warning is not None:
+                log.warning(warning)
             self._started.set()
             await self._stop.wait()
         finally:
@@ -213,7 +226,8 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
                     statistics: Mapping[str, AppStatistics] | None = None, ingest: Ingest | None = None,
                     repository: Any = None, repository_token: str | None = None,
                     fleet_routes: Sequence[str] = (), max_request_bytes: int = DEFAULT_REQUEST_BYTES,
-                    unavailable: Sequence[Unavailable] = ()) -> FrontDoor:
+                    unavailable: Sequence[Unavailable] = (), tls: ServerTls | None = None,
+                    inference_token: str | None = None) -> FrontDoor:
     """Serve ``apps`` over the Open Inference Protocol, forwarding to the UDP ingest at ``udp_target``.
 
     ``http_port`` / ``grpc_port``: a port, 0 for any free port, None for off (apps.yaml's 0 = off
@@ -227,8 +241,10 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     model-repository load/unload routes (docs/oip.md). ``fleet_routes`` (seed URLs of a fleet's routing
     table, docs/fleet.md) forwards requests for models this node does not host to their owners
     (orchestrator/frontdoor/forward.py). ``max_request_bytes`` bounds one request of a model file with
-    dynamic dimensions (the node's pool: node.pool.max_chunks x max_payload). Returns once both servers
-    listen, or raises FrontDoorError; ``close()`` stops it.
+    dynamic dimensions (the node's pool: node.pool.max_chunks x max_payload). ``tls`` (security.load_tls)
+    serves HTTPS and gRPC over TLS; ``inference_token`` is the bearer token every inference must carry
+    (security.TokenGuard; None: none). Returns once both servers listen, or raises FrontDoorError;
+    ``close()`` stops it.
     """
     if http_port is None and grpc_port is None:
         raise ValueError("start_frontdoor needs http_port or grpc_port (None means off)")
@@ -238,7 +254,8 @@ def start_frontdoor(apps: Sequence[AppConfig], udp_target: tuple[str, int], http
     infos = [model_info(a, max_request_bytes) for a in apps]
     door = FrontDoor(infos, (str(udp_target[0]), int(udp_target[1])), host, http_port, grpc_port,
                      timeout_s=timeout_s, ready=ready, statistics=statistics, ingest=ingest,
-                     repository=repository, repository_token=repository_token, fleet_routes=fleet_routes)
+                     repository=repository, repository_token=repository_token, fleet_routes=fleet_routes,
+                     tls=tls, inference_token=inference_token)
     door.max_request_bytes = max_request_bytes
     door.unavailable = list(unavailable)
     return door._start()

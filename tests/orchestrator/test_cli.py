@@ -399,3 +399,29 @@ def test_set_gpu_follows_the_change_through_its_phases(tmp_path: Path) -> None:
         assert _cli(tmp_path, "stop", "--name", "sg", timeout=READY_S).returncode == 0
     finally:
         node.close()
+
+
+def test_start_tls_and_token_flags_set_node_tls_and_auth(tmp_path: Path) -> None:
+    from orchestrator.cli_node import _load, _security
+
+    cert, key, ca, token = (tmp_path / n for n in ("s.pem", "s.key", "ca.pem", "token"))
+    for p in (cert, key, ca, token):
+        p.write_text("x\n")
+    config = _config(tmp_path)
+    runner = CliRunner()
+    for flags, why in ((["--tls-cert", str(cert)], "--tls-cert and --tls-key go together"),
+                       (["--tls-key", str(key)], "--tls-cert and --tls-key go together"),
+                       (["--tls-ca", str(ca)], "--tls-ca (require client certificates) needs")):
+        r = runner.invoke(cli.main, ["start", str(config), *flags])
+        assert r.exit_code == 2 and why in r.output, r.output
+    r = runner.invoke(cli.main, ["start", str(config), "--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)])
+    assert r.exit_code == 2 and "does not exist" in r.output
+    # A config without a front door: TLS has nothing to apply to, and says which key to set.
+    with pytest.raises(click.ClickException, match=r"node\.tls: .*node\.http_port or grpc_port"):
+        _load(str(config), None, security=_security(str(cert), str(key), None, None))
+    text = config.read_text().replace("  backend: cpu\n", "  backend: cpu\n  http_port: 18000\n")
+    config.write_text(text)
+    cfg, _ = _load(str(config), None, security=_security(str(cert), str(key), str(ca), str(token)))
+    assert cfg.node.tls is not None and (cfg.node.tls.cert, cfg.node.tls.key, cfg.node.tls.ca) == (str(cert), str(key),
+                                                                                                    str(ca))
+    assert cfg.node.auth.token_file == str(token) and cfg.node.auth.token_env is None

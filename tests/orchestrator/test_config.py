@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apps.zoo.names import known_names
-from gpuprims.engines.kinds import ENGINE_KINDS, EngineKind
+from gpuprims.engines import KINDS, Engine
 from orchestrator.config import AppConfig, ConfigError, NodeConfig, engine_problems, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -389,15 +389,23 @@ def test_host_probe_reads_this_machine() -> None:
 
 # -- engine: (gpuprims.engines) -------------------------------------------------------------------------------
 
-#: A kind that runs only on cuda, with one option (registered for these tests only). Its module does not
-#: exist: validating an app that names it imports no engine module.
-GPUONLY = EngineKind("gpuonly", "tests.no_such_engine_module:GpuOnlyEngine", needs_torch=False, backends=("cuda",),
-                     options={"precision": "fp32"})
+class GpuOnlyEngine(Engine):
+    """A kind that runs only on cuda, with one option (registered for these tests only)."""
+
+    kind = "gpuonly"
+    backends = ("cuda",)
+    option_defaults: ClassVar[dict[str, Any]] = {"precision": "fp32"}
+
+    def _prepare(self, module: Any, progress: Any) -> None:
+        raise AssertionError("validation builds nothing")
+
+    def run(self, x: Any) -> Any:
+        raise AssertionError("validation runs nothing")
 
 
 @pytest.fixture
 def gpuonly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ENGINE_KINDS, "gpuonly", GPUONLY)
+    monkeypatch.setitem(KINDS, "gpuonly", f"{__name__}:GpuOnlyEngine")
 
 
 def test_engine_by_name_or_mapping(tmp_path: Path, gpuonly: None) -> None:
@@ -460,3 +468,21 @@ def test_engine_cache_setting(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, {"node": {"engine_cache": str(tmp_path / "c")}, "apps": [_app()]}))
     assert cfg.node.engine_cache == str(tmp_path / "c")
     _refused(tmp_path, {"node": {"engine_cache": " "}, "apps": [_app()]}, "node.engine_cache: must be a directory")
+
+
+def test_node_tls_and_auth_are_checked(tmp_path: Path) -> None:
+    front = {"http_port": 8000, "grpc_port": 8001}
+    cfg = load_config(_write(tmp_path, {"node": {**front, "tls": {"cert": "s.pem", "key": "s.key", "ca": "ca.pem"},
+                                                 "auth": {"token_env": "GPUPRIMS_TOKEN"}}, "apps": [_app()]}))
+    assert cfg.node.tls is not None and (cfg.node.tls.cert, cfg.node.tls.key, cfg.node.tls.ca) == ("s.pem", "s.key", "ca.pem")
+    assert cfg.node.auth.has_token and not load_config(_write(tmp_path, {"apps": [_app()]})).node.auth.has_token
+    _refused(tmp_path, {"node": {**front, "tls": {"cert": "s.pem"}}, "apps": [_app()]}, "node.tls.key")
+    _refused(tmp_path, {"node": {**front, "tls": {"cert": " ", "key": "k"}}, "apps": [_app()]}, "node.tls.cert",
+             "PEM file path")
+    _refused(tmp_path, {"node": {**front, "tls": {"cert": "c", "key": "k", "certs": "x"}}, "apps": [_app()]},
+             "node.tls.certs")
+    _refused(tmp_path, {"node": {**front, "auth": {"token_file": "t", "token_env": "T"}}, "apps": [_app()]},
+             "node.auth.token_env", "not both")
+    _refused(tmp_path, {"node": {"tls": {"cert": "c", "key": "k"}}, "apps": [_app()]}, "node.tls",
+             "set node.http_port or grpc_port")
+    _refused(tmp_path, {"node": {"auth": {"token_env": "T"}}, "apps": [_app()]}, "node.auth", "front door")
