@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import yaml
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apps.zoo.names import known_names
-from gpuprims.engines import KINDS, Engine
+from gpuprims.engines.kinds import ENGINE_KINDS, EngineKind
 from orchestrator.config import AppConfig, ConfigError, NodeConfig, engine_problems, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -389,23 +389,15 @@ def test_host_probe_reads_this_machine() -> None:
 
 # -- engine: (gpuprims.engines) -------------------------------------------------------------------------------
 
-class GpuOnlyEngine(Engine):
-    """A kind that runs only on cuda, with one option (registered for these tests only)."""
-
-    kind = "gpuonly"
-    backends = ("cuda",)
-    option_defaults: ClassVar[dict[str, Any]] = {"precision": "fp32"}
-
-    def _prepare(self, module: Any, progress: Any) -> None:
-        raise AssertionError("validation builds nothing")
-
-    def run(self, x: Any) -> Any:
-        raise AssertionError("validation runs nothing")
+#: A kind that runs only on cuda, with one option (registered for these tests only). Its module does not
+#: exist: validating an app that names it imports no engine module.
+GPUONLY = EngineKind("gpuonly", "tests.no_such_engine_module:GpuOnlyEngine", needs_torch=False, backends=("cuda",),
+                     options={"precision": "fp32"})
 
 
 @pytest.fixture
 def gpuonly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(KINDS, "gpuonly", f"{__name__}:GpuOnlyEngine")
+    monkeypatch.setitem(ENGINE_KINDS, "gpuonly", GPUONLY)
 
 
 def test_engine_by_name_or_mapping(tmp_path: Path, gpuonly: None) -> None:
