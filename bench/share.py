@@ -1,6 +1,6 @@
 """Param-Share (paper V-E, Table II): memory per added instance with and without shared weights.
 
-    python3 -m bench.share [--quick] [--backend auto|cpu|cuda]
+    python3 -m bench.share [--quick] [--backend auto|cpu|cuda] [--models ...] [--ort-models ...]
 
 For ResNet-50, VGG-19 and ResNeXt-50, instances are started one after another as spawn processes,
 each loading the model and running one batch-1 inference, and all kept alive:
@@ -13,6 +13,17 @@ the parent) from just before it starts to when its weights are in place (context
 read before its first inference; what the inference then adds (activations, the cuBLAS/cuDNN
 workspace, the same with or without Param-Share) is reported apart as ``*_inference_mb``. CPU: the USS (private memory) of each instance, with PSS beside it. The instances that
 fit in a fixed budget (16 GiB, the paper's T4) follow from these.
+
+ONNX Runtime rows (``ort_<model>_*``, CPU provider, any backend): the model exported and optimized once
+by the onnxruntime engine (its cache entry), then each instance is a spawn process that imports
+onnxruntime and no torch and opens a session on the optimized model, one intra-op thread:
+* unshared: the session loads its own initializers (ORT's defaults: pre-packing on);
+* shared: the first instance copies the initializers into a POSIX shared-memory segment
+  (gpuprims.engines.ort_share.export_initializers) and every session, its own included, takes them
+  with ``add_initializer`` over the mapping (pre-packing off, so no private re-packed copy).
+Memory per added instance is its USS (the segment's pages are shared, so they are not in it) with PSS
+beside; the first shared instance is charged the whole segment. That is how the node runs an
+``engine: onnxruntime`` app's instances and shadows on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +88,44 @@ def instance(backend: str, name: str, mode: str, blob: bytes | None, conn: Any) 
         conn.send({"error": repr(exc)})
 
 
+def ort_instance(model_path: str, mode: str, blob: bytes | None, conn: Any) -> None:
+    """One ONNX Runtime instance (no torch): a session with its own initializers, or over the shared
+    segment (export it first, or map it); one batch-1 inference; report; wait for the word to stop."""
+    try:
+        import onnxruntime as ort
+
+        from gpuprims.engines.ort_share import export_initializers, map_initializers, trim_heap
+
+        path = Path(model_path)
+        shared = None
+        if mode == "export":
+            handles = path.parent / f"bench-share-{os.getpid()}.handles"
+            shared = export_initializers(path, handles)
+            handles.unlink()
+        elif mode == "import":
+            shared = map_initializers(blob or b"", path)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the optimized model
+        so.log_severity_level = 3
+        if shared is not None:
+            shared.add_to(ort, so)
+        sess = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        trim_heap()
+        inp = sess.get_inputs()[0]
+        shape = [1 if not isinstance(d, int) else d for d in inp.shape]
+        sess.run(None, {inp.name: np.zeros(shape, dtype=np.float32)})
+        trim_heap()
+        conn.send({"ready": True, "pid": os.getpid(), "blob": shared.handles.to_bytes() if mode == "export" and
+                   shared is not None else None, "weights_bytes": shared.nbytes if shared is not None else 0,
+                   "segment": shared.handles.handle.decode() if shared is not None else None})
+        conn.recv()
+        del sess
+    except Exception as exc:
+        conn.send({"error": repr(exc)})
+
+
 class Fleet:
     """Instances started one by one and kept alive; always reaped."""
 
@@ -83,11 +133,12 @@ class Fleet:
         self.ctx = mp.get_context("spawn")
         self.procs: list[tuple[Any, Any]] = []
 
-    def start(self, *args: Any, timeout_s: float = 600, on_loaded: Any = None) -> dict[str, Any]:
+    def start(self, *args: Any, timeout_s: float = 600, on_loaded: Any = None, target: Any = instance
+              ) -> dict[str, Any]:
         """Start one instance; `on_loaded()` runs once its weights are in place (before its first
         inference), and its value is returned as ``msg["loaded"]``."""
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=instance, args=(*args, child))
+        p = self.ctx.Process(target=target, args=(*args, child))
         p.start()
         self.procs.append((p, parent))
         loaded = None
@@ -181,6 +232,64 @@ def run_model(backend: str, name: str, added: int) -> tuple[dict[str, Any], dict
     return s, samples
 
 
+def ort_model_file(name: str, cache_dir: Path) -> Path:
+    """The model exported to ONNX and optimized by the onnxruntime engine (its cache entry's file)."""
+    from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
+    from gpuprims.engines.onnxruntime import ONNX_FILE, OPTIMIZED_FILE
+
+    engine = make_engine("onnxruntime", ModelSource(name, (3, 224, 224), 1), Target("cpu", threads=1),
+                         cache=EngineCache(cache_dir))
+    info = engine.prepare()
+    engine.close()
+    entry = Path(info.artefact)
+    return entry / OPTIMIZED_FILE if (entry / OPTIMIZED_FILE).is_file() else entry / ONNX_FILE
+
+
+def run_ort_model(name: str, added: int, cache_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ONNX Runtime rows of one model (see the module docstring)."""
+    path = ort_model_file(name, cache_dir)
+    samples: dict[str, Any] = {"model_file_mb": path.stat().st_size / 2**20}
+    segment_mib = 0.0
+    for mode in ("unshared", "shared"):
+        fleet = Fleet()
+        uss: list[float] = []
+        pss: list[float] = []
+        segment = None
+        try:
+            blob = None
+            for i in range(added + 1):
+                role = "unshared" if mode == "unshared" else ("export" if i == 0 else "import")
+                msg = fleet.start(str(path), role, blob, target=ort_instance)
+                if role == "export":
+                    blob, segment = msg["blob"], msg["segment"]
+                    segment_mib = msg["weights_bytes"] / 2**20
+                u, p = host_mem_mib(msg["pid"])
+                uss.append(u)
+                pss.append(p)
+            # every instance's PSS with all of them alive (the segment split between its users)
+            pss_all = [host_mem_mib(p.pid)[1] for p, _ in fleet.procs]
+        finally:
+            fleet.stop()
+            if segment is not None:
+                Path("/dev/shm", segment).unlink(missing_ok=True)
+        samples[mode] = {"uss_mib_per_instance": uss, "pss_mib_per_instance_at_start": pss,
+                         "pss_mib_per_instance_all_alive": pss_all}
+    un, sh = samples["unshared"], samples["shared"]
+    k = f"ort_{name}"
+    s: dict[str, Any] = {f"{k}_model_file_mb": samples["model_file_mb"], f"{k}_shared_segment_mb": segment_mib}
+    s[f"{k}_mem_per_instance_mb_unshared"] = float(np.mean(un["uss_mib_per_instance"][1:]))
+    s[f"{k}_mem_per_instance_mb_shared"] = float(np.mean(sh["uss_mib_per_instance"][1:]))
+    s[f"{k}_first_instance_mb"] = float(sh["uss_mib_per_instance"][0]) + segment_mib
+    s[f"{k}_pss_per_instance_mb_unshared"] = float(np.mean(un["pss_mib_per_instance_all_alive"]))
+    s[f"{k}_pss_per_instance_mb_shared"] = float(np.mean(sh["pss_mib_per_instance_all_alive"]))
+    s[f"{k}_instances_fit_unshared"] = int(BUDGET_MIB // max(s[f"{k}_mem_per_instance_mb_unshared"], 1e-9))
+    s[f"{k}_instances_fit_shared"] = int(
+        1 + max(0.0, BUDGET_MIB - s[f"{k}_first_instance_mb"]) // max(s[f"{k}_mem_per_instance_mb_shared"], 1e-9))
+    if name in PAPER:
+        s[f"{k}_paper_instances_fit_unshared"], s[f"{k}_paper_instances_fit_shared"] = PAPER[name]
+    return s, samples
+
+
 def plot(summary: dict[str, Any], models: list[str], path: Path) -> None:
     import matplotlib
 
@@ -206,6 +315,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--quick", action="store_true", help="one added instance per mode instead of two")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--ort-models", default=",".join(MODELS),
+                    help="models for the ONNX Runtime rows (CPU provider); empty for none")
+    ap.add_argument("--engine-cache", default=None, help="engine cache for the ONNX exports (default: a temp dir)")
+    ap.add_argument("--out-dir", default=None, help="write the result here instead of bench/results (a smoke run)")
     args = ap.parse_args(argv)
     backend = resolve_backend(args.backend)
     print(f"bench.share: backend {backend}")
@@ -218,6 +331,14 @@ def main(argv: list[str] | None = None) -> Path:
         summary.update(s)
         samples[name] = smp
         print(f"  {name}: {s}")
+    ort_models = [m for m in args.ort_models.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
+        cache_dir = Path(args.engine_cache) if args.engine_cache else Path(tmp)
+        for name in ort_models:
+            s, smp = run_ort_model(name, added, cache_dir)
+            summary.update(s)
+            samples[f"ort_{name}"] = smp
+            print(f"  onnxruntime {name}: {s}")
     if backend == "cuda":
         import torch
 
@@ -229,8 +350,15 @@ def main(argv: list[str] | None = None) -> Path:
         notes = ("backend: cpu (no GPU): memory per instance = USS (private memory) of each instance process after "
                  "its first inference, PSS beside it; shared instances map the first instance's parameters from "
                  "POSIX shared memory (read-only). Instances fit = a 16 GiB budget, as for the paper's T4.")
-    path = write_result("share", backend, summary, samples, notes=notes)
-    plot(summary, models, path.with_suffix(".png"))
+    if ort_models:
+        notes += (" ONNX Runtime rows (ort_*): CPU provider sessions on the engine's optimized model, one thread; "
+                  "memory per added instance = USS, PSS with all instances alive beside; shared = initializers "
+                  "in one POSIX shared-memory segment given with add_initializer (pre-packing off); the first "
+                  "shared instance is charged the whole segment.")
+    path = write_result("share", backend, summary, samples, notes=notes,
+                        out_dir=Path(args.out_dir) if args.out_dir else None)
+    if models:
+        plot(summary, models, path.with_suffix(".png"))
     print(f"wrote {path}")
     return path
 
