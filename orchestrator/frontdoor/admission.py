@@ -226,12 +226,13 @@ class Admission:
         # A batch larger than any measured is predicted as the largest measured one: refuse only on
         # evidence (the heartbeats measure the large batches an overload runs), never on a guess of
         # how batching scales.
-        batch = min(max(1, info.max_batch), max(st.model.points()))
+        batch = max(1, info.max_batch)
+        largest = max(st.model.points())
         per_round = batch * max(1, st.instances or info.instances or 1)
-        own = math.ceil(rows / batch) * st.model.predict(min(rows, batch))
+        own = math.ceil(rows / batch) * st.model.predict(min(rows, batch, largest))
         if ahead <= 0:
             return own
-        return math.ceil(ahead / per_round) * st.model.predict(min(ahead, batch)) + own
+        return math.ceil(ahead / per_round) * st.model.predict(min(ahead, batch, largest)) + own
 
     def decide(self, info: ModelInfo, params: RequestParams, stats: AppStatistics | None = None) -> Ticket:
         """Admit an inference of ``info`` (a `Ticket`) or raise `Refused` / `ParamError`; counted in ``stats``."""

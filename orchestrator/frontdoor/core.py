@@ -22,6 +22,7 @@ from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
 from gpuprims.stats import StageClock
 from gpuprims.tensorwire import TensorBodyError, decode, encode_arrays
 from gpuprims.wire import DType, Status
+from orchestrator.frontdoor.admission import Admission, RequestParams, Ticket
 from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
@@ -127,6 +128,8 @@ class Core:
         self.lag_idle_after_s = LAG_IDLE_AFTER_S
         #: Inferences refused by admit, per model.
         self.shed: dict[str, int] = {}
+        #: Admission from a prediction, queue policy and priority levels (orchestrator/frontdoor/admission.py).
+        self.admission = Admission()
 
     def shed_limit_ms(self, info: ModelInfo) -> float:
         """How far behind the loop may run before inferences of ``info`` are shed (see :meth:`admit`)."""
@@ -166,12 +169,16 @@ class Core:
             return 0.0
         return min(self._late)
 
-    def admit(self, info: ModelInfo) -> None:
+    def admit(self, info: ModelInfo, params: RequestParams | None = None) -> Ticket:
         """Refuse an inference of ``info`` (OipError unavailable, counted in ``shed`` and in the app's
         statistics as a ``SHED`` status) while the loop runs too far behind for its SLO (see
-        :data:`SHED_LAG_FRACTION`); called before the request is decoded."""
-        if self.shed_lag_fraction is None:
-            return
+        :data:`SHED_LAG_FRACTION`), or (admission.Refused / ParamError) unless it is predicted to finish
+        within its deadline at its priority level; called before the request is decoded."""
+        if self.shed_lag_fraction is not None:
+            self._shed(info)
+        return self.admission.decide(info, params or RequestParams(), self.stats.get(info.app_name))
+
+    def _shed(self, info: ModelInfo) -> None:
         if self._wake is not None:
             self._last_admit = asyncio.get_running_loop().time()
             if not self._wake.is_set():
@@ -309,13 +316,14 @@ class Core:
         marks = marks if marks is not None else Marks(t0)
         statuses: dict[str, int] = {}
         try:
+            deadline_us = self.admission.node_deadline_us(info, deadline_us)
             timeout_s = self.row_timeout_s(info, deadline_us)
             if self.forwarded(info):
                 assert self.forwarder is not None
                 results = await self.forwarder.rows(info, x, deadline_us=deadline_us, timeout_s=timeout_s, marks=marks)
             else:
-                results = await self.transport.rows(info.app_id, x, deadline_us=deadline_us, timeout_s=timeout_s,
-                                                    marks=marks)
+                results = await self.admission.track(info, len(x), self.transport.rows(
+                    info.app_id, x, deadline_us=deadline_us, timeout_s=timeout_s, marks=marks))
             t_node = time.monotonic_ns()
             out = self._collect(info, results, statuses)
         except OipError:
@@ -349,11 +357,12 @@ class Core:
                 groups = [list(range(len(bodies)))]
             else:  # rows of one batched inference with dynamic dimensions of their own sizes
                 groups = [[i] for i in range(len(bodies))]
+            deadline_us = self.admission.node_deadline_us(info, deadline_us)
             timeout_s = self.row_timeout_s(info, deadline_us)
             results: list[Result | BaseException] = [RequestLost(info.app_id, 0, timeout_s, 1)] * len(bodies)
-            got = await asyncio.gather(*[self._rows(info, np.stack([bodies[i] for i in g]), deadline_us=deadline_us,
-                                                    timeout_s=timeout_s, marks=marks, dtype=DType.TENSORS)
-                                         for g in groups])
+            got = await self.admission.track(info, len(bodies), asyncio.gather(*[
+                self._rows(info, np.stack([bodies[i] for i in g]), deadline_us=deadline_us,
+                           timeout_s=timeout_s, marks=marks, dtype=DType.TENSORS) for g in groups]))
             for g, rs in zip(groups, got):
                 for i, r in zip(g, rs):
                     results[i] = r

@@ -90,7 +90,7 @@ class _Core:
     def model(self, name: str, version: str = "") -> Any:
         return self.info
 
-    def admit(self, info: Any) -> None:
+    def admit(self, info: Any, params: Any = None) -> None:
         pass
 
     def check_input(self, info: Any, name: str, datatype: str, shape: list[int]) -> None:
