@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import single_stream as bench
+from orchestrator.serving import TracedRequest
 
 
 def test_a_case_is_summarised_over_answered_requests_beside_the_engine_alone() -> None:
@@ -60,9 +61,47 @@ def test_a_quick_run_answers_every_request_and_writes_the_result(tmp_path: Path)
                 "http.multistream8", "grpc.multistream8"):
         # Every request answered (a busy machine may answer some DEADLINE_MISSED: counted, not lost).
         assert s[f"{key}.requests"] == 20 and s[f"{key}.lost"] == 0, (key, s[f"{key}.errors"])
-        assert s[f"{key}.ok"] > 0 and s[f"{key}.p50_ms"] > 0 and s[f"{key}.engine_ms"] > 0, key
-        assert s[f"{key}.added_p50_ms"] == pytest.approx(s[f"{key}.p50_ms"] - s[f"{key}.engine_ms"], abs=2e-3)
+        assert s[f"{key}.engine_ms"] > 0, key
+        # A query of 8 is OK only when all 8 are: on a machine loaded enough that a batch of 8 nears the
+        # SLO, every query may hold a DEADLINE_MISSED (seen with eight test runs on two cores).
+        assert s[f"{key}.ok"] > 0 or set(s[f"{key}.errors"]) == {"DEADLINE_MISSED"}, (key, s[f"{key}.errors"])
+        if s[f"{key}.ok"]:
+            assert s[f"{key}.p50_ms"] > 0, key
+            assert s[f"{key}.added_p50_ms"] == pytest.approx(s[f"{key}.p50_ms"] - s[f"{key}.engine_ms"], abs=2e-3)
         assert sum(int(b) * n for b, n in s[f"{key}.batch_sizes"].items()) >= 20, key  # the instance served them
-    assert s["instance_engine"] == "onnxruntime" and s["skipped"] == []
+    assert s["instance_engine"] == "onnxruntime"
+    # A peer runs where it is installed, else is left out with the reason.
+    for system in bench.PEERS:
+        if system in s["peers"]:
+            assert s[f"{system}.c1.requests"] == 20 and s[f"{system}.c1.lost"] == 0
+        else:
+            assert any(r.startswith(f"{system}: not installed") for r in s["skipped"]), s["skipped"]
+    # The stage trace joined both sides of every traced request, each stage measured.
+    assert s["trace.requests"] == 20
+    assert all(s[f"trace.{stage}.p50_ms"] is not None for stage in bench.TRACE_STAGES)
     samples = json.loads((tmp_path / "single_stream-test.samples.json").read_text())
     assert len(samples["latency_ms"]["udp.c1"]) == 20 and samples["engine_ms"]["udp.multistream8"]
+
+
+def test_the_trace_joins_both_sides_of_a_request_into_its_stages() -> None:
+    ms = 1_000_000
+    client = [{"request_id": 5, "start_ns": 0, "client_ts_ns": 1 * ms, "first_sent_ns": 2 * ms, "last_sent_ns": 3 * ms,
+               "answered_ns": 20 * ms, "returned_ns": 21 * ms},
+              {"request_id": 6, "start_ns": 0, "client_ts_ns": 7, "first_sent_ns": 1, "last_sent_ns": 1,
+               "answered_ns": 1, "returned_ns": 1}]  # the node never traced it: left out
+    node = [TracedRequest("i", 5, 1 * ms, first_ns=4 * ms, complete_ns=6 * ms, woke_ns=7 * ms, take_ns=8 * ms,
+                          gathered_ns=9 * ms, model_ns=15 * ms, answered_ns=16 * ms, batch=1),
+            TracedRequest("i", 6, 8, 1, 1, 1, 1, 1, 1, 1, 1)]  # another request with id 6 (client_ts differs)
+    stages = bench.trace_stages(client, node)
+    assert {k: v[0] for k, v in stages.items()} == {
+        "client_send": 2.0, "to_ingest": 2.0, "reassembly": 2.0, "ring_wake": 1.0, "batch_wait": 1.0, "gather": 1.0,
+        "engine": 6.0, "answer": 1.0, "send_back": 4.0, "client_return": 1.0, "total": 21.0}
+    assert all(len(v) == 1 for v in stages.values())
+    s = bench.summarise_trace(stages)
+    assert s["trace.requests"] == 1 and s["trace.engine.p50_ms"] == 6.0 and s["trace.total.p99_ms"] == 21.0
+    assert bench.summarise_trace({})["trace.requests"] == 0
+
+
+def test_a_peer_that_is_not_installed_is_named_with_what_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bench.PEER_MODULES, "ray", ("json", "no_such_module_for_this_test"))
+    assert bench.missing_peer_modules("ray") == ["no_such_module_for_this_test"]
