@@ -239,6 +239,20 @@ def _engine_ref(v: Any) -> EngineChoice:
     return EngineChoice(kind=kind, options=options)
 
 
+#: ``shadow:`` of an app: ``warm`` keeps a shadow ready for the next change; ``cold`` keeps none, and a
+#: change starts one then (still overlapped: the old active serves until it is ready). YAML true and
+#: false are ``warm`` and ``cold`` (what false always did).
+SHADOW_MODES = ("warm", "cold")
+
+
+def _shadow(v: Any) -> str:
+    if isinstance(v, bool):
+        return "warm" if v else "cold"
+    if v not in SHADOW_MODES:
+        raise ValueError(f"must be warm, cold, true (warm) or false (cold), got {v!r}")
+    return str(v)
+
+
 def _plain(v: Any) -> Any:
     # Serialise validated tuples as lists (JSON arrays); a PlainValidator has no serialiser of its own.
     return list(v) if isinstance(v, tuple) else v
@@ -256,6 +270,7 @@ ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
 StageModelRef = Annotated[str, PlainValidator(_stage_model_ref)]
+ShadowMode = Annotated[Literal["warm", "cold"], PlainValidator(_shadow)]
 EngineRef = Annotated[EngineChoice, PlainValidator(_engine_ref),
                       PlainSerializer(lambda v: v.to_yaml(), return_type=Any)]
 
@@ -628,7 +643,7 @@ class AppConfig(BaseModel):
     port: int | None = Field(None, ge=1, le=65535)
     gpu: int | None = Field(None, ge=0)
     stages: tuple[StageConfig, ...] | None = None
-    shadow: bool = True
+    shadow: ShadowMode = "warm"
     # CPU co-execution (SIR+): requests may overflow to a CPU instance on ``overflow_cores`` cores
     # when that finishes sooner (gpuprims.coexec.OverflowRouter; orchestrator/overflow.py).
     overflow: Literal["none", "cpu"] = "none"
@@ -729,6 +744,11 @@ class AppConfig(BaseModel):
         if self.overflow != "cpu":
             return 0
         return self.overflow_cores or 1
+
+    @property
+    def warm_shadow(self) -> bool:
+        """True when the node keeps a shadow of the app ready (``shadow: warm``)."""
+        return self.shadow == "warm"
 
     @property
     def is_dag(self) -> bool:

@@ -338,7 +338,7 @@ class Node:
             if app.name not in self.apps:
                 continue  # a repository model that failed to start (UNAVAILABLE)
             self.supervisor.route(app.name)
-            if app.shadow and not self.scheduled:
+            if app.warm_shadow and not self.scheduled:
                 self.supervisor.spawn_shadow(app.name)
         if self.overflow is not None:
             self.overflow.update(self.instances.values(), self.ingest, time.monotonic(), force=True)
@@ -490,7 +490,7 @@ class Node:
             st.role = "active"
         sup = self._sup()
         sup.route(app_name)
-        if self.apps[app_name].cfg.shadow and not self.scheduled:
+        if self.apps[app_name].cfg.warm_shadow and not self.scheduled:
             sup.spawn_shadow(app_name)
 
     def unroute(self, app_name: str) -> None:
@@ -562,6 +562,7 @@ class Node:
         now = time.monotonic()
         self._guard("supervision", self.supervisor.reap)
         self._guard("supervision", self.supervisor.check_hangs, now, self.cfg.node.hang_timeout_s)
+        self._guard("memory", self.supervisor.sample_memory, now)
         self._guard("changes", self.changes.advance)
         settling = self.changes.settling(now, self.cfg.node.shadow_settle_s)
         if self.repository is not None:
@@ -723,6 +724,7 @@ class Node:
     def status(self) -> dict[str, Any]:
         """A JSON-able snapshot: node, ingest counters and drops, per app and instance statistics, changes."""
         counters = self.ingest.counters() if self.ingest is not None else {}
+        sup = self.supervisor
         apps: dict[str, Any] = {}
         for name, a in self.apps.items():
             insts = []
@@ -737,7 +739,8 @@ class Node:
                               "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
                               "prewarm": st.info.get("prewarm"), **st.stats,
                               # the heartbeat's; before the first one, what its (warm) Ready said
-                              "engine": st.stats.get("engine") or _ready_engine(st.info)})
+                              "engine": st.stats.get("engine") or _ready_engine(st.info),
+                              "memory": sup.instance_memory(st).to_dict() if sup is not None else None})
             totals = a.stats.totals(roles)
             running = self.changes.running.get(name)
             apps[name] = {
@@ -746,6 +749,7 @@ class Node:
                 "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
                 "requeued_by_crash": a.requeued_by_crash, "hangs": a.hangs, "shadow_restarts": a.shadow_restarts,
                 "change": running.to_dict() if running is not None else None, **totals,
+                "memory": sup.app_memory(name).to_dict() if sup is not None else None,
                 "overflow": self.overflow.split(name, self.instances.values())
                 if self.overflow is not None and name in self.overflow.pools else None,
             }
@@ -766,7 +770,9 @@ class Node:
                      "own_cores": self.own_cores,
                      # The fork servers instances are forked from (orchestrator/forkserver.py): their
                      # memory is the node's too.
-                     "fork_servers": self.launcher.describe() if isinstance(self.launcher, ForkLauncher) else []},
+                     "fork_servers": self.launcher.describe() if isinstance(self.launcher, ForkLauncher) else [],
+                     # PSS of every process of the node, and the instances' device memory (orchestrator/memory.py)
+                     "memory": sup.node_memory().to_dict() if sup is not None else None},
             "ingest": counters,
             # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
             # buffer until their request's deadline passed.
@@ -778,6 +784,8 @@ class Node:
             "changes": {"counts": dict(self.changes.counts),
                         "recent": [ch.to_dict() for ch in list(self.changes)[-10:]]},
             "scheduler": self.dispatcher.status() if self.dispatcher is not None else {"name": "spatial"},
+            # Param-Share's live copies: who owns each (a holder pid, or the node's segment) and who maps it
+            "param_share": self.params.describe() if self.params is not None else [],
             "repository": None if self.repository is None else {
                 "running": {n: op.phase for n, op in self.repository.running.items()},
                 "recent": list(self.repository.recent)},

@@ -416,7 +416,7 @@ class Supervisor:
         if self.placement.scheduled:
             return
         for name, app in self.apps.items():
-            if not app.cfg.shadow or name in busy or self.shadow_of(name) is not None:
+            if not app.cfg.warm_shadow or name in busy or self.shadow_of(name) is not None:
                 continue
             if now < self._shadow_not_before.get(name, 0.0):
                 continue

@@ -55,6 +55,12 @@ def test_cpu_example_fits_a_small_machine() -> None:
     assert cfg.node.listen.host == "127.0.0.1"
 
 
+@pytest.mark.parametrize(("given", "mode"), [(True, "warm"), (False, "cold"), ("warm", "warm"), ("cold", "cold")])
+def test_shadow_modes_and_their_yaml_booleans(tmp_path: Path, given: Any, mode: str) -> None:
+    app = load_config(_write(tmp_path, {"apps": [_app(shadow=given)]})).apps[0]
+    assert app.shadow == mode and app.warm_shadow == (mode == "warm")
+
+
 def test_defaults(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, {"apps": [_app()]}))
     n = cfg.node
@@ -68,7 +74,7 @@ def test_defaults(tmp_path: Path) -> None:
     a = cfg.apps[0]
     assert a.app_id == 1 and a.seed == 0 and a.input_shape == (3, 224, 224) and a.dtype == "float32"
     assert a.gpu_pct == "auto" and a.instances == 1 and a.max_batch == 8 and a.max_wait_ms == 2
-    assert a.port is None and a.stages is None and a.shadow is True and a.num_classes is None
+    assert a.port is None and a.stages is None and a.shadow == "warm" and a.warm_shadow and a.num_classes is None
 
 
 def test_helpers(tmp_path: Path) -> None:
@@ -166,6 +172,7 @@ BAD: list[tuple[str, Any, tuple[str, ...]]] = [
     ("shape str", {"apps": [_app(input_shape="3x224x224")]}, ("apps[0].input_shape",)),
     ("app port 0", {"apps": [_app(port=0)]}, ("apps[0].port",)),
     ("shadow str", {"apps": [_app(shadow="yes")]}, ("apps[0].shadow",)),
+    ("shadow int", {"apps": [_app(shadow=1)]}, ("apps[0].shadow", "warm, cold")),
     ("backend", {"node": {"backend": "rocm"}, "apps": [_app()]}, ("node.backend", "'cpu'")),
     ("metrics port", {"node": {"metrics_port": 70000}, "apps": [_app()]}, ("node.metrics_port", "disable")),
     ("http port", {"node": {"http_port": 70000}, "apps": [_app()]}, ("node.http_port", "turn it off")),

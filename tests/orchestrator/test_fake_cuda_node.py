@@ -78,6 +78,12 @@ def test_a_node_on_the_fake_runtime_serves_with_gpu_dma_and_sync_lite(tmp_path: 
         np.testing.assert_allclose(r.array(), ref.numpy().reshape(-1), rtol=1e-4, atol=1e-5)
     for app in ("cls", "det"):
         assert status["apps"][app]["ok"] == 12
+        # Device memory: each instance's own, counted by the CUDA layer (its GPU-DMA buffers at least).
+        for i in status["apps"][app]["instances"]:
+            assert i["memory"]["device_bytes"] > 0 and i["memory"]["pss_bytes"] > 0, i
+        assert status["apps"][app]["memory"]["device_bytes"] > 0
+    assert status["node"]["memory"]["total"]["device_bytes"] == sum(
+        status["apps"][a]["memory"]["device_bytes"] for a in ("cls", "det"))
 
 
 TWO_GPUS = """

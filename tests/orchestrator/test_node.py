@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from apps.zoo import load_model
 from gpuprims import wire
@@ -374,5 +375,19 @@ def test_status_and_metrics_match_the_traffic_tool(tmp_path: Path) -> None:
                 app = line.split('app="', 1)[1].split('"', 1)[0]
                 served[app] = float(line.rsplit(" ", 1)[1])
         assert served == {"cls": 40.0, "det": 30.0}, body[:2000]
+        # Memory (orchestrator/memory.py): every process's PSS, read at the loop's first pass after start.
+        insts = [i for a in st["apps"].values() for i in a["instances"]]
+        assert insts and all(i["memory"]["pss_bytes"] > 1 << 20 for i in insts), insts
+        assert all(i["memory"]["device_bytes"] is None for i in insts)  # cpu backend: no device memory
+        mem = st["node"]["memory"]
+        kinds = {p["kind"] for p in mem["processes"]}
+        assert "node" in kinds and "fork_server" in kinds and all(p["pss_bytes"] for p in mem["processes"])
+        assert mem["total"]["pss_bytes"] == mem["instances"]["pss_bytes"] + sum(p["pss_bytes"] for p in mem["processes"])
+        assert st["apps"]["cls"]["memory"]["pss_bytes"] == sum(i["memory"]["pss_bytes"] for i in st["apps"]["cls"]["instances"])
+        fams = {f.name: f for f in text_string_to_metric_families(body)}
+        scraped = {s.labels["instance"] for s in fams["gpuprims_instance_memory_bytes"].samples
+                   if s.labels["kind"] == "pss"}
+        assert {i["name"] for i in insts} <= scraped
+        assert next(s.value for s in fams["gpuprims_node_memory_bytes"].samples if s.labels["kind"] == "pss") > 0
     finally:
         n.stop()

@@ -38,20 +38,21 @@ apps:
   - {name: a, model: MODEL_A, input_shape: [3, 32, 32], slo_ms: 3000, gpu_pct: 50, max_batch: 8, app_id: 1,
      num_classes: 10, shadow: true}
   - {name: b, model: resnet18, input_shape: [3, 32, 32], slo_ms: 3000, gpu_pct: 50, max_batch: 8, app_id: 2,
-     num_classes: 10, shadow: false}
+     num_classes: 10, shadow: cold}
 """
 
 
 class Load:
     """Steady requests for app 1 from a thread, responses collected by another."""
 
-    def __init__(self, port: int, rate_rps: float = 100.0) -> None:
+    def __init__(self, port: int, rate_rps: float = 100.0, app_id: int = 1) -> None:
         self.addr = ("127.0.0.1", port)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.settimeout(0.05)
         self.rate = rate_rps
+        self.app_id = app_id
         self.sent = 0
         self.got: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         self._stop_send = threading.Event()
@@ -64,7 +65,7 @@ class Load:
     def _send(self) -> None:
         t0 = time.monotonic()
         while not self._stop_send.is_set() and self.sent < 20_000:
-            for d in wire.encode_request(1, self.sent, self._x, client_ts_ns=time.monotonic_ns()):
+            for d in wire.encode_request(self.app_id, self.sent, self._x, client_ts_ns=time.monotonic_ns()):
                 self.sock.sendto(d, self.addr)
             self.sent += 1
             time.sleep(max(0.0, t0 + self.sent / self.rate - time.monotonic()))
@@ -135,6 +136,32 @@ def test_change_under_load_loses_and_duplicates_nothing(node: Node) -> None:
     assert changed and changed[-1]["switched"][0]["route_switch_ms"] < 1000
     c = node.ingest.counters()
     assert c["drop_unknown_app"] == 0
+
+
+def test_a_cold_shadow_is_started_by_the_change_which_loses_and_duplicates_nothing(node: Node) -> None:
+    # b has `shadow: cold`: no shadow is kept; the change starts one and pays its start, while the old
+    # active goes on serving until the new one is ready.
+    assert node.shadow_of("b") is None and node.shadow_of("a") is not None
+    load = Load(node.ingest.ports[0], rate_rps=50.0, app_id=2)
+    _pump(node, 1.0)
+    before = {st.name for st in node.instances.values() if st.app == "b"}
+    ok, msg = change_gpu_pct(node, "b", 30)
+    assert ok, msg
+    _pump(node, 1.0)
+    load.finish(node)
+    assert load.sent > 50
+    assert sorted(load.got) == list(range(load.sent)), "every request answered"
+    assert all(len(v) == 1 for v in load.got.values()), "none answered twice"
+    statuses = collections.Counter(Status(v[0][0]).name for v in load.got.values())
+    # A loaded machine answers some late or overloaded (explicit answers); none is lost to the change.
+    assert set(statuses) <= {"OK", "DEADLINE_MISSED", "OVERLOADED"} and statuses["OK"] > 0, statuses
+    ch = next(ch for ch in node.changes.finished if ch.app == "b")
+    assert ch.phase is Phase.DONE and ch.switched[0]["from"] in before and ch.switched[0]["to"] not in before
+    after = [st for st in node.instances.values() if st.app == "b" and st.role == "active"]
+    assert [st.name for st in after] == [ch.switched[0]["to"]] and after[0].spec.gpu_pct == 30
+    _pump(node, node.cfg.node.shadow_settle_s + 1.0)  # past the settle time a warm app's shadow would start
+    assert node.shadow_of("b") is None
+    assert not [e for e in node.events if e["event"] == "shadow_started" and e["app"] == "b"]
 
 
 def test_oversubscription_is_refused(node: Node) -> None:
