@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT_DIR=${OUT_DIR:-orchestrator/frontdoor}
 "$PY" -m grpc_tools.protoc -I orchestrator/frontdoor --python_out="$OUT_DIR" --pyi_out="$OUT_DIR" \
-  orchestrator/frontdoor/oip.proto
+  orchestrator/frontdoor/oip.proto orchestrator/frontdoor/shm.proto

@@ -25,7 +25,8 @@ from google.protobuf.message import DecodeError
 
 from gpuprims import __version__
 from orchestrator.frontdoor import oip_pb2 as pb
-from orchestrator.frontdoor import tensors
+from orchestrator.frontdoor import shm, tensors
+from orchestrator.frontdoor.admission import AdmissionError, grpc_params
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.http_server import EXTENSIONS
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
@@ -101,16 +102,18 @@ class Servicer:
             raise OipError("invalid", f"ModelInferRequest does not parse: {e}") from None
         marks.lap("parse")
         info = self.core.model(req.model_name, req.model_version)
-        self.core.admit(info)  # before the tensor is checked, decoded and placed
         left_us = call_deadline_us(ctx)
+        self.core.admit(info, grpc_params(req, left_us))  # before the tensor is checked, decoded and placed
         if left_us == 0:  # it waited out its deadline before it reached the loop: no work is spent on it
             raise OipError("deadline", f"the call's deadline passed before model {info.name!r} was asked")
         size = req.ByteSize()
         if size > info.max_message_bytes:
             raise OipError("too_large", f"request of {size} bytes is larger than model {info.name!r} can take "
                                         f"({info.max_message_bytes} bytes: max_batch {info.max_batch} x its input)")
+        shm.grpc_request(self.core, ctx, req)  # inputs in shared memory into raw_input_contents
+        targets = shm.grpc_targets(self.core, ctx, req)  # outputs to shared memory
         if info.signature is not None:
-            return await self._infer_tensors(info, req, left_us, marks)
+            return await self._infer_tensors(info, req, left_us, marks, targets)
         if len(req.inputs) != 1:
             raise OipError("invalid", f"model {info.name!r} takes exactly one input, 'input'")
         t = req.inputs[0]
@@ -139,17 +142,15 @@ class Servicer:
         timeout = _timeout_us(req, left_us)
         marks.lap("decode")
         out = await self.core.infer(info, x, deadline_us=timeout, marks=marks)
-        resp = pb.ModelInferResponse(
-            model_name=info.name, model_version="1", id=req.id,
-            outputs=[pb.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype="FP32",
-                                                             shape=list(out.shape))],
-            raw_output_contents=[np.ascontiguousarray(out, dtype="<f4").tobytes()]).SerializeToString()
+        resp = _response(self.core, pb.ModelInferResponse(model_name=info.name, model_version="1", id=req.id),
+                         {OUTPUT_NAME: out}, {OUTPUT_NAME: "FP32"}, targets)
         marks.lap("encode")
         self.core.commit("grpc", marks)
         return resp
 
 
-    async def _infer_tensors(self, info: Any, req: Any, left_us: int | None, marks: Marks) -> bytes:
+    async def _infer_tensors(self, info: Any, req: Any, left_us: int | None, marks: Marks,
+                             targets: dict[str, shm.TensorRef]) -> bytes:
         """An inference of a model file: named inputs in, the requested (or all) outputs back as raw
         contents."""
         inputs = tensors.grpc_inputs(info, req)
@@ -158,14 +159,25 @@ class Servicer:
         marks.lap("decode")
         answers = await self.core.infer_tensors(info, tensors.rows_of(info, inputs), deadline_us=timeout, marks=marks)
         out = tensors.gather_outputs(info, answers, wanted)
-        resp = pb.ModelInferResponse(
-            model_name=info.name, model_version=info.version, id=req.id,
-            outputs=[pb.ModelInferResponse.InferOutputTensor(name=n, datatype=tensors.datatype_of(info, n).value,
-                                                             shape=list(out[n].shape)) for n in wanted],
-            raw_output_contents=[np.ascontiguousarray(out[n]).tobytes() for n in wanted]).SerializeToString()
+        resp = _response(self.core, pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=req.id),
+                         {n: out[n] for n in wanted}, {n: tensors.datatype_of(info, n).value for n in wanted}, targets)
         marks.lap("encode")
         self.core.commit("grpc", marks)
         return resp
+
+
+def _response(core: Core, resp: Any, out: dict[str, np.ndarray], datatypes: dict[str, str],
+              targets: dict[str, shm.TensorRef]) -> bytes:
+    """The answer's bytes: each output described, its data as raw contents, or written into the shared
+    memory its request named (then described by the region's parameters and given no raw contents)."""
+    for name, arr in out.items():
+        t = resp.outputs.add(name=name, datatype=datatypes[name], shape=list(arr.shape))
+        if name in targets:
+            for k, v in shm.grpc_output_params(shm.put_output(core, targets[name], name, arr)).items():
+                t.parameters[k].CopyFrom(pb.InferParameter(**v))
+        else:
+            resp.raw_output_contents.append(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+    return bytes(resp.SerializeToString())
 
 
 def _timeout_us(req: Any, left_us: int | None) -> int:
@@ -183,7 +195,7 @@ def _wrap(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awai
     async def call(req: Any, ctx: Any) -> Any:
         try:
             return await fn(req, ctx)
-        except OipError as e:
+        except (OipError, AdmissionError) as e:
             await ctx.abort(GRPC_CODE[e.kind], str(e))
 
     return call
@@ -208,6 +220,7 @@ def make_handler(core: Core) -> grpc.GenericRpcHandler:
         methods[name] = grpc.unary_unary_rpc_method_handler(
             _wrap(getattr(s, name)), request_deserializer=None if raw else req_t.FromString,
             response_serializer=None if raw else resp_t.SerializeToString)
+    methods.update(shm.grpc_methods(core, _wrap))
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 

@@ -26,14 +26,15 @@ import numpy as np
 from aiohttp import web
 
 from gpuprims import __version__
-from orchestrator.frontdoor import tensors
+from orchestrator.frontdoor import shm, tensors
+from orchestrator.frontdoor.admission import AdmissionError, http_params
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
 from orchestrator.frontdoor.repository import add_repository_routes
 from orchestrator.frontdoor.transport import Marks
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository", *shm.EXTENSIONS]
 
 CORE_KEY: web.AppKey[Core] = web.AppKey("core", Core)
 
@@ -52,6 +53,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except OipError as e:
         return _error(e)
+    except AdmissionError as e:  # refused (503/429 with Retry-After) or a bad priority/timeout (400)
+        return web.json_response({"error": str(e)}, status=e.http_status, headers=e.headers)
 
 
 def _core(request: web.Request) -> Core:
@@ -227,11 +230,14 @@ async def infer(request: web.Request) -> web.Response:
         resp = _error(e)
         resp.force_close()  # the rest of the body is not read: the connection cannot carry another request
         return resp
-    core.admit(info)  # after the body is read (the connection stays usable), before it is decoded
     req, binary = _parse_body(body, request.headers.get(HEADER_LENGTH))
+    # Admission: after the body is read (the connection stays usable), before its tensors are decoded.
+    core.admit(info, http_params(req))
+    req, binary = shm.http_request(core, request.remote or "", req, binary)  # inputs in shared memory
+    targets = shm.http_targets(core, request.remote or "", req)  # outputs to shared memory
     marks.lap("parse")
     if info.signature is not None:
-        return await _infer_tensors(core, info, req, binary, request, marks)
+        return await _infer_tensors(core, info, req, binary, request, marks, targets)
     x = _input_array(core, info, req, binary)
     binary_out = _wants_binary(req)
     timeout_us = _timeout_us(req)
@@ -241,7 +247,11 @@ async def infer(request: web.Request) -> web.Response:
     if "id" in req:
         head["id"] = req["id"]
     tensor: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": list(out.shape)}
-    if not binary_out:
+    if OUTPUT_NAME in targets:
+        tensor["parameters"] = shm.put_output(core, targets[OUTPUT_NAME], OUTPUT_NAME, out)
+        head["outputs"] = [tensor]
+        resp = _json(head)
+    elif not binary_out:
         tensor["data"] = out.reshape(-1).tolist()
         head["outputs"] = [tensor]
         resp = _json(head)
@@ -281,7 +291,7 @@ def _respond(request: web.Request, head: dict[str, Any], raws: list[bytes]) -> w
 
 
 async def _infer_tensors(core: Core, info: Any, req: dict[str, Any], binary: memoryview, request: web.Request,
-                         marks: Marks) -> web.Response:
+                         marks: Marks, targets: dict[str, shm.TensorRef]) -> web.Response:
     """An inference of a model file: named inputs in, the requested (or all) named outputs back."""
     inputs = tensors.http_inputs(info, req, binary)
     names, binary_names = tensors.http_outputs(req)
@@ -299,7 +309,9 @@ async def _infer_tensors(core: Core, info: Any, req: dict[str, Any], binary: mem
     for name in wanted:
         arr, dt = out[name], tensors.datatype_of(info, name)
         t: dict[str, Any] = {"name": name, "datatype": dt.value, "shape": list(arr.shape)}
-        if binary_all or name in binary_names:
+        if name in targets:
+            t["parameters"] = shm.put_output(core, targets[name], name, arr)
+        elif binary_all or name in binary_names:
             raw = np.ascontiguousarray(arr).tobytes()
             t["parameters"] = {"binary_data_size": len(raw)}
             raws.append(raw)
@@ -336,6 +348,7 @@ def make_app(core: Core, repository: Any = None, repository_token: str | None = 
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
         r.add_post(base + "/infer", infer, expect_handler=infer_expect)
+    shm.add_http_routes(app, core)
     if repository is not None:
         add_repository_routes(app, repository, repository_token)
     return app
