@@ -161,10 +161,13 @@ class Export:
         return self.path.exists()
 
     def describe(self) -> dict[str, object]:
-        """The copy as plain data (logs, status)."""
+        """The copy as plain data (logs, status): with ``mb``, the arena's or segment's size once written."""
+        mb = None
+        with contextlib.suppress(OSError, ValueError):
+            mb = round(ParameterHandles.from_bytes(self.path.read_bytes()).nbytes / 2**20, 2)
         return {"key": self.key, "path": str(self.path), "backend": self.backend, "users": sorted(self.users),
                 "exporter": self.exporter, "holder_pid": self.holder.pid if self.holder is not None else None,
-                "ready": self.ready}
+                "ready": self.ready, "mb": mb}
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,12 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims.cuda import fake
+from gpuprims.cuda.ipc import ParameterHandles
 from gpuprims.wire import Status
 from orchestrator.config import AppConfig, load_config, parse_config
 from orchestrator.node import Node
 from orchestrator.param_share import ERROR_SUFFIX, HolderSpec, ParamShare
+from orchestrator.status_format import format_status
 from tests.orchestrator.client import ask
 from tests.orchestrator.test_reconfig import Load
 
@@ -230,6 +232,26 @@ def test_onnxruntime_on_a_gpu_provider_or_a_cuda_node_keeps_its_own_copy(tmp_pat
     assert started == []  # no holder for initializers a GPU session would copy to the device anyway
 
 
+def test_status_shows_each_shared_copy_its_owner_size_and_users(tmp_path: Path) -> None:
+    cuda, started = _cuda_share(tmp_path)
+    a, _ = _apps()
+    cuda.mode_for(a, "a-0")
+    cuda.mode_for(a, "a-1")
+    handles = ParameterHandles("cuda", "t", 1, 3 * 2**20, b"\0" * 64, "0000:01:00.0", ())
+    Path(started[0].spec.path).write_bytes(handles.to_bytes())
+    cpu = ParamShare(tmp_path / "cpu")
+    (tmp_path / "cpu").mkdir()
+    cpu.bind("cpu", lambda spec: pytest.fail("no holder on the CPU"), lambda app: 0)
+    cpu.mode_for(a, "a-0")
+    lines = [ln for ln in format_status({"param_share": [*cuda.describe(), *cpu.describe(), "junk", {}]}).splitlines()
+             if ln.startswith("param-share")]
+    assert lines[0] == (f"param-share {cuda.key(a)}: cuda holder pid {started[0].pid}  3.0 MB  ready  "
+                        "users=a-0,a-1")
+    assert lines[1] == f"param-share {cpu.key(a)}: cpu node segment  - MB  not written yet  users=a-0"
+    assert lines[2] == "param-share ?: ? node segment  - MB  not written yet  users=-"  # malformed: dashes
+    assert len(lines) == 3
+
+
 ORT_CONFIG = """
 node:
   listen: {host: 127.0.0.1, port: 0}
@@ -255,11 +277,12 @@ def test_onnxruntime_instances_serve_from_one_segment_and_survive_the_exporters_
         for _ in range(10):
             node.step(50)
         assert sorted(st.stats.get("params") for st in node.instances.values()) == ["exported", "imported"]
-        from gpuprims.cuda.ipc import ParameterHandles
-
         exp = next(iter(node.params.exports.values()))
         segments.append(ParameterHandles.from_bytes(exp.path.read_bytes()).handle.decode())
         assert {st.stats["engine"]["initializers"]["segment"] for st in node.instances.values()} == set(segments)
+        text = format_status(node.status())
+        (line,) = [ln for ln in text.splitlines() if ln.startswith("param-share onnxruntime|mobilenet_v2")]
+        assert "cpu node segment" in line and "ready" in line and "users=a-0,a-1" in line
         ref_model = load_model("mobilenet_v2", seed=5, num_classes=10, input_shape=(3, 32, 32)).eval()
         rng = np.random.default_rng(0)
 
