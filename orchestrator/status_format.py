@@ -111,6 +111,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
     lines.extend(_engine_lines(apps))
     lines.extend(_memory_lines(node.get("memory")))
+    lines.extend(_param_share_lines(status.get("param_share")))
     drops = dict(_mapping(status.get("drops")))
     total = sum(_as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
@@ -217,3 +218,18 @@ def _dev(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool):
         return f"gpu {v}"
     return str(v) if isinstance(v, str) and v else "-"
+
+
+def _param_share_lines(v: Any) -> list[str]:
+    """One line per shared copy of weights (``ParamShare.describe``): its key, where it lives (a CUDA
+    holder process or the node's shared-memory segment), its size and the instances that map it."""
+    out = []
+    for e in v if isinstance(v, list) else ():
+        if not isinstance(e, Mapping):
+            continue
+        owner = f"holder pid {e['holder_pid']}" if e.get("holder_pid") is not None else "node segment"
+        users = e.get("users")
+        who = ",".join(map(str, users)) if isinstance(users, list) and users else "-"
+        out.append(f"param-share {e.get('key', '?')}: {e.get('backend', '?')} {owner}  {_fmt(_num(e.get('mb')))} MB  "
+                   f"{'ready' if e.get('ready') else 'not written yet'}  users={who}")
+    return out
