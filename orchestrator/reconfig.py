@@ -9,7 +9,8 @@ Overlapped-Execution (paper V-C), per active instance of the app, one at a time 
 loses capacity:
 
 - ``pending``: a shadow (already started, CPU side initialised, GPU side deferred) is taken, or started,
-  and waited for;
+  and waited for (an app with ``shadow: cold`` keeps none, so its change starts one here and waits for
+  its start while the old active serves);
 - ``initialising``: the shadow was told ``InitGpu(new_pct)``: it applies the new share, loads the model
   (sharing parameters where possible) and warms up;
 - ``switched``: the ingest's route moves to the shadow, now an active; the old active is told
