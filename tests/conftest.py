@@ -5,6 +5,47 @@ from collections.abc import Iterator
 
 import pytest
 
+#: Set by ``make test-fast``: a test whose setup or call takes longer than this many seconds of wall time
+#: fails, naming the marks that move it out of the fast tier. Unset (``make test``): no limit.
+FAST_LIMIT_ENV = "GPUPRIMS_FAST_TEST_LIMIT_S"
+
+
+def fast_limit_s() -> float | None:
+    """The fast tier's limit per test phase, from :data:`FAST_LIMIT_ENV`, or None when it is not set."""
+    raw = os.environ.get(FAST_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        limit = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{FAST_LIMIT_ENV} must be seconds (a number), got {raw!r}") from None
+    if not limit > 0:
+        raise pytest.UsageError(f"{FAST_LIMIT_ENV} must be > 0 seconds, got {raw!r}")
+    return limit
+
+
+_FAST_LIMIT = pytest.StashKey[float | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_FAST_LIMIT] = fast_limit_s()  # read once: a bad value stops the run before any test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In the fast tier, a passing setup or call that took longer than its limit is reported failed, so a
+    slow test cannot join the tier unseen (teardown is not held to it: a module's shared servers end
+    there)."""
+    outcome = yield
+    limit = item.config.stash.get(_FAST_LIMIT, None)
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if limit is None or report.when not in ("setup", "call") or not report.passed or report.duration <= limit:
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid}: its {report.when} took {report.duration:.1f} s of wall time, more than the "
+                       f"fast tier's {limit:g} s ({FAST_LIMIT_ENV}, set by make test-fast). Make it faster, or mark it "
+                       "real (it starts nodes, instances, the CLI, compilers or child interpreters) or slow.")
+
 
 def _has_gpu() -> bool:
     from gpuprims.backend import cuda_available

@@ -150,6 +150,7 @@ def _child_digest(queue: mp.Queue) -> None:  # runs in a spawned child
     queue.put(_digest(build_model("resnext50", seed=7, input_shape=SMALL, width=0.25)))
 
 
+@pytest.mark.real
 def test_weights_are_bit_identical_in_another_process() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

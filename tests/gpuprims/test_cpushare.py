@@ -174,6 +174,7 @@ def _run_child(share: CpuShare, preset_interop: int | None = None) -> dict[str, 
     return result
 
 
+@pytest.mark.real
 def test_apply_in_child_sets_affinity_and_threads() -> None:
     cores = available_cores()
     plan = plan_cpu_shares([("a", 50), ("b", 50)], cores=cores)

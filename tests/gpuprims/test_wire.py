@@ -153,6 +153,7 @@ _header_fields = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(fields=_header_fields, payload=st.integers(0, 70), cut=st.integers(0, 60))
 def test_fuzz_header_parser_python_and_native_agree(fields: dict[str, int], payload: int, cut: int) -> None:

@@ -189,6 +189,7 @@ def _segments(rec: rundir.NodeRecord, run_dir: Path) -> list[Path]:
     return out
 
 
+@pytest.mark.real
 def test_a_sigkilled_orchestrator_is_recognised_and_cleaned_up(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     node = _Started(tmp_path, cfg, "n1")
@@ -225,6 +226,7 @@ def test_a_sigkilled_orchestrator_is_recognised_and_cleaned_up(tmp_path: Path) -
         node.close()
 
 
+@pytest.mark.real
 def test_start_after_a_sigkill_cleans_up_and_stop_waits(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     first = _Started(tmp_path, cfg, "n1")
@@ -286,6 +288,7 @@ def ctrl_c(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         node.close()
 
 
+@pytest.mark.real
 def test_ctrl_c_stops_start_cleanly(ctrl_c: dict[str, Any]) -> None:
     out = ctrl_c["output"]
     assert ctrl_c["rc"] == 0 and "received SIGINT; stopping" in out and "node stopped" in out, out
@@ -294,6 +297,7 @@ def test_ctrl_c_stops_start_cleanly(ctrl_c: dict[str, Any]) -> None:
     assert not tracebacks, out  # none from the orchestrator
 
 
+@pytest.mark.real
 def test_ctrl_c_leaves_no_instance_traceback(ctrl_c: dict[str, Any]) -> None:
     assert "Traceback" not in ctrl_c["output"] and "KeyboardInterrupt" not in ctrl_c["output"]
 
@@ -305,6 +309,7 @@ def _assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str)
     assert last.startswith("Error: ") and all(f in last for f in fragments), r.stderr
 
 
+@pytest.mark.real
 def test_start_says_which_port_is_in_use(tmp_path: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         udp.bind(("127.0.0.1", 0))
@@ -320,6 +325,7 @@ def test_start_says_which_port_is_in_use(tmp_path: Path) -> None:
     assert not any(_base(tmp_path).iterdir())  # nothing left behind
 
 
+@pytest.mark.real
 def test_start_refuses_an_unimportable_user_model(tmp_path: Path) -> None:
     r = _cli(tmp_path, "start", str(_config(tmp_path, model="no_such_module_xyz:factory")))
     _assert_one_line_error(r, "apps[0].model", "no_such_module_xyz", "cannot import")
@@ -327,6 +333,7 @@ def test_start_refuses_an_unimportable_user_model(tmp_path: Path) -> None:
     _assert_one_line_error(r, "no_such_pkg_xyz")
 
 
+@pytest.mark.real
 def test_start_refuses_a_live_nodes_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("orchestrator.control.runtime_base", lambda: tmp_path)
     d = tmp_path / "busy"
@@ -367,6 +374,7 @@ def test_readme_set_gpu_fits_the_example_shares() -> None:
         placement.check_share(app, int(pct))
 
 
+@pytest.mark.real
 def test_a_user_model_without_its_factory_ends_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "ops_nofactory_mod.py").write_text("x = 1\n")
     env = {**_env(tmp_path), "PYTHONPATH": str(tmp_path)}
@@ -377,6 +385,7 @@ def test_a_user_model_without_its_factory_ends_in_one_line(tmp_path: Path) -> No
     assert "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.real
 def test_set_gpu_follows_the_change_through_its_phases(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     cfg.write_text(cfg.read_text().replace("shadow: false", "shadow: true"))

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """node:
   listen: {host: 127.0.0.1, port: 9000}
@@ -25,6 +27,7 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.real
 def test_ctrl_c_ends_the_demo_with_its_partial_report(tmp_path: Path) -> None:
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(CONFIG)

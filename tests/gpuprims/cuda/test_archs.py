@@ -43,6 +43,7 @@ def test_snapshot_covers_every_arch_without_spills() -> None:
     assert '"' + ";".join([f"{a}-real" for a in check.ARCHS] + [f"{check.PTX_ARCH}-virtual"]) + '"' in cmake
 
 
+@pytest.mark.real
 @pytest.mark.skipif(check.nvcc() is None, reason="nvcc not found: the per-architecture build check needs it")
 def test_kernels_build_for_every_arch_and_match_the_snapshot(capsys: pytest.CaptureFixture[str]) -> None:
     assert check.main([]) == 0, capsys.readouterr().out

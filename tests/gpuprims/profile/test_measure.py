@@ -194,6 +194,7 @@ class _PoolQuiet:
         return "future"
 
 
+@pytest.mark.real
 def test_cli_device_cpu_records_the_pool_and_the_stages(tmp_path: Path) -> None:
     out = tmp_path / "siamese-cpu.json"
     res = CliRunner().invoke(main, ["siamese", "--device", "cpu", "--cores", "1", "--stages", "--batch", "1",

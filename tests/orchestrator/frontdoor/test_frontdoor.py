@@ -25,6 +25,8 @@ from orchestrator.frontdoor import FrontDoorError, start_frontdoor
 
 from .conftest import APPS, Stack, inputs
 
+pytestmark = pytest.mark.real  # real ingest, zoo models served by a thread, both servers
+
 RTOL = ATOL = 1e-4  # a row run inside a batch differs from a direct run by float rounding (apps/zoo)
 
 
