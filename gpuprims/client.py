@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuprims import tensorwire, wire
+from gpuprims import _native, tensorwire, wire
 from gpuprims.tensorwire import TensorBodyError, WireTensor
 from gpuprims.wire import DType, Status
 
@@ -248,6 +248,23 @@ class _Book:
         return wire.encode_request(app_id, rid, data, chunk_payload=self.chunk_payload, dtype=dtype,
                                    deadline_us=deadline_us, client_ts_ns=ts, flags=flags), ts
 
+    def send(self, sock: socket.socket, to: Address, app_id: int, rid: int, body: _Body, deadline_us: int,
+             flags: int = 0) -> int:
+        """Send one request's datagrams to `to` in one native call (sendmmsg, no copy of the payload;
+        the same datagrams as `encode`); returns the request's client_ts_ns. ValueError for an address
+        that is not numeric (the caller then sends through `encode`)."""
+        ts = time.monotonic_ns()
+        data, dtype = body
+        if isinstance(data, np.ndarray):
+            code = DType.from_numpy(data.dtype) if dtype is None else dtype
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            code = DType.BYTES if dtype is None else dtype
+            raw = np.frombuffer(data, np.uint8)
+        _native.send_request(sock.fileno(), to[0], to[1], app_id, rid, raw, self.chunk_payload, int(code), flags,
+                             deadline_us, ts)
+        return ts
+
     def feed(self, data: bytes) -> wire.Response | None:
         try:
             return self.asm.feed(data)
@@ -291,6 +308,7 @@ class Client:
                  bind_host: str | None = None, trace: bool = False) -> None:
         _check_args(timeout_s, retries, chunk_payload)
         self.trace = bool(trace)
+        self._native_send = True  # until an address turns out not to be numeric (then sendto, a datagram each)
         self.node = (str(node[0]), int(node[1]))
         self.timeout_s, self.retries = float(timeout_s), retries
         self._book = _Book(chunk_payload)
@@ -361,31 +379,39 @@ class Client:
         return [f.result() for f in futs]
 
     def _send(self, p: _Pending) -> None:
+        """Send (or send again) ``p`` under a new request id. Registered as pending before its first
+        datagram leaves, so an answer cannot come before it is expected: its expiry counts from now,
+        and its ``first_ns`` (the latency's start) is the first attempt's."""
         rid = self._book.new_id()
-        dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us, p.flags)
+        now = time.monotonic_ns()
         with self._lock:
             p.rid, p.attempts, p.attempts_left = rid, p.attempts + 1, p.attempts_left - 1
-            p.first_ns = p.first_ns or ts
-            p.expires_ns = ts + p.timeout_ns
+            p.first_ns = p.first_ns or now
+            p.expires_ns = now + p.timeout_ns
             self._pending[(p.app_id, rid)] = p
+        to = p.to or self.node
         try:
+            if self._native_send:
+                try:  # one system call for all of the request's datagrams
+                    ts = self._book.send(self._sock, to, p.app_id, rid, p.body, p.deadline_us, p.flags)
+                    if self.trace:
+                        p.client_ts_ns = ts
+                        p.first_sent_ns = p.last_sent_ns = time.monotonic_ns()  # all sent in that one call
+                    return
+                except ValueError:  # a host name, not a numeric address: sendto resolves it
+                    self._native_send = False
+            dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us, p.flags)
+            self._sock.sendto(dgrams[0], to)
             if self.trace:
-                self._send_traced(p, dgrams, ts)
-            else:
-                for d in dgrams:
-                    self._sock.sendto(d, p.to or self.node)
+                p.client_ts_ns, p.first_sent_ns = ts, time.monotonic_ns()
+            for d in dgrams[1:]:
+                self._sock.sendto(d, to)
+            if self.trace:
+                p.last_sent_ns = time.monotonic_ns()
         except OSError:
             with self._lock:
                 self._pending.pop((p.app_id, rid), None)
             raise
-
-    def _send_traced(self, p: _Pending, dgrams: list[bytes], ts: int) -> None:
-        to = p.to or self.node
-        self._sock.sendto(dgrams[0], to)
-        first = time.monotonic_ns()
-        for d in dgrams[1:]:
-            self._sock.sendto(d, to)
-        p.client_ts_ns, p.first_sent_ns, p.last_sent_ns = ts, first, time.monotonic_ns()
 
     def _send_again(self, p: _Pending) -> None:
         """A retry from the receive thread: a send error fails the request instead of the thread."""

@@ -510,3 +510,14 @@ def test_a_traced_client_gives_each_result_its_timestamps_in_order_and_an_untrac
     assert 0 < t.start_ns <= t.client_ts_ns <= t.first_sent_ns <= t.last_sent_ns <= t.answered_ns
     sent = [wire.unpack_header(d) for d in node.datagrams[:3]]
     assert {h.client_ts_ns for h in sent} == {t.client_ts_ns} and sent[0].request_id == r.request_id
+
+
+def test_a_client_of_a_node_named_by_host_name_sends_the_same_datagrams_a_datagram_at_a_time() -> None:
+    x = _input(5)  # 3 datagrams
+    with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node, \
+            Client(("localhost", node.address[1]), timeout_s=5) as c:
+        r = c.infer(4, x, deadline_us=77)
+        assert r.ok
+        h = wire.unpack_header(node.datagrams[0])
+        assert node.datagrams == wire.encode_request(4, h.request_id, x, deadline_us=77, client_ts_ns=h.client_ts_ns)
+        assert c.infer(4, x).ok  # and on

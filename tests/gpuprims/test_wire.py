@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import pickle
+import socket
 import struct
 
 import numpy as np
@@ -179,3 +181,36 @@ def test_request_flags_are_in_every_datagram_and_no_check_refuses_them() -> None
     for bad in (-1, 256, True, 1.0):
         with pytest.raises(ValueError, match="flags must be a u8"):
             wire.encode_request(1, 9, body, flags=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("total", [1, 1023, 1024, 1025, 5000])
+def test_native_send_request_sends_exactly_the_datagrams_encode_request_makes(total: int) -> None:
+    body = np.random.default_rng(total).integers(0, 256, total, dtype=np.uint8)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        rx.bind(("127.0.0.1", 0))
+        rx.settimeout(5.0)
+        port = rx.getsockname()[1]
+        n = _native.send_request(tx.fileno(), "127.0.0.1", port, 7, 99, body, 1024, int(DType.UINT8), wire.FLAG_MORE,
+                                 1500, 123)
+        want = wire.encode_request(7, 99, body, dtype=DType.UINT8, flags=wire.FLAG_MORE, deadline_us=1500,
+                                   client_ts_ns=123)
+        assert n == len(want)
+        assert [rx.recv(65536) for _ in range(n)] == want
+
+
+def test_native_send_request_refuses_what_it_cannot_send() -> None:
+    body = np.zeros(10, np.uint8)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        with pytest.raises(ValueError, match="not a numeric"):
+            _native.send_request(tx.fileno(), "localhost", 9, 1, 1, body, 1024, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="non-empty"):
+            _native.send_request(tx.fileno(), "127.0.0.1", 9, 1, 1, body[:0], 1024, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="chunk_payload"):
+            _native.send_request(tx.fileno(), "127.0.0.1", 9, 1, 1, body, 0, 0, 0, 0, 0)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(OSError):
+            _native.send_request(w, "127.0.0.1", 9, 1, 1, body, 1024, 0, 0, 0, 0)  # not a socket
+    finally:
+        os.close(r)
+        os.close(w)
