@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuprims.client import Result
 from gpuprims.modelrepo.config import QueuePolicy, TimeoutAction
 from gpuprims.wire import DType, Status
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config import ConfigError, load_config, parse_config
 from orchestrator.frontdoor import oip_pb2 as pb
 from orchestrator.frontdoor.admission import (
     Admission,
@@ -41,6 +41,8 @@ from orchestrator.frontdoor.models import ModelInfo, model_info
 from orchestrator.frontdoor.policy import AdmissionPolicy, admission_policy
 from orchestrator.frontdoor.transport import Marks
 from orchestrator.metrics import AppStatistics, _Collector
+
+from ...modelfiles import multi_io_onnx
 
 SLO_MS = 100.0
 #: Seeded batch latencies: a batch of 1 takes 10 ms, of 8 (max_batch) 20 ms. With SLO 100 ms a request
@@ -398,6 +400,22 @@ def test_apps_yaml_admission_section(tmp_path: Path) -> None:
         p.write_text(yaml.safe_dump({"apps": [{**app, "admission": bad}]}), encoding="utf-8")
         with pytest.raises(ConfigError, match=fragment):
             load_config(p)
+
+
+def test_a_model_files_dynamic_batching_is_its_policy_and_apps_yaml_wins(tmp_path: Path) -> None:
+    multi_io_onnx(tmp_path / "multi.onnx")
+    dynamic = {"priority_levels": 3, "default_priority_level": 3,
+               "default_queue_policy": {"max_queue_size": 5, "default_timeout_microseconds": 7000,
+                                        "timeout_action": "DELAY", "allow_timeout_override": True}}
+    app = {"name": "multi", "model": "multi.onnx", "slo_ms": 50,
+           "config": {"max_batch_size": 4, "dynamic_batching": dynamic}}
+    cfg = parse_config({"node": {"backend": "cpu"}, "apps": [app]}, base_dir=tmp_path)
+    info = model_info(cfg.app_by_name("multi"))
+    assert info.admission == AdmissionPolicy(QueuePolicy(5, 7000, TimeoutAction.DELAY, True), 3, 3)
+    assert info.admission.level(0) == 3 and info.admission.delay
+    cfg = parse_config({"node": {"backend": "cpu"}, "apps": [{**app, "admission": {"refuse_status": 429}}]},
+                       base_dir=tmp_path)
+    assert model_info(cfg.app_by_name("multi")).admission == AdmissionPolicy(refuse_status=429)
 
 
 def test_admission_counts_reach_prometheus() -> None:
