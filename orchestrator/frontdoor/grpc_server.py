@@ -169,12 +169,16 @@ class Servicer:
 def _response(core: Core, resp: Any, out: dict[str, np.ndarray], datatypes: dict[str, str],
               targets: dict[str, shm.TensorRef]) -> bytes:
     """The answer's bytes: each output described, its data as raw contents, or written into the shared
-    memory its request named (then described by the region's parameters and given no raw contents)."""
+    memory its request named (then described by the region's parameters, with empty raw contents where
+    other outputs have some: clients find an output's raw contents by its position among the outputs)."""
+    aligned = any(name not in targets for name in out)
     for name, arr in out.items():
         t = resp.outputs.add(name=name, datatype=datatypes[name], shape=list(arr.shape))
         if name in targets:
             for k, v in shm.grpc_output_params(shm.put_output(core, targets[name], name, arr)).items():
                 t.parameters[k].CopyFrom(pb.InferParameter(**v))
+            if aligned:
+                resp.raw_output_contents.append(b"")
         else:
             resp.raw_output_contents.append(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
     return bytes(resp.SerializeToString())

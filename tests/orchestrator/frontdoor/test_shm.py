@@ -8,6 +8,7 @@ import base64
 import importlib.util
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import types
 import uuid
@@ -28,6 +29,7 @@ from orchestrator.frontdoor import shm, shm_pb2
 from orchestrator.frontdoor.core import OipError
 from orchestrator.frontdoor.models import OUTPUT_NAME
 from tests.orchestrator.frontdoor.conftest import Stack, inputs
+from tests.orchestrator.frontdoor.test_proto import REPO, _descriptor_bytes
 
 IN_BYTES = 2 * 3 * 32 * 32 * 4  # two rows of the classify app's float32 input
 OUT_BYTES = 2 * 10 * 4
@@ -211,6 +213,17 @@ def test_only_local_peers_use_shared_memory() -> None:
                          {"outputs": [{"name": OUTPUT_NAME, "parameters": {"shared_memory_region": "r",
                                                                          "shared_memory_byte_size": 4}}]})
     assert e.value.kind == "unauthenticated"
+
+
+def test_committed_shm_stubs_match_the_proto(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "PY": sys.executable}
+    subprocess.run([str(REPO / "scripts" / "gen-oip-stubs.sh")], check=True, env=env, timeout=120)
+    committed = REPO / "orchestrator" / "frontdoor"
+    assert _descriptor_bytes((tmp_path / "shm_pb2.py").read_text()) == \
+        _descriptor_bytes((committed / "shm_pb2.py").read_text()), "shm_pb2.py is stale: run scripts/gen-oip-stubs.sh"
+    code = [[ln for ln in (d / "shm_pb2.pyi").read_text().splitlines() if not ln.startswith("#")]
+            for d in (tmp_path, committed)]
+    assert code[0] == code[1], "shm_pb2.pyi is stale: run scripts/gen-oip-stubs.sh"
 
 
 def test_shm_messages_match_tritonclients() -> None:
