@@ -33,9 +33,9 @@ The stage trace (``--trace N``, on by default): a node of its own, started with 
 on (orchestrator.serving ``TRACE_ENV``), serves N single requests one at a time from a
 ``gpuprims.client.Client(trace=True)``; each request's client and instance timestamps are joined (by
 request id and the client's timestamp) into the stages of its way, p50 and p99 of each in
-``trace.<stage>.p50_ms``: ``client_send`` (call to first datagram sent), ``to_ingest`` (to the ingest's
-first datagram in; on loopback the kernel hands a datagram over inside ``sendto``, so a little below 0
-is possible), ``reassembly`` (to the last datagram in: the client's other datagrams and their
+``trace.<stage>.p50_ms``: ``client_prep`` (call to the request built: the body's array, its id, the
+wire header's ``client_ts_ns``), ``to_ingest`` (to the ingest's first datagram in: the client's send
+call and the kernel), ``reassembly`` (to the last datagram in: the client's other datagrams and their
 reassembly), ``ring_wake`` (to the instance taking it off its ring), ``batch_wait``, ``gather``,
 ``engine``, ``answer`` (published to the answer ring), ``send_back`` (to the client's receive thread
 reading the answer), ``client_return`` (to the call returning), and ``total``. ``--only-trace`` runs the
@@ -96,7 +96,7 @@ TRANSPORTS = ("udp", "http", "grpc")
 PEERS = ("litserve", "ray")
 #: What each peer needs importable (bench/peer_litserve, bench/peer_ray).
 PEER_MODULES = {"litserve": ("litserve",), "ray": ("ray", "starlette")}
-TRACE_STAGES = ("client_send", "to_ingest", "reassembly", "ring_wake", "batch_wait", "gather", "engine", "answer",
+TRACE_STAGES = ("client_prep", "to_ingest", "reassembly", "ring_wake", "batch_wait", "gather", "engine", "answer",
                 "send_back", "client_return", "total")
 CONCURRENCY = (1, 2, 4, 8)
 MULTI = 8  #: samples per MultiStream query (MLPerf's edge MultiStream)
@@ -448,7 +448,7 @@ def trace_stages(client: Sequence[dict[str, int]], node: Sequence[TracedRequest]
         r = by_key.get((c["request_id"], c["client_ts_ns"]))
         if r is None:
             continue
-        marks = (c["start_ns"], c["first_sent_ns"], r.first_ns, r.complete_ns, r.woke_ns, r.take_ns, r.gathered_ns,
+        marks = (c["start_ns"], c["client_ts_ns"], r.first_ns, r.complete_ns, r.woke_ns, r.take_ns, r.gathered_ns,
                  r.model_ns, r.answered_ns, c["answered_ns"], c["returned_ns"])
         for stage, a, b in zip(TRACE_STAGES, marks, marks[1:]):
             out[stage].append((b - a) / 1e6)

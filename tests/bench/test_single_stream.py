@@ -94,7 +94,7 @@ def test_the_trace_joins_both_sides_of_a_request_into_its_stages() -> None:
             TracedRequest("i", 6, 8, 1, 1, 1, 1, 1, 1, 1, 1)]  # another request with id 6 (client_ts differs)
     stages = bench.trace_stages(client, node)
     assert {k: v[0] for k, v in stages.items()} == {
-        "client_send": 2.0, "to_ingest": 2.0, "reassembly": 2.0, "ring_wake": 1.0, "batch_wait": 1.0, "gather": 1.0,
+        "client_prep": 1.0, "to_ingest": 3.0, "reassembly": 2.0, "ring_wake": 1.0, "batch_wait": 1.0, "gather": 1.0,
         "engine": 6.0, "answer": 1.0, "send_back": 4.0, "client_return": 1.0, "total": 21.0}
     assert all(len(v) == 1 for v in stages.values())
     s = bench.summarise_trace(stages)
