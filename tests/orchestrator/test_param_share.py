@@ -309,6 +309,32 @@ def test_onnxruntime_instances_serve_from_one_segment_and_survive_the_exporters_
 
 
 @pytest.mark.slow
+def test_an_onnxruntime_apps_warm_shadow_maps_the_actives_initializers(tmp_path: Path) -> None:
+    """The paper's first Param-Share scenario on ONNX Runtime: the shadow holds no copy of its own."""
+    p = tmp_path / "apps.yaml"
+    p.write_text(ORT_CONFIG.replace("CACHE", str(tmp_path / "cache")).replace("instances: 2", "instances: 1")
+                 .replace("shadow: false", "shadow: warm"))
+    node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
+    try:
+        def initializers() -> dict[str, dict[str, object]]:
+            insts = node.status()["apps"]["a"]["instances"]
+            return {i["name"]: (i.get("engine") or {}).get("initializers") or {} for i in insts}
+
+        _until(node, lambda: _ready_shadow(node) and len(initializers()) == 2 and all(initializers().values()), 120,
+               "the warm shadow ready")
+        shadow = node.shadow_of("a")
+        assert shadow is not None and shadow.spec.share_params.startswith("import:")
+        got = initializers()
+        assert {n: d["mode"] for n, d in got.items()} == {
+            **{n: "exported" for n in got if n != shadow.name}, shadow.name: "imported"}
+        assert len({d["segment"] for d in got.values()}) == 1  # one copy: the shadow holds none of its own
+        (exp,) = node.params.describe()
+        assert sorted(exp["users"]) == sorted(node.instances)  # type: ignore[arg-type]
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
 def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG)
