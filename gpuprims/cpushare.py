@@ -25,9 +25,11 @@ import logging
 import math
 import os
 import resource
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +224,10 @@ def apply_cpu_share(share: CpuShare) -> None:
     torch still allows it, ``torch.set_num_interop_threads(share.threads)`` (torch accepts that only
     once per process and only before inter-op parallel work has started; otherwise the inter-op pool is
     left as it is and a warning is logged: the affinity set still bounds the cores it runs on). Also
-    sets OMP_NUM_THREADS/MKL_NUM_THREADS in os.environ for processes this one starts. Call it early in
-    an instance process, before the model runs.
+    sets OMP_NUM_THREADS/MKL_NUM_THREADS in os.environ for processes this one starts (and for torch, if
+    this process imports it later: torch's pools are set only where it is imported already, so an
+    instance that runs no torch does not load it here). Call it early in an instance process, before
+    the model runs.
 
     Raises ValueError if `share` is not a CpuShare, and OSError (naming the cores) if the operating
     system refuses the affinity set, e.g. a core outside this process's cpuset.
@@ -235,8 +239,9 @@ def apply_cpu_share(share: CpuShare) -> None:
     except OSError as exc:
         raise OSError(exc.errno, f"cannot set CPU affinity to cores {share.cores}: {exc.strerror}") from exc
     os.environ.update(share.env())
-    import torch
-
+    torch: Any = sys.modules.get("torch")
+    if torch is None:  # an instance that runs no torch (a model file on ONNX Runtime) must not load it here;
+        return  # torch imported later sizes its pools from OMP_NUM_THREADS, set above
     torch.set_num_threads(share.threads)
     if torch.get_num_interop_threads() != share.threads:
         try:

@@ -74,6 +74,14 @@ def preprocess(batch: Any, dtype: str) -> Any:
     return batch
 
 
+def keep_rows(batch: Any, keep: np.ndarray) -> Any:
+    """The rows of a gathered batch (a torch tensor on its device) where the boolean mask ``keep`` is
+    true (a copy)."""
+    import torch
+
+    return batch[torch.from_numpy(keep).to(batch.device)]
+
+
 def default_method(backend: str) -> Method:
     """``gpu_dma`` on cuda, ``host`` on cpu."""
     return "gpu_dma" if backend == "cuda" else "host"

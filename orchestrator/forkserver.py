@@ -15,7 +15,8 @@ never reach a reused pid. Messages are newline-delimited JSON over a stream sock
 
 - launcher to server: ``{"op": "fork", "id": n, "env": {...}}`` and
   ``{"op": "signal", "pid": p, "sig": s}``;
-- server to launcher: ``{"op": "ready", "pid": p, "import_ms": t}`` once imported,
+- server to launcher: ``{"op": "ready", "pid": p, "import_ms": t, "holds": [...]}`` once imported
+  (``holds``: which of :data:`REPORTED` it imported),
   ``{"op": "forked", "id": n, "pid": p}`` or ``{"op": "error", "id": n, "error": "..."}``, and
   ``{"op": "exit", "pid": p, "rc": rc}`` when a child has exited (``rc`` as `subprocess.Popen`'s
   ``returncode``: negative for a signal).
@@ -52,8 +53,12 @@ from orchestrator.launch import die_with_parent, exit_status, import_at_nice
 
 __all__ = ["PRELOAD", "main", "serve"]
 
-#: What the server imports before it forks: what ``orchestrator.launch`` would import in each instance.
+#: What the server imports before it forks (modules, comma-separated): what ``orchestrator.launch`` would
+#: import in each instance. The launcher asks per need (`orchestrator.launcher.instance_imports`): the
+#: zoo's runner (torch) for torch instances, the engine's module and library for the rest.
 PRELOAD = "orchestrator.instance"
+#: Libraries a server reports holding when it is ready (what status says of it).
+REPORTED = ("torch", "numpy", "onnxruntime", "openvino", "tensorrt", "apps.zoo")
 #: The function a forked child runs (module:function); it returns the exit status.
 ENTRY = "orchestrator.launch:run_forked"
 #: The file descriptor the launcher passes the server's end of the socket on.
@@ -125,7 +130,8 @@ def serve(sock: socket.socket, entry: Callable[[], int], import_ms: float) -> in
     children: set[int] = set()
     server = os.getpid()
     buf = b""
-    _send(sock, {"op": "ready", "pid": os.getpid(), "import_ms": import_ms})
+    _send(sock, {"op": "ready", "pid": os.getpid(), "import_ms": import_ms,
+                 "holds": [m for m in REPORTED if m in sys.modules]})
     while True:
         try:
             readable = select.select([sock, rfd], [], [])[0]
@@ -193,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(os.environ.pop(ENV_FD)))
     t0 = time.monotonic()
-    if preload:
+    for module in filter(None, preload.split(",")):
         # Below the instances it serves beside: launches start processes until it is ready.
-        import_at_nice(preload, IMPORT_NICE)
+        import_at_nice(module, IMPORT_NICE)
     entry = _entry(entry_spec)
     try:
         return serve(sock, entry, round((time.monotonic() - t0) * 1e3, 1))

@@ -36,13 +36,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gpuprims.batching import BatchPolicy
 from gpuprims.cpushare import lower_thread_priority, raise_low_threads
-from gpuprims.device import warm_up
 from gpuprims.gather import Gatherer
 from gpuprims.pool import PacketPool
 from orchestrator.control import connect_instance_from_env
@@ -62,12 +59,14 @@ from orchestrator.messages import (
     StatsReply,
     StatsRequest,
 )
-from orchestrator.runner import AppRunner, DagModel, warm_sizes
 from orchestrator.serving import LATENCY_MEMORY_S, PROBE_AFTER_S, LatencyStats, ServingLoop
 from orchestrator.spec import ENV_SPEC, InstanceSpec
 from orchestrator.tensor_serving import TensorServingLoop
 
-__all__ = ["LATENCY_MEMORY_S", "PROBE_AFTER_S", "DagModel", "Instance", "InstanceSpec", "LatencyStats", "main"]
+if TYPE_CHECKING:
+    from orchestrator.runner import AppRunner
+
+__all__ = ["LATENCY_MEMORY_S", "PROBE_AFTER_S", "Instance", "InstanceSpec", "LatencyStats", "main"]
 
 #: How long closing the control socket may wait for queued messages to leave (bounded if the
 #: orchestrator is gone).
@@ -95,6 +94,10 @@ class Instance:
             self.runner = FileRunner(spec)
             self.serving = TensorServingLoop(spec, self.pool, self.runner)
         else:
+            # A zoo model's runner imports torch and the zoo: only an instance that serves one pays for
+            # them, so a model file's instance (and its fork server) maps no torch.
+            from orchestrator.runner import AppRunner
+
             self.runner = AppRunner(spec)
             self.serving = ServingLoop(spec, self.pool, self.runner)
         self.finishing = False
@@ -188,14 +191,12 @@ class Instance:
         t0 = time.monotonic()
         priority = lower_thread_priority()
         try:
-            device = torch.device("cpu")
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-            built = self._build_models(device)
-            if self.spec.warmup and isinstance(self.runner, FileRunner):
-                self.runner.warm(built)
-            elif self.spec.warmup:  # (a node started with warmup off, as in tests, only loads)
-                warm_up(built["model"], tuple(self.spec.input_shape), warm_sizes(self.spec.max_batch), device, repeats=1,
-                        discard=1)
+            if self.spec.serves_file:
+                built = self._build_models("cpu")
+                if self.spec.warmup:
+                    self.runner.warm(built)
+            else:
+                built = self._prewarm_zoo()
         except Exception as e:  # the main thread loads at InitGpu instead, and says why
             log.warning("pre-warm failed (%s: %s); the model loads at InitGpu instead", type(e).__name__, e)
             with self._prewarm_lock:
@@ -210,6 +211,21 @@ class Instance:
                 self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
                 if isinstance(built.get("engines"), dict):  # what the pre-warm built (or found in the cache)
                     self.prewarm_info["engine_prewarm"] = {k: e.describe() for k, e in built["engines"].items()}
+
+    def _prewarm_zoo(self) -> dict[str, Any]:
+        """Build (and warm, unless the node runs with warmup off, as in tests) the zoo model on the CPU."""
+        import torch  # a zoo model's instance only (see __init__)
+
+        from gpuprims.device import warm_up
+        from orchestrator.runner import warm_sizes
+
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        built = self._build_models(device)
+        if self.spec.warmup:
+            warm_up(built["model"], tuple(self.spec.input_shape), warm_sizes(self.spec.max_batch), device, repeats=1,
+                    discard=1)
+        return built
 
     def _take_prewarmed(self) -> dict[str, Any] | None:
         """The pre-warmed models if the pre-warm finished. If it is still running, its threads are

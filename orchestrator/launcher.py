@@ -16,12 +16,19 @@ instance code once (`orchestrator.forkserver`), so an instance starts in millise
 seconds of import on the cores the others serve on. Where no fork server is ready (it is starting
 again after it died, or it could not start) an instance is started as `SubprocessLauncher` starts it,
 so a launch never waits on a server that may not come back.
+
+Fork servers are kept per need (`instance_imports`): an instance of a zoo model (whatever its engine:
+its runner gathers into torch tensors) or of a model file on a torch kind is forked from a server that
+has imported torch and the zoo; a model file on ONNX Runtime, OpenVINO or TensorRT from one that has
+imported only the instance code, numpy, the engine's module and its library. Each is started when the
+first instance that needs it is launched, so a node whose apps are all ONNX files holds no torch at all.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -36,10 +43,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpuprims.engines.errors import EngineError
+from gpuprims.engines.kinds import file_engine_kind
 from orchestrator import forkserver
 from orchestrator.spec import InstanceSpec
 
-__all__ = ["ForkLauncher", "ForkedProcess", "InstanceProcess", "Launcher", "SubprocessLauncher", "import_env_key"]
+__all__ = ["ForkLauncher", "ForkedProcess", "InstanceProcess", "Launcher", "SubprocessLauncher", "import_env_key",
+           "instance_imports"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +114,27 @@ class SubprocessLauncher:
 #: loads it; a library path; PYTHON*) needs a server imported with it.
 RUNTIME_ENV_PREFIXES = ("GPUPRIMS_", "CUDA_", "NVIDIA_")
 #: Fork servers kept per process; beyond it the least recently used one without children ends.
-MAX_SERVERS = 4
+MAX_SERVERS = 6
+#: What a torch instance imports: the instance code and the zoo's runner (torch, the zoo).
+TORCH_IMPORTS = (forkserver.PRELOAD, "orchestrator.runner")
+
+
+def instance_imports(spec: InstanceSpec) -> tuple[str, ...]:
+    """The modules an instance of ``spec`` imports to serve (what its fork server preloads): the
+    instance code, and either the zoo's runner, which imports torch (a zoo model, on any engine, and a
+    model file on a torch kind), or the file engine's module and its library (ONNX Runtime, OpenVINO,
+    TensorRT: no torch). A kind this build does not know preloads only the instance code (the instance
+    refuses it itself)."""
+    if not spec.serves_file:
+        return TORCH_IMPORTS
+    try:
+        kind = file_engine_kind(spec.engine)
+    except EngineError:
+        return (forkserver.PRELOAD,)
+    if kind.needs_torch:
+        return TORCH_IMPORTS
+    return (forkserver.PRELOAD, kind.impl.partition(":")[0],
+            *(lib for lib in kind.libraries if importlib.util.find_spec(lib) is not None))
 #: Variables that differ between otherwise equal environments and that no library reads at import.
 IGNORED_ENV_NAMES = frozenset({"PYTEST_CURRENT_TEST"})
 
@@ -182,6 +212,9 @@ class _ForkServer:
         self.ready = threading.Event()
         self.dead = threading.Event()
         self.import_ms: float | None = None
+        self.preload = preload
+        #: What it imported, as it said when ready (forkserver.REPORTED: torch, numpy, onnxruntime...).
+        self.holds: list[str] = []
         self.last_used = time.monotonic()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -213,6 +246,8 @@ class _ForkServer:
         op = msg.get("op")
         if op == "ready":
             self.import_ms = msg.get("import_ms")
+            holds = msg.get("holds")
+            self.holds = [str(h) for h in holds] if isinstance(holds, list) else []
             self.ready.set()
         elif op in ("forked", "error"):
             with self._lock:
@@ -327,7 +362,11 @@ class ForkLauncher:
     A launch never waits for a server: while the server for its environment imports (at a lowered
     priority, `orchestrator.forkserver`), or after it died and is starting again, the instance starts
     as `SubprocessLauncher` starts it. So the first instances of a process start as before, and every
-    later one (replacements, shadows, the instances of a share change) is forked."""
+    later one (replacements, shadows, the instances of a share change) is forked.
+
+    What a server preloads is ``preload`` when given (comma-separated modules), else what the
+    instance being launched needs (:func:`instance_imports`): one server for torch instances, another
+    for the rest, each started by the first instance that needs it."""
 
     def __init__(self, python: str = sys.executable, *, preload: str | None = None,
                  entry: str | None = None) -> None:
@@ -338,15 +377,24 @@ class ForkLauncher:
         self.entry = entry
         self.fallback = SubprocessLauncher(python)
 
-    def server_for(self, env: Mapping[str, str]) -> _ForkServer | None:
-        """The server for ``env``'s import environment, started if there is none or it died."""
-        key = (self.python, self.preload, self.entry, import_env_key(env))
+    def preload_for(self, spec: InstanceSpec | None) -> str:
+        """What the server for ``spec``'s instance preloads: ``preload`` when given, else
+        :func:`instance_imports` (the instance code alone without a spec)."""
+        if self.preload is not None:
+            return self.preload
+        return ",".join(instance_imports(spec)) if spec is not None else forkserver.PRELOAD
+
+    def server_for(self, env: Mapping[str, str], spec: InstanceSpec | None = None) -> _ForkServer | None:
+        """The server for ``env``'s import environment and ``spec``'s imports (:meth:`preload_for`),
+        started if there is none or it died."""
+        preload = self.preload_for(spec)
+        key = (self.python, preload, self.entry, import_env_key(env))
         with _SERVERS_LOCK:
             server = _SERVERS.get(key)
             if server is None or server.dead.is_set():
                 base = dict(import_env_key(env))
                 try:
-                    server = _ForkServer(self.python, base, self.preload, self.entry)
+                    server = _ForkServer(self.python, base, preload, self.entry)
                 except OSError as e:
                     log.warning("could not start a fork server (%s); instances start as processes", e)
                     return None
@@ -354,13 +402,13 @@ class ForkLauncher:
                 idle = [k for k, s in _SERVERS.items() if s is not server and s.idle()]
                 idle.sort(key=lambda k: _SERVERS[k].last_used)
                 retired = [_SERVERS.pop(k) for k in idle[:max(0, len(_SERVERS) - MAX_SERVERS)]]
-                if retired:  # each holds an imported torch; none has a child to lose
+                if retired:  # each holds its imports (torch, for some); none has a child to lose
                     threading.Thread(target=lambda: [r.close() for r in retired], name="forkserver-retire",
                                      daemon=True).start()
         return server
 
     def launch(self, spec: InstanceSpec, env: Mapping[str, str]) -> InstanceProcess:
-        server = self.server_for(env)
+        server = self.server_for(env, spec)
         if server is not None and server.ready.is_set() and not server.dead.is_set():
             try:
                 return server.fork(env)
@@ -368,19 +416,21 @@ class ForkLauncher:
                 log.warning("fork server failed (%s); %s starts as a process", e, spec.name)
         return self.fallback.launch(spec, env)
 
-    def wait_ready(self, env: Mapping[str, str], timeout_s: float) -> bool:
-        """Start the server for ``env`` if there is none and wait until it can fork (True) or
-        ``timeout_s`` passes or it dies (False)."""
-        server = self.server_for(env)
+    def wait_ready(self, env: Mapping[str, str], timeout_s: float, spec: InstanceSpec | None = None) -> bool:
+        """Start the server for ``env`` (and ``spec``'s imports) if there is none and wait until it can
+        fork (True) or ``timeout_s`` passes or it dies (False)."""
+        server = self.server_for(env, spec)
         return server is not None and server.ready.wait(timeout_s) and not server.dead.is_set()
 
     @staticmethod
     def describe() -> list[dict[str, Any]]:
-        """This process's fork servers: pid, whether ready, its import's milliseconds, its live children."""
+        """This process's fork servers: pid, whether ready, its import's milliseconds, its live children,
+        what it preloads and which libraries it holds (torch, numpy, onnxruntime...: as it said when ready)."""
         with _SERVERS_LOCK:
             servers = list(_SERVERS.values())
         return [{"pid": s.proc.pid, "ready": s.ready.is_set() and not s.dead.is_set(), "import_ms": s.import_ms,
-                 "children": s.live()} for s in servers]
+                 "children": s.live(), "preload": [m for m in (s.preload or "").split(",") if m],
+                 "holds": list(s.holds)} for s in servers]
 
     @staticmethod
     def starting() -> int:

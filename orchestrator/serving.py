@@ -24,19 +24,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from gpuprims.batching import BatchPolicy
-from gpuprims.gather import Gatherer, HostGatherer
+from gpuprims.gather import Gatherer, HostGatherer, keep_rows
 from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
 from gpuprims.stats import DURATION_BOUNDS_S, RequestHistograms, Reservoir, StageClock
 from gpuprims.wire import FLAG_MORE, DType, Status
 from orchestrator.messages import BatchDone, RunBatch
-from orchestrator.runner import AppRunner
 from orchestrator.spec import InstanceSpec
+
+if TYPE_CHECKING:  # the zoo's runner imports torch: a model file's instance never imports it
+    from orchestrator.runner import AppRunner
 
 #: After this long without running a batch, a request is served even if the latency model predicts
 #: it will miss (see ServingLoop._expire).
@@ -338,7 +339,7 @@ class ServingLoop:
         if self.gatherer.statuses.any():  # the GPU-DMA kernel's verdicts on the records it read
             ok = self.gatherer.statuses == 0
             self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
-            recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]
+            recs, info, x = recs[ok], info[ok], keep_rows(x, ok)
             if not recs.size:
                 return None
         return recs, info, x
@@ -408,7 +409,7 @@ class ServingLoop:
             ok = g.statuses == 0
             info = q.batch_info()
             self.fail(recs[~ok], info[~ok], Status.BAD_REQUEST)
-            recs, info, x = recs[ok], info[ok], x[torch.from_numpy(ok).to(x.device)]  # copies
+            recs, info, x = recs[ok], info[ok], keep_rows(x, ok)  # copies
             q.clear_batch()
             if not recs.size:
                 self.policy.note_answered(time.monotonic_ns() / 1e6, len(self.queue))

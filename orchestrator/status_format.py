@@ -61,7 +61,7 @@ def format_status(status: Mapping[str, Any]) -> str:
     """
     node = _mapping(status.get("node"))
     head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
-            for k, v in sorted(node.items()) if k != "uptime_s" and not isinstance(v, Mapping)]
+            for k, v in sorted(node.items()) if k not in ("uptime_s", "fork_servers") and not isinstance(v, Mapping)]
     if _num(node.get("uptime_s")) is not None:
         head.insert(0, f"uptime={_fmt(node['uptime_s'])}s")
     lines = ["node: " + ("  ".join(head) if head else "-")]
@@ -111,6 +111,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
     lines.extend(_engine_lines(apps))
     lines.extend(_memory_lines(node.get("memory")))
+    lines.extend(_fork_server_lines(node.get("fork_servers")))
     lines.extend(_param_share_lines(status.get("param_share")))
     drops = dict(_mapping(status.get("drops")))
     total = sum(_as_count(v) for v in drops.values())
@@ -211,6 +212,24 @@ def _memory_lines(v: Any) -> list[str]:
     dev = "" if _num(whole.get("device_bytes")) is None else f", device {_mb(whole.get('device_bytes'))}"
     unread = f"  ({_fmt(m.get('unreadable'), 'd')} unreadable reads)" if _as_count(m.get("unreadable")) else ""
     return [f"memory (PSS MB): {'  '.join(parts)}  total {_mb(whole.get('pss_bytes'))}{dev}{unread}"]
+
+
+def _fork_server_lines(v: Any) -> list[str]:
+    """One line per fork server (orchestrator.launcher.ForkLauncher.describe): its pid, whether it is
+    ready, what it holds (torch or not) and how long its import took, and its live instances."""
+    lines = []
+    for s in v if isinstance(v, list) else ():
+        if not isinstance(s, Mapping):
+            continue
+        raw = s.get("holds")
+        holds = [h for h in raw if isinstance(h, str)] if isinstance(raw, list) else []
+        pid = s.get("pid") if isinstance(s.get("pid"), int) and not isinstance(s.get("pid"), bool) else None
+        what = ("holds " + ", ".join(holds)) if holds else "holds no library"
+        if s.get("ready") and "torch" not in holds:
+            what += " (no torch)"
+        lines.append(f"fork server {_fmt(pid, 'd')}: {'ready' if s.get('ready') else 'importing'}, {what}, "
+                     f"import {_fmt(s.get('import_ms'), '.0f')} ms, {_fmt(s.get('children'), 'd')} instance(s)")
+    return lines
 
 
 def _dev(v: Any) -> str:

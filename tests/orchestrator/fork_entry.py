@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,4 +30,14 @@ def linger() -> int:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.05)
+    return 0
+
+
+def imports() -> int:
+    """Write which heavy libraries the child holds (in sys.modules, and libtorch among its mappings) to
+    $FK_OUT: what it got from its fork server."""
+    with open("/proc/self/maps") as f:
+        libtorch = "libtorch" in f.read()
+    held = sorted(m for m in ("torch", "onnxruntime", "numpy", "apps.zoo", "openvino") if m in sys.modules)
+    Path(os.environ["FK_OUT"]).write_text(json.dumps({"modules": held, "libtorch": libtorch}))
     return 0

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator import launcher
-from orchestrator.launcher import ForkedProcess, ForkLauncher, SubprocessLauncher, import_env_key
+from orchestrator.launcher import (
+    ForkedProcess,
+    ForkLauncher,
+    SubprocessLauncher,
+    import_env_key,
+    instance_imports,
+)
 from orchestrator.spec import InstanceSpec
 
 
@@ -199,3 +205,44 @@ def test_servers_beyond_the_cap_end_only_when_idle(tmp_path: Path, fork_servers:
     third = fl.server_for(_env(tmp_path, "pid", OMP_WAIT_POLICY="THIRD"))
     assert busy is not None and third is not None
     assert _wait_for(lambda: busy.proc.poll() is not None, _READY_S)  # idle now: the oldest idle one ends
+
+
+# -- fork servers per need ---------------------------------------------------------------------------------
+
+_FILE_SPEC = InstanceSpec(name="f-0", app="f", app_id=2, model="model.onnx", pool="p", consumer=0,
+                          engine="onnxruntime", model_config="{}", model_path="model.onnx")
+
+
+def test_what_an_instance_imports_decides_its_fork_server() -> None:
+    assert instance_imports(_SPEC) == ("orchestrator.instance", "orchestrator.runner")  # a zoo model: torch
+    assert instance_imports(_FILE_SPEC) == ("orchestrator.instance", "gpuprims.engines.file_onnx", "onnxruntime")
+    torch_file = InstanceSpec(name="t-0", app="t", app_id=3, model="m.pt", pool="p", consumer=0,
+                              engine="torchscript", model_config="{}", model_path="m.pt")
+    assert instance_imports(torch_file) == ("orchestrator.instance", "orchestrator.runner")
+    odd = InstanceSpec(name="o-0", app="o", app_id=4, model="m.x", pool="p", consumer=0, engine="nosuch",
+                       model_config="{}", model_path="m.x")
+    assert instance_imports(odd) == ("orchestrator.instance",)  # the instance refuses the kind itself
+    assert ForkLauncher(sys.executable, preload="").preload_for(_FILE_SPEC) == ""  # a given preload wins
+    assert ForkLauncher(sys.executable).preload_for(None) == "orchestrator.instance"
+
+
+def test_a_model_files_instance_comes_from_a_server_without_torch(tmp_path: Path, fork_servers: None) -> None:
+    """An ONNX file's instance is forked from a server that imported ONNX Runtime but no torch; a zoo
+    model's from another that holds torch; each is started when its first instance is launched."""
+    fl = ForkLauncher(sys.executable, entry="tests.orchestrator.fork_entry:imports")
+    env = _env(tmp_path, "file.json")
+    assert fl.wait_ready(env, 120, _FILE_SPEC) and len(ForkLauncher.describe()) == 1
+    assert fl.launch(_FILE_SPEC, env).wait(timeout=_READY_S) == 0
+    seen = json.loads((tmp_path / "file.json").read_text())
+    assert seen == {"modules": ["numpy", "onnxruntime"], "libtorch": False}
+    env_zoo = _env(tmp_path, "zoo.json")
+    assert fl.wait_ready(env_zoo, 300, _SPEC)
+    assert fl.launch(_SPEC, env_zoo).wait(timeout=_READY_S) == 0
+    seen = json.loads((tmp_path / "zoo.json").read_text())
+    assert "torch" in seen["modules"] and "apps.zoo" in seen["modules"] and seen["libtorch"]
+    servers = {tuple(d["preload"]): d for d in ForkLauncher.describe()}
+    assert len(servers) == 2
+    lite = servers[("orchestrator.instance", "gpuprims.engines.file_onnx", "onnxruntime")]
+    heavy = servers[("orchestrator.instance", "orchestrator.runner")]
+    assert lite["ready"] and "torch" not in lite["holds"] and "onnxruntime" in lite["holds"]
+    assert heavy["ready"] and {"torch", "apps.zoo"} <= set(heavy["holds"])
