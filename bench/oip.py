@@ -33,7 +33,14 @@ over UDP's.
 ``--engine onnxruntime`` runs the app on ONNX Runtime (issue 23), so the model's ~2.5 ms instead of eager's
 ~13 leaves less noise around what the paths add.
 
-Run: ``python3 -m bench.oip [--quick] [--engine onnxruntime --name oip-onnxruntime]``. Reports, never asserts.
+``--shm`` runs instead what Triton's shared-memory extension saves: a paired run (one request per path in
+turn, one at a time) over ``udp``, ``http``, ``http-shm``, ``grpc`` and ``grpc-shm`` with one 3x224x224
+float32 image (the issue's goal: ≤ 0.1 ms over UDP), the shm paths with the input and the output in
+system shared memory (``tritonclient.utils.shared_memory`` regions registered once, the output read back
+from its region inside the timed call); ``<path>.added_ms_per_request`` over UDP; writes ``oip_shm.json``.
+
+Run: ``python3 -m bench.oip [--quick] [--engine onnxruntime --name oip-onnxruntime] [--shm]``. Reports, never
+asserts.
 """
 
 from __future__ import annotations
@@ -41,12 +48,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import queue
 import resource
+import sys
 import time
+import types
+import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -275,7 +287,14 @@ def main() -> None:
     ap.add_argument("--engine", default="eager", choices=["eager", "onnxruntime"],
                     help="the app's engine (issue 23); onnxruntime needs the onnx extra")
     ap.add_argument("--name", default="oip", help="stem of the result file (bench/results/<machine>/<name>.json)")
+    ap.add_argument("--shm", action="store_true",
+                    help="instead: the paired run over udp, http, http-shm, grpc, grpc-shm with a 3x224x224 input "
+                         "(Triton's shared-memory extension; writes oip_shm.json)")
+    ap.add_argument("--out-dir", type=Path, default=None, help="with --shm: write the result here (smoke runs), not bench/results")
     args = ap.parse_args()
+    if args.shm:
+        shm_main(args)
+        return
     duration, warmup = (2.0, 0.5) if args.quick else (args.duration, 0.5)
     blocks = 1 if args.quick else args.blocks
     paired_n = 20 if args.quick else args.paired
@@ -406,6 +425,172 @@ def main() -> None:
     doc["machine"]["load_avg_before"] = summary["load_avg_before"]
     doc["machine"]["load_avg_after"] = summary["load_avg_after"]
     path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+
+
+SHM_SHAPE = (3, 224, 224)
+SHM_SLO_MS = 1000.0
+SHM_CLASSES = 10
+SHM_PATHS = ("udp", "http", "http-shm", "grpc", "grpc-shm")
+SHM_TIMEOUT_S = 10.0
+
+
+def _client_shm() -> types.ModuleType:
+    """tritonclient.utils.shared_memory; it finds its libcshm.so with pkg_resources, which setuptools >= 81
+    no longer ships: stand in for that one lookup when it is missing."""
+    if "pkg_resources" not in sys.modules and importlib.util.find_spec("pkg_resources") is None:
+        def resource_filename(package: str, name: str) -> str:
+            spec = importlib.util.find_spec(package)
+            assert spec is not None and spec.origin is not None
+            return os.path.join(os.path.dirname(spec.origin), name)
+
+        stand_in = types.ModuleType("pkg_resources")
+        stand_in.resource_filename = resource_filename  # type: ignore[attr-defined]
+        sys.modules["pkg_resources"] = stand_in
+    import tritonclient.utils.shared_memory as cshm
+
+    return cshm
+
+
+async def _paired_shm_async(targets: dict[str, str], n: int, gap_s: float) -> dict[str, Any]:
+    """One request per path of :data:`SHM_PATHS` in turn, one at a time, the shm paths through regions
+    registered once (the output read back from its region inside the timed call)."""
+    import tritonclient.grpc as gmod
+    import tritonclient.grpc.aio as gaio
+    import tritonclient.http as hmod
+    import tritonclient.http.aio as haio
+
+    from gpuprims.client import AsyncClient
+
+    cshm = _client_shm()
+    x = np.random.default_rng(2).random((1, *SHM_SHAPE), dtype=np.float32)
+    out_bytes = SHM_CLASSES * 4
+    tag = uuid.uuid4().hex[:10]
+    h_in = cshm.create_shared_memory_region(f"in-{tag}", f"/bench-in-{tag}", x.nbytes)
+    h_out = cshm.create_shared_memory_region(f"out-{tag}", f"/bench-out-{tag}", out_bytes)
+    cshm.set_shared_memory_region(h_in, [x])
+    host, port = targets["udp"].rsplit(":", 1)
+    u = await AsyncClient((host, int(port)), timeout_s=SHM_TIMEOUT_S).open()
+    h = haio.InferenceServerClient(targets["http"])
+    g = gaio.InferenceServerClient(targets["grpc"])
+    await h.register_system_shared_memory(f"in-{tag}", f"/bench-in-{tag}", x.nbytes)
+    await h.register_system_shared_memory(f"out-{tag}", f"/bench-out-{tag}", out_bytes)
+    hi = hmod.InferInput("input", list(x.shape), "FP32")
+    hi.set_data_from_numpy(x, binary_data=True)
+    gi = gmod.InferInput("input", list(x.shape), "FP32")
+    gi.set_data_from_numpy(x)
+    hs = hmod.InferInput("input", list(x.shape), "FP32")
+    hs.set_shared_memory(f"in-{tag}", x.nbytes)
+    hso = hmod.InferRequestedOutput("logits", binary_data=True)
+    hso.set_shared_memory(f"out-{tag}", out_bytes)
+    gs = gmod.InferInput("input", list(x.shape), "FP32")
+    gs.set_shared_memory(f"in-{tag}", x.nbytes)
+    gso = gmod.InferRequestedOutput("logits")
+    gso.set_shared_memory(f"out-{tag}", out_bytes)
+
+    async def http_shm() -> Any:
+        r = await h.infer(APP, [hs], outputs=[hso])
+        cshm.get_contents_as_numpy(h_out, np.float32, [1, SHM_CLASSES])
+        return r
+
+    async def grpc_shm() -> Any:
+        r = await g.infer(APP, [gs], outputs=[gso], client_timeout=SHM_TIMEOUT_S)
+        cshm.get_contents_as_numpy(h_out, np.float32, [1, SHM_CLASSES])
+        return r
+
+    calls = {"udp": lambda: u.infer(APP_ID, x[0]), "http": lambda: h.infer(APP, [hi]),
+             "http-shm": http_shm, "grpc": lambda: g.infer(APP, [gi], client_timeout=SHM_TIMEOUT_S),
+             "grpc-shm": grpc_shm}
+    lat: dict[str, list[float]] = {p: [] for p in SHM_PATHS}
+    failed = 0
+    try:
+        for k in range(n + 5):  # the first 5 rounds warm up
+            row = {}
+            for path in SHM_PATHS[k % len(SHM_PATHS):] + SHM_PATHS[:k % len(SHM_PATHS)]:
+                t = time.perf_counter_ns()
+                try:
+                    r = await calls[path]()
+                    ok = getattr(r, "ok", True)
+                except Exception:
+                    ok = False
+                row[path] = (time.perf_counter_ns() - t) / 1e6 if ok else float("nan")
+                await asyncio.sleep(gap_s)
+            if k >= 5:
+                failed += sum(np.isnan(v) for v in row.values())
+                for path in SHM_PATHS:
+                    lat[path].append(row[path])
+    finally:
+        await h.unregister_system_shared_memory()
+        u.close()
+        await h.close()
+        await g.close()
+        cshm.destroy_shared_memory_region(h_in)
+        cshm.destroy_shared_memory_region(h_out)
+    return {"latency_ms": lat, "failed": int(failed)}
+
+
+def _paired_shm(targets: dict[str, str], n: int, gap_s: float, out: Any, cores: list[int]) -> None:
+    _on_cores(cores)
+    try:
+        out.put(asyncio.run(_paired_shm_async(targets, n, gap_s)))
+    except BaseException as e:
+        out.put({"error": repr(e)})
+
+
+def shm_main(args: argparse.Namespace) -> None:
+    """``--shm``: the paired run of :data:`SHM_PATHS` (the module docstring's shared-memory part)."""
+    n = 10 if args.quick else args.paired
+    load_before = os.getloadavg()
+    app = sv.app(APP, "mobilenet_v2", APP_ID, shape=SHM_SHAPE, slo_ms=SHM_SLO_MS, gpu_pct=50, max_batch=1, max_wait_ms=0.5)
+    app["engine"] = args.engine
+    app["num_classes"] = SHM_CLASSES
+    cfg = sv.node_config([app])
+    cores = available_cores()
+    ctx = mp.get_context("spawn")
+    with sv.running_node(cfg) as node:
+        port = sv.port_of(node)
+        door = start_frontdoor(cfg.apps, ("127.0.0.1", port), http_port=0, grpc_port=0, ingest=node.ingest)
+        try:
+            assert door.http_url is not None and door.grpc_target is not None
+            targets = {"udp": f"127.0.0.1:{port}", "http": door.http_url.removeprefix("http://"),
+                       "grpc": door.grpc_target}
+            door.stages(reset=True)
+            out = ctx.Queue()
+            proc = ctx.Process(target=_paired_shm, args=(targets, n, 0.02, out, cores), daemon=True)
+            proc.start()
+            try:
+                paired = _take(node, (proc, None, out), n * len(SHM_PATHS) * (SHM_TIMEOUT_S + 1) + 120)
+            finally:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            stages = door.stages()
+        finally:
+            door.close()
+    load_after = os.getloadavg()
+    summary: dict[str, Any] = {}
+    for path in SHM_PATHS:
+        v = np.asarray(paired["latency_ms"][path])
+        v = v[np.isfinite(v)]
+        summary[f"paired.{path}.p50_ms"] = round(float(np.median(v)), 3) if v.size else None
+        summary[f"paired.{path}.p99_ms"] = round(float(np.percentile(v, 99)), 3) if v.size else None
+        if path != "udp":
+            d = np.asarray(paired["latency_ms"][path]) - np.asarray(paired["latency_ms"]["udp"])
+            d = d[np.isfinite(d)]
+            summary[f"{path}.added_ms_per_request"] = round(float(np.median(d)), 3) if d.size else None
+            summary[f"{path}.added_ms_per_request_p90"] = round(float(np.percentile(d, 90)), 3) if d.size else None
+    summary.update({"paired.rounds": n, "paired.failed": paired["failed"], "engine": args.engine,
+                    "model": "mobilenet_v2", "input_shape": "3x224x224", "dtype": "float32",
+                    "load_avg_before": [round(v, 2) for v in load_before],
+                    "load_avg_after": [round(v, 2) for v in load_after]})
+    notes = ("CPU backend (no GPU). One driver process sends one request per path in turn (order rotated), one "
+             "at a time; added_ms_per_request = median over rounds of the path's latency - UDP's. The shm paths "
+             "register their regions once and read the output back from its region inside the timed call.")
+    path = write_result("oip_shm", "cpu", summary, {"paired": paired["latency_ms"], "stages": stages},
+                        notes=notes, name=args.name if args.name != "oip" else "oip_shm", load_avg_before=load_before,
+                        out_dir=args.out_dir)
+    print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
 
 
