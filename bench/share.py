@@ -22,7 +22,8 @@ onnxruntime and no torch and opens a session on the optimized model, one intra-o
   (gpuprims.engines.ort_share.export_initializers) and every session, its own included, takes them
   with ``add_initializer`` over the mapping (pre-packing off, so no private re-packed copy).
 Memory per added instance is its USS (the segment's pages are shared, so they are not in it) with PSS
-beside; the first shared instance is charged the whole segment. That is how the node runs an
+beside; the first shared instance is charged the whole segment; ``ort_<model>_latency_ms_*`` is the
+first instance's batch-1 median alone (what pre-packing off costs). That is how the node runs an
 ``engine: onnxruntime`` app's instances and shadows on the CPU.
 """
 
@@ -32,6 +33,7 @@ import argparse
 import multiprocessing as mp
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +90,7 @@ def instance(backend: str, name: str, mode: str, blob: bytes | None, conn: Any) 
         conn.send({"error": repr(exc)})
 
 
-def ort_instance(model_path: str, mode: str, blob: bytes | None, conn: Any) -> None:
+def ort_instance(model_path: str, mode: str, blob: bytes | None, latency_runs: int, conn: Any) -> None:
     """One ONNX Runtime instance (no torch): a session with its own initializers, or over the shared
     segment (export it first, or map it); one batch-1 inference; report; wait for the word to stop."""
     try:
@@ -115,9 +117,15 @@ def ort_instance(model_path: str, mode: str, blob: bytes | None, conn: Any) -> N
         trim_heap()
         inp = sess.get_inputs()[0]
         shape = [1 if not isinstance(d, int) else d for d in inp.shape]
-        sess.run(None, {inp.name: np.zeros(shape, dtype=np.float32)})
+        feed = {inp.name: np.zeros(shape, dtype=np.float32)}
+        sess.run(None, feed)
+        times = []
+        for _ in range(latency_runs):  # batch-1 latency: what pre-packing off costs a sharing session
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+            times.append((time.perf_counter() - t0) * 1e3)
         trim_heap()
-        conn.send({"ready": True, "pid": os.getpid(), "blob": shared.handles.to_bytes() if mode == "export" and
+        conn.send({"ready": True, "pid": os.getpid(), "latency_ms": float(np.median(times)) if times else None, "blob": shared.handles.to_bytes() if mode == "export" and
                    shared is not None else None, "weights_bytes": shared.nbytes if shared is not None else 0,
                    "segment": shared.handles.handle.decode() if shared is not None else None})
         conn.recv()
@@ -245,7 +253,8 @@ def ort_model_file(name: str, cache_dir: Path) -> Path:
     return entry / OPTIMIZED_FILE if (entry / OPTIMIZED_FILE).is_file() else entry / ONNX_FILE
 
 
-def run_ort_model(name: str, added: int, cache_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_ort_model(name: str, added: int, cache_dir: Path, latency_runs: int = 30
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ONNX Runtime rows of one model (see the module docstring)."""
     path = ort_model_file(name, cache_dir)
     samples: dict[str, Any] = {"model_file_mb": path.stat().st_size / 2**20}
@@ -254,12 +263,15 @@ def run_ort_model(name: str, added: int, cache_dir: Path) -> tuple[dict[str, Any
         fleet = Fleet()
         uss: list[float] = []
         pss: list[float] = []
+        latency: list[float] = []
         segment = None
         try:
             blob = None
             for i in range(added + 1):
                 role = "unshared" if mode == "unshared" else ("export" if i == 0 else "import")
-                msg = fleet.start(str(path), role, blob, target=ort_instance)
+                msg = fleet.start(str(path), role, blob, latency_runs if i == 0 else 0, target=ort_instance)
+                if i == 0:
+                    latency.append(msg["latency_ms"])
                 if role == "export":
                     blob, segment = msg["blob"], msg["segment"]
                     segment_mib = msg["weights_bytes"] / 2**20
@@ -273,7 +285,7 @@ def run_ort_model(name: str, added: int, cache_dir: Path) -> tuple[dict[str, Any
             if segment is not None:
                 Path("/dev/shm", segment).unlink(missing_ok=True)
         samples[mode] = {"uss_mib_per_instance": uss, "pss_mib_per_instance_at_start": pss,
-                         "pss_mib_per_instance_all_alive": pss_all}
+                         "pss_mib_per_instance_all_alive": pss_all, "first_instance_latency_ms": latency}
     un, sh = samples["unshared"], samples["shared"]
     k = f"ort_{name}"
     s: dict[str, Any] = {f"{k}_model_file_mb": samples["model_file_mb"], f"{k}_shared_segment_mb": segment_mib}
@@ -282,6 +294,9 @@ def run_ort_model(name: str, added: int, cache_dir: Path) -> tuple[dict[str, Any
     s[f"{k}_first_instance_mb"] = float(sh["uss_mib_per_instance"][0]) + segment_mib
     s[f"{k}_pss_per_instance_mb_unshared"] = float(np.mean(un["pss_mib_per_instance_all_alive"]))
     s[f"{k}_pss_per_instance_mb_shared"] = float(np.mean(sh["pss_mib_per_instance_all_alive"]))
+    # batch-1 median of the first instance (alone): pre-packing on (own copy) vs off (shared)
+    s[f"{k}_latency_ms_unshared"] = un["first_instance_latency_ms"][0]
+    s[f"{k}_latency_ms_shared"] = sh["first_instance_latency_ms"][0]
     s[f"{k}_instances_fit_unshared"] = int(BUDGET_MIB // max(s[f"{k}_mem_per_instance_mb_unshared"], 1e-9))
     s[f"{k}_instances_fit_shared"] = int(
         1 + max(0.0, BUDGET_MIB - s[f"{k}_first_instance_mb"]) // max(s[f"{k}_mem_per_instance_mb_shared"], 1e-9))
@@ -335,7 +350,7 @@ def main(argv: list[str] | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
         cache_dir = Path(args.engine_cache) if args.engine_cache else Path(tmp)
         for name in ort_models:
-            s, smp = run_ort_model(name, added, cache_dir)
+            s, smp = run_ort_model(name, added, cache_dir, 10 if args.quick else 30)
             summary.update(s)
             samples[f"ort_{name}"] = smp
             print(f"  onnxruntime {name}: {s}")
