@@ -3,10 +3,10 @@
 PSS is a process's resident memory with every shared page divided among the processes that map it, so
 the PSS of a node's processes adds up to what the whole tree holds (RSS would count torch's pages, which
 the fork servers and their instances share, once per process). It is read from
-``/proc/<pid>/smaps_rollup`` (Linux 4.14+): one file, one kernel walk of the process's page tables
-(about a millisecond for a 200 MB process), so the node reads it for each of its processes at most
-every :data:`MEMORY_INTERVAL_S` from its loop (:class:`MemorySampler`), not at every status call or
-scrape. A file that is missing (the process exited, an older kernel) or that does not say ``Pss:``
+``/proc/<pid>/smaps_rollup`` (Linux 4.14+): one file, but one kernel walk of the process's page
+tables (milliseconds for a process with torch mapped), so the node reads each of its processes once
+every :data:`MEMORY_INTERVAL_S`, a couple per pass of its loop (:class:`MemorySampler`), never at a
+status call or a scrape. A file that is missing (the process exited, an older kernel) or that does not say ``Pss:``
 reads as None and is counted in :attr:`MemorySampler.unreadable`, never an error.
 
 Device memory is the instance's own count (its heartbeat's ``device_bytes``): what it allocated through
@@ -162,36 +162,39 @@ def instance_device_bytes(backend: str) -> int | None:
 
 
 class MemorySampler:
-    """The node's reader of its processes' PSS: :meth:`sample` reads every pid given at most once per
-    ``interval_s`` and keeps the last reading of each; readings of pids no longer given are dropped."""
+    """The node's reader of its processes' PSS. :meth:`sample`, called from each pass of the node's loop,
+    reads the pids whose last reading is older than ``interval_s`` (never-read ones first), at most
+    ``max_reads`` of them per call: a read walks the process's page tables (2-10 ms for a 170 MB
+    process with torch mapped, more on a loaded machine), so the reads are spread over the loop's passes
+    instead of stalling one. Readings of pids no longer given are dropped."""
 
-    def __init__(self, interval_s: float = MEMORY_INTERVAL_S, proc: Path = Path("/proc")) -> None:
+    def __init__(self, interval_s: float = MEMORY_INTERVAL_S, max_reads: int = 2, proc: Path = Path("/proc")) -> None:
         if interval_s < 0:
             raise ValueError(f"interval_s must be >= 0, got {interval_s!r}")
+        if max_reads < 1:
+            raise ValueError(f"max_reads must be >= 1, got {max_reads!r}")
         self.interval_s = interval_s
+        self.max_reads = max_reads
         self.proc = proc
         self.pss: dict[int, int | None] = {}
         #: Reads that gave no PSS (the process exited between listing and reading, an older kernel).
         self.unreadable = 0
-        self._next = 0.0
+        self._read_at: dict[int, float] = {}
 
-    def due(self, now: float) -> bool:
-        return now >= self._next
-
-    def sample(self, now: float, pids: Iterable[int]) -> bool:
-        """Read each pid's PSS if ``interval_s`` has passed since the last reading; True if it read."""
-        if not self.due(now):
-            return False
-        self._next = now + self.interval_s
-        fresh: dict[int, int | None] = {}
-        for pid in pids:
-            if pid in fresh:
-                continue
-            fresh[pid] = v = read_pss(pid, self.proc)
+    def sample(self, now: float, pids: Iterable[int]) -> int:
+        """Read the PSS of up to ``max_reads`` of ``pids`` that are due; returns how many were read."""
+        given = dict.fromkeys(pids)
+        for gone in [p for p in self._read_at if p not in given]:
+            del self._read_at[gone]
+            self.pss.pop(gone, None)
+        due = sorted((self._read_at.get(p, -1.0), p) for p in given
+                     if p not in self._read_at or now - self._read_at[p] >= self.interval_s)
+        for _, pid in due[:self.max_reads]:
+            self.pss[pid] = v = read_pss(pid, self.proc)
+            self._read_at[pid] = now
             if v is None:
                 self.unreadable += 1
-        self.pss = fresh
-        return True
+        return min(len(due), self.max_reads)
 
     def get(self, pid: int | None) -> int | None:
         """The last PSS read of ``pid`` (None: not read yet, or unreadable)."""

@@ -208,11 +208,10 @@ class Supervisor:
         return out
 
     def sample_memory(self, now: float) -> None:
-        """Read the PSS of every process of the node, at most every ``memory.interval_s`` (the node's
-        loop calls this each pass; orchestrator/memory.py)."""
-        if self.memory.due(now):
-            pids = [pid for _, pid in self._own_processes()] + [st.pid for st in self.instances.values()]
-            self.memory.sample(now, pids)
+        """Read the PSS of the node's processes that are due, a couple per call (the node's loop calls this
+        each pass; each process is read once every ``memory.interval_s``; orchestrator/memory.py)."""
+        pids = [pid for _, pid in self._own_processes()] + [st.pid for st in self.instances.values()]
+        self.memory.sample(now, pids)
 
     def instance_memory(self, st: InstanceState) -> MemoryReading:
         """An instance's last PSS reading and its heartbeat's device memory (cuda backend)."""

@@ -72,21 +72,24 @@ def test_read_pss_of_this_process() -> None:
     assert pss is not None and pss > 1 << 20  # an interpreter with numpy holds more than a MiB
 
 
-def test_the_sampler_reads_at_its_pace_and_counts_what_it_cannot_read(tmp_path: Path) -> None:
+def test_the_sampler_spreads_its_reads_keeps_its_pace_and_counts_what_it_cannot_read(tmp_path: Path) -> None:
     _proc(tmp_path, 8, "smaps_rollup", ROLLUP)
     _proc(tmp_path, 9, "smaps_rollup", "garbage\n")
-    s = MemorySampler(interval_s=5.0, proc=tmp_path)
-    assert s.sample(100.0, [8, 9, 10, 8])
-    assert s.pss == {8: 161234 * 1024, 9: None, 10: None}
-    assert s.unreadable == 2
+    s = MemorySampler(interval_s=5.0, max_reads=2, proc=tmp_path)
+    assert s.sample(100.0, [8, 9, 10, 8]) == 2  # two reads per call, never-read pids first
+    assert s.pss == {8: 161234 * 1024, 9: None} and s.unreadable == 1
+    assert s.sample(100.1, [8, 9, 10]) == 1  # 10 now; 8 and 9 are not due for 5 s
+    assert s.pss == {8: 161234 * 1024, 9: None, 10: None} and s.unreadable == 2
     assert s.get(8) == 161234 * 1024 and s.get(None) is None and s.get(11) is None
     _proc(tmp_path, 9, "smaps_rollup", ROLLUP)
-    assert not s.sample(104.0, [9])  # too soon: the last readings stay
-    assert s.get(9) is None and s.get(8) == 161234 * 1024
-    assert s.sample(105.0, [9])  # pids no longer given are dropped
+    assert s.sample(104.0, [8, 9, 10]) == 0  # too soon: the last readings stay
+    assert s.get(9) is None
+    assert s.sample(105.0, [9]) == 1  # pids no longer given are dropped
     assert s.pss == {9: 161234 * 1024} and s.unreadable == 2
     with pytest.raises(ValueError, match="interval_s"):
         MemorySampler(interval_s=-1)
+    with pytest.raises(ValueError, match="max_reads"):
+        MemorySampler(max_reads=0)
 
 
 def test_readings_add_with_unknown_parts() -> None:
