@@ -4,30 +4,38 @@ bad-input path."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib.util
 import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from aiohttp import web
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from gpuprims.client import Result
 from gpuprims.cuda import runtime
+from gpuprims.wire import DType, Status
 from orchestrator.frontdoor import shm, shm_pb2
-from orchestrator.frontdoor.core import OipError
-from orchestrator.frontdoor.models import OUTPUT_NAME
+from orchestrator.frontdoor.core import Core, OipError
+from orchestrator.frontdoor.http_server import make_app
+from orchestrator.frontdoor.models import OUTPUT_NAME, ModelInfo
+from orchestrator.frontdoor.transport import Marks
 from tests.orchestrator.frontdoor.conftest import Stack, inputs
 from tests.orchestrator.frontdoor.test_proto import REPO, _descriptor_bytes
 
@@ -311,3 +319,105 @@ def test_cuda_shared_memory_on_the_fake_runtime(stack: Stack, monkeypatch: pytes
         hc.close()
         gc.close()
     assert proc.exitcode == 0
+
+
+# -- a region unregistered while requests use it, on a node stand-in that holds every row -------------
+
+class HeldTransport:
+    """A node stand-in: every row waits until `release`; each answer is OK with the row's first value."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.held: list[asyncio.Future[None]] = []
+
+    async def rows(self, app_id: int, x: np.ndarray, *, deadline_us: int, timeout_s: float, marks: Marks,
+                   dtype: DType | None = None) -> list[Result | BaseException]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.held.append(fut)
+        await fut
+        return [Result(app_id, i, Status.OK, np.array([row[0], 0.0], np.float32), 1.0) for i, row in enumerate(x)]
+
+    def release(self) -> None:
+        for f in self.held:
+            if not f.done():
+                f.set_result(None)
+
+    def close(self) -> None:
+        pass
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_unregistering_a_region_under_requests_in_flight_fails_each_once_and_cleanly() -> None:
+    info = ModelInfo(name="m", app_id=1, input_shape=(2,), dtype="float32", output_dim=2, max_batch=8,
+                     max_wait_ms=1.0, slo_ms=1000.0, instances=1)
+    transport = HeldTransport()
+    core = Core([info], transport, shed_lag_fraction=None)
+    tag = uuid.uuid4().hex[:12]
+    path = Path("/dev/shm") / f"gpp-held-{tag}"
+    n = 4
+    x = np.arange(n * 2, dtype=np.float32).reshape(n, 2) + 1
+    path.write_bytes(x.tobytes() + bytes(n * 8))  # inputs, then one 8-byte output per request
+
+    def body(i: int, region: str) -> dict[str, Any]:
+        return {"id": str(i),
+                "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2],
+                            "parameters": {"shared_memory_region": region, "shared_memory_offset": 8 * i,
+                                           "shared_memory_byte_size": 8}}],
+                "outputs": [{"name": OUTPUT_NAME, "parameters": {
+                    "shared_memory_region": region, "shared_memory_offset": 8 * n + 8 * i,
+                    "shared_memory_byte_size": 8}}]}
+
+    async def run() -> list[tuple[int, dict[str, Any]]]:
+        runner = web.AppRunner(make_app(core), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+        async def post(s: aiohttp.ClientSession, route: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            async with s.post(url + route, json=doc) as r:
+                return r.status, await r.json()
+
+        try:
+            async with aiohttp.ClientSession() as s:
+                reg = {"key": f"/gpp-held-{tag}", "offset": 0, "byte_size": n * 16}
+                assert (await post(s, f"/v2/systemsharedmemory/region/r-{tag}/register", reg))[0] == 200
+                calls = [asyncio.ensure_future(post(s, "/v2/models/m/infer", body(i, f"r-{tag}"))) for i in range(n)]
+                await _until(lambda: len(transport.held) == n, "every request's inputs read and held by the node")
+                assert (await post(s, f"/v2/systemsharedmemory/region/r-{tag}/unregister", {}))[0] == 200
+                transport.release()
+                answers = list(await asyncio.gather(*calls))
+                # Registered again, a request is served and its output lands in the region.
+                assert (await post(s, f"/v2/systemsharedmemory/region/r2-{tag}/register", reg))[0] == 200
+                served = asyncio.ensure_future(post(s, "/v2/models/m/infer", body(1, f"r2-{tag}")))
+                await _until(lambda: len(transport.held) == n + 1, "the last request held")
+                transport.release()
+                answers.append(await served)
+        finally:
+            await runner.cleanup()
+            core.release()
+        return answers
+
+    try:
+        answers = asyncio.run(run())
+        failed = answers[:n]
+        assert len(failed) == n and all(status == 400 for status, _ in failed)
+        assert all("unregistered while this request used it" in doc["error"] for _, doc in failed)
+        status, doc = answers[n]
+        assert status == 200 and doc["id"] == "1"
+        assert doc["outputs"][0]["parameters"] == {"shared_memory_region": f"r2-{tag}", "shared_memory_byte_size": 8,
+                                                   "shared_memory_offset": 8 * n + 8}
+        assert "data" not in doc["outputs"][0]
+        out = np.frombuffer(path.read_bytes()[8 * n:], np.float32).reshape(n, 2)
+        np.testing.assert_array_equal(out[1], [x[1, 0], 0.0])  # request 1's answer: its row's first value
+        assert not out[[0, 2, 3]].any()  # the failed requests wrote nothing
+        shm.of(core).close()
+    finally:
+        path.unlink()
