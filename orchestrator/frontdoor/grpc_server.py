@@ -199,8 +199,10 @@ def _wrap(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awai
     async def call(req: Any, ctx: Any) -> Any:
         try:
             return await fn(req, ctx)
-        except (OipError, AdmissionError) as e:
+        except OipError as e:
             await ctx.abort(GRPC_CODE[e.kind], str(e))
+        except AdmissionError as e:  # a refusal's Retry-After goes as trailing metadata "retry-after"
+            await ctx.abort(GRPC_CODE[e.kind], str(e), tuple((k.lower(), v) for k, v in e.headers.items()))
 
     return call
 

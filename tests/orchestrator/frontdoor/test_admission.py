@@ -362,6 +362,8 @@ def test_grpc_overload_refuses_low_priority_unavailable_and_bad_priority_invalid
                         resp = await infer(req)
                         return resp.id, grpc.StatusCode.OK
                     except grpc.aio.AioRpcError as e:
+                        if e.code() == grpc.StatusCode.UNAVAILABLE:
+                            assert dict(e.trailing_metadata() or ()).get("retry-after") == "1"
                         return req.id, e.code()
 
                 assert (await call(_grpc_request(0, priority=5)))[1] == grpc.StatusCode.INVALID_ARGUMENT
