@@ -5,9 +5,12 @@ clear error or a logged fall-back to an own copy. Models are built in tmp_path w
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +41,7 @@ from tests.gpuprims.engines.tinynet import SPEC as TINY
 
 CPU = Target("cpu", threads=1)
 SHM = Path("/dev/shm")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _dense(path: Path, seed: int = 0) -> tuple[Path, ModelSignature]:
@@ -262,3 +266,28 @@ def test_a_segment_of_another_model_is_refused_and_the_session_loads_its_own_cop
     assert init["mode"] == "own" and "another model" in init["why"]
     want = _session(path).run(None, {"x": _x()})[0]
     np.testing.assert_allclose(eng.run({"x": _x()})["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_sharing_an_onnx_files_initializers_maps_no_torch(tmp_path: Path) -> None:
+    """Exporting and importing (the file engine's whole sharing path) imports neither torch nor the zoo."""
+    path, sig = _dense(tmp_path / "dense.onnx")
+    owner = os.environ[ENV_OWNER_PID]
+    code = ("import sys, json, numpy as np\n"
+            "from pathlib import Path\n"
+            "from gpuprims.engines import EngineCache, Target\n"
+            "from gpuprims.engines.files import make_file_engine\n"
+            "from gpuprims.engines.ort_share import InitializerSource\n"
+            "from gpuprims.tensors import ModelSignature\n"
+            f"sig = ModelSignature.from_dict(json.loads({json.dumps(sig.to_dict())!r}))\n"
+            "for mode in ('export', 'import'):\n"
+            f"    e = make_file_engine('onnxruntime', {str(path)!r}, sig, Target('cpu', threads=1))\n"
+            f"    e.initializers_from = InitializerSource.parse(mode + ':' + {str(tmp_path / 'h.bin')!r},\n"
+            "                                                  lambda p: Path(p).read_bytes())\n"
+            f"    e.prepare(EngineCache({str(tmp_path / 'c')!r}))\n"
+            "    assert e.describe()['initializers']['mode'] == mode + 'ed'\n"
+            "    assert e.run({'x': np.ones((2, 16), np.float32)})['y'].shape == (2, 8)\n"
+            "assert 'torch' not in sys.modules and 'apps.zoo' not in sys.modules\n"
+            "print('ok')\n")
+    env = {**os.environ, ENV_OWNER_PID: owner}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
