@@ -79,12 +79,23 @@ QUOTED = (
            (("chrion.memory_optimal_latency_ms", "{:.1f}"), ("chrion.memory_optimal_mem_mb", "{:.1f}"),
             ("chrion.paper_memory_optimal_latency_ms", "{:.1f}"), ("chrion.paper_memory_optimal_mem_mb", "{:.1f}"))),
     Quoted(COEXEC, "| CPU only |", "coexec.json", (("chrion.cpu_latency_ms", "{:.1f}"),)),
+    *(Quoted(COEXEC, f"| overflow {state} |", "coexec.json#live_overflow",
+             (*((f"{k}_{state}", "{:.1f}") for k in ("throughput_rps", "p50_ms", "p99_ms")),
+              (f"slo_attainment_{state}", "{:.1%}"), (f"lost_{state}", "| {:d} |")))
+      for state in ("off", "on")),
+    Quoted(COEXEC, "| overflow on |", "coexec.json#live_overflow",
+           (("split_routed_accelerator", "{:d} / "), ("split_routed_cpu", " / {:d}"))),
+    Quoted(COEXEC, "capacity as estimated in-process just before", "coexec.json#live_overflow",
+           (("accel_capacity_rps", "({:.0f} rps"),)),
 )
 
 
 @cache
 def _summary(name: str) -> dict[str, Any]:
-    return json.loads((RESULTS / name).read_text())["summary"]
+    """A results file's summary; ``file.json#section``: the summary of a section run apart."""
+    file, _, section = name.partition("#")
+    doc = json.loads((RESULTS / file).read_text())
+    return (doc[section] if section else doc)["summary"]
 
 
 def _value(summary: dict[str, Any], key: str) -> Any:
@@ -106,4 +117,4 @@ def test_a_quoted_figure_is_its_results_files(q: Quoted) -> None:
 
 def test_every_results_file_named_exists() -> None:
     for name in {q.results for q in QUOTED}:
-        assert (RESULTS / name).is_file(), name
+        assert (RESULTS / name.partition("#")[0]).is_file(), name
