@@ -25,7 +25,7 @@ class Quoted:
     doc: str
     line: str  # text the line holds (the first line holding it is checked)
     results: str  # file under RESULTS
-    figures: tuple[tuple[str, str], ...]  # (summary key, dotted for nested; format the doc prints it in)
+    figures: tuple[tuple[str, str], ...]  # (summary key (see _value), format the doc prints it in)
 
 
 def _ms(keys: str, fmt: str = "{:.1f}") -> tuple[tuple[str, str], ...]:
@@ -33,6 +33,7 @@ def _ms(keys: str, fmt: str = "{:.1f}") -> tuple[tuple[str, str], ...]:
 
 
 OPARA = "docs/opara.md"
+ENGINES = "docs/engines.md"
 COEXEC = "docs/cpu-coexecution.md"
 QUOTED = (
     Quoted(OPARA, "the whole plan 1.", "opara.json",
@@ -79,6 +80,12 @@ QUOTED = (
            (("chrion.memory_optimal_latency_ms", "{:.1f}"), ("chrion.memory_optimal_mem_mb", "{:.1f}"),
             ("chrion.paper_memory_optimal_latency_ms", "{:.1f}"), ("chrion.paper_memory_optimal_mem_mb", "{:.1f}"))),
     Quoted(COEXEC, "| CPU only |", "coexec.json", (("chrion.cpu_latency_ms", "{:.1f}"),)),
+    Quoted(ENGINES, "first start and, measured here, is well behind", "engines-compile.json",
+           (("mobilenet_v2_64_compile_t1_b1_speedup", "{:.2f}x eager"),)),
+    Quoted(ENGINES, "at batch 1 against ONNX Runtime's", "engines.json",
+           (("mobilenet_v2_64_onnxruntime_t1_b1_speedup", "ONNX Runtime's {:.2f}x"),)),
+    Quoted(ENGINES, "at batch 1 against ONNX Runtime's", "engines-compile.json",
+           (("mobilenet_v2_64_compile_build_cold_ms/1000", "{:.0f} s cold build"),)),
     *(Quoted(COEXEC, f"| overflow {state} |", "coexec.json#live_overflow",
              (*((f"{k}_{state}", "{:.1f}") for k in ("throughput_rps", "p50_ms", "p99_ms")),
               (f"slo_attainment_{state}", "{:.1%}"), (f"lost_{state}", "| {:d} |")))
@@ -99,10 +106,12 @@ def _summary(name: str) -> dict[str, Any]:
 
 
 def _value(summary: dict[str, Any], key: str) -> Any:
+    """``a.b``: nested; ``key/1000``: the value divided (ms quoted in s)."""
+    key, _, div = key.partition("/")
     v: Any = summary
     for part in key.split("."):
         v = v[part]
-    return v
+    return v / float(div) if div else v
 
 
 @pytest.mark.parametrize("q", QUOTED, ids=lambda q: f"{q.doc}:{q.line.strip('| (')[:30]}")
