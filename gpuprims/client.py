@@ -242,17 +242,19 @@ class _Book:
         self._next_id += 1
         return rid
 
-    def encode(self, app_id: int, rid: int, body: _Body, deadline_us: int, flags: int = 0) -> tuple[list[bytes], int]:
-        ts = time.monotonic_ns()
+    def encode(self, app_id: int, rid: int, body: _Body, deadline_us: int, flags: int = 0,
+               ts: int | None = None) -> tuple[list[bytes], int]:
+        ts = time.monotonic_ns() if ts is None else ts
         data, dtype = body
         return wire.encode_request(app_id, rid, data, chunk_payload=self.chunk_payload, dtype=dtype,
                                    deadline_us=deadline_us, client_ts_ns=ts, flags=flags), ts
 
-    def send(self, sock: socket.socket, to: Address, app_id: int, rid: int, body: _Body, deadline_us: int,
-             flags: int = 0) -> int:
+    def send(self, sock: socket.socket | int, to: Address, app_id: int, rid: int, body: _Body, deadline_us: int,
+             flags: int = 0) -> tuple[int, list[bytes]]:
         """Send one request's datagrams to `to` in one native call (sendmmsg, no copy of the payload;
-        the same datagrams as `encode`); returns the request's client_ts_ns. ValueError for an address
-        that is not numeric (the caller then sends through `encode`)."""
+        the same datagrams as `encode`); returns the request's client_ts_ns and the datagrams left to
+        send (none, unless a non-blocking socket's buffer filled). ValueError for an address that is
+        not numeric (the caller then sends through `encode`)."""
         ts = time.monotonic_ns()
         data, dtype = body
         if isinstance(data, np.ndarray):
@@ -261,9 +263,12 @@ class _Book:
         else:
             code = DType.BYTES if dtype is None else dtype
             raw = np.frombuffer(data, np.uint8)
-        _native.send_request(sock.fileno(), to[0], to[1], app_id, rid, raw, self.chunk_payload, int(code), flags,
-                             deadline_us, ts)
-        return ts
+        fd = sock if isinstance(sock, int) else sock.fileno()
+        sent = _native.send_request(fd, to[0], to[1], app_id, rid, raw, self.chunk_payload, int(code), flags,
+                                    deadline_us, ts)
+        if sent == wire.chunk_count_for(raw.size, self.chunk_payload):
+            return ts, []
+        return ts, self.encode(app_id, rid, body, deadline_us, flags, ts)[0][sent:]
 
     def feed(self, data: bytes) -> wire.Response | None:
         try:
@@ -393,7 +398,9 @@ class Client:
         try:
             if self._native_send:
                 try:  # one system call for all of the request's datagrams
-                    ts = self._book.send(self._sock, to, p.app_id, rid, p.body, p.deadline_us, p.flags)
+                    ts, rest = self._book.send(self._sock, to, p.app_id, rid, p.body, p.deadline_us, p.flags)
+                    for d in rest:  # only if the socket's buffer filled (a blocking socket waits instead)
+                        self._sock.sendto(d, to)
                     if self.trace:
                         p.client_ts_ns = ts
                         p.first_sent_ns = p.last_sent_ns = time.monotonic_ns()  # all sent in that one call
@@ -534,6 +541,7 @@ class AsyncClient:
         self._book = _Book(chunk_payload)
         self._pending: dict[tuple[int, int], asyncio.Future[tuple[wire.Response, int]]] = {}
         self._transport: asyncio.DatagramTransport | None = None
+        self._native_send = True  # until the node's address turns out not to be numeric
         self.send_errors = 0
 
     async def open(self) -> AsyncClient:
@@ -591,13 +599,12 @@ class AsyncClient:
         rid = 0
         for attempt in range(1, self.retries + 2):
             rid = self._book.new_id()
-            dgrams, ts = self._book.encode(app_id, rid, body, deadline_us, wire.FLAG_MORE if more else 0)
-            first_ns = first_ns or ts
+            flags = wire.FLAG_MORE if more else 0
             fut: asyncio.Future[tuple[wire.Response, int]] = loop.create_future()
             key = (app_id, rid)
             self._pending[key] = fut
-            for d in dgrams:
-                self._transport.sendto(d, self.node)
+            ts = self._send(app_id, rid, body, deadline_us, flags)
+            first_ns = first_ns or ts
             try:
                 r, recv_ns = await asyncio.wait_for(fut, t)
             except (asyncio.TimeoutError, TimeoutError):
@@ -617,6 +624,29 @@ class AsyncClient:
                 self._book.malformed += 1
                 raise
         raise RequestLost(app_id, rid, t, self.retries + 1)
+
+    def _send(self, app_id: int, rid: int, body: _Body, deadline_us: int, flags: int) -> int:
+        """Send one request's datagrams; returns its client_ts_ns. In one native call (sendmmsg) on the
+        transport's socket while asyncio holds nothing unsent for it (what the call cannot send, a full
+        buffer, goes through the transport as the rest would); a datagram each through the transport
+        for a node named by host name."""
+        assert self._transport is not None
+        if self._native_send and not self._transport.get_write_buffer_size():
+            sock = self._transport.get_extra_info("socket")
+            try:
+                ts, rest = self._book.send(sock.fileno(), self.node, app_id, rid, body, deadline_us, flags)
+            except ValueError:  # a host name, not a numeric address
+                self._native_send = False
+            except OSError:  # nothing sent (an error comes from the first datagram): asyncio's way reports it
+                pass
+            else:
+                for d in rest:
+                    self._transport.sendto(d, self.node)
+                return ts
+        dgrams, ts = self._book.encode(app_id, rid, body, deadline_us, flags)
+        for d in dgrams:
+            self._transport.sendto(d, self.node)
+        return ts
 
     async def infer_many(self, app_id: int, tensors: Sequence[Any], *, deadline_us: int = 0,
                          timeout_s: float | None = None) -> list[Result]:

@@ -23,6 +23,8 @@ using Bytes1 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device:
 // The datagrams of one request (wire format v1, exactly as gpuprims.wire.encode_request makes them),
 // each a header and an iovec into `body` (no copy of the payload), sent with sendmmsg: one system call
 // for a request of up to 1024 datagrams instead of one sendto each (gpuprims.client's send path).
+// Returns how many datagrams were sent, in order: all of them, or fewer when a non-blocking socket's
+// send buffer filled (EAGAIN) and the caller is to send the rest.
 size_t send_request(int fd, const std::string& host, int port, uint16_t app_id, uint64_t request_id, Bytes1 body,
                     uint32_t chunk_payload, uint8_t dtype, uint8_t flags, uint32_t deadline_us,
                     uint64_t client_ts_ns) {
@@ -79,9 +81,9 @@ size_t send_request(int fd, const std::string& host, int port, uint16_t app_id, 
     m.msg_iovlen = 2;
   }
   int err = 0;
+  size_t sent = 0;
   {
     nb::gil_scoped_release release;
-    size_t sent = 0;
     while (sent < n) {
       const int rc = sendmmsg(fd, msgs.data() + sent, unsigned(std::min<size_t>(n - sent, 1024)), 0);
       if (rc < 0) {
@@ -92,12 +94,14 @@ size_t send_request(int fd, const std::string& host, int port, uint16_t app_id, 
       sent += size_t(rc);
     }
   }
+  // A non-blocking socket whose send buffer is full: the caller sends the rest its own way.
+  if (err == EAGAIN || err == EWOULDBLOCK) return sent;
   if (err) {
     errno = err;
     PyErr_SetFromErrno(PyExc_OSError);
     throw nb::python_error();
   }
-  return n;
+  return sent;
 }
 
 }  // namespace
@@ -143,7 +147,8 @@ void bind_wire(nb::module_& m) {
         nb::arg("request_id"), nb::arg("body"), nb::arg("chunk_payload"), nb::arg("dtype"), nb::arg("flags"),
         nb::arg("deadline_us"), nb::arg("client_ts_ns"),
         "Send one request's datagrams (wire format v1, as gpuprims.wire.encode_request makes them) to "
-        "host:port (numeric) through the UDP socket fd with sendmmsg; returns how many. OSError as sendto.");
+        "host:port (numeric) through the UDP socket fd with sendmmsg; returns how many were sent (fewer than "
+        "all only when a non-blocking socket's buffer filled: send the rest). OSError as sendto.");
 }
 
 }  // namespace gpuprims

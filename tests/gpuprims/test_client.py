@@ -521,3 +521,18 @@ def test_a_client_of_a_node_named_by_host_name_sends_the_same_datagrams_a_datagr
         h = wire.unpack_header(node.datagrams[0])
         assert node.datagrams == wire.encode_request(4, h.request_id, x, deadline_us=77, client_ts_ns=h.client_ts_ns)
         assert c.infer(4, x).ok  # and on
+
+
+def test_an_async_client_sends_the_same_datagrams_in_one_call_and_by_host_name_a_datagram_at_a_time() -> None:
+    x = _input(9)  # 3 datagrams
+
+    async def run(address: tuple[str, int]) -> Result:
+        async with AsyncClient(address, timeout_s=5) as c:
+            return await c.infer(4, x, deadline_us=55)
+
+    for host in ("127.0.0.1", "localhost"):
+        with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node:
+            assert asyncio.run(run((host, node.address[1]))).ok
+        h = wire.unpack_header(node.datagrams[0])
+        assert sorted(node.datagrams) == sorted(
+            wire.encode_request(4, h.request_id, x, deadline_us=55, client_ts_ns=h.client_ts_ns)), host
