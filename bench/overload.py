@@ -6,9 +6,9 @@ for the issue's peer model runtime) on a real node started in this process with 
 app has two priority levels (``admission:``, default level 1), so the front door's admission
 (orchestrator/frontdoor/admission.py) and its priority levels are what is measured.
 
-1. Capacity: UDP at ``--probe-rate`` (far above what the node serves) for ``--probe`` seconds; the
-   capacity is the goodput measured there (OK answers within the SLO per second). ``--capacity``
-   skips the probe.
+1. Capacity: UDP at a quarter, a half and all of ``--probe-rate`` (far above what the node serves),
+   ``--probe`` seconds each; the capacity is the best goodput measured there (OK answers within the
+   SLO per second). ``--capacity`` skips the probe.
 2. Each path (udp, http, grpc) at 0.5x, 1x, 1.5x, 2x and 3x of that capacity, open loop (each request
    starts at its scheduled time, whatever the earlier ones do), one driver process per path.
 3. Priority: over HTTP and over gRPC, a high-priority stream (priority 1) at ``--high-share`` of
@@ -189,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny runs (a smoke test, not a result)")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per path and load")
-    ap.add_argument("--probe", type=float, default=6.0, help="seconds of the capacity probe")
+    ap.add_argument("--probe", type=float, default=5.0, help="seconds of each step of the capacity probe")
     ap.add_argument("--probe-rate", type=float, default=None,
                     help="offered rate of the capacity probe, req/s (default 600 on eager, 2000 on onnxruntime)")
     ap.add_argument("--capacity", type=float, default=None, help="capacity in req/s (skips the probe)")
@@ -243,10 +243,15 @@ def main() -> None:
                 for path in PATHS:  # warm-up, discarded
                     run(path, 20.0, secs=1.0)
                 if args.capacity is None:
+                    # A quarter, a half and all of the probe rate: the best goodput is the capacity (one
+                    # rate alone could sit where a backlog already costs goodput, and understate it).
                     probe_rate = args.probe_rate or (2000.0 if args.engine == "onnxruntime" else 600.0)
-                    probe = summarise(run("udp", probe_rate, secs=probe_s))
-                    capacity = max(1.0, probe["goodput_rps"])
-                    results["probe"] = probe
+                    for share in (0.25, 0.5, 1.0):
+                        r = run("udp", share * probe_rate, secs=probe_s)
+                        results[f"probe.{share:g}"] = summarise(r)
+                        samples[f"probe.{share:g}"] = {"latency_ms": [round(v, 3) for v in r["latency_ms"]],
+                                                       "status": r["status"]}
+                    capacity = max(1.0, *(results[f"probe.{s:g}"]["goodput_rps"] for s in (0.25, 0.5, 1.0)))
                 else:
                     capacity = args.capacity
                 print(f"capacity {capacity:g} req/s", flush=True)
