@@ -79,6 +79,7 @@ def regions() -> Iterator[tuple[Any, Any, str]]:
         cshm.destroy_shared_memory_region(hout)
 
 
+@pytest.mark.real  # the real ingest and both servers (the stack fixture)
 def test_tritonclient_system_shared_memory_over_http_and_grpc(stack: Stack, regions: tuple[Any, Any, str]) -> None:
     cshm = _client_shm()
     hin, hout, tag = regions
@@ -121,6 +122,7 @@ def test_tritonclient_system_shared_memory_over_http_and_grpc(stack: Stack, regi
     gc.close()
 
 
+@pytest.mark.real  # the real ingest and both servers (the stack fixture)
 def test_bad_shared_memory_requests_get_clear_errors(stack: Stack, regions: tuple[Any, Any, str]) -> None:
     cshm = _client_shm()
     hin, _, tag = regions
@@ -271,6 +273,7 @@ def _cuda_client(conn: Any, x: np.ndarray, out_bytes: int) -> None:
     host.close()
 
 
+@pytest.mark.real  # the real ingest and both servers (the stack fixture)
 def test_cuda_shared_memory_on_the_fake_runtime(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     # tritonclient.utils.cuda_shared_memory needs cuda-python and a CUDA driver, neither of which is here: a
     # child process on the fake runtime makes the handles as it would (cudaMalloc + cudaIpcGetMemHandle).

@@ -19,7 +19,7 @@ from orchestrator.node import Node
 from tests.modelfiles import multi_inputs, multi_io_onnx, run_onnx
 from tests.orchestrator.frontdoor.test_shm import _client_shm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 CONFIG = """
 node:
