@@ -31,7 +31,7 @@ import ctypes
 import os
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
 from gpuprims.engines.cache import EngineCache, device_identity
 from gpuprims.engines.files import FileEngine, first_line
+from gpuprims.engines.kinds import FILE_ENGINE_KINDS, OV_HINTS
+from gpuprims.engines.kinds import ORT_OPTIMIZATION_LEVELS as OPTIMIZATION_LEVELS
+from gpuprims.engines.kinds import ORT_PROVIDERS as PROVIDERS
 from gpuprims.engines.ort_share import (
     InitializerSource,
     SharedInitializers,
@@ -49,12 +52,6 @@ from gpuprims.engines.ort_share import (
 )
 from gpuprims.tensors import DataType
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
-             "tensorrt": "TensorrtExecutionProvider"}
-#: ``optimization`` option -> onnxruntime.GraphOptimizationLevel member.
-OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-                       "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
-PRECISIONS = ("fp32", "fp16")
 OPTIMIZED_FILE = "model.opt.onnx"
 TRT_DIR = "trt"
 #: ONNX's TensorProto.BFLOAT16 (not imported from onnx: the engine needs only onnxruntime).
@@ -75,7 +72,6 @@ OV_TYPES: dict[str, DataType] = {
     "i64": DataType.INT64, "f16": DataType.FP16, "bf16": DataType.BF16, "f32": DataType.FP32,
     "f64": DataType.FP64, "string": DataType.BYTES,
 }
-HINTS = {"latency": "LATENCY", "throughput": "THROUGHPUT"}
 
 
 def _ort() -> Any:
@@ -147,42 +143,16 @@ class OnnxRuntimeFileEngine(FileEngine):
     """An ONNX file in an ONNX Runtime session (see the module docstring)."""
 
     kind = "onnxruntime"
-    option_defaults: ClassVar[dict[str, Any]] = {"provider": "cpu", "optimization": "all", "precision": "fp32"}
+    spec = FILE_ENGINE_KINDS["onnxruntime"]
     #: Against the same file in a plain InferenceSession: the optimized graph fuses and reorders float
     #: sums (a few 1e-7 on the tests' models).
     tolerance = (1e-5, 1e-5)
     suffixes = (".onnx",)
-    libraries = ("onnxruntime",)
-    install_hint = "pip install 'gpuprims[onnx]'"
     #: Param-Share (CPU provider): where the served session takes its initializers from (set before
     #: prepare; :mod:`gpuprims.engines.ort_share`). None: the session loads its own copy.
     initializers_from: InitializerSource | None = None
     shared: SharedInitializers | None = None
     share_refused: str | None = None
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["provider"] not in PROVIDERS:
-            raise EngineError(f"engine 'onnxruntime': provider must be one of {', '.join(PROVIDERS)}, "
-                              f"got {opts['provider']!r}")
-        if opts["optimization"] not in OPTIMIZATION_LEVELS:
-            raise EngineError(f"engine 'onnxruntime': optimization must be one of "
-                              f"{', '.join(OPTIMIZATION_LEVELS)}, got {opts['optimization']!r}")
-        if opts["precision"] not in PRECISIONS:
-            raise EngineError(f"engine 'onnxruntime': precision must be one of {', '.join(PRECISIONS)}, "
-                              f"got {opts['precision']!r}")
-        if opts["precision"] == "fp16" and opts["provider"] != "tensorrt":
-            raise EngineError("engine 'onnxruntime': precision 'fp16' needs provider 'tensorrt'")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Any = None) -> None:
-        super().check(backend, options)
-        opts = cls.validate_options(options)
-        if opts["provider"] != "cpu" and backend != "cuda":
-            raise EngineUnavailable(f"engine 'onnxruntime' with provider {opts['provider']!r} needs the cuda "
-                                    f"backend; this node runs on {backend} (use provider 'cpu')")
 
     @property
     def threads(self) -> int:
@@ -332,20 +302,10 @@ class OpenVinoFileEngine(FileEngine):
     """An ONNX or OpenVINO IR file compiled by OpenVINO's CPU plugin (see the module docstring)."""
 
     kind = "openvino"
-    backends = ("cpu",)
-    option_defaults: ClassVar[dict[str, Any]] = {"hint": "latency"}
+    spec = FILE_ENGINE_KINDS["openvino"]
     #: Against ONNX Runtime on the same file: other kernels, other float summation order.
     tolerance = (1e-4, 1e-5)
     suffixes = (".onnx", ".xml")
-    libraries = ("openvino",)
-    install_hint = "pip install 'gpuprims[openvino]'"
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["hint"] not in HINTS:
-            raise EngineError(f"engine 'openvino': hint must be one of {', '.join(HINTS)}, got {opts['hint']!r}")
-        return opts
 
     @property
     def threads(self) -> int:
@@ -364,7 +324,7 @@ class OpenVinoFileEngine(FileEngine):
             raise EngineError(f"engine 'openvino' cannot read {self.path.name}: {first_line(e)}") from e
         self.check_file_signature(self._io(model.inputs), self._io(model.outputs))
         config = {"INFERENCE_NUM_THREADS": self.threads, "NUM_STREAMS": 1,
-                  "PERFORMANCE_HINT": HINTS[self.options["hint"]], "INFERENCE_PRECISION_HINT": "f32",
+                  "PERFORMANCE_HINT": OV_HINTS[self.options["hint"]], "INFERENCE_PRECISION_HINT": "f32",
                   "ENABLE_CPU_PINNING": False}
         try:
             self.compiled = core.compile_model(model, "CPU", config)

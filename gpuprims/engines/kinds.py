@@ -127,8 +127,10 @@ class EngineKind:
 
 
 def _installed(lib: str) -> bool:
-    # find_spec raises on a module put in sys.modules without a spec (a test's stand-in): look there first.
-    return lib in sys.modules or importlib.util.find_spec(lib) is not None
+    loaded = sys.modules.get(lib)
+    if loaded is not None and getattr(loaded, "__spec__", None) is None:
+        return True  # a module put in sys.modules without a spec (a test's stand-in); find_spec raises on it
+    return importlib.util.find_spec(lib) is not None
 
 
 def _one_of(kind: str, opts: dict[str, Any], key: str, allowed: Mapping[str, Any] | tuple[str, ...]) -> None:

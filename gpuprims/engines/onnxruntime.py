@@ -28,17 +28,19 @@ needed for any of it: torch holds the buffers and gives their addresses.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
+from gpuprims.engines.kinds import ENGINE_KINDS
+from gpuprims.engines.kinds import ORT_OPTIMIZATION_LEVELS as OPTIMIZATION_LEVELS
+from gpuprims.engines.kinds import ORT_PROVIDERS as PROVIDERS
 from gpuprims.engines.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
 from gpuprims.engines.ort_share import (
     InitializerSource,
@@ -49,12 +51,6 @@ from gpuprims.engines.ort_share import (
 )
 from gpuprims.gather import torch_device
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
-             "tensorrt": "TensorrtExecutionProvider"}
-#: ``optimization`` option -> onnxruntime.GraphOptimizationLevel member.
-OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-                       "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
-PRECISIONS = ("fp32", "fp16")
 ONNX_FILE = "model.onnx"
 OPTIMIZED_FILE = "model.opt.onnx"
 TRT_DIR = "trt"
@@ -84,7 +80,7 @@ class OnnxRuntimeEngine(Engine):
     """An ONNX Runtime session over the exported model (see the module docstring)."""
 
     kind = "onnxruntime"
-    option_defaults: ClassVar[dict[str, Any]] = {"provider": "cpu", "optimization": "all", "precision": "fp32"}
+    spec = ENGINE_KINDS["onnxruntime"]
     #: float32, CPU provider, every zoo model tests/gpuprims/engines/test_equal.py covers. Most differ from
     #: eager by a few 1e-6; the VGGs at 224x224 (16-19 conv layers, then a 25088-wide linear layer) by up
     #: to 1.7e-4 absolute, from float32 sums taken in another order, hence atol 1e-3.
@@ -97,34 +93,6 @@ class OnnxRuntimeEngine(Engine):
     initializers_from: InitializerSource | None = None
     shared: SharedInitializers | None = None
     share_refused: str | None = None
-
-    @classmethod
-    def validate_options(cls, options: Any) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        if opts["provider"] not in PROVIDERS:
-            raise EngineError(f"engine 'onnxruntime': provider must be one of {', '.join(PROVIDERS)}, "
-                              f"got {opts['provider']!r}")
-        if opts["optimization"] not in OPTIMIZATION_LEVELS:
-            raise EngineError(f"engine 'onnxruntime': optimization must be one of "
-                              f"{', '.join(OPTIMIZATION_LEVELS)}, got {opts['optimization']!r}")
-        if opts["precision"] not in PRECISIONS:
-            raise EngineError(f"engine 'onnxruntime': precision must be one of {', '.join(PRECISIONS)}, "
-                              f"got {opts['precision']!r}")
-        if opts["precision"] == "fp16" and opts["provider"] != "tensorrt":
-            raise EngineError(f"engine 'onnxruntime': precision 'fp16' needs provider 'tensorrt' (provider "
-                              f"{opts['provider']!r} runs the float32 model)")
-        return opts
-
-    @classmethod
-    def check(cls, backend: str, options: Any = None) -> None:
-        super().check(backend, options)
-        opts = cls.validate_options(options)
-        if opts["provider"] != "cpu" and backend != "cuda":
-            raise EngineUnavailable(f"engine 'onnxruntime' with provider {opts['provider']!r} needs the cuda "
-                                    f"backend; this node runs on {backend} (use provider 'cpu')")
-        if importlib.util.find_spec("onnxruntime") is None:
-            raise EngineUnavailable("engine 'onnxruntime' needs the onnxruntime package: "
-                                    "pip install 'gpuprims[onnx]'")
 
     @property
     def tolerance_now(self) -> tuple[float, float]:
