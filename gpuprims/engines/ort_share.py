@@ -101,35 +101,54 @@ def model_digest(model_path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def read_initializers(model_path: Path) -> dict[str, np.ndarray]:
-    """The top-level graph's initializers of an ONNX file (external data included) that can be shared."""
+def _onnx() -> tuple[Any, Any, Any]:
+    """onnx, onnx.numpy_helper and onnx.helper (OSError naming the package when it is missing)."""
     try:
         import onnx
-        from onnx import numpy_helper
+        from onnx import helper, numpy_helper
     except ImportError as e:
         raise OSError(f"sharing an ONNX model's initializers needs the onnx package ({e})") from None
-    model = onnx.load(str(model_path), load_external_data=True)
-    out: dict[str, np.ndarray] = {}
+    return onnx, numpy_helper, helper
+
+
+def _shareable(model: Any, helper: Any) -> list[tuple[Any, np.dtype[Any], tuple[int, ...]]]:
+    """(initializer, dtype, shape) of the top-level graph's initializers that can be shared."""
+    out = []
     for init in model.graph.initializer:
-        arr = numpy_helper.to_array(init, base_dir=str(model_path.parent))
-        if arr.dtype.name in SHARED_DTYPES and arr.size > 0:
-            out[init.name] = arr
+        try:
+            dt = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
+        except (KeyError, TypeError, ValueError):
+            continue
+        shape = tuple(int(d) for d in init.dims)
+        if dt.name in SHARED_DTYPES and all(d > 0 for d in shape):
+            out.append((init, dt, shape))
     return out
+
+
+def read_initializers(model_path: Path) -> dict[str, np.ndarray]:
+    """The top-level graph's initializers of an ONNX file (external data included) that can be shared."""
+    onnx, numpy_helper, helper = _onnx()
+    model = onnx.load(str(model_path), load_external_data=True)
+    return {init.name: numpy_helper.to_array(init, base_dir=str(model_path.parent))
+            for init, _, _ in _shareable(model, helper)}
 
 
 def export_initializers(model_path: Path, handles_path: Path) -> SharedInitializers:
     """Copy ``model_path``'s initializers into a new shared-memory object, write its handles to
-    ``handles_path`` atomically, and return the mapping (read-only views). Raises OSError when there is
-    nothing to share or the object cannot be made."""
-    arrays = read_initializers(model_path)
-    if not arrays:
+    ``handles_path`` atomically, and return the mapping. One initializer at a time is converted, and
+    each one's bytes are dropped from the parsed model once copied, so the exporter's peak is about the
+    model once, not twice. Raises OSError when there is nothing to share or the object cannot be made."""
+    onnx, numpy_helper, helper = _onnx()
+    model = onnx.load(str(model_path), load_external_data=True)
+    plan = _shareable(model, helper)
+    if not plan:
         raise OSError(f"{model_path.name} has no initializers to share")
     entries: list[TensorEntry] = []
     offset = 0
-    for name, arr in arrays.items():
-        entries.append(TensorEntry((name,), "parameter", arr.dtype.name, tuple(int(d) for d in arr.shape), offset,
-                                   int(arr.nbytes)))
-        offset += -(-max(int(arr.nbytes), 1) // _ALIGN) * _ALIGN
+    for init, dt, shape in plan:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        entries.append(TensorEntry((init.name,), "parameter", dt.name, shape, offset, nbytes))
+        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
     token = f"{uuid.uuid4().hex}.{model_digest(model_path)}"  # the export, and the model it is of
     owner = os.environ.get(ENV_OWNER_PID, "")
     name = f"gpuprims-params-{owner if owner.isdigit() else os.getpid()}-{token[:12]}"
@@ -138,15 +157,21 @@ def export_initializers(model_path: Path, handles_path: Path) -> SharedInitializ
         os.ftruncate(fd, offset)
         with mmap.mmap(fd, offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
             flat = np.frombuffer(mm, dtype=np.uint8)
-            for e, arr in zip(entries, arrays.values()):
+            for e, (init, dt, shape) in zip(entries, plan):
+                arr = numpy_helper.to_array(init, base_dir=str(model_path.parent))
+                if arr.dtype != dt or tuple(arr.shape) != shape:
+                    raise OSError(f"initializer {init.name!r} of {model_path.name} reads as {arr.dtype} "
+                                  f"{tuple(arr.shape)}, its header says {dt} {shape}")
                 flat[e.offset:e.offset + e.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+                del arr
+                init.Clear()  # the parsed copy of these bytes goes now
             del flat
     except BaseException:
         os.unlink(_SHM_DIR / name)
         raise
     finally:
         os.close(fd)
-    del arrays  # the model's own copy goes; only the segment holds the weights from here
+    del model, plan
     trim_heap()
     handles = ParameterHandles("cpu", token, os.getpid(), offset, name.encode(), "", tuple(entries))
     tmp = f"{handles_path}.{os.getpid()}"
