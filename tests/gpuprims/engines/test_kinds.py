@@ -43,10 +43,8 @@ def test_each_class_takes_its_rules_from_its_row(table: dict[str, EngineKind]) -
     for name, kind in table.items():
         cls = kind.load()
         assert cls.kind == name
-        # onnxruntime's classes keep their own checks (Param-Share's files): the same options and backends
+        assert cls.spec is kind and "validate_options" not in vars(cls) and "check" not in vars(cls), name
         assert dict(cls.option_defaults) == dict(kind.options) and tuple(cls.backends) == kind.backends, name
-        if cls.spec is not None:
-            assert cls.spec is kind
 
 
 def test_options_and_backends_are_refused_by_name() -> None:
