@@ -2,8 +2,9 @@
 
 RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer (typed
 ``contents`` or ``raw_input_contents`` in; ``raw_output_contents`` out), and Triton's ModelConfig,
-ModelStatistics and RepositoryIndex. Others (streaming, shared memory, load/unload) answer
-UNIMPLEMENTED. Errors abort the call with the code of :data:`GRPC_CODE`.
+ModelStatistics and RepositoryIndex, and the shared-memory RPCs (System/CudaSharedMemory Register,
+Unregister, Status: orchestrator/frontdoor/shm.py). Others (streaming, load/unload) answer UNIMPLEMENTED.
+Errors abort the call with the code of :data:`GRPC_CODE`.
 
 Messages are bounded by what the models can take (:attr:`ModelInfo.max_message_bytes`): gRPC itself
 refuses one larger than the largest model's bound with RESOURCE_EXHAUSTED before it is parsed, and

@@ -8,6 +8,8 @@ Routes (``/versions/<v>`` may follow a model name: that version; without it a mo
   gzip/deflate request bodies (``Content-Encoding``) and answers (``Accept-Encoding``)
 - ``GET /v2/models/<name>/config``, ``GET /v2/models[/<name>]/stats``: Triton model configuration
   and statistics; ``POST /v2/repository/index``: the model repository index
+- ``/v2/systemsharedmemory/...``, ``/v2/cudasharedmemory/...``: Triton's shared-memory extensions
+  (orchestrator/frontdoor/shm.py); an inference's inputs and outputs may name their regions
 
 Errors are ``{"error": "<message>"}`` with the code of :data:`core.HTTP_CODE`.
 

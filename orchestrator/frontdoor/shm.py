@@ -384,7 +384,9 @@ def http_request(core: Core, peer: str, req: dict[str, Any], binary: memoryview)
             at += size
         out_inputs.append(t)
     chunks.append(binary[at:])  # what no input claims: the door's own check refuses it
-    return {**req, "inputs": out_inputs}, memoryview(b"".join(chunks))
+    chunks = [c for c in chunks if len(c)]
+    joined = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one input: no second copy
+    return {**req, "inputs": out_inputs}, memoryview(joined)
 
 
 def http_targets(core: Core, peer: str, req: Mapping[str, Any]) -> dict[str, TensorRef]:
