@@ -24,6 +24,7 @@ from orchestrator.config import AppConfig, load_config, parse_config
 from orchestrator.node import Node
 from orchestrator.param_share import ERROR_SUFFIX, HolderSpec, ParamShare
 from orchestrator.status_format import format_status
+from tests.gpuprims.engines.test_ort_share import dense_model
 from tests.orchestrator.client import ask
 from tests.orchestrator.test_reconfig import Load
 
@@ -330,6 +331,23 @@ def test_an_onnxruntime_apps_warm_shadow_maps_the_actives_initializers(tmp_path:
         assert len({d["segment"] for d in got.values()}) == 1  # one copy: the shadow holds none of its own
         (exp,) = node.params.describe()
         assert sorted(exp["users"]) == sorted(node.instances)  # type: ignore[arg-type]
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
+def test_an_onnx_model_files_instances_share_its_initializers(tmp_path: Path) -> None:
+    dense_model(tmp_path / "dense.onnx")
+    p = tmp_path / "apps.yaml"
+    p.write_text(ORT_CONFIG.replace("CACHE", str(tmp_path / "cache")).split("apps:")[0]
+                 + "apps:\n  - {name: f, model: dense.onnx, slo_ms: 10000, gpu_pct: 50, instances: 2, app_id: 1, "
+                   "shadow: cold, engine: onnxruntime}\n")
+    node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
+    try:
+        _until(node, lambda: sorted(str(st.stats.get("params")) for st in node.instances.values())
+               == ["exported", "imported"], 120, "both instances reporting their initializers")
+        (exp,) = node.params.describe()
+        assert str(exp["key"]).startswith("onnxruntime|") and exp["mb"] is not None
     finally:
         node.stop()
 

@@ -44,7 +44,7 @@ SHM = Path("/dev/shm")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _dense(path: Path, seed: int = 0) -> tuple[Path, ModelSignature]:
+def dense_model(path: Path, seed: int = 0) -> tuple[Path, ModelSignature]:
     """y = relu(x @ W + b) @ W2: two weight matrices and a bias (a few KB)."""
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "W"),
@@ -93,7 +93,7 @@ def _x() -> np.ndarray:
 
 
 def test_sessions_over_the_segment_answer_as_a_session_with_its_own_copy(tmp_path: Path) -> None:
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     want = _session(path).run(None, {"x": _x()})[0]
     exported = export_initializers(path, tmp_path / "h.bin")
     assert exported.mode == "exported" and set(exported.arrays) == {"W", "b", "W2"}
@@ -108,7 +108,7 @@ def test_sessions_over_the_segment_answer_as_a_session_with_its_own_copy(tmp_pat
 def test_ort_reads_the_shared_segment_not_a_copy_of_its_own(tmp_path: Path) -> None:
     """Writing the segment (through a writable mapping of the node's object) changes what an already
     created session answers: ORT computes on the segment's pages."""
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     shared = map_initializers(export_initializers(path, tmp_path / "h.bin").handles)
     sess = _session(path, shared)
     before = sess.run(None, {"x": _x()})[0]
@@ -126,7 +126,7 @@ def test_ort_reads_the_shared_segment_not_a_copy_of_its_own(tmp_path: Path) -> N
 
 
 def test_a_session_that_refuses_the_shared_initializers_loads_its_own_copy(tmp_path: Path) -> None:
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     shared = export_initializers(path, tmp_path / "h.bin")
 
     def make(s: object | None) -> str:
@@ -139,7 +139,7 @@ def test_a_session_that_refuses_the_shared_initializers_loads_its_own_copy(tmp_p
 
 
 def test_a_sharing_session_does_not_prepack_into_buffers_of_its_own(tmp_path: Path) -> None:
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     shared = export_initializers(path, tmp_path / "h.bin")
     so = ort.SessionOptions()
     shared.add_to(ort, so)
@@ -147,7 +147,7 @@ def test_a_sharing_session_does_not_prepack_into_buffers_of_its_own(tmp_path: Pa
 
 
 def test_the_file_engine_exports_then_imports_and_says_so(tmp_path: Path) -> None:
-    path, sig = _dense(tmp_path / "dense.onnx")
+    path, sig = dense_model(tmp_path / "dense.onnx")
     cache = EngineCache(tmp_path / "cache")
     reference = make_file_engine("onnxruntime", path, sig, CPU)
     reference.prepare(cache)
@@ -201,7 +201,7 @@ def test_a_model_without_initializers_fails_its_export_and_tells_the_waiting_imp
 
 
 def test_mapping_a_released_or_malformed_export_is_a_clear_error(tmp_path: Path) -> None:
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     handles = export_initializers(path, tmp_path / "h.bin").handles
     (SHM / handles.handle.decode()).unlink()
     with pytest.raises(ValueError, match="do not exist"):
@@ -216,7 +216,7 @@ def test_mapping_a_released_or_malformed_export_is_a_clear_error(tmp_path: Path)
 
 
 def test_a_short_segment_is_refused(tmp_path: Path) -> None:
-    path, _ = _dense(tmp_path / "dense.onnx")
+    path, _ = dense_model(tmp_path / "dense.onnx")
     handles = export_initializers(path, tmp_path / "h.bin").handles
     os.truncate(SHM / handles.handle.decode(), 16)
     with pytest.raises(ValueError, match="less than"):
@@ -232,7 +232,7 @@ def test_a_malformed_share_mode_is_refused(bad: str) -> None:
 
 def test_a_gpu_provider_or_a_failed_import_loads_its_own_copy(tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    path, sig = _dense(tmp_path / "dense.onnx")
+    path, sig = dense_model(tmp_path / "dense.onnx")
     source = InitializerSource("import", str(tmp_path / "h.bin"), lambda p: Path(p).read_bytes())
     shared, why = take_shared(source, path, "cuda", "test")
     assert shared is None and why is not None and "CPU provider only" in why
@@ -251,7 +251,7 @@ def test_a_gpu_provider_or_a_failed_import_loads_its_own_copy(tmp_path: Path,
 def test_a_segment_of_another_model_is_refused_and_the_session_loads_its_own_copy(tmp_path: Path) -> None:
     """Initializers of another shape under the model's names (ORT itself would take them at load and
     fail at run): the import is refused by the model's digest and the session loads its own copy."""
-    path, sig = _dense(tmp_path / "dense.onnx")
+    path, sig = dense_model(tmp_path / "dense.onnx")
     other = tmp_path / "other.onnx"
     model = onnx.load(str(path))
     for init in model.graph.initializer:
@@ -270,7 +270,7 @@ def test_a_segment_of_another_model_is_refused_and_the_session_loads_its_own_cop
 
 def test_sharing_an_onnx_files_initializers_maps_no_torch(tmp_path: Path) -> None:
     """Exporting and importing (the file engine's whole sharing path) imports neither torch nor the zoo."""
-    path, sig = _dense(tmp_path / "dense.onnx")
+    path, sig = dense_model(tmp_path / "dense.onnx")
     owner = os.environ[ENV_OWNER_PID]
     code = ("import sys, json, numpy as np\n"
             "from pathlib import Path\n"
