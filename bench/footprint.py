@@ -328,7 +328,7 @@ def sweep_one(python: str, cwd: Path, tmp: Path, n: int, engine: str, shadow: st
             while True:
                 try:
                     st = _status(run_dir)
-                except ControlError:
+                except (ControlError, OSError):  # busy past the timeout: asked again
                     st = {}
                 if st and _settled(st, shadow):
                     break
