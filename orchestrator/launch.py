@@ -14,7 +14,9 @@ The nice value is a trade: at 10 (weight 110 against 1024) the import gets about
 that normal threads keep busy, so it ends within about 15 s behind two busy loops, and it takes at
 most about a tenth of a core from an active instance it shares a core with.
 
-This module imports nothing heavy at its top, on purpose: that is its whole job.
+This module imports nothing heavy at its top, on purpose: that is its whole job. What it imports at the
+lowered priority is what the instance needs (`orchestrator.spec.instance_imports`): torch and the zoo's
+runner for a zoo model, only numpy and the engine's library for a model file on ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import threading
 import time
 from typing import Any
 
+from orchestrator.spec import ENV_SPEC, INSTANCE_MODULE, InstanceSpec, instance_imports
+
 #: The nice value to import the instance code at, for a pre-warming shadow (set by the supervisor).
 ENV_IMPORT_NICE = "GPUPRIMS_IMPORT_NICE"
-#: The module imported and run.
-INSTANCE_MODULE = "orchestrator.instance"
 
 
 def import_at_nice(module: str, nice: int) -> dict[str, Any]:
@@ -78,6 +80,15 @@ def import_nice_from_env(env: dict[str, str] | os._Environ[str] = os.environ) ->
     return nice if 0 <= nice <= 19 else None
 
 
+def imports_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[str, ...]:
+    """The modules this instance imports (`orchestrator.spec.instance_imports` of the spec in ``env``),
+    or the instance code alone when the spec does not read (the instance then says why and exits)."""
+    try:
+        return instance_imports(InstanceSpec.from_json(env[ENV_SPEC]))
+    except (KeyError, ValueError, TypeError):
+        return (INSTANCE_MODULE,)
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this process when the orchestrator dies (PR_SET_PDEATHSIG)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -91,7 +102,11 @@ def main() -> int:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     nice = import_nice_from_env()
-    info = import_at_nice(INSTANCE_MODULE, nice) if nice is not None else None
+    info = None
+    if nice is not None:  # what the instance will import (torch too, for a zoo model), all at that nice value
+        for module in imports_from_env():
+            done = import_at_nice(module, nice)
+            info = done if info is None else {**done, "import_ms": round(info["import_ms"] + done["import_ms"], 1)}
     instance = importlib.import_module(INSTANCE_MODULE)
     try:
         rc = int(instance.main(import_info=info))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import itertools
 import json
 import logging
@@ -43,10 +42,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuprims.engines.errors import EngineError
-from gpuprims.engines.kinds import file_engine_kind
 from orchestrator import forkserver
-from orchestrator.spec import InstanceSpec
+from orchestrator.spec import InstanceSpec, instance_imports
 
 __all__ = ["ForkLauncher", "ForkedProcess", "InstanceProcess", "Launcher", "SubprocessLauncher", "import_env_key",
            "instance_imports"]
@@ -115,26 +112,6 @@ class SubprocessLauncher:
 RUNTIME_ENV_PREFIXES = ("GPUPRIMS_", "CUDA_", "NVIDIA_")
 #: Fork servers kept per process; beyond it the least recently used one without children ends.
 MAX_SERVERS = 6
-#: What a torch instance imports: the instance code and the zoo's runner (torch, the zoo).
-TORCH_IMPORTS = (forkserver.PRELOAD, "orchestrator.runner")
-
-
-def instance_imports(spec: InstanceSpec) -> tuple[str, ...]:
-    """The modules an instance of ``spec`` imports to serve (what its fork server preloads): the
-    instance code, and either the zoo's runner, which imports torch (a zoo model, on any engine, and a
-    model file on a torch kind), or the file engine's module and its library (ONNX Runtime, OpenVINO,
-    TensorRT: no torch). A kind this build does not know preloads only the instance code (the instance
-    refuses it itself)."""
-    if not spec.serves_file:
-        return TORCH_IMPORTS
-    try:
-        kind = file_engine_kind(spec.engine)
-    except EngineError:
-        return (forkserver.PRELOAD,)
-    if kind.needs_torch:
-        return TORCH_IMPORTS
-    return (forkserver.PRELOAD, kind.impl.partition(":")[0],
-            *(lib for lib in kind.libraries if importlib.util.find_spec(lib) is not None))
 #: Variables that differ between otherwise equal environments and that no library reads at import.
 IGNORED_ENV_NAMES = frozenset({"PYTEST_CURRENT_TEST"})
 

@@ -7,11 +7,17 @@ does not import the instance's serving code.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from gpuprims.engines.errors import EngineError
+from gpuprims.engines.kinds import file_engine_kind
+
 ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
+#: The instance code, which every instance imports (torch-free).
+INSTANCE_MODULE = "orchestrator.instance"
 
 
 @dataclass
@@ -87,3 +93,25 @@ class InstanceSpec:
             raise ValueError(f"unknown instance spec keys: {sorted(unknown)}")
         data["input_shape"] = tuple(data.get("input_shape", (3, 224, 224)))
         return cls(**data)
+
+
+#: What a torch instance imports: the instance code and the zoo's runner (torch, the zoo).
+TORCH_IMPORTS = (INSTANCE_MODULE, "orchestrator.runner")
+
+
+def instance_imports(spec: InstanceSpec) -> tuple[str, ...]:
+    """The modules an instance of ``spec`` imports to serve (what its fork server preloads): the
+    instance code, and either the zoo's runner, which imports torch (a zoo model, on any engine, and a
+    model file on a torch kind), or the file engine's module and its library (ONNX Runtime, OpenVINO,
+    TensorRT: no torch). A kind this build does not know preloads only the instance code (the instance
+    refuses it itself)."""
+    if not spec.serves_file:
+        return TORCH_IMPORTS
+    try:
+        kind = file_engine_kind(spec.engine)
+    except EngineError:
+        return (INSTANCE_MODULE,)
+    if kind.needs_torch:
+        return TORCH_IMPORTS
+    return (INSTANCE_MODULE, kind.impl.partition(":")[0],
+            *(lib for lib in kind.libraries if importlib.util.find_spec(lib) is not None))

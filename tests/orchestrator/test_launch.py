@@ -78,3 +78,16 @@ def test_an_instance_leaving_by_system_exit_gives_its_exit_code(code: object, rc
     monkeypatch.setattr(launch, "die_with_parent", lambda: None)
     monkeypatch.setattr(launch.signal, "signal", lambda *a: None)
     assert launch.main() == rc
+
+
+def test_a_prewarming_instance_imports_at_the_nice_value_what_its_spec_needs() -> None:
+    from orchestrator.spec import ENV_SPEC, InstanceSpec
+
+    zoo = InstanceSpec(name="a-0", app="a", app_id=1, model="mobilenet_v2", pool="p", consumer=0)
+    onnx_file = InstanceSpec(name="f-0", app="f", app_id=2, model="m.onnx", pool="p", consumer=0,
+                             engine="onnxruntime", model_config="{}", model_path="m.onnx")
+    assert launch.imports_from_env({ENV_SPEC: zoo.to_json()}) == ("orchestrator.instance", "orchestrator.runner")
+    assert launch.imports_from_env({ENV_SPEC: onnx_file.to_json()}) == (
+        "orchestrator.instance", "gpuprims.engines.file_onnx", "onnxruntime")
+    for bad in ({}, {ENV_SPEC: "{not json"}, {ENV_SPEC: '{"name": "x"}'}, {ENV_SPEC: '{"nosuch": 1}'}):
+        assert launch.imports_from_env(bad) == ("orchestrator.instance",)  # the instance says what is wrong
