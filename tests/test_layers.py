@@ -178,11 +178,15 @@ def test_the_checker_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-#: Modules of the node process and the CLI: none may import torch (the instances run the models).
+#: Modules of the node process and the CLI: none may import torch (the instances run the models). Nor
+#: may the instance code, its launchers and a model file's engines on ONNX Runtime and OpenVINO: an
+#: instance serving such a file (and its fork server) maps no torch (issue 46).
 TORCH_FREE = ("orchestrator.node", "orchestrator.cli", "orchestrator.cli_control", "orchestrator.cli_node",
               "orchestrator.config", "orchestrator.supervisor",
               "orchestrator.frontdoor", "orchestrator.metrics", "orchestrator.status_format", "apps.zoo",
-              "apps.zoo.names")
+              "apps.zoo.names", "orchestrator.instance", "orchestrator.serving", "orchestrator.tensor_serving",
+              "orchestrator.file_runner", "orchestrator.launch", "orchestrator.launcher", "orchestrator.forkserver",
+              "gpuprims.engines.kinds", "gpuprims.engines.file_onnx", "gpuprims.engines.file_tensorrt")
 
 
 def test_the_node_and_the_cli_never_import_torch() -> None:
