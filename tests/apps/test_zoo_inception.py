@@ -107,6 +107,7 @@ def _child_digests(queue: mp.Queue) -> None:  # runs in a spawned child
     queue.put({name: _digest(_build(name)) for name in sorted(SMALL)})
 
 
+@pytest.mark.real
 def test_weights_are_bit_identical_in_another_process() -> None:
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()

@@ -60,6 +60,7 @@ def _child_digest(name: str, queue: mp.Queue) -> None:
     queue.put(_digest(_build(name)))
 
 
+@pytest.mark.real
 def test_weights_are_bit_identical_in_another_process() -> None:
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()

@@ -10,6 +10,7 @@ import pytest
 from bench import e2e
 
 
+@pytest.mark.slow
 def test_load_runner_eager_is_the_zoo_module_and_the_engine_matches_it(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
     import torch

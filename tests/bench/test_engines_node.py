@@ -145,6 +145,7 @@ def test_model_only_summary_pairs_each_round_and_takes_the_median() -> None:
     assert bench.model_only_summary({"onnxruntime": {"b4": [1.0]}}, 4) == {"onnxruntime.model_b4_ms": 1.0}
 
 
+@pytest.mark.slow
 def test_model_only_times_each_engine_on_the_share_and_restores_the_thread(tmp_path: Path) -> None:
     import os
 

@@ -186,6 +186,7 @@ def test_apply_in_child_sets_affinity_and_threads() -> None:
     assert result["messages"] == []
 
 
+@pytest.mark.real
 def test_apply_in_child_keeps_interop_set_earlier_and_warns() -> None:
     cores = available_cores()
     share = CpuShare(cores=cores, threads=len(cores) + 1, gpu_pct=100)

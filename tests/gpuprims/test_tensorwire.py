@@ -206,6 +206,7 @@ def test_fuzz_arbitrary_bytes(data: bytes) -> None:
     _check(b"GPTB\x01\x00" + data)  # past the magic, into the tensor headers
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.sampled_from(_SEEDS),
        edits=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255), st.sampled_from(["set", "cut", "insert"])),

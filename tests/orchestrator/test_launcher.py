@@ -226,6 +226,7 @@ def test_what_an_instance_imports_decides_its_fork_server() -> None:
     assert ForkLauncher(sys.executable).preload_for(None) == "orchestrator.instance"
 
 
+@pytest.mark.real
 def test_a_model_files_instance_comes_from_a_server_without_torch(tmp_path: Path, fork_servers: None) -> None:
     """An ONNX file's instance is forked from a server that imported ONNX Runtime but no torch; a zoo
     model's from another that holds torch; each is started when its first instance is launched."""

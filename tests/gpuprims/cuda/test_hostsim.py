@@ -36,6 +36,7 @@ def test_launch_does_not_report_an_earlier_calls_error(kernel: hostsim.HostKerne
     assert hostsim.compare(kernel, case, stale_error=1) == []
 
 
+@pytest.mark.real
 def test_harness_notices_a_wrong_kernel(tmp_path: Path) -> None:
     """The comparison is not vacuous: a kernel whose channel arithmetic is off by one element is caught."""
     src = hostsim.SOURCES[0].read_text()

@@ -42,6 +42,7 @@ def test_cli_measures_each_point_in_its_own_process(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.real
 def test_child_failure_names_the_point() -> None:
     with pytest.raises(RuntimeError, match="batch=1 gpu_pct=100 failed: ValueError: unknown model"):
         measure_profile("no_such_net", batch_sizes=[1], gpu_pcts=[100], backend="cpu", repeats=2,
@@ -100,6 +101,7 @@ def _as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.real
 def test_ctrl_c_keeps_the_points_measured(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     # Eight points, each its own worker process: after the first, the rest take far longer than any

@@ -218,6 +218,7 @@ def test_a_closed_front_door_holds_nothing_of_the_node(pool: Pool) -> None:
     assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
 
 
+@pytest.mark.slow
 def test_inferences_are_shed_while_the_loop_runs_behind_and_admitted_once_it_catches_up(pool: Pool) -> None:
     """A front door whose loop runs further behind than the model's SLO refuses inferences at once
     (503 / UNAVAILABLE, counted as SHED), before decoding them; once it catches up it places them again.
