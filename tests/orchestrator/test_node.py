@@ -375,7 +375,17 @@ def test_status_and_metrics_match_the_traffic_tool(tmp_path: Path) -> None:
                 app = line.split('app="', 1)[1].split('"', 1)[0]
                 served[app] = float(line.rsplit(" ", 1)[1])
         assert served == {"cls": 40.0, "det": 30.0}, body[:2000]
-        # Memory (orchestrator/memory.py): every process's PSS, read at the loop's first pass after start.
+        # Memory (orchestrator/memory.py): every process's PSS, read a couple per pass of the node's loop.
+        deadline = time.monotonic() + 30
+
+        def unread(st: dict) -> bool:
+            return any(i["memory"]["pss_bytes"] is None for a in st["apps"].values() for i in a["instances"]) or \
+                any(p["pss_bytes"] is None for p in st["node"]["memory"]["processes"])
+
+        while unread(st) and time.monotonic() < deadline:
+            n.step(30)
+            st = n.status()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         insts = [i for a in st["apps"].values() for i in a["instances"]]
         assert insts and all(i["memory"]["pss_bytes"] > 1 << 20 for i in insts), insts
         assert all(i["memory"]["device_bytes"] is None for i in insts)  # cpu backend: no device memory
