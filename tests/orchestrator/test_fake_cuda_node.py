@@ -65,6 +65,12 @@ def test_a_node_on_the_fake_runtime_serves_with_gpu_dma_and_sync_lite(tmp_path: 
         for _ in range(5):
             node.step(100)  # heartbeats
         status = node.status()
+        deadline = time.monotonic() + 30  # and every instance's memory read (a couple per loop pass)
+        while time.monotonic() < deadline and any(
+                i["memory"]["pss_bytes"] is None or i["memory"]["device_bytes"] is None
+                for a in status["apps"].values() for i in a["instances"]):
+            node.step(100)
+            status = node.status()
     finally:
         node.stop()
     assert sorted(got) == sorted(xs)
