@@ -469,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-node", action="store_true", help="only the figures that need no node (CLI start, imports)")
     ap.add_argument("--out-dir", type=Path, default=None, help="directory for the JSON (default bench/results/<machine>/)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-app sweep")
-    ap.add_argument("--sweep-apps", type=_ints, default=[1, 4, 8], help="app counts of the sweep (default 1,4,8)")
+    ap.add_argument("--sweep-apps", type=_ints, default=None,
+                    help="app counts of the sweep (default 1,4,8; with --quick 1,2)")
     ap.add_argument("--sweep-engines", type=_names(("eager", "onnxruntime")), default=["eager", "onnxruntime"],
                     help="engines of the sweep (default eager,onnxruntime)")
     ap.add_argument("--sweep-shadows", type=_names(("warm", "cold")), default=["warm", "cold"],
@@ -479,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     load_before = os.getloadavg()
     res = run(args.python, Path(args.cwd), 1 if args.quick else args.repeats, args.ready_timeout, node=not args.no_node,
-              sweep_apps=None if args.no_sweep else args.sweep_apps, sweep_engines=args.sweep_engines,
+              sweep_apps=None if args.no_sweep else args.sweep_apps or ([1, 2] if args.quick else [1, 4, 8]),
+              sweep_engines=args.sweep_engines,
               sweep_shadows=args.sweep_shadows)
     notes = f"interpreter {args.python}, in {args.cwd}." + load_note(load_before)
     path = write_result("footprint", "cpu", res["summary"], res["samples"], notes=notes,
