@@ -22,6 +22,7 @@ print("torch" in sys.modules)
 """
 
 
+@pytest.mark.real
 def test_isolated_resolve_imports_no_torch() -> None:
     """On this machine (no GPU): auto is cpu, cuda is refused with the reason, and torch stays out."""
     r = subprocess.run([sys.executable, "-c", _RESOLVE], capture_output=True, text=True, timeout=300, check=True)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.real
 def test_a_process_without_torch_is_confined_without_loading_it() -> None:
     """An instance that runs no torch (a model file on ONNX Runtime) gets its cores and OMP_NUM_THREADS,
     and torch stays unloaded (it would map libtorch into the instance)."""

@@ -15,6 +15,8 @@ from tests.modelfiles import multi_io_onnx
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.real  # child interpreters, one a real node
+
 #: Every engine kind that runs on the cpu backend, on a zoo model each, and two ONNX files.
 APPS = """
   - {name: e, model: mobilenet_v2, input_shape: [3, 8, 8], slo_ms: 60000, gpu_pct: 10, max_batch: 2, app_id: 1,
