@@ -52,7 +52,7 @@ EXPERIMENTS = (
     Experiment("dma"), Experiment("sync"), Experiment("share"), Experiment("overlap"), Experiment("launch"),
     Experiment("monitor"),
     Experiment("multi"), Experiment("css"), Experiment("knee"), Experiment("sched"), Experiment("sched_live"),
-    Experiment("coexec"), Experiment("opara"), Experiment("oip"), Experiment("forward"), Experiment("flood"), Experiment("chaos"),
+    Experiment("coexec"), Experiment("opara"), Experiment("oip"), Experiment("overload"), Experiment("forward"), Experiment("flood"), Experiment("chaos"),
     Experiment("engines", lambda: _missing_modules("onnxruntime", extra="onnx")),
     Experiment("engines_node", lambda: _missing_modules("onnxruntime", extra="onnx")),
     Experiment("single_stream", lambda: _missing_modules("onnxruntime", extra="onnx")),
