@@ -28,6 +28,11 @@ def check_request(datagram: bytes) -> int:
 
 def verdict_name(verdict: int) -> str: ...
 
+def send_request(fd: int, host: str, port: int, app_id: int, request_id: int, body: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], chunk_payload: int, dtype: int, flags: int, deadline_us: int, client_ts_ns: int) -> int:
+    """
+    Send one request's datagrams (wire format v1, as gpuprims.wire.encode_request makes them) to host:port (numeric) through the UDP socket fd with sendmmsg; returns how many were sent (fewer than all only when a non-blocking socket's buffer filled: send the rest). OSError as sendto.
+    """
+
 RECORD_SIZE: int = 128
 
 def record_layout() -> dict: ...
@@ -342,6 +347,8 @@ class Ledger:
     def set_first_ns(self, i: int, ns: int) -> None: ...
 
     def deadline_ms(self, i: int, default_ms: float) -> float: ...
+
+    def flags(self, i: int) -> int: ...
 
     def expire(self, now_ns: int, default_ms: float, need_ms: float, timeout_us: int) -> int: ...
 

@@ -125,6 +125,10 @@ def test_a_new_version_is_swapped_in_under_load_with_every_request_answered_once
     _until(node, lambda: V2 in load.answers()[-3:], 180, "answers of version 2")
     n_after = len(load.results)
     _until(node, lambda: len(load.results) >= n_after + 20, 120, "more answers of version 2")
+    # The change ends (and is recorded) once the old active has drained, which on a busy machine can come
+    # after version 2's first answers: wait for it, still under load.
+    _until(node, lambda: any(e["event"] == "changed" and e["app"] == "det" for e in node.events), 120,
+           "the change's end")
     load.finish(node)
     assert load.client.stray == 0, "an answer came twice (or to no request)"
     assert sorted(load.results) == list(range(load.sent)), "every request answered"

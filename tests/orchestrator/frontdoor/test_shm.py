@@ -44,20 +44,26 @@ OUT_BYTES = 2 * 10 * 4
 
 
 def _client_shm() -> types.ModuleType:
-    """tritonclient.utils.shared_memory, unchanged. It finds its libcshm.so with pkg_resources, which
-    setuptools >= 81 no longer ships: stand in for that one lookup when it is missing."""
-    if "pkg_resources" not in sys.modules and importlib.util.find_spec("pkg_resources") is None:
-        def resource_filename(package: str, name: str) -> str:
-            spec = importlib.util.find_spec(package)
-            assert spec is not None and spec.origin is not None
-            return os.path.join(os.path.dirname(spec.origin), name)
+    """tritonclient.utils.shared_memory, unchanged. It finds its libcshm.so with pkg_resources at import,
+    which setuptools >= 81 no longer ships: stand in for that one lookup when it is missing, for the
+    import only (left in sys.modules, the stand-in breaks whatever later asks pkg_resources for more,
+    e.g. importlib's namespace-package fix-up in torch's imports)."""
+    if "pkg_resources" in sys.modules or importlib.util.find_spec("pkg_resources") is not None:
+        return importlib.import_module("tritonclient.utils.shared_memory")
 
-        stand_in = types.ModuleType("pkg_resources")
-        stand_in.resource_filename = resource_filename  # type: ignore[attr-defined]
-        sys.modules["pkg_resources"] = stand_in
-    import tritonclient.utils.shared_memory as client_shm
+    def resource_filename(package: str, name: str) -> str:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.origin is not None
+        return os.path.join(os.path.dirname(spec.origin), name)
 
-    return client_shm
+    stand_in = types.ModuleType("pkg_resources")
+    stand_in.resource_filename = resource_filename  # type: ignore[attr-defined]
+    sys.modules["pkg_resources"] = stand_in
+    try:
+        return importlib.import_module("tritonclient.utils.shared_memory")
+    finally:
+        if sys.modules.get("pkg_resources") is stand_in:
+            del sys.modules["pkg_resources"]
 
 
 def _urls(stack: Stack) -> tuple[str, str]:
