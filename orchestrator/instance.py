@@ -207,10 +207,10 @@ class Instance:
         with self._prewarm_lock:
             if self.prewarm_state == "warming":
                 self._prewarmed = built
-                self.prewarm_state = "warm"
                 self.prewarm_info.update(priority=priority, prewarm_ms=round((time.monotonic() - t0) * 1e3, 1))
                 if isinstance(built.get("engines"), dict):  # what the pre-warm built (or found in the cache)
                     self.prewarm_info["engine_prewarm"] = {k: e.describe() for k, e in built["engines"].items()}
+                self.prewarm_state = "warm"  # last: the main thread's _announce_warm reads the record after it
 
     def _prewarm_zoo(self) -> dict[str, Any]:
         """Build (and warm, unless the node runs with warmup off, as in tests) the zoo model on the CPU."""
@@ -248,12 +248,15 @@ class Instance:
 
     def _announce_warm(self) -> None:
         """Main thread: tell the node once that the pre-warm finished (a second Ready)."""
-        if self._warm_announced or self.prewarm_state not in ("warm", "failed") or self.control is None:
+        if self._warm_announced or self.control is None:
+            return
+        with self._prewarm_lock:  # the pre-warm thread writes the record and the state under it
+            state, record = self.prewarm_state, dict(self.prewarm_info)
+        if state not in ("warm", "failed"):
             return
         self._warm_announced = True
         self.control.send(Ready(instance=self.spec.name, pid=os.getpid(),
-                                info={"initialized": False, "warm": self.prewarm_state == "warm",
-                                      "prewarm": self.prewarm_state, **self.prewarm_info}))
+                                info={"initialized": False, "warm": state == "warm", "prewarm": state, **record}))
 
 
     def heartbeat(self, force: bool = False) -> None:
