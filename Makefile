@@ -43,7 +43,7 @@ test-heavy: setup
 	$(PY) -m pytest -q -m heavy
 
 demo: setup
-	$(PY) -m orchestrator.demo
+	$(PY) -m orchestrator.cli.demo
 
 # Your models (README.md): build the example Triton model repository, serve it with
 # `gpuprims-orchestrator start --model-repository`, ask every model over HTTP, gRPC and UDP, stop the node.

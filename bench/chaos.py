@@ -294,20 +294,20 @@ class NodeControl:
     """Talks to the node through its command socket, as the CLI does."""
 
     def __init__(self, run_dir: Path) -> None:
-        from orchestrator.control import control_address, read_token
+        from orchestrator.control.channel import control_address, read_token
 
         self.run_dir = run_dir
         self.token = read_token(run_dir)
         self.address = control_address("zmq", run_dir)
 
     def request(self, msg: Any, timeout_s: float) -> Any:
-        from orchestrator.control import connect_command
+        from orchestrator.control.channel import connect_command
 
         with connect_command(self.address, self.token) as cli:
             return cli.request(msg, timeout_ms=timeout_s * 1000)
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from orchestrator.messages import StatusRequest
+        from orchestrator.control.messages import StatusRequest
 
         return self.request(StatusRequest(), timeout_s).status
 
@@ -463,7 +463,7 @@ def expected_outputs(cfg: Any, app_name: str, inputs: list[np.ndarray]) -> list[
 def private_config(config: Path, tmp: Path) -> tuple[Path, Any]:
     """A copy of `config` in `tmp` with a private run dir, a free UDP port, no metrics port and no
     HTTP/gRPC front door (fixed ports in the example; this bench drives the UDP path)."""
-    from orchestrator.config import load_config
+    from orchestrator.config.schema import load_config
 
     doc = yaml.safe_load(config.read_text())
     doc["node"]["listen"]["port"] = 0
@@ -494,14 +494,14 @@ def make_loads(cfg: Any, variants: int, seed: int) -> tuple[list[AppLoad], dict[
 def start_node(cfg_path: Path, log_path: Path, ready_timeout_s: float) -> subprocess.Popen:
     """`gpuprims-orchestrator start cfg_path` in its own session, output to log_path."""
     with open(log_path, "w") as log_f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "start", str(cfg_path), "--ready-timeout",
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", "start", str(cfg_path), "--ready-timeout",
                                  str(ready_timeout_s)], cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
 def stop_node(proc: subprocess.Popen, ctl: NodeControl | None, timeout_s: float = 120.0) -> int:
     """Ask the node to stop (draining); kill its session if it has not exited within timeout_s."""
-    from orchestrator.messages import StopRequest
+    from orchestrator.control.messages import StopRequest
 
     if ctl is not None and proc.poll() is None:
         with contextlib.suppress(Exception):
@@ -519,7 +519,7 @@ def _busy_loops(n: int) -> list[subprocess.Popen]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.messages import SetGpuRequest
+    from orchestrator.control.messages import SetGpuRequest
 
     rng = random.Random(args.seed)  # faults
     tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))

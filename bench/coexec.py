@@ -35,8 +35,8 @@ from bench import serving as sv
 from bench.common import ROOT, git_commit, machine_info, results_dir, write_result
 from gpuprims.coexec.scenarios import paper_chrion, paper_duet, paper_sir
 from gpuprims.profile import save_profile, with_stages
-from orchestrator.config import parse_config
-from orchestrator.dispatch import measured_profile
+from orchestrator.config.schema import parse_config
+from orchestrator.node.dispatch import measured_profile
 
 CPU_DIR = ROOT / "gpuprims" / "coexec" / "profiles" / "cpu"
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from bench import serving as sv
 from bench.common import write_result
-from orchestrator.node import Node
+from orchestrator.node.node import Node
 
 SHAPE = (3, 32, 32)
 SLO_MS = 200.0  # the SLO the client measures attainment against

@@ -85,8 +85,8 @@ from gpuprims.cpushare import plan_cpu_shares
 from gpuprims.engines import EngineCache, EngineError, ModelSource, Target, make_engine
 from gpuprims.traffic.report import RATE_TOLERANCE, Report
 from gpuprims.traffic.stream import AppStream
-from orchestrator.config import NodeConfig, parse_config
-from orchestrator.node import StartError
+from orchestrator.config.schema import NodeConfig, parse_config
+from orchestrator.node.node import StartError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """bench/flood: the node's memory under a flood of oversized bodies (issue 27 item 8), against a real node.
 
-A node is started as a user starts it (``python -m orchestrator.cli start``) from the example apps
+A node is started as a user starts it (``python -m orchestrator.cli.main start``) from the example apps
 (examples/apps.yaml's ``classify`` and ``detect``, ``engine: eager`` so it starts fast, no shadow) in a
 private runtime directory, on loopback, with its UDP ingest, HTTP and gRPC front door. Its resident
 memory (VmRSS, and the peak VmHWM, from /proc/<pid>/status) is read idle, then during four floods,
@@ -434,7 +434,7 @@ def run(body_bytes: int, sample_s: float, timeout_s: float, ready_timeout_s: flo
         env = {**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"}
         log_path = Path(tmp) / "node.log"
         with log_path.open("w") as log:
-            node = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "start", "--name", "flood", str(cfg)],
+            node = subprocess.Popen([sys.executable, "-m", "orchestrator.cli.main", "start", "--name", "flood", str(cfg)],
                                     env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             try:
                 udp_port = _wait_up(log_path, node, ready_timeout_s)
@@ -460,11 +460,11 @@ def run(body_bytes: int, sample_s: float, timeout_s: float, ready_timeout_s: flo
                 after = normal_requests(udp, http_addr, grpc_target, x, timeout_s)
                 hwm_kb = proc_kb(node.pid, "VmHWM") or 0
                 end_kb = proc_kb(node.pid, "VmRSS") or 0
-                stop = subprocess.run([sys.executable, "-m", "orchestrator.cli", "stop", "--name", "flood"], env=env,
+                stop = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "stop", "--name", "flood"], env=env,
                                       cwd=ROOT, capture_output=True, text=True, timeout=120)
                 node.wait(timeout=60)
                 if stop.returncode != 0:
-                    raise RuntimeError(f"orchestrator.cli stop failed ({stop.returncode}): {stop.stderr[-2000:]}")
+                    raise RuntimeError(f"orchestrator.cli.main stop failed ({stop.returncode}): {stop.stderr[-2000:]}")
             finally:
                 if node.poll() is None:
                     node.kill()

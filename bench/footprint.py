@@ -5,14 +5,14 @@ CLI's ``status`` and ``stop`` only talk to it, so neither needs torch. This meas
 
 - ``node_rss_mb``: the node process's resident memory (VmRSS, and its peak VmHWM) once it is up and
   serving one small app (MobileNetV2 at 3x32x32; the instance is a process of its own, not counted);
-- ``status_wall_s`` / ``stop_wall_s``: the wall time of ``python -m orchestrator.cli status`` and
+- ``status_wall_s`` / ``stop_wall_s``: the wall time of ``python -m orchestrator.cli.main status`` and
   ``stop`` against that node, from exec to exit (median of ``--repeats`` for status; stop runs once);
 - ``status_nonode_wall_s`` / ``stop_nonode_wall_s``: the same two commands when no node runs (they
   answer "no running node" and exit 1): the CLI's start alone, exec to exit (median of ``--repeats``);
 - ``status_heavy_modules``: which heavy modules (torch, numpy, aiohttp, grpc, pydantic, the node, ...)
   a ``status`` run has in ``sys.modules`` when it exits (none since the lazy command group);
-- ``cli_import_s``: ``python -X importtime -c "import orchestrator.cli"``'s cumulative time of the
-  ``orchestrator.cli`` import (median of ``--repeats``), and whether torch was imported. Since the
+- ``cli_import_s``: ``python -X importtime -c "import orchestrator.cli.main"``'s cumulative time of the
+  ``orchestrator.cli.main`` import (median of ``--repeats``), and whether torch was imported. Since the
   commands load lazily this is the group alone; ``status`` adds its control client to it.
 
 ``--no-node`` measures only what needs no node (the no-node walls, the heavy modules, the import).
@@ -61,9 +61,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import load_note, write_result
-from orchestrator.control import ControlError, connect_command, control_address, read_token
-from orchestrator.memory import mapped_files, read_pss
-from orchestrator.messages import StatusRequest
+from orchestrator.control.channel import ControlError, connect_command, control_address, read_token
+from orchestrator.control.memory import mapped_files, read_pss
+from orchestrator.control.messages import StatusRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,11 +78,11 @@ apps:
 """
 #: Modules a control-socket command (status, stop) has no use for; `status_heavy_modules` lists those it loaded.
 HEAVY = ("torch", "numpy", "aiohttp", "grpc", "pydantic", "yaml", "prometheus_client", "gpuprims._native",
-         "orchestrator.node", "orchestrator.config", "orchestrator.frontdoor", "orchestrator.metrics")
+         "orchestrator.node.node", "orchestrator.config.schema", "orchestrator.frontdoor", "orchestrator.node.metrics")
 #: Runs the CLI as the console script does, then prints which HEAVY modules it loaded (on stderr, last line).
 PROBE = f"""
 import json, sys
-from orchestrator import cli
+from orchestrator.cli import main as cli
 try:
     cli.main(sys.argv[1:], prog_name="gpuprims-orchestrator")
     code = 0
@@ -105,11 +105,11 @@ def _proc_kb(pid: int, key: str) -> int | None:
 
 def _cli(python: str, env: dict[str, str], cwd: Path, *args: str, timeout_s: float = 120.0) -> tuple[float, str]:
     t0 = time.perf_counter()
-    r = subprocess.run([python, "-m", "orchestrator.cli", *args], env=env, cwd=cwd, capture_output=True, text=True,
+    r = subprocess.run([python, "-m", "orchestrator.cli.main", *args], env=env, cwd=cwd, capture_output=True, text=True,
                        timeout=timeout_s)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
-        raise RuntimeError(f"orchestrator.cli {' '.join(args)} failed ({r.returncode}): {r.stderr[-2000:]}")
+        raise RuntimeError(f"orchestrator.cli.main {' '.join(args)} failed ({r.returncode}): {r.stderr[-2000:]}")
     return wall, r.stdout
 
 
@@ -117,11 +117,11 @@ def _cli_no_node(python: str, env: dict[str, str], cwd: Path, *args: str,
                  timeout_s: float = 120.0) -> float:
     """Wall time of one CLI command that finds no node (it must say so and exit 1)."""
     t0 = time.perf_counter()
-    r = subprocess.run([python, "-m", "orchestrator.cli", *args], env=env, cwd=cwd, capture_output=True, text=True,
+    r = subprocess.run([python, "-m", "orchestrator.cli.main", *args], env=env, cwd=cwd, capture_output=True, text=True,
                        timeout=timeout_s)
     wall = time.perf_counter() - t0
     if r.returncode != 1 or "no running node" not in r.stderr:
-        raise RuntimeError(f"orchestrator.cli {' '.join(args)} with no node: exit {r.returncode}, {r.stderr[-2000:]}")
+        raise RuntimeError(f"orchestrator.cli.main {' '.join(args)} with no node: exit {r.returncode}, {r.stderr[-2000:]}")
     return wall
 
 
@@ -154,7 +154,7 @@ def no_node(python: str, cwd: Path, repeats: int) -> dict[str, Any]:
 
 
 def imports(python: str, cwd: Path, repeats: int) -> dict[str, Any]:
-    """``import orchestrator.cli``'s cumulative time (median of ``repeats``) and whether torch came with it."""
+    """``import orchestrator.cli.main``'s cumulative time (median of ``repeats``) and whether torch came with it."""
     runs = [import_time_s(python, cwd) for _ in range(repeats)]
     return {
         "summary": {"cli_import_s": round(statistics.median(t for t, _ in runs), 3),
@@ -163,7 +163,7 @@ def imports(python: str, cwd: Path, repeats: int) -> dict[str, Any]:
     }
 
 
-def import_time_s(python: str, cwd: Path, module: str = "orchestrator.cli") -> tuple[float, bool]:
+def import_time_s(python: str, cwd: Path, module: str = "orchestrator.cli.main") -> tuple[float, bool]:
     """Cumulative import time of ``module`` in a fresh interpreter (-X importtime), and whether torch came."""
     r = subprocess.run([python, "-X", "importtime", "-c", f"import {module}"], cwd=cwd, capture_output=True,
                        text=True, timeout=300)
@@ -191,7 +191,7 @@ def with_node(python: str, cwd: Path, repeats: int, ready_timeout_s: float) -> d
         cfg.write_text(CONFIG)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"}
         log = (Path(tmp) / "node.log").open("w")
-        node = subprocess.Popen([python, "-m", "orchestrator.cli", "start", "--name", "fp", str(cfg)], env=env,
+        node = subprocess.Popen([python, "-m", "orchestrator.cli.main", "start", "--name", "fp", str(cfg)], env=env,
                                 cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + ready_timeout_s
@@ -262,7 +262,7 @@ class SweepRun:
     start_s: float
     settled_s: float
     processes: list[ProcessFootprint]
-    status_memory: dict[str, Any] | None  # what the node's own status said (orchestrator/memory.py)
+    status_memory: dict[str, Any] | None  # what the node's own status said (orchestrator/control/memory.py)
 
     def pss_of(self, *roles: str) -> float:
         return round(sum(p.pss_mb or 0.0 for p in self.processes if p.role in roles), 1)
@@ -315,7 +315,7 @@ def sweep_one(python: str, cwd: Path, tmp: Path, n: int, engine: str, shadow: st
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("w") as log:
         t0 = time.monotonic()
-        node = subprocess.Popen([python, "-m", "orchestrator.cli", "start", "--run-dir", str(run_dir), str(cfg)],
+        node = subprocess.Popen([python, "-m", "orchestrator.cli.main", "start", "--run-dir", str(run_dir), str(cfg)],
                                 env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = t0 + ready_timeout_s

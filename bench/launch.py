@@ -1,6 +1,6 @@
 """bench/launch: how long a node takes to start its instances and to replace a killed one, with
-instances started as processes (``python -m orchestrator.launch``, `SubprocessLauncher`) and forked
-from a ready fork server (`ForkLauncher`, the node's default; orchestrator/forkserver.py).
+instances started as processes (``python -m orchestrator.worker.launch``, `SubprocessLauncher`) and forked
+from a ready fork server (`ForkLauncher`, the node's default; orchestrator/worker/forkserver.py).
 
 Each round starts a node on a copy of ``examples/apps.yaml`` (private run dir, free UDP port, no
 front door), once per launcher, interleaved so both see the same machine: the start (``Node.start``
@@ -29,8 +29,8 @@ from typing import Any
 
 from bench.chaos import private_config
 from bench.common import ROOT, load_note, write_result
-from orchestrator.launcher import ForkLauncher, Launcher, SubprocessLauncher
-from orchestrator.node import Node
+from orchestrator.node.launcher import ForkLauncher, Launcher, SubprocessLauncher
+from orchestrator.node.node import Node
 
 
 def _until(node: Node, cond: Any, timeout_s: float, what: str) -> None:

@@ -37,8 +37,8 @@ from bench.common import write_result
 from bench.overlap import capacity_rps
 from gpuprims import wire
 from gpuprims.traffic.stream import AppStream
-from orchestrator.monitor import Monitor
-from orchestrator.node import Node
+from orchestrator.node.monitor import Monitor
+from orchestrator.node.node import Node
 
 SHAPE = (3, 32, 32)
 MODEL = "mobilenet_v2"

@@ -41,8 +41,8 @@ from bench import serving as sv
 from bench.common import write_result
 from gpuprims import wire
 from gpuprims.traffic.stream import AppStream
-from orchestrator.node import Node
-from orchestrator.reconfig import change_gpu_pct, restart_gpu_pct
+from orchestrator.node.node import Node
+from orchestrator.node.reconfig import change_gpu_pct, restart_gpu_pct
 
 SHAPE = (3, 32, 32)
 MODEL = "mobilenet_v2"

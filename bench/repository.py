@@ -82,8 +82,8 @@ from gpuprims.engines.files import make_file_engine
 from gpuprims.modelrepo import ModelConfig, RepositoryError, RepositoryModel, scan
 from gpuprims.modelrepo import load_model as load_repository_model
 from gpuprims.tensors import DataType, ModelSignature
-from orchestrator.config import ConfigError, NodeConfig, parse_config
-from orchestrator.node import Node, StartError
+from orchestrator.config.schema import ConfigError, NodeConfig, parse_config
+from orchestrator.node.node import Node, StartError
 
 EXAMPLES = ROOT / "examples"
 #: The issue's goal for ``node_over_engine_ratio`` (reported beside the figures, never asserted).

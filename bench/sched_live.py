@@ -49,9 +49,9 @@ from bench.common import results_dir, write_result
 from gpuprims import wire
 from gpuprims.sched.scheduler import make_scheduler
 from gpuprims.sched.sim import Arrival, Workload, simulate
-from orchestrator.config import parse_config
-from orchestrator.dispatch import PROBE_MS, RunRecord
-from orchestrator.node import Node
+from orchestrator.config.schema import parse_config
+from orchestrator.node.dispatch import PROBE_MS, RunRecord
+from orchestrator.node.node import Node
 
 SHAPE = (3, 32, 32)
 DEADLINE_MS = 400.0

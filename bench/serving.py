@@ -19,8 +19,8 @@ import numpy as np
 from gpuprims import wire
 from gpuprims.traffic.report import Report
 from gpuprims.traffic.stream import AppStream, Stream
-from orchestrator.config import NodeConfig, parse_config
-from orchestrator.node import Node
+from orchestrator.config.schema import NodeConfig, parse_config
+from orchestrator.node.node import Node
 
 POOL = {"slot_count": 8192, "max_chunks": 1024, "record_count": 512}
 

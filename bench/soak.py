@@ -147,7 +147,7 @@ def plot(path: Path, times_s: list[float], series: dict[str, dict[str, list[floa
 
 
 def main() -> int:
-    from orchestrator.messages import SetGpuRequest
+    from orchestrator.control.messages import SetGpuRequest
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=3600.0, help="Seconds of steady load.")

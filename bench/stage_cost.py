@@ -1,6 +1,6 @@
 """bench/stage_cost: what each stage of an instance's per-batch path costs, in CPU time and wall time.
 
-An instance (orchestrator.instance.Instance, the real serving loop) serves requests from a real pool
+An instance (orchestrator.worker.instance.Instance, the real serving loop) serves requests from a real pool
 and native ingest in this process, one request at a time at a steady pace (batch 1, as bench/e2e's
 low-load traffic), with its stage clock (gpuprims.stats.StageClock) reading either
 ``time.thread_time_ns`` (the CPU time the serving thread spent in each stage: what the framework's
@@ -11,7 +11,7 @@ time, as the instance reports it). The two clocks alternate batch by batch. The 
 It also times the heartbeat's snapshot (``heartbeat_*``), which the serving thread takes between two
 batches, on statistics as full as a long-running instance's (4,096 latencies, 512 model times, 1,024
 batches of stage samples), forced to recompute every time: as the instance takes it
-(``orchestrator.serving.LatencyStats.snapshot``) and as it was taken before issue 26 (``np.percentile``
+(``orchestrator.worker.serving.LatencyStats.snapshot``) and as it was taken before issue 26 (``np.percentile``
 over a deque, ``heartbeat_numpy_*``), alternating, paired.
 
 Run: ``python -m bench.stage_cost [--quick] [--name NAME]``. Reports, never asserts.
@@ -35,8 +35,8 @@ from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES, StageClock
 from gpuprims.traffic.images import request_body
-from orchestrator.instance import Instance, InstanceSpec
-from orchestrator.serving import LatencyStats
+from orchestrator.worker.instance import Instance, InstanceSpec
+from orchestrator.worker.serving import LatencyStats
 
 SHAPE = (3, 64, 64)
 RATE = 10.0

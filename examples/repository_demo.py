@@ -35,7 +35,7 @@ import repository_client
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "example-repository"
-#: Where a bare ``start --model-repository`` node listens (orchestrator/cli_node.py REPOSITORY_DEFAULTS).
+#: Where a bare ``start --model-repository`` node listens (orchestrator/cli/node.py REPOSITORY_DEFAULTS).
 HTTP, GRPC, UDP = "127.0.0.1:8000", "127.0.0.1:8001", ("127.0.0.1", 9000)
 #: How long ``stop`` may take to drain and reap the node before its process is terminated, then killed.
 STOP_TIMEOUT_S = 60.0

@@ -66,10 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def _fork_servers_reaped() -> Iterator[None]:
-    """The nodes of this session share this process's fork servers (orchestrator.launcher.ForkLauncher);
+    """The nodes of this session share this process's fork servers (orchestrator.node.launcher.ForkLauncher);
     they end, and are reaped, with the session."""
     yield
-    from orchestrator.launcher import ForkLauncher
+    from orchestrator.node.launcher import ForkLauncher
 
     ForkLauncher.close_all()
 

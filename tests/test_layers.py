@@ -166,11 +166,53 @@ def test_no_import_circle() -> None:
     assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("module", ["orchestrator.reconfig"])
+#: The rooms of ``orchestrator/`` and which other rooms each may import. ``control`` is the shared
+#: vocabulary and the wire (it imports no room); the worker never imports the node; the front door
+#: reads the node's statistics record and repository through control's types, so the node may start it.
+ROOMS: dict[str, set[str]] = {
+    "control": set(),
+    "config": {"control"},
+    "worker": {"control"},
+    "frontdoor": {"control", "config"},
+    "node": {"control", "config", "worker", "frontdoor"},
+    "fleet": {"control", "config", "worker", "frontdoor", "node"},
+    "cli": {"control", "config", "node"},
+}
+#: Modules that import less than their room may: the commands that only talk to a running node.
+NARROWER = {"orchestrator.cli.control": {"control"}}
+
+
+def test_every_orchestrator_module_sits_in_a_room() -> None:
+    loose = [m for m in MODULES if m.startswith("orchestrator.") and m.split(".")[1] not in ROOMS]
+    assert not loose, f"modules outside orchestrator's rooms {sorted(ROOMS)}: {loose}"
+
+
+def test_rooms_import_only_what_their_row_allows() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        if not module.startswith("orchestrator.") or module.split(".")[1] not in ROOMS:
+            continue
+        room = module.split(".")[1]
+        allowed = NARROWER.get(module, ROOMS[room])
+        for name, line in _imports(module, path):
+            target = _resolve(name)
+            if target is None or not target.startswith("orchestrator.") or target == "orchestrator":
+                continue
+            other = target.split(".")[1]
+            if other != room and other not in allowed:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({room}) imports {target} ({other})")
+    assert not bad, "imports against the rooms table:\n" + "\n".join(bad)
+
+
+def test_the_rooms_table_itself_has_no_circle() -> None:
+    assert _cycles({room: set(allowed) for room, allowed in ROOMS.items()}) == []
+
+
+@pytest.mark.parametrize("module", ["orchestrator.node.reconfig"])
 def test_reconfig_imports_no_node_module(module: str) -> None:
     path = MODULES[module]
     names = [name for name, _ in _imports(module, path)]
-    assert not [n for n in names if n.startswith("orchestrator.node")], names
+    assert not [n for n in names if n.startswith("orchestrator.node.node")], names
 
 
 def test_the_checker_finds_a_circle() -> None:
@@ -181,11 +223,11 @@ def test_the_checker_finds_a_circle() -> None:
 #: Modules of the node process and the CLI: none may import torch (the instances run the models). Nor
 #: may the instance code, its launchers and a model file's engines on ONNX Runtime and OpenVINO: an
 #: instance serving such a file (and its fork server) maps no torch (issue 46).
-TORCH_FREE = ("orchestrator.node", "orchestrator.cli", "orchestrator.cli_control", "orchestrator.cli_node",
-              "orchestrator.config", "orchestrator.supervisor",
-              "orchestrator.frontdoor", "orchestrator.metrics", "orchestrator.status_format", "apps.zoo",
-              "apps.zoo.names", "orchestrator.instance", "orchestrator.serving", "orchestrator.tensor_serving",
-              "orchestrator.file_runner", "orchestrator.launch", "orchestrator.launcher", "orchestrator.forkserver",
+TORCH_FREE = ("orchestrator.node.node", "orchestrator.cli.main", "orchestrator.cli.control", "orchestrator.cli.node",
+              "orchestrator.config.schema", "orchestrator.node.supervisor",
+              "orchestrator.frontdoor", "orchestrator.node.metrics", "orchestrator.control.status_format", "apps.zoo",
+              "apps.zoo.names", "orchestrator.worker.instance", "orchestrator.worker.serving", "orchestrator.worker.tensor_serving",
+              "orchestrator.worker.file_runner", "orchestrator.worker.launch", "orchestrator.node.launcher", "orchestrator.worker.forkserver",
               "gpuprims.engines.kinds", "gpuprims.engines.file_onnx", "gpuprims.engines.file_tensorrt")
 
 

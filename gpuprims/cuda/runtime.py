@@ -189,7 +189,7 @@ def _free_device(rt: Any, device: int, ptr: int, nbytes: int) -> None:
 def device_bytes_in_use(device: int | None = None) -> int:
     """Bytes of device memory this process allocated through :class:`DeviceMemory` (cudaMalloc) and has
     not freed, on ``device`` or on all devices. A per-process count (cudaMemGetInfo's is per device);
-    memory torch's allocator holds is not in it (see ``orchestrator.memory``)."""
+    memory torch's allocator holds is not in it (see ``orchestrator.control.memory``)."""
     if device is not None:
         return _device_bytes.get(device, 0)
     return sum(_device_bytes.values())

@@ -11,7 +11,7 @@ only when an instance builds the engine (:meth:`EngineKind.load`). Two tables:
 
 The engine classes take their option checks from here (``Engine.validate_options``/``check``), so a
 rule is written once. ``needs_torch`` is what an instance of the kind imports to serve: the fork server
-it is forked from preloads torch only for those (``orchestrator.launcher``). A zoo model on a kind that
+it is forked from preloads torch only for those (``orchestrator.node.launcher``). A zoo model on a kind that
 does not need torch still needs it once, to export the model (``gpuprims-engine build``, or the first
 start); a model file on such a kind never does.
 

@@ -1,6 +1,6 @@
 """The agent: one per gpuprims machine, a Ray actor that runs today's orchestrator beside it.
 
-The agent starts ``gpuprims-orchestrator start`` (``python -m orchestrator.cli start``) unchanged as
+The agent starts ``gpuprims-orchestrator start`` (``python -m orchestrator.cli.main start``) unchanged as
 its child process, with a generated apps.yaml that turns the model-repository API on (a fresh bearer
 token, private to the run directory) and lists no app: the controller loads them. The child is told
 to die with the agent (PR_SET_PDEATHSIG, SIGTERM: it drains and exits), so an orchestrator is never
@@ -34,11 +34,11 @@ from typing import Any
 
 import yaml
 
-from orchestrator.control import connect_command, control_address, read_token
+from orchestrator.control.channel import connect_command, control_address, read_token
+from orchestrator.control.messages import StatusReply, StatusRequest
+from orchestrator.control.rundir import read_record
 from orchestrator.fleet.routes import RoutesServer
-from orchestrator.launch import die_with_parent
-from orchestrator.messages import StatusReply, StatusRequest
-from orchestrator.rundir import read_record
+from orchestrator.worker.launch import die_with_parent
 
 log = logging.getLogger("gpuprims.fleet")
 
@@ -92,7 +92,7 @@ class Agent:
         self.started = time.monotonic()
         self.log_path = self.dir / "orchestrator.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen([python, "-m", "orchestrator.cli", "start", str(self.config_path)],
+        self.proc = subprocess.Popen([python, "-m", "orchestrator.cli.main", "start", str(self.config_path)],
                                      stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                      start_new_session=True)
         try:

@@ -22,7 +22,7 @@ import ray
 from ray._raylet import AuthenticationTokenLoader
 from ray._raylet import Config as RayConfig
 
-from orchestrator.config import ConfigError
+from orchestrator.config.schema import ConfigError
 from orchestrator.fleet.config import FleetConfig, load_fleet_config
 from orchestrator.fleet.controller import NAMESPACE, controller_actor, find_controller
 

@@ -18,7 +18,7 @@ apps:                  # apps.yaml app entries, plus `rate_rps` (expected load) 
 ```
 
 :func:`load_fleet_config` validates each app entry exactly as apps.yaml does (one at a time: the
-GPU is the planner's to choose), and raises :class:`orchestrator.config.ConfigError` naming the file,
+GPU is the planner's to choose), and raises :class:`orchestrator.config.schema.ConfigError` naming the file,
 the key and what is wrong.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from orchestrator.config import ConfigError, parse_config
+from orchestrator.config.schema import ConfigError, parse_config
 
 #: Keys of a fleet app entry that are the fleet's, not the node's.
 FLEET_APP_KEYS = ("rate_rps", "standby")

@@ -39,7 +39,7 @@ from orchestrator.fleet.agent import Agent
 from orchestrator.fleet.config import FleetConfig
 from orchestrator.fleet.plan import AppDemand, Assignment, NodeView, Planner, reshare, route_table
 from orchestrator.frontdoor.forward import route_model
-from orchestrator.placement import model_key
+from orchestrator.node.placement import model_key
 
 log = logging.getLogger("gpuprims.fleet")
 

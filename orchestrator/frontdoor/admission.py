@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gpuprims.batching import LatencyModel
+from orchestrator.control.stats import AppStatistics, NodeLoad
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.policy import PriorityError
-from orchestrator.metrics import AppStatistics, NodeLoad
 
 T = TypeVar("T")
 

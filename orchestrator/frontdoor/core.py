@@ -22,11 +22,11 @@ from gpuprims.client import DEFAULT_TIMEOUT_S, AsyncClient, RequestLost, Result
 from gpuprims.stats import StageClock
 from gpuprims.tensorwire import TensorBodyError, decode, encode_arrays
 from gpuprims.wire import DType, Status
+from orchestrator.control.stats import AppStatistics
 from orchestrator.frontdoor.admission import Admission, RequestParams, Ticket
 from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.models import ModelInfo
 from orchestrator.frontdoor.transport import STAGES, Marks, Transport, UdpTransport
-from orchestrator.metrics import AppStatistics
 
 #: Error kinds and the HTTP status code of each (the gRPC codes are in grpc_server.py).
 HTTP_CODE = {"invalid": 400, "not_found": 404, "unavailable": 503, "deadline": 504, "internal": 500,

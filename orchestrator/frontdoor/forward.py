@@ -37,8 +37,8 @@ from gpuprims.client import FAILOVER_STATUSES, AsyncClient, RequestLost, Result
 from gpuprims.modelrepo import ModelConfig
 from gpuprims.tensorwire import decode
 from gpuprims.wire import DType, Status
-from orchestrator import model_files
-from orchestrator.config import AppConfig
+from orchestrator.config import model_files
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor.models import ModelInfo, model_info, output_dim
 from orchestrator.frontdoor.transport import Marks
 

@@ -32,7 +32,7 @@ from orchestrator.frontdoor import shm, tensors
 from orchestrator.frontdoor.admission import AdmissionError, http_params
 from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.models import NUMPY_OF, OUTPUT_NAME
-from orchestrator.frontdoor.repository import add_repository_routes
+from orchestrator.frontdoor.repository_api import add_repository_routes
 from orchestrator.frontdoor.transport import Marks
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -334,7 +334,7 @@ def max_body_bytes(core: Core) -> int:
 
 
 def make_app(core: Core, repository: Any = None, repository_token: str | None = None) -> web.Application:
-    """The aiohttp application serving ``core``; with ``repository`` (orchestrator.repository.Repository)
+    """The aiohttp application serving ``core``; with ``repository`` (orchestrator.node.repository.Repository)
     also the model-repository load/unload routes, behind ``repository_token`` (frontdoor/repository.py)."""
     app = web.Application(middlewares=[_errors], client_max_size=max(max_body_bytes(core), 1 << 20))
     app[CORE_KEY] = core

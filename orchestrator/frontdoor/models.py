@@ -17,9 +17,9 @@ import numpy as np
 
 from apps.zoo.names import NAMES, canonical_name
 from gpuprims.tensors import ModelSignature, TensorSpec
-from orchestrator.config import AppConfig
+from orchestrator.config.model_files import model_name
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor.policy import AdmissionPolicy, admission_policy
-from orchestrator.model_files import model_name
 
 #: OIP datatype name of each app dtype, and numpy dtypes of OIP datatypes the front door reads.
 OIP_DATATYPE = {"float32": "FP32", "uint8": "UINT8"}
@@ -65,7 +65,7 @@ class ModelInfo:
     #: Queue policy and priority levels at the front door (orchestrator/frontdoor/admission.py).
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     #: The app that serves it: the model's name, or one version's app (``<model>-v<version>``) when the
-    #: model's version_policy serves several versions (orchestrator/model_files.py). "" means ``name``.
+    #: model's version_policy serves several versions (orchestrator/config/model_files.py). "" means ``name``.
     app: str = ""
 
     @property

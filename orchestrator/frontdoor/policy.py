@@ -1,6 +1,6 @@
 """An app's admission policy at the front door: Triton's queue policy and priority levels, one record.
 
-It comes from the app's ``admission:`` section in apps.yaml (`orchestrator.config.AdmissionConfig`)
+It comes from the app's ``admission:`` section in apps.yaml (`orchestrator.config.schema.AdmissionConfig`)
 or, for a model file, from its config.pbtxt ``dynamic_batching`` (``default_queue_policy``,
 ``priority_levels``, ``default_priority_level``); the apps.yaml section wins where both exist.
 `orchestrator.frontdoor.admission` applies it to each inference (docs/oip.md, "Admission").
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuprims.modelrepo.config import QueuePolicy, TimeoutAction
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
 
 #: HTTP codes a refusal may be answered with (Triton's queue policy answers 503 UNAVAILABLE).
 REFUSE_STATUSES = (503, 429)

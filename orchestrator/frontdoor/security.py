@@ -8,7 +8,7 @@ the server library and leaves every other connection alone.
 
 The token: with one configured, every inference (``POST .../infer``, gRPC ``ModelInfer``) must carry
 ``Authorization: Bearer <token>`` (gRPC metadata ``authorization``), compared in constant time
-(:func:`orchestrator.frontdoor.repository.authorized`, the repository API's check). One without it is
+(:func:`orchestrator.frontdoor.repository_api.authorized`, the repository API's check). One without it is
 answered 401 / UNAUTHENTICATED before its body is read or its message parsed, and counted in
 :attr:`TokenGuard.refused`. Health, metadata, configuration and statistics stay open.
 """
@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from orchestrator.config import is_loopback
+from orchestrator.config.schema import is_loopback
 from orchestrator.frontdoor.core import HTTP_CODE
-from orchestrator.frontdoor.repository import authorized
+from orchestrator.frontdoor.repository_api import authorized
 
 #: The gRPC method a token guards (the streaming one answers UNIMPLEMENTED whatever it carries).
 GUARDED_GRPC_METHODS = frozenset({"/inference.GRPCInferenceService/ModelInfer",

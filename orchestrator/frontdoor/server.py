@@ -22,7 +22,8 @@ from aiohttp import web
 
 from gpuprims.client import AsyncClient
 from gpuprims.ingest import Ingest
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
+from orchestrator.control.stats import AppStatistics
 from orchestrator.frontdoor.core import Core, Unavailable
 from orchestrator.frontdoor.forward import Forwarder
 from orchestrator.frontdoor.grpc_server import make_server
@@ -30,7 +31,6 @@ from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import DEFAULT_REQUEST_BYTES, ModelInfo, model_info
 from orchestrator.frontdoor.security import ServerTls, TokenGuard, plaintext_warning
 from orchestrator.frontdoor.transport import PoolTransport, Transport, UdpTransport
-from orchestrator.metrics import AppStatistics
 
 log = logging.getLogger("gpuprims.frontdoor")
 #: How long start_frontdoor waits for both servers to listen.

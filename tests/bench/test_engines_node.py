@@ -101,7 +101,7 @@ def test_config_puts_the_app_on_the_engine_and_the_share_asked() -> None:
     assert both.node.engine_cache == "/tmp/x-cache" and one.node.engine_cache != "/tmp/x-cache"
 
 
-@pytest.mark.heavy  # a real node per engine; the node with engines is tests/orchestrator/test_node_engines.py
+@pytest.mark.heavy  # a real node per engine; the node with engines is tests/orchestrator/node/test_node_engines.py
 def test_quick_run_through_a_node_writes_the_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "results_dir", lambda backend: tmp_path)
     bench.main(["--quick", "--cache", str(tmp_path / "cache"), "--name", "engines_node-smoke"])

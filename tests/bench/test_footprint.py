@@ -52,7 +52,7 @@ def test_repeats_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize("engine", ["eager", "onnxruntime"])
 @pytest.mark.parametrize("shadow", ["warm", "cold"])
 def test_the_sweeps_configs_are_valid(tmp_path: Path, engine: str, shadow: str) -> None:
-    from orchestrator.config import load_config
+    from orchestrator.config.schema import load_config
 
     p = tmp_path / "apps.yaml"
     p.write_text(footprint.sweep_config(8, engine, shadow, tmp_path / "cache"))

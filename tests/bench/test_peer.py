@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from bench import peer
-from orchestrator.config import parse_config
+from orchestrator.config.schema import parse_config
 
 
 def test_schedule_interleaves_and_alternates_who_goes_first() -> None:
@@ -369,7 +369,7 @@ def test_the_http_and_grpc_drivers_count_every_request_of_a_real_front_door_once
     import asyncio
 
     from bench import serving as sv
-    from orchestrator.node import Node
+    from orchestrator.node.node import Node
 
     http, grpc = peer.free_port(socket.SOCK_STREAM), peer.free_port(socket.SOCK_STREAM)
     raw = peer.gpuprims_config("mobilenet_v2", 2000.0, 0, http_port=http, grpc_port=grpc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.sched_live import run_log_breakdown
-from orchestrator.dispatch import RunRecord
+from orchestrator.node.dispatch import RunRecord
 
 
 def test_run_log_breakdown_per_stage() -> None:

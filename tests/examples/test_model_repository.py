@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from gpuprims.engines.files import resolve_file_kind
-from orchestrator.cli import main as cli_main
-from orchestrator.config import NodeConfig, load_config, parse_config
-from orchestrator.node import Node
+from orchestrator.cli.main import main as cli_main
+from orchestrator.config.schema import NodeConfig, load_config, parse_config
+from orchestrator.node.node import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -2,7 +2,7 @@
 
 `FakeLauncher` is handed to a `Node` (``launcher=``) run with the in-process control plane
 (``control_kind="inproc"``). Each launched `FakeInstance` connects with the environment the supervisor
-gave it, exactly as ``orchestrator.launch`` would, and answers the supervisor's commands whenever the
+gave it, exactly as ``orchestrator.worker.launch`` would, and answers the supervisor's commands whenever the
 supervisor looks at it (``poll()``): Shutdown and Finish end it (Ended, exit 0), InitGpu makes a
 shadow ready. The test plays the rest: `ready`, `beat`, `end`, `error`, `die` (an exit status) and
 `hang` (it stops answering and beating). It never takes a request off its consumer ring, so what
@@ -18,15 +18,15 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.control import InstanceClient, connect_instance_from_env
-from orchestrator.messages import Ended, Error, Finish, Heartbeat, InitGpu, Ready, Shutdown
-from orchestrator.spec import InstanceSpec
+from orchestrator.control.channel import InstanceClient, connect_instance_from_env
+from orchestrator.control.messages import Ended, Error, Finish, Heartbeat, InitGpu, Ready, Shutdown
+from orchestrator.control.spec import InstanceSpec
 
 _PIDS = itertools.count(900_001)  # no real process has these ids here; they are only labels
 
 
 class FakeInstance:
-    """One played instance (the `orchestrator.launcher.InstanceProcess` surface plus the test's verbs)."""
+    """One played instance (the `orchestrator.node.launcher.InstanceProcess` surface plus the test's verbs)."""
 
     def __init__(self, spec: InstanceSpec, env: Mapping[str, str], *, auto_ready: bool) -> None:
         self.spec = spec

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.launch import die_with_parent
+from orchestrator.worker.launch import die_with_parent
 
 
 def report() -> int:

@@ -3,7 +3,7 @@
 
 The stand-in node here reassembles each request, decodes its tensors and answers with a TENSORS body
 computed from them, so a test sees that what was sent is what the spec says and that an answer's body
-reaches the report. tests/orchestrator/test_perf_analyzer_repository.py replays the same syntax into a
+reaches the report. tests/orchestrator/frontdoor/test_perf_analyzer_repository.py replays the same syntax into a
 real node serving a model of three named inputs.
 """
 

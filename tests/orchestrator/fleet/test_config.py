@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ConfigError
+from orchestrator.config.schema import ConfigError
 from orchestrator.fleet.config import load_fleet_config, parse_fleet_config
 
 GOOD = {"node": {"backend": "cpu"}, "apps": [{"name": "cls", "model": "mobilenet_v2", "slo_ms": 50, "rate_rps": 20},

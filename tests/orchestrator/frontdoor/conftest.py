@@ -11,7 +11,7 @@ import torch
 from apps.zoo import build_model
 from gpuprims.gather import preprocess
 from gpuprims.ingest import Ingest
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor import FrontDoor, start_frontdoor
 from tests.loopnode import LoopApp, LoopNode
 

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuprims.client import Result
 from gpuprims.modelrepo.config import QueuePolicy, TimeoutAction
 from gpuprims.wire import DType, Status
-from orchestrator.config import ConfigError, load_config, parse_config
+from orchestrator.config.schema import ConfigError, load_config, parse_config
+from orchestrator.control.stats import AppStatistics
 from orchestrator.frontdoor import oip_pb2 as pb
 from orchestrator.frontdoor.admission import (
     Admission,
@@ -40,7 +41,7 @@ from orchestrator.frontdoor.http_server import make_app
 from orchestrator.frontdoor.models import ModelInfo, model_info
 from orchestrator.frontdoor.policy import AdmissionPolicy, admission_policy
 from orchestrator.frontdoor.transport import Marks
-from orchestrator.metrics import AppStatistics, _Collector
+from orchestrator.node.metrics import _Collector
 
 from ...modelfiles import multi_io_onnx
 

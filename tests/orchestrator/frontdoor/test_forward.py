@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from apps.zoo import build_model
 from gpuprims.client import Result
 from gpuprims.wire import Status
-from orchestrator.config import ConfigError, load_config, parse_config
+from orchestrator.config.schema import ConfigError, load_config, parse_config
 from orchestrator.fleet.plan import Assignment, Slot, route_table
 from orchestrator.fleet.routes import RoutesServer
 from orchestrator.frontdoor import start_frontdoor
@@ -29,7 +29,7 @@ from orchestrator.frontdoor.core import Core, OipError
 from orchestrator.frontdoor.forward import Forwarder, model_info_from_route, route_model
 from orchestrator.frontdoor.models import model_info
 from orchestrator.frontdoor.transport import Marks
-from orchestrator.node import Node
+from orchestrator.node.node import Node
 from tests.loopnode import LoopNode
 from tests.modelfiles import multi_inputs, multi_io_onnx, run_onnx
 from tests.orchestrator.frontdoor.conftest import APPS, direct, inputs

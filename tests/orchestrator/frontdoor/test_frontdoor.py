@@ -20,7 +20,7 @@ import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
 from gpuprims.traffic import EchoServer
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor import FrontDoorError, start_frontdoor
 
 from .conftest import APPS, Stack, inputs

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from orchestrator.config import AppConfig, StageConfig, parse_config
+from orchestrator.config.schema import AppConfig, StageConfig, parse_config
 from orchestrator.frontdoor import model_info, oip_pb2
 from orchestrator.frontdoor.models import HEAD_BYTES
 

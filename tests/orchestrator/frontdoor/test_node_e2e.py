@@ -1,4 +1,4 @@
-"""A real node (orchestrator.node.Node, CPU backend, instance processes) with the front door beside it."""
+"""A real node (orchestrator.node.node.Node, CPU backend, instance processes) with the front door beside it."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from tritonclient.utils import InferenceServerException
 from apps.zoo import build_model
 from gpuprims.gather import preprocess
 from gpuprims.ingest import packet_balance
-from orchestrator.config import load_config
+from orchestrator.config.schema import load_config
 from orchestrator.frontdoor import start_frontdoor
-from orchestrator.node import Node
+from orchestrator.node.node import Node
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_the_node_started_from_the_example_serves_tritonclient(tmp_path_factory:
     """examples/apps.yaml as shipped (front door on), with ports and run dir made private to the test."""
     from pathlib import Path
 
-    from orchestrator.config import parse_config
+    from orchestrator.config.schema import parse_config
 
     tmp = tmp_path_factory.mktemp("example")
     example = load_config(Path(__file__).resolve().parents[3] / "examples" / "apps.yaml")

@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from gpuprims.traffic import EchoServer
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor import start_frontdoor
 from orchestrator.frontdoor.security import TlsError, TokenGuard, load_tls, plaintext_warning
 from tests.tlscerts import Certs, make_certs, needs_openssl

@@ -14,8 +14,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from orchestrator.config import load_config
-from orchestrator.node import Node
+from orchestrator.config.schema import load_config
+from orchestrator.node.node import Node
 from tests.modelfiles import multi_inputs, multi_io_onnx, run_onnx
 from tests.orchestrator.frontdoor.test_shm import _client_shm
 

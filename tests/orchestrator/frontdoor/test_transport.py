@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.wire import Status
-from orchestrator.config import AppConfig
+from orchestrator.config.schema import AppConfig
 from orchestrator.frontdoor import start_frontdoor
 from orchestrator.frontdoor.transport import STAGES
 
