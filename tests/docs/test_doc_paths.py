@@ -194,3 +194,10 @@ def test_every_doc_left_out_exists_and_says_why() -> None:
 ])
 def test_the_check_finds_a_stale_name(text: str, stale: list[str]) -> None:
     assert [n.text for n in stale_names("docs/architecture.md", text)] == stale
+
+
+def test_every_page_of_docs_is_on_the_map() -> None:
+    """README.md (its Documentation list) or CONTRIBUTING.md names every page of docs/."""
+    text = (ROOT / "README.md").read_text() + (ROOT / "CONTRIBUTING.md").read_text()
+    unlisted = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in text]
+    assert not unlisted, f"pages of docs/ that README.md and CONTRIBUTING.md do not name: {unlisted}"
