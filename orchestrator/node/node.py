@@ -88,6 +88,7 @@ from orchestrator.node.repository import (
 )
 from orchestrator.node.state import AppState, InstanceState
 from orchestrator.node.supervisor import Supervisor
+from orchestrator.node.view import node_status
 
 __all__ = ["AppState", "InstanceState", "Node", "StartError", "install_signal_handlers"]
 
@@ -126,14 +127,6 @@ def read_bearer_token(src: Any, key: str) -> str | None:
         raise StartError(f"{where} holds {'no' if not token else 'a too short'} token; use at least 16 "
                          "characters (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')")
     return token
-
-
-def _ready_engine(info: dict[str, Any]) -> dict[str, Any] | None:
-    """The engine an instance's Ready described: its own, or (a shadow's warm Ready) the pre-warm's."""
-    if info.get("engine"):
-        return info["engine"]
-    warm = info.get("engine_prewarm") or {}
-    return warm.get("main") or ({"stages": warm} if warm else None)
 
 
 class Node:
@@ -728,78 +721,9 @@ class Node:
 
     # -- status ---------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """A JSON-able snapshot: node, ingest counters and drops, per app and instance statistics, changes."""
-        counters = self.ingest.counters() if self.ingest is not None else {}
-        sup = self.supervisor
-        apps: dict[str, Any] = {}
-        for name, a in self.apps.items():
-            insts = []
-            roles = {}
-            for st in self.instances.values():
-                if st.app != name:
-                    continue
-                roles[st.name] = st.role
-                insts.append({"name": st.name, "pid": st.pid, "role": st.role, "ready": st.ready,
-                              "gpu_pct": st.spec.gpu_pct, "gpu": self._device_label(st.spec.gpu),
-                              "consumer": st.spec.consumer,
-                              "cores": st.spec.cores, "warm": bool(st.info.get("warm")),
-                              "prewarm": st.info.get("prewarm"), **st.stats,
-                              # the heartbeat's; before the first one, what its (warm) Ready said
-                              "engine": st.stats.get("engine") or _ready_engine(st.info),
-                              "memory": sup.instance_memory(st).to_dict() if sup is not None else None})
-            totals = a.stats.totals(roles)
-            running = self.changes.running.get(name)
-            apps[name] = {
-                "app_id": a.cfg.app_id, "model": a.cfg.model, "slo_ms": a.cfg.slo_ms, "gpu_pct": a.gpu_pct,
-                "gpu": self._device_label(self.placement.device_of(name)),
-                "instances": insts, "restarts": a.restarts, "failed_by_crash": a.failed_by_crash,
-                "requeued_by_crash": a.requeued_by_crash, "hangs": a.hangs, "shadow_restarts": a.shadow_restarts,
-                "change": running.to_dict() if running is not None else None, **totals,
-                "memory": sup.app_memory(name).to_dict() if sup is not None else None,
-                "overflow": self.overflow.split(name, self.instances.values())
-                if self.overflow is not None and name in self.overflow.pools else None,
-            }
-            if a.cfg.file is not None:  # a model file: its version, and the config fields without effect
-                apps[name]["model_file"] = {"version": a.cfg.file.version, "repository": a.cfg.file.repository,
-                                            "ignored": list(a.cfg.file.config.ignored)}
-        return {
-            "node": {"backend": self.backend, "pid": os.getpid(), "run_dir": str(self.run_dir),
-                     "mps": None if self.mps is None else {"active": self.mps.active, "started": self.mps.started,
-                                                           "reason": self.mps.reason},
-                     "ports": self.ingest.ports if self.ingest else [],
-                     # GPU% held on each device (cuda: by GPU index; cpu: the one CPU device)
-                     "gpus": {str(self._device_label(dev)): pct for dev, pct in
-                              sorted(self.placement.device_load().items())},
-                     "uptime_s": time.monotonic() - self.started_at if self.started_at else 0.0,
-                     "errors": dict(self.errors),
-                     # CPU backend: the cores the node's own threads are kept on (null: any)
-                     "own_cores": self.own_cores,
-                     # The fork servers instances are forked from (orchestrator/worker/forkserver.py): their
-                     # memory is the node's too.
-                     "fork_servers": self.launcher.describe() if isinstance(self.launcher, ForkLauncher) else [],
-                     # PSS of every process of the node, and the instances' device memory (orchestrator/control/memory.py)
-                     "memory": sup.node_memory().to_dict() if sup is not None else None},
-            "ingest": counters,
-            # Datagrams dropped by reason: the packets' (drop_*), and answers held for a full send
-            # buffer until their request's deadline passed.
-            "drops": {k[5:] if k.startswith("drop_") else k: v for k, v in counters.items()
-                      if (k.startswith("drop_") or k == "answers_expired") and v},
-            "control_rejected": dict(self.server.rejected) if self.server is not None else {},
-            "apps": apps,
-            "decisions": [e for e in self.events if e["event"] == "decision"][-20:],
-            "changes": {"counts": dict(self.changes.counts),
-                        "recent": [ch.to_dict() for ch in list(self.changes)[-10:]]},
-            "scheduler": self.dispatcher.status() if self.dispatcher is not None else {"name": "spatial"},
-            # Param-Share's live copies: who owns each (a holder pid, or the node's segment) and who maps it
-            "param_share": self.params.describe() if self.params is not None else [],
-            "repository": None if self.repository is None else {
-                "running": {n: op.phase for n, op in self.repository.running.items()},
-                "recent": list(self.repository.recent)},
-        }
-
-    def _device_label(self, dev: int) -> int | str:
-        """How status names a device: the GPU index on cuda, ``"cpu"`` on the CPU backend."""
-        return dev if self.backend == "cuda" else "cpu"
+        """A JSON-able snapshot: node, ingest counters and drops, per app and instance statistics, changes
+        (orchestrator/node/view.py)."""
+        return node_status(self)
 
     # -- stop -----------------------------------------------------------------------------------------
     def stop(self, drain: bool = True) -> None:
