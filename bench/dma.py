@@ -25,7 +25,7 @@ import numpy as np
 from bench.common import percentiles, write_result
 from gpuprims.backend import resolve_backend
 from gpuprims.cuda import IMAGENET, PinnedPool, cuda_copy_gather, gpu_dma, sync_lite
-from gpuprims.cuda.synthetic import SyntheticPool
+from gpuprims.testing.synthetic import SyntheticPool
 
 BATCH = 8
 SHAPE = (224, 224, 3)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import git_commit, machine_info, machine_name, percentiles
-from gpuprims.cuda import fake, runtime
+from gpuprims.cuda import runtime
 from gpuprims.engines import KINDS, EngineCache, EngineError, ModelSource, Target, make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", type=Path, default=None, help="directory for the JSON (default bench/results/<gpu>/)")
     args = ap.parse_args(argv)
     if args.fake:
-        os.environ[fake.FAKE_ENV] = os.environ.get(fake.FAKE_ENV) or "1"
+        os.environ[runtime.FAKE_ENV] = os.environ.get(runtime.FAKE_ENV) or "1"
     elif not runtime.is_fake():
         from gpuprims.backend import cuda_available
 

@@ -1,13 +1,13 @@
 """The GPU-DMA kernel source run on the host, full sweep: native/cuda/dma.cu built unchanged with g++
 against the host shim of the CUDA runtime, plainly and with ASan+UBSan, compared case by case with
-the CPU reference (gpuprims.cuda.hostsim: shapes around chunk boundaries, chunk payloads, copy and
+the CPU reference (gpuprims.testing.hostsim: shapes around chunk boundaries, chunk payloads, copy and
 uint8->float32 with 1/3/4 channels, misaligned destinations, row padding, blocks per row; every
 header field corrupted at several chunks; bad records).
 
     python3 -m bench.kernel_host [--quick]
 
 Writes bench/results/cpu-<N>core/kernel_host.json. It reports; it asserts nothing (the quick set
-runs in the test suite, tests/gpuprims/cuda/test_hostsim.py). The sanitized build runs in a child
+runs in the test suite, tests/gpuprims/testing/test_hostsim.py). The sanitized build runs in a child
 Python with the sanitizer runtimes preloaded; a sanitizer report aborts that child, and its exit
 status and the report's tail are recorded.
 """
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_result
-from gpuprims.cuda import hostsim
+from gpuprims.testing import hostsim
 
 _CHILD = """
 import json, sys, time
 from pathlib import Path
-from gpuprims.cuda import hostsim
+from gpuprims.testing import hostsim
 k = hostsim.HostKernel(Path(sys.argv[1]))
 t = time.perf_counter()
 r = hostsim.run_all(k, quick=sys.argv[2] == "quick")

@@ -19,7 +19,7 @@ Methods (``method=``):
 * ``cuda_copy`` (the baseline): the CPU gathers into pinned staging memory, cudaMemcpyAsync copies it
   to the device, and the transform runs there.
 
-On the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA``, :mod:`gpuprims.cuda.fake`) the cuda methods run the
+On the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA``, :mod:`gpuprims.testing.fake`) the cuda methods run the
 same code with "device" memory in host memory, so the tensors they return are CPU tensors and
 :func:`torch_device` says ``cpu``: an instance uses that device for its model.
 

@@ -76,9 +76,9 @@ def _fork_servers_reaped() -> Iterator[None]:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> object:
-    """This process on the fake CUDA runtime (gpuprims.cuda.fake) for one test; a fresh runtime whose
+    """This process on the fake CUDA runtime (gpuprims.testing.fake) for one test; a fresh runtime whose
     ledger the test may inspect. Afterwards its streams are drained."""
-    from gpuprims.cuda import fake
+    from gpuprims.testing import fake
 
     monkeypatch.setenv(fake.FAKE_ENV, "delay_us=300")
     rt = fake.reset()

@@ -5,14 +5,17 @@ Nothing here touches the GPU at import. The first call that reaches the CUDA run
 process's pid; a child forked after that refuses every CUDA call with a "use spawn" message instead
 of failing obscurely inside the driver (CONTRIBUTING.md, house style 6).
 
-With ``GPUPRIMS_FAKE_CUDA`` set in the environment (see :mod:`gpuprims.cuda.fake`), :func:`cuda`
+With ``GPUPRIMS_FAKE_CUDA`` set in the environment (see :mod:`gpuprims.testing.fake`), :func:`cuda`
 returns the fake CUDA runtime instead of the native one: the whole Python CUDA layer, and a node on
-top of it, then runs on a machine without a GPU with device memory in host memory.
+top of it, then runs on a machine without a GPU with device memory in host memory. The fake is the
+test rig's (``gpuprims.testing``, above this layer: it raises this layer's errors), so it is loaded by
+its module name when the variable selects it, as the native extension is loaded by its own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import os
 import sys
@@ -22,7 +25,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gpuprims.cuda import fake
 from gpuprims.cuda.errors import CudaError, CudaUnavailableError
 
 log = logging.getLogger("gpuprims.cuda")
@@ -53,6 +55,8 @@ def native() -> ModuleType:
 
 
 FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
+#: The fake CUDA runtime's module: loaded by name when ``GPUPRIMS_FAKE_CUDA`` selects it.
+FAKE_MODULE = "gpuprims.testing.fake"
 
 
 def is_fake() -> bool:
@@ -100,8 +104,18 @@ def cuda() -> ModuleType:
     if _touched_pid is None:
         _touched_pid = os.getpid()
     if is_fake():
-        return fake.runtime()  # type: ignore[return-value]
+        return fake_runtime()
     return native()
+
+
+def fake_runtime() -> Any:
+    """This process's fake CUDA runtime (``gpuprims.testing.fake.runtime()``), loaded by module name."""
+    try:
+        fake = importlib.import_module(FAKE_MODULE)
+    except ImportError as e:
+        raise CudaUnavailableError(f"{FAKE_ENV} is set but the fake CUDA runtime ({FAKE_MODULE}) does not "
+                                   f"import: {e}") from e
+    return fake.runtime()
 
 
 def device_count() -> int:

@@ -1,5 +1,5 @@
 // C entry point of the host-run GPU-DMA kernel (native/cuda/dma.cu built with the shim beside this
-// file), loaded with ctypes by gpuprims.cuda.hostsim. It fills LaunchParams as the extension's
+// file), loaded with ctypes by gpuprims.testing.hostsim. It fills LaunchParams as the extension's
 // dma_launch does and calls the real launch_gather.
 #include <cuda_runtime.h>
 

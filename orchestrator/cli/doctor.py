@@ -21,7 +21,7 @@ Each check says whether it passed, its figures, and what it proves:
   then times every GPU engine on the zoo models (docs/engines-gpu.md).
 
 Without a GPU it says so and runs what it can (the extension); ``--fake`` runs every check on the
-fake CUDA runtime (gpuprims.cuda.fake), which proves the Python paths, not the device. Results go to
+fake CUDA runtime (gpuprims.testing.fake), which proves the Python paths, not the device. Results go to
 ``bench/results/<device>/doctor.json`` (``doctor-fake.json`` on the fake runtime; or ``--out``). Exit
 status 1 if any check failed.
 """
@@ -47,7 +47,7 @@ import click
 import numpy as np
 
 from gpuprims import backend
-from gpuprims.cuda import fake, runtime
+from gpuprims.cuda import runtime
 from gpuprims.cuda.event import Stream
 from gpuprims.engines import EngineCache, EngineUnavailable, ModelSource, Target, make_engine
 from orchestrator.node.mps import probe_daemon
@@ -201,8 +201,8 @@ def check_mps(instances: dict[int, int]) -> dict[str, Any]:
 
 
 def check_gpu_dma() -> dict[str, Any]:
-    from gpuprims.cuda.synthetic import SyntheticPool
     from gpuprims.gather import make_gatherer
+    from gpuprims.testing.synthetic import SyntheticPool
 
     _need_cuda()
     rng = np.random.default_rng(0)
@@ -395,7 +395,7 @@ def doctor(fake_runtime: bool, instances: tuple[str, ...], out: Path | None) -> 
         except ValueError:
             raise click.BadParameter(f"expected PID:PCT, got {item!r}", param_hint="--instance") from None
     if fake_runtime:
-        os.environ[fake.FAKE_ENV] = os.environ.get(fake.FAKE_ENV) or "1"
+        os.environ[runtime.FAKE_ENV] = os.environ.get(runtime.FAKE_ENV) or "1"
     load_before = os.getloadavg()
     results = run_checks(expected)
     device = _device_name(results)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gpuprims import backend
-from gpuprims.cuda import fake
+from gpuprims.testing import fake
 
 _RESOLVE = """
 import sys

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from gpuprims.cuda import Normalize, PinnedPool, cuda_copy_gather, gpu_dma
-from gpuprims.cuda.synthetic import SyntheticPool
+from gpuprims.testing.synthetic import SyntheticPool
 
 
 def main() -> None:

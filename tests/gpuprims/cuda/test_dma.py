@@ -23,7 +23,7 @@ from gpuprims.cuda import (
     gpu_dma_async,
 )
 from gpuprims.cuda import dma as dma_mod
-from gpuprims.cuda.synthetic import RECORD_DTYPE, STATE_FILLING, SyntheticPool
+from gpuprims.testing.synthetic import RECORD_DTYPE, STATE_FILLING, SyntheticPool
 
 APP = 7
 

@@ -132,7 +132,8 @@ def run_spawned(target: Any, *args: Any, timeout_s: float = 120) -> dict[str, An
 def import_fake_cuda(blob: bytes, x: torch.Tensor, q: mp.Queue) -> None:  # type: ignore[type-arg]
     """On the fake CUDA runtime: map the exported parameters through the fake's IPC, run the model as a
     host function on a fake stream (as a node's instance does) and report its output and the mappings."""
-    from gpuprims.cuda import fake, share_parameters
+    from gpuprims.cuda import share_parameters
+    from gpuprims.testing import fake
 
     try:
         rt = fake.runtime()

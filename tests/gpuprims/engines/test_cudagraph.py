@@ -195,7 +195,7 @@ def test_a_request_goes_pool_to_kernel_to_graph_with_no_copy(fake_cuda: Any) -> 
     import numpy as np
 
     from gpuprims.cuda.dma import UNIT, DeviceRows, PinnedPool, gpu_dma_async
-    from gpuprims.cuda.synthetic import SyntheticPool
+    from gpuprims.testing.synthetic import SyntheticPool
 
     stream = Stream(0)
     eng = make_engine("cudagraph", SOURCE, Target("cuda", stream=stream))

@@ -136,7 +136,7 @@ def test_the_plan_is_keyed_by_tensorrt_version_and_compute_capability(fake_cuda:
         keys.append(eng.prepare().fingerprint)
         assert cache.lookup(keys[-1]).meta["tensorrt"] == version
         eng.close()
-    from gpuprims.cuda import fake
+    from gpuprims.testing import fake
 
     monkeypatch.setenv(fake.FAKE_ENV, "capability=9.0")
     fake.reset()

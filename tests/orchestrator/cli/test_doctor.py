@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuprims.backend import cuda_available
-from gpuprims.cuda import fake
+from gpuprims.testing import fake
 from orchestrator.cli import doctor
 
 

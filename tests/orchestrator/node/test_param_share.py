@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from apps.zoo import load_model
-from gpuprims.cuda import fake
 from gpuprims.cuda.ipc import ParameterHandles
+from gpuprims.testing import fake
 from gpuprims.wire import Status
 from orchestrator.config.schema import AppConfig, load_config, parse_config
 from orchestrator.control.share_spec import ERROR_SUFFIX, HolderSpec

@@ -1,5 +1,5 @@
 """The GPU-DMA kernel source, built unchanged with g++ against the host shim of the CUDA runtime,
-gives the CPU reference's bytes, verdicts and counts case by case (gpuprims.cuda.hostsim). The full
+gives the CPU reference's bytes, verdicts and counts case by case (gpuprims.testing.hostsim). The full
 sweep under ASan+UBSan is bench/kernel_host.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuprims.cuda import hostsim
+from gpuprims.testing import hostsim
 
 pytestmark = pytest.mark.skipif(hostsim.compiler() is None, reason="no g++ to build the host kernel")
 

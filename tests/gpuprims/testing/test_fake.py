@@ -1,4 +1,4 @@
-"""The Python CUDA layer on the fake CUDA runtime (gpuprims.cuda.fake): GPU-DMA with Sync-lite,
+"""The Python CUDA layer on the fake CUDA runtime (gpuprims.testing.fake): GPU-DMA with Sync-lite,
 events, streams, the callback wait, IPC across processes, every error path of check(), lifetimes
 (no leak, no free while work is queued, no hang) and that the real device error surfaces."""
 
@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from gpuprims import backend
-from gpuprims.cuda import fake, runtime
+from gpuprims.cuda import runtime
 from gpuprims.cuda.dma import DeviceRows, DmaStatus, PinnedPool, gpu_dma_async
 from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, Stream
-from gpuprims.cuda.synthetic import SyntheticPool
+from gpuprims.testing import fake
+from gpuprims.testing.synthetic import SyntheticPool
 
 ROW = 2000
 
@@ -389,7 +390,7 @@ def test_isolated_probe_runs_in_a_child(monkeypatch: pytest.MonkeyPatch) -> None
 _LEAKER = """
 import os, signal, sys
 os.environ["GPUPRIMS_FAKE_CUDA"] = "1"
-from gpuprims.cuda import fake
+from gpuprims.testing import fake
 fake.runtime().cuda_malloc(0, 4096)  # never freed
 print(os.getpid(), flush=True)
 if sys.argv[1] == "kill":

@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 
 from gpuprims.cuda.errors import STICKY_STATUSES, CudaError
+from gpuprims.cuda.runtime import FAKE_ENV
 
-FAKE_ENV = "GPUPRIMS_FAKE_CUDA"
 #: A file every process on the fake runtime appends its IPC use-after-free faults to (JSON lines).
 FAULT_LOG_ENV = "GPUPRIMS_FAKE_CUDA_FAULT_LOG"
 

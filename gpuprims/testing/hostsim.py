@@ -6,7 +6,7 @@ No GPU is needed. :func:`build` compiles the shared library (plain, or with ASan
 makes the cases (payload sizes around chunk boundaries, chunk payloads that are not multiples of 16,
 copy and uint8->float32 with 1, 3 and 4 channels, misaligned destinations, row padding, blocks per
 row, every header field corrupted at several chunks, bad records); :func:`compare` runs one case on
-both and reports the differences. ``tests/gpuprims/cuda/test_hostsim.py`` runs a quick set in the
+both and reports the differences. ``tests/gpuprims/testing/test_hostsim.py`` runs a quick set in the
 suite; ``bench/kernel_host.py`` the full sweep under the sanitizers.
 
 Sanitized builds are loaded into a child Python with the sanitizer runtimes preloaded
@@ -29,7 +29,7 @@ import numpy as np
 
 from gpuprims import wire
 from gpuprims.cuda.dma import IMAGENET, UNIT, Normalize, PoolLayout
-from gpuprims.cuda.synthetic import STATE_FILLING, SyntheticPool
+from gpuprims.testing.synthetic import STATE_FILLING, SyntheticPool
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (ROOT / "native/cuda/dma.cu", ROOT / "native/host_shim/shim_entry.cpp")
