@@ -11,7 +11,9 @@ bench/README.md and docs/*.md. Three kinds of names are checked:
 - dotted module names (``orchestrator.worker.serving.TracedRequest``, ``python -m bench.oip``): the
   longest prefix that is a module must exist and the next name must be defined at its top level (or be
   a submodule);
-- relative Markdown links (``[opara.md](opara.md)``).
+- relative Markdown links (``[opara.md](opara.md)``);
+- class names in backquotes (``TensorServingLoop``, ``Change.advance``, ``LocalPort.submit(...)``): each
+  is a word of the repository's code, so a renamed class cannot stay named in a doc.
 
 What is left out, each with its reason, is in ``NOT_CHECKED`` and ``NOT_PATHS``.
 """
@@ -43,10 +45,19 @@ NOT_PATHS = {
 #: writes its result, not a file in git (no GPU run is committed yet): only the folder is checked.
 RESULTS_TO_COME = "bench/results/"
 
+#: Class-like names in backquotes that are not the project's and not in its code, with why.
+NOT_CLASSES = {
+    "IsCapturing": "CUDA's cudaStreamIsCapturing, written as a suffix after cudaStreamBeginCapture",
+    "ExecDestroy": "CUDA's cudaGraphExecDestroy, written as a suffix after cudaGraphInstantiate",
+    "AddExternalInitializers": "ONNX Runtime's C API call, named beside its Python binding",
+}
+
 TOP = ("orchestrator", "gpuprims", "apps", "bench", "tests", "native", "scripts", "examples", "docs")
 _PATH = re.compile(rf"(?<![\w./<>-])((?:{'|'.join(TOP)})/(?:\{{[^}}\s]*\}}|[^\s`'\"()\[\],;:|{{]+)*)")
 _MODULE = re.compile(r"(?<![\w./<>-])((?:orchestrator|gpuprims|apps|bench)(?:\.[A-Za-z_]\w*)+)")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
+_CLASS = re.compile(r"`([A-Z][a-z0-9]+[A-Z]\w*)(?:[.(][^`]*)?`")
+_CODE_SUFFIXES = {".py", ".pyi", ".cpp", ".h", ".cu", ".proto", ".sh"}
 _PLACEHOLDER = re.compile(r"<[^>]*>|\*")
 
 
@@ -135,6 +146,18 @@ def _link_exists(doc: Path, target: str) -> bool:
     return (doc.parent / target).exists()
 
 
+@cache
+def _code_words() -> frozenset[str]:
+    """Every identifier-like word of the repository's source files."""
+    words: set[str] = set()
+    for top in TOP:
+        for path in (ROOT / top).rglob("*"):
+            if (path.suffix in _CODE_SUFFIXES and "results" not in path.parts and path.is_file()
+                    and path != Path(__file__).resolve()):  # this file names stale classes on purpose
+                words |= set(re.findall(r"[A-Za-z_]\w*", path.read_text(errors="replace")))
+    return frozenset(words)
+
+
 def stale_names(doc: str, text: str) -> list[Named]:
     """Every path, module and relative link ``text`` (the contents of ``doc``) names that does not exist."""
     out: list[Named] = []
@@ -149,6 +172,9 @@ def stale_names(doc: str, text: str) -> list[Named]:
         for m in _LINK.finditer(line):
             if not _link_exists(ROOT / doc, m.group(1)):
                 out.append(Named(doc, i, f"link {m.group(1)}"))
+        for m in _CLASS.finditer(line):
+            if m.group(1) not in NOT_CLASSES and m.group(1) not in _code_words():
+                out.append(Named(doc, i, f"class {m.group(1)}"))
     return out
 
 
@@ -189,6 +215,7 @@ def test_every_doc_left_out_exists_and_says_why() -> None:
     ("`tests/<pkg>/test_<module>.py` and `tests/<pkg>/nothing_<x>.rs`", ["tests/<pkg>/nothing_<x>.rs"]),
     ("[opara](opara.md), [gone](gone.md), [web](https://example.org/x.md), [here](#layers)", ["link gone.md"]),
     ("ratio (native/python) in apps.yaml", []),
+    ("`PacketPool`, `LocalPort.submit(rows)`, `IpcHandle`, `NoSuchLoop.run()`", ["class IpcHandle", "class NoSuchLoop"]),
     ("`stage_cost_{before,after}.json` in `bench/results/<gpu>/{dma,sync}.json`", []),
     ("`bench/results/cpu-2core/{opara,nosuch}.json`", ["bench/results/cpu-2core/{opara,nosuch}.json"]),
 ])
