@@ -12,7 +12,7 @@ bench/README.md and docs/*.md. Three kinds of names are checked:
   longest prefix that is a module must exist and the next name must be defined at its top level (or be
   a submodule);
 - relative Markdown links (``[opara.md](opara.md)``);
-- class names in backquotes (``TensorServingLoop``, ``Change.advance``, ``LocalPort.submit(...)``): each
+- class names in backquotes (``TensorLoop``, ``reconfig.ChangeHost``, ``LocalPort.submit(...)``): each
   is a word of the repository's code, so a renamed class cannot stay named in a doc.
 
 What is left out, each with its reason, is in ``NOT_CHECKED`` and ``NOT_PATHS``.
@@ -49,6 +49,7 @@ RESULTS_TO_COME = "bench/results/"
 NOT_CLASSES = {
     "IsCapturing": "CUDA's cudaStreamIsCapturing, written as a suffix after cudaStreamBeginCapture",
     "ExecDestroy": "CUDA's cudaGraphExecDestroy, written as a suffix after cudaGraphInstantiate",
+    "WrongThread": "CUDA's cudaErrorStreamCaptureWrongThread, written as a suffix",
     "AddExternalInitializers": "ONNX Runtime's C API call, named beside its Python binding",
 }
 
@@ -56,7 +57,8 @@ TOP = ("orchestrator", "gpuprims", "apps", "bench", "tests", "native", "scripts"
 _PATH = re.compile(rf"(?<![\w./<>-])((?:{'|'.join(TOP)})/(?:\{{[^}}\s]*\}}|[^\s`'\"()\[\],;:|{{]+)*)")
 _MODULE = re.compile(r"(?<![\w./<>-])((?:orchestrator|gpuprims|apps|bench)(?:\.[A-Za-z_]\w*)+)")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
-_CLASS = re.compile(r"`([A-Z][a-z0-9]+[A-Z]\w*)(?:[.(][^`]*)?`")
+_SPAN = re.compile(r"`([^`\n]+)`")
+_CLASS = re.compile(r"(?<![\w-])([A-Z][a-z0-9]+[A-Z]\w*)")
 _CODE_SUFFIXES = {".py", ".pyi", ".cpp", ".h", ".cu", ".proto", ".sh"}
 _PLACEHOLDER = re.compile(r"<[^>]*>|\*")
 
@@ -172,9 +174,10 @@ def stale_names(doc: str, text: str) -> list[Named]:
         for m in _LINK.finditer(line):
             if not _link_exists(ROOT / doc, m.group(1)):
                 out.append(Named(doc, i, f"link {m.group(1)}"))
-        for m in _CLASS.finditer(line):
-            if m.group(1) not in NOT_CLASSES and m.group(1) not in _code_words():
-                out.append(Named(doc, i, f"class {m.group(1)}"))
+        for span in _SPAN.findall(line):
+            for name in _CLASS.findall(span):
+                if name not in NOT_CLASSES and name not in _code_words():
+                    out.append(Named(doc, i, f"class {name}"))
     return out
 
 
@@ -209,13 +212,14 @@ def test_every_doc_left_out_exists_and_says_why() -> None:
 @pytest.mark.parametrize(("text", "stale"), [
     ("the ingest (`gpuprims/ingest.py`) and `gpuprims/responder.py`", ["gpuprims/responder.py"]),
     ("run `python -m bench.oip`, not `python -m bench.no_such_bench`", ["bench.no_such_bench"]),
-    ("`gpuprims.pool.PacketPool` and `gpuprims.pool.NoSuchPool`", ["gpuprims.pool.NoSuchPool"]),
+    ("`gpuprims.pool.PacketPool` and `gpuprims.pool.NoSuchPool`", ["gpuprims.pool.NoSuchPool", "class NoSuchPool"]),
     ("`gpuprims.cuda.event` beside `gpuprims.cuda.nosuch`", ["gpuprims.cuda.nosuch"]),
     ("scripts `bench/stage_cost`, `bench/no_such_bench`", ["bench/no_such_bench"]),
     ("`tests/<pkg>/test_<module>.py` and `tests/<pkg>/nothing_<x>.rs`", ["tests/<pkg>/nothing_<x>.rs"]),
     ("[opara](opara.md), [gone](gone.md), [web](https://example.org/x.md), [here](#layers)", ["link gone.md"]),
     ("ratio (native/python) in apps.yaml", []),
     ("`PacketPool`, `LocalPort.submit(rows)`, `IpcHandle`, `NoSuchLoop.run()`", ["class IpcHandle", "class NoSuchLoop"]),
+    ("`reconfig.NoSuchHost` and `x = PacketPool(...)`, not-code CamelCase", ["class NoSuchHost"]),
     ("`stage_cost_{before,after}.json` in `bench/results/<gpu>/{dma,sync}.json`", []),
     ("`bench/results/cpu-2core/{opara,nosuch}.json`", ["bench/results/cpu-2core/{opara,nosuch}.json"]),
 ])
