@@ -104,6 +104,7 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines.extend(_engine_lines(apps))
     lines.extend(_memory_lines(node.get("memory")))
     lines.extend(_fork_server_lines(node.get("fork_servers")))
+    lines.extend(_duty_lines(node.get("duties")))
     lines.extend(_param_share_lines(status.get("param_share")))
     drops = dict(_mapping(status.get("drops")))
     total = sum(as_count(v) for v in drops.values())
@@ -222,6 +223,20 @@ def _fork_server_lines(v: Any) -> list[str]:
         lines.append(f"fork server {_fmt(pid, 'd')}: {'ready' if s.get('ready') else 'importing'}, {what}, "
                      f"import {_fmt(s.get('import_ms'), '.0f')} ms, {_fmt(s.get('children'), 'd')} instance(s)")
     return lines
+
+
+def _duty_lines(v: Any) -> list[str]:
+    """The node loop's duties on one line (orchestrator/node/loop.py): each one's runs and its mean and
+    longest run in µs, and its failures when it had any."""
+    parts = []
+    for name, d in _mapping(v).items():
+        if not isinstance(d, Mapping):
+            continue
+        failed = as_count(d.get("failures"))
+        runs, mean, most = (as_number(d.get(k)) for k in ("runs", "mean_us", "max_us"))
+        parts.append(f"{name} {_fmt(runs, 'd')}x {_fmt(mean, '.0f')}/{_fmt(most, '.0f')}"
+                     + (f" ({failed} failed)" if failed else ""))
+    return ["loop duties (runs, mean/max us): " + ", ".join(parts)] if parts else []
 
 
 def _dev(v: Any) -> str:

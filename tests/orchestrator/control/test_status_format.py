@@ -25,3 +25,15 @@ def test_fork_servers_are_rows_saying_what_each_holds() -> None:
 def test_no_fork_servers_no_rows() -> None:
     assert "fork server" not in format_status({"node": {"fork_servers": []}})
     assert "fork server" not in format_status({"node": {"fork_servers": "nonsense"}})
+
+
+def test_the_loop_duties_are_one_line_with_their_runs_and_times() -> None:
+    status = {"node": {"backend": "cpu", "duties": {
+        "messages": {"runs": 320, "failures": 0, "total_ms": 4.1, "mean_us": 12.8, "max_us": 450.2},
+        "reap": {"runs": 100, "failures": 2, "total_ms": 0.8, "mean_us": 8.0, "max_us": 30.0},
+        "bad": "nonsense", "odd": {"runs": "x"}}}}
+    text = format_status(status)
+    assert "duties" not in text.splitlines()[0]  # a mapping: its own line, not the node's head
+    assert "loop duties (runs, mean/max us): messages 320x 13/450, reap 100x 8/30 (2 failed), odd -x -/-" in text
+    assert "loop duties" not in format_status({"node": {"duties": {}}})
+    assert "loop duties" not in format_status({"node": {"duties": "nonsense"}})
