@@ -345,7 +345,7 @@ def test_mps_off_in_yaml_is_off(tmp_path: Path) -> None:
 
 # --- CPU overflow (issue #18) ----------------------------------------------------------------------------
 
-from orchestrator.config.host import HostResources  # noqa: E402
+from orchestrator.config.schema import HostResources, overflow_problems  # noqa: E402
 
 BIG = HostResources(cores=8, mem_available_mb=16000)
 
@@ -371,6 +371,23 @@ def test_overflow_pools_that_exceed_the_memory_are_refused_with_the_reason(tmp_p
     # 548 MB of weights plus 8 requests in and out (9 MB) for app a.
     _refused(tmp_path, {"apps": [_app(model="vgg19", overflow="cpu")]}, "CPU overflow pools need 557 MB",
              "(a 557 MB)", "80% of the 500 MB available", host=HostResources(cores=8, mem_available_mb=500))
+
+
+def test_overflow_memory_counts_every_stage_and_skips_user_models() -> None:
+    cfg = NodeConfig.model_validate({"apps": [
+        {"name": "d", "slo_ms": 50, "overflow": "cpu", "stages": [
+            {"name": "r", "model": "mobilenet_v2", "routes": ["f"]}, {"name": "f", "model": "pkg.m:make"}]}]})
+    seen: list[str] = []
+
+    def mb(ref: str, shape: tuple[int, int, int], classes: int | None) -> float | None:
+        seen.append(ref)
+        return None if ":" in ref else 1000.0
+
+    assert overflow_problems(cfg, HostResources(cores=4, mem_available_mb=2000), mb) == []
+    assert seen == ["mobilenet_v2", "pkg.m:make"]
+    probs = overflow_problems(cfg, HostResources(cores=4, mem_available_mb=1000), mb)
+    assert probs == [("apps", "CPU overflow pools need 1009 MB of host memory (d 1009 MB), more than 80% of "
+                              "the 1000 MB available")]
 
 
 def test_overflow_cores_without_overflow_is_refused(tmp_path: Path) -> None:
