@@ -30,7 +30,7 @@ runs torch eager, it has no ONNX Runtime engine), each in the same closed loops 
 (``litserve.c1`` ...). A peer that is not installed is left out with the reason in ``skipped``.
 
 The stage trace (``--trace N``, on by default): a node of its own, started with the instances' trace
-on (orchestrator.worker.serving ``TRACE_ENV``), serves N single requests one at a time from a
+on (orchestrator.worker.loops.trace ``TRACE_ENV``), serves N single requests one at a time from a
 ``gpuprims.client.Client(trace=True)``; each request's client and instance timestamps are joined (by
 request id and the client's timestamp) into the stages of its way, p50 and p99 of each in
 ``trace.<stage>.p50_ms``: ``client_prep`` (call to the request built: the body's array, its id, the
@@ -88,7 +88,7 @@ from gpuprims.cpushare import available_cores, plan_cpu_shares
 from orchestrator.config.schema import NodeConfig, parse_config
 from orchestrator.frontdoor import start_frontdoor
 from orchestrator.node.node import Node
-from orchestrator.worker.serving import TRACE_ENV, TracedRequest, read_trace
+from orchestrator.worker.loops.trace import TRACE_ENV, TracedRequest, read_trace
 
 EXAMPLE = ROOT / "examples" / "apps.yaml"
 APP = "classify"

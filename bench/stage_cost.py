@@ -11,7 +11,7 @@ time, as the instance reports it). The two clocks alternate batch by batch. The 
 It also times the heartbeat's snapshot (``heartbeat_*``), which the serving thread takes between two
 batches, on statistics as full as a long-running instance's (4,096 latencies, 512 model times, 1,024
 batches of stage samples), forced to recompute every time: as the instance takes it
-(``orchestrator.worker.serving.LatencyStats.snapshot``) and as it was taken before issue 26 (``np.percentile``
+(``orchestrator.worker.loops.stats.LatencyStats.snapshot``) and as it was taken before issue 26 (``np.percentile``
 over a deque, ``heartbeat_numpy_*``), alternating, paired.
 
 Run: ``python -m bench.stage_cost [--quick] [--name NAME]``. Reports, never asserts.
@@ -36,7 +36,7 @@ from gpuprims.pool import PacketPool
 from gpuprims.stats import STAGES, StageClock
 from gpuprims.traffic.images import request_body
 from orchestrator.worker.instance import Instance, InstanceSpec
-from orchestrator.worker.serving import LatencyStats
+from orchestrator.worker.loops.stats import LatencyStats
 
 SHAPE = (3, 64, 64)
 RATE = 10.0

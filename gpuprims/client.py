@@ -304,7 +304,7 @@ class Client:
 
     ``node`` is the node's UDP listen address. ``bind_host`` is the local address to receive answers
     on (default: any). ``trace``: every Result carries its `ClientTrace` (the client's timestamps of
-    the request, to join with the node's stage trace, orchestrator.worker.serving ``TRACE_ENV``); off, the
+    the request, to join with the node's stage trace, orchestrator.worker.loops.trace ``TRACE_ENV``); off, the
     path takes no timestamps beyond the latency. Close it with ``close()`` or ``with``.
     """
 

@@ -8,7 +8,7 @@ path), runs the config's ``model_warmup`` samples as Triton does at load (:meth:
 each sample's ``zero_data``, ``random_data`` or ``input_data_file`` inputs, repeated to its ``batch_size``,
 ``count`` times; a sample that cannot be read or run fails the instance's start with the reason, so the
 model is UNAVAILABLE), and warms it up on zero inputs of the model's own datatypes to seed the batching
-policy's latency model. The serving loop (:class:`orchestrator.worker.tensor_serving.TensorServingLoop`) runs batches
+policy's latency model. The serving loop (:class:`orchestrator.worker.loops.tensors.TensorLoop`) runs batches
 of named tensors through :attr:`model`.
 """
 

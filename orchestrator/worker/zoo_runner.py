@@ -1,7 +1,7 @@
 """The model runner of one instance: the app's model(s) on the instance's device, and nothing else.
 
 An :class:`orchestrator.worker.instance.Instance` (the process) owns one :class:`AppRunner`; its serving loop
-(:mod:`orchestrator.worker.serving`) runs batches through it. The runner takes the device (the share: MPS
+(:mod:`orchestrator.worker.loops`) runs batches through it. The runner takes the device (the share: MPS
 percentage on cuda, cores and threads on cpu), makes the app's engine (``gpuprims.engines``: eager torch,
 ONNX Runtime, ...; one per stage of a DAG app) and prepares it (built, or taken from the engine cache) at
 start or in a shadow's pre-warm, never on the serving path; makes the gather step for the device (GPU-DMA

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import single_stream as bench
-from orchestrator.worker.serving import TracedRequest
+from orchestrator.worker.loops.trace import TracedRequest
 
 
 def test_a_case_is_summarised_over_answered_requests_beside_the_engine_alone() -> None:
