@@ -1,8 +1,16 @@
-"""The live schedulers (node.scheduler spatiotemporal / temporal) on the CPU backend."""
+"""The live schedulers (node.scheduler spatiotemporal / temporal) on the CPU backend.
+
+Their rules run on played instances (tests/orchestrator/conftest.py's ``node_factory``): each says Ready
+with warm-up latencies and answers every RunBatch with a BatchDone, so what the scheduler decides (shares,
+runs, rejections, the replacement of a dead instance) is checked without a model. The tests marked real
+check the same on real instance processes, with every answer against the model's own."""
 
 from __future__ import annotations
 
+import signal
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,14 +18,16 @@ import pytest
 import torch
 
 from apps.zoo import RECOG_ROUTER_LABELS, load_model
+from gpuprims import wire
 from gpuprims.wire import Status
 from orchestrator.config.schema import load_config
+from orchestrator.control.messages import BatchDone, RunBatch
 from orchestrator.control.status_format import format_status
 from orchestrator.node.node import Node
 from orchestrator.node.reconfig import change_gpu_pct
 from tests.orchestrator.client import ask
-
-pytestmark = pytest.mark.slow
+from tests.orchestrator.conftest import NodeFactory, PlayedLauncher, played
+from tests.orchestrator.fake_launcher import FakeInstance
 
 SHAPE = (3, 32, 32)
 CONFIG = """
@@ -67,6 +77,8 @@ def _settle(node: Node, timeout_s: float = 10.0) -> dict:
     return node.status()
 
 
+@pytest.mark.real
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["spatiotemporal", "temporal"])
 def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, scheduler: str) -> None:
     p = tmp_path / "apps.yaml"
@@ -115,6 +127,8 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
     assert seen == {"person", "vehicle", "other"}
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_requests_that_cannot_make_their_deadline_are_rejected(tmp_path: Path) -> None:
     cfg = CONFIG.format(scheduler="spatiotemporal").replace("slo_ms: 5000", "slo_ms: 0.5\n    max_wait_ms: 0")
     p = tmp_path / "apps.yaml"
@@ -136,6 +150,8 @@ def test_requests_that_cannot_make_their_deadline_are_rejected(tmp_path: Path) -
     assert set(statuses) <= {Status.DEADLINE_MISSED, Status.OK}
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_instance_crash_aborts_its_runs_and_the_replacement_is_scheduled(tmp_path: Path) -> None:
     p = tmp_path / "apps.yaml"
     p.write_text(CONFIG.format(scheduler="spatiotemporal"))
@@ -193,3 +209,159 @@ def test_exclusive_apps_are_one_instance_to_the_scheduler() -> None:
     with pytest.raises(ValueError, match="unknown apps"):
         LiveScheduler("spatiotemporal", list(cfg.apps), {n: {"main": 30} for n in "abc"}, profiles, pool=None,
                       send=lambda inst, msg: None, exclusive=[["a", "zz"]])
+
+
+# -- the same rules on played instances -------------------------------------------------------------------
+
+#: The warm-up latencies a played instance reports per stage ({batch: ms}, as a real one's Ready carries).
+MEASURED = {"1": 4.0, "2": 6.0, "4": 10.0}
+#: The model time a played instance reports per run (small: the round trip must be longer than it).
+PLAYED_RUN_MS = 1e-3
+
+
+class Runs:
+    """Plays the dispatched instances' side: every RunBatch is answered with a BatchDone; a router's batch
+    passes its requests on to ``face`` and ``car`` in turn, so every stage of the DAG runs."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.launcher: PlayedLauncher = played(node)
+        self.answered: dict[str, int] = {}  # instance -> RunBatch messages it has answered
+        self.seen: list[RunBatch] = []
+        self._turn = 0
+
+    def step(self, ms: float = 5) -> None:
+        self.node.step(ms)
+        for inst in self.launcher.launched:
+            if inst.returncode is None:
+                self._answer(inst)
+
+    def _answer(self, inst: FakeInstance) -> None:
+        runs = [m for m in inst.received if isinstance(m, RunBatch)]
+        for msg in runs[self.answered.get(inst.spec.name, 0):]:
+            self.seen.append(msg)
+            routed: dict[str, list[float]] = {}
+            if msg.action == "run" and msg.stage == "router":
+                assert self.node.dispatcher is not None
+                deadline = self.node.dispatcher.clock_ms() + 5000
+                for _ in range(msg.batch):
+                    routed.setdefault(("face", "car")[self._turn % 2], []).append(deadline)
+                    self._turn += 1
+            inst.send(BatchDone(instance=inst.spec.name, id=msg.id, taken=msg.batch, measured_ms=PLAYED_RUN_MS,
+                                routed=routed))
+        self.answered[inst.spec.name] = len(runs)
+
+    def until(self, cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.step()
+
+
+def _played(tmp_path: Path, node_factory: NodeFactory, config: str) -> tuple[Node, Runs]:
+    p = tmp_path / "apps.yaml"
+    p.write_text(config)
+    node = node_factory(load_config(p))
+    launcher = played(node)
+    launcher.ready_info["recog"] = {"measured": {s: MEASURED for s in ("router", "face", "car")}}
+    launcher.ready_info["cls"] = {"measured": {"main": MEASURED}}
+    node.start()
+    return node, Runs(node)
+
+
+def _send(node: Node, xs: dict[int, tuple[int, np.ndarray]]) -> None:
+    assert node.ingest is not None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for rid, (app, x) in xs.items():
+            for d in wire.encode_request(app, rid, x):
+                s.sendto(d, ("127.0.0.1", node.ingest.ports[0]))
+
+
+def _runs_of(runs: Runs, app: str) -> int:
+    """Requests of ``app``'s entry stage that the scheduler ran."""
+    entry = "router" if app == "recog" else "main"
+    return sum(m.batch for m in runs.seen if m.action == "run" and m.instance.startswith(app) and m.stage == entry)
+
+
+@pytest.mark.parametrize("scheduler", ["spatiotemporal", "temporal"])
+def test_live_scheduler_runs_every_stage_of_the_dag_and_single_apps_on_played_instances(
+        tmp_path: Path, node_factory: NodeFactory, scheduler: str) -> None:
+    node, runs = _played(tmp_path, node_factory, CONFIG.format(scheduler=scheduler))
+    st = node.status()
+    assert st["scheduler"]["name"] == scheduler
+    # one dispatched instance per app, no shadows; the DAG's instance has its largest stage's share
+    insts = {a: [i["gpu_pct"] for i in st["apps"][a]["instances"]] for a in ("recog", "cls")}
+    assert insts == ({"recog": [50], "cls": [50]} if scheduler == "spatiotemporal"
+                     else {"recog": [100], "cls": [100]})
+    rng = np.random.default_rng(0)
+    xs = {rid: (5 if rid % 2 else 6, rng.random(SHAPE, dtype=np.float32)) for rid in range(60)}
+    _send(node, xs)
+    assert node.dispatcher is not None
+    runs.until(lambda: _runs_of(runs, "recog") >= 30 and _runs_of(runs, "cls") >= 30
+               and not node.dispatcher.inflight and not any(node.dispatcher.queues.values()),  # type: ignore[union-attr]
+               "every request run through its stages")
+    st = node.status()
+    log = list(node.dispatcher.run_log)
+    ok, text = change_gpu_pct(node, "cls", 30)
+    assert not ok and "scheduler" in text
+    sch = st["scheduler"]
+    assert sch["runs"] > 0 and sch["run_requests"] >= 60 and sch["aborted"] == 0 and sch["short_batches"] == 0
+    assert sch["rejected_requests"] == 0  # 5 s of SLO against 10 ms profiles: nothing is condemned
+    # every completed run is in the run log, with the time the model took and what the round trip added
+    assert len(log) == sch["runs"] and sum(r.batch for r in log if r.key in ("cls/main", "recog/router")) >= 60
+    assert all(r.measured_ms > 0 and r.predicted_ms > 0 and r.overhead_ms >= 0 for r in log)
+    assert all(r.late == (r.measured_ms + r.overhead_ms > r.predicted_ms + r.slack_ms) for r in log)
+    assert sch["inflight"] == 0 and not sch["queued"]
+    # the router's requests reached both branches; no batch is over max_batch; each went to its app's instance
+    assert {m.stage for m in runs.seen} == {"router", "face", "car", "main"}
+    assert all(1 <= m.batch <= 4 for m in runs.seen)
+    assert all(m.instance.startswith("recog" if m.stage != "main" else "cls") for m in runs.seen)
+    text = format_status(st)
+    assert f"scheduler: {scheduler}" in text and "measured/predicted: " in text and "recog/face=" in text
+    assert node.errors == {}
+
+
+def test_requests_that_cannot_make_their_deadline_are_rejected_on_played_instances(
+        tmp_path: Path, node_factory: NodeFactory) -> None:
+    cfg = CONFIG.format(scheduler="spatiotemporal").replace("slo_ms: 5000", "slo_ms: 0.5\n    max_wait_ms: 0")
+    node, runs = _played(tmp_path, node_factory, cfg)
+    rng = np.random.default_rng(1)
+    _send(node, {rid: (6, rng.random(SHAPE, dtype=np.float32)) for rid in range(10)})
+    assert node.dispatcher is not None
+    runs.until(lambda: sum(m.batch for m in runs.seen) >= 10 and not node.dispatcher.inflight,  # type: ignore[union-attr]
+               "every request run or rejected")
+    sch = node.status()["scheduler"]
+    # The profile condemns every request; once a second the scheduler still runs the queue head (a
+    # probe, so a too-slow profile cannot starve the app): one run, the other nine rejected at once.
+    assert sch["probes"] == 1 and sch["runs"] == 1 and sch["rejected_requests"] == 9
+    assert sum(m.batch for m in runs.seen if m.action == "reject") == 9
+    assert sum(m.batch for m in runs.seen if m.action == "run") == 1
+    assert node.errors == {}
+
+
+def test_instance_crash_aborts_its_runs_and_the_replacement_is_scheduled_on_played_instances(
+        tmp_path: Path, node_factory: NodeFactory) -> None:
+    node, runs = _played(tmp_path, node_factory, CONFIG.format(scheduler="spatiotemporal"))
+    assert node.dispatcher is not None
+    victim = next(i for i in node.instances.values() if i.app == "cls")
+    # A run in flight when it dies: the victim is sent a RunBatch it never answers.
+    _send(node, {100: (6, np.zeros(SHAPE, np.float32))})
+    deadline = time.monotonic() + 30
+    while not node.dispatcher.inflight:
+        assert time.monotonic() < deadline, "the run was never dispatched"
+        node.step(5)  # the played side does not answer here
+    assert {inst for _, inst in node.dispatcher.inflight.values()} == {victim.name}
+    played(node).by_name(victim.name).die(-signal.SIGKILL)
+    runs.until(lambda: any(i.app == "cls" and i.ready and i.name != victim.name for i in node.instances.values()),
+               "the replacement")
+    fresh = next(i for i in node.instances.values() if i.app == "cls" and i.ready)
+    assert node.dispatcher.entries["cls"].instance == fresh.name
+    assert node.status()["scheduler"]["aborted"] == 1
+    assert victim.name not in {inst for _, inst in node.dispatcher.inflight.values()}
+    rng = np.random.default_rng(2)
+    _send(node, {rid: (6, rng.random(SHAPE, dtype=np.float32)) for rid in range(12)})
+    # The replacement runs the 12 and the one the victim held (the node passed it on when it died).
+    runs.until(lambda: _runs_of(runs, "cls") >= 13 and not node.dispatcher.inflight,  # type: ignore[union-attr]
+               "the 13 requests run on the replacement")
+    assert {m.instance for m in runs.seen if m.action == "run"} == {fresh.name}
+    assert node.status()["apps"]["cls"]["restarts"] == 1 and node.errors == {}

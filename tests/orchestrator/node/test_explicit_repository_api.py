@@ -1,5 +1,6 @@
 """``start --model-repository DIR --model-control-mode explicit`` serves the repository API, and tritonclient's
-own ``load_model``/``unload_model`` load and unload the repository's models by name on a real node.
+own ``load_model``/``unload_model`` load and unload the repository's models by name: on played instances
+(tests/orchestrator/conftest.py's ``node_factory``), and on a real node, where the loaded model also answers.
 
 The config side (``orchestrator.cli.node._load``) is tested without a node: explicit mode turns on
 ``node.repository.enabled`` (no token on loopback), and a CONFIG that cannot serve the API says which key to
@@ -29,6 +30,7 @@ from gpuprims.traffic.cli import parse_app
 from gpuprims.traffic.stream import tensor_values
 from orchestrator.cli.node import REPOSITORY_DEFAULTS, _load
 from orchestrator.node.node import Node
+from tests.orchestrator.conftest import NodeFactory, played
 
 from ...modelfiles import detector_onnx, multi_io_onnx, repository, run_onnx
 
@@ -121,15 +123,17 @@ def _detect(c: httpclient.InferenceServerClient, scores: np.ndarray) -> np.ndarr
     return c.infer("detector", [t]).as_numpy("idx")
 
 
-@pytest.mark.slow
-def test_tritonclient_loads_and_unloads_a_repository_model_by_name(node: Node, tmp_path: Path) -> None:
+def _load_and_unload(node: Node, tmp_path: Path, *, answers: bool) -> None:
+    """tritonclient loads ``detector`` by name, it is ready (and, with ``answers``, answers as its ONNX file
+    does), is unloaded, and a model the repository lacks is refused; ``multi`` serves throughout."""
     scores = np.array([0.9, 0.1, 0.7, 0.2, 0.6], np.float32)
     want = run_onnx(detector_onnx(tmp_path / "detector.onnx"), {"scores": scores})["idx"]
     with _http(node) as c:
         assert c.is_model_ready("multi") and not c.is_model_ready("detector")
         c.load_model("detector")  # no config: read from node.model_repository
         assert c.is_model_ready("detector")
-        np.testing.assert_array_equal(_detect(c, scores), want)
+        if answers:
+            np.testing.assert_array_equal(_detect(c, scores), want)
         c.unload_model("detector")
         assert not c.is_model_ready("detector") and c.is_model_ready("multi")
         with pytest.raises(InferenceServerException):
@@ -140,6 +144,30 @@ def test_tritonclient_loads_and_unloads_a_repository_model_by_name(node: Node, t
         assert not c.is_model_ready("nothere") and c.is_model_ready("multi")
 
 
+def test_tritonclient_loads_and_unloads_a_repository_model_by_name_on_played_instances(
+        repo: Path, tmp_path: Path, node_factory: NodeFactory) -> None:
+    cfg, _ = _load(_config(tmp_path), str(repo), ("multi",), "explicit")
+    node = node_factory(cfg, heartbeat_ms=100).start()
+    loop = threading.Thread(target=node.serve, name="test-node", daemon=True)
+    loop.start()
+    try:
+        _load_and_unload(node, tmp_path, answers=False)
+        assert "detector" in {i.spec.app for i in played(node).launched}  # started by the load, on a double
+        assert node.errors == {}
+    finally:
+        node.request_stop()
+        loop.join(timeout=60)
+        node.stop()
+    assert not loop.is_alive()
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_tritonclient_loads_and_unloads_a_repository_model_by_name(node: Node, tmp_path: Path) -> None:
+    _load_and_unload(node, tmp_path, answers=True)
+
+
+@pytest.mark.real
 @pytest.mark.slow
 def test_a_traffic_replay_of_a_multi_tensor_app_is_answered_by_the_model(node: Node, tmp_path: Path) -> None:
     app_id = node.cfg.app_by_name("multi").app_id
