@@ -6,7 +6,9 @@ A message is a frozen dataclass with a one-byte ``TAG``. On the wire it is a lis
 
 ``token`` is the per-run secret (see `orchestrator.control.channel`), ``header`` is the tag byte followed by a
 UTF-8 JSON object of the message's fields, and ``blobs`` are big payloads (CUDA IPC handles, arrays)
-carried as separate frames so they are never JSON-escaped or copied into the header. The tag values
+carried as separate frames so they are never JSON-escaped or copied into the header. A field that is a
+record (`orchestrator.control.records.InstanceStats`) travels as its ``to_wire()`` object and is
+rebuilt, and checked field by field, by its ``from_wire``. The tag values
 of Finish (2) and Ended (3) are those of the paper (V-C).
 
 `decode` checks everything: the tag is known, the JSON is an object with exactly the message's fields,
@@ -23,6 +25,8 @@ import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from orchestrator.control.records import InstanceStats
 
 __all__ = [
     "FROM_CLI",
@@ -105,11 +109,11 @@ class Ended(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
-    """Periodic liveness plus the instance's counters (its app's `orchestrator.node.metrics.AppStatistics` keeps them)."""
+    """Periodic liveness plus the instance's counters (its app's `orchestrator.control.stats.AppStatistics` keeps them)."""
 
     TAG: ClassVar[int] = 4
     instance: str
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: InstanceStats = field(default_factory=InstanceStats)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,7 +122,7 @@ class StatsReply(Message):
 
     TAG: ClassVar[int] = 6
     instance: str
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: InstanceStats = field(default_factory=InstanceStats)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,6 +284,8 @@ TO_CLI = frozenset({StatusReply.TAG, Result.TAG})
 
 # Field name -> JSON kind, per message type, derived once from the annotations.
 _KINDS = {"int": int, "bool": bool, "str": str, "float": float}
+#: Record field types (encoded by ``to_wire()``, decoded and checked by ``from_wire``), by kind name.
+_RECORDS: dict[str, Any] = {"InstanceStats": InstanceStats}
 
 
 def _field_kinds(cls: type[Message]) -> dict[str, str]:
@@ -292,8 +298,8 @@ def _field_kinds(cls: type[Message]) -> dict[str, str]:
         origin = typing.get_origin(t)
         if origin is dict:
             out[f.name] = "dict"
-        elif t in (int, bool, str, float):
-            out[f.name] = t.__name__
+        elif t in (int, bool, str, float) or _RECORDS.get(getattr(t, "__name__", "")) is t:
+            out[f.name] = t.__name__  # a record travels as its to_wire() object
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {t!r}")
     return out
@@ -321,6 +327,9 @@ def encode_header(msg: Message) -> bytes:
     if MESSAGE_TYPES.get(tag) is not type(msg):
         raise TypeError(f"{type(msg).__name__} is not a registered control message")
     body = {name: getattr(msg, name) for name in _FIELDS[tag]}
+    for name, kind in _FIELDS[tag].items():
+        if kind in _RECORDS:
+            body[name] = body[name].to_wire()
     try:
         text = json.dumps(body, separators=(",", ":"), allow_nan=False, default=_json_default)
     except (TypeError, ValueError) as e:
@@ -344,7 +353,7 @@ def _check_value(kind: str, value: object) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "float":
         return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if kind == "dict":
+    if kind == "dict" or kind in _RECORDS:
         return isinstance(value, dict)
     return isinstance(value, _KINDS[kind])
 
@@ -376,6 +385,9 @@ def decode_header(header: bytes, blobs: tuple[bytes, ...] = ()) -> Message:
         if not _check_value(kinds[name], value):
             raise ProtocolError("malformed", f"{cls.__name__}.{name} must be {kinds[name]}, got {value!r:.80}")
     try:
+        for name, value in body.items():
+            if kinds[name] in _RECORDS:
+                body[name] = _RECORDS[kinds[name]].from_wire(value)
         return cls(**body, blobs=tuple(blobs))
     except (TypeError, ValueError) as e:
         raise ProtocolError("malformed", f"{cls.__name__}: {e}") from None

@@ -12,6 +12,7 @@ up exactly across instances.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -19,14 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuprims.stats import RequestHistograms, add_wire
-from orchestrator.control.values import as_count, as_number
+from orchestrator.control.records import SERVING_ROLES, AppTotals, InstanceStats, Role
 
 #: Status rates are over about this many seconds of heartbeats (not since the instance started).
 RATE_WINDOW_S = 5.0
 #: Cumulative counters of an instance's heartbeat that its app adds up (and banks when it goes).
 COUNTERS = ("received", "ok", "deadline_missed", "errors", "within_slo", "busy_ms")
-#: Roles whose recent latency makes the app's p50/p99 (they serve the app's traffic).
-SERVING_ROLES = ("active", "overflow")
+__all__ = ["COUNTERS", "RATE_WINDOW_S", "SERVING_ROLES", "AppStatistics", "Duration", "FrontDoorCounts",
+           "NodeLoad", "merged_histograms"]
 
 
 def _is_count(v: object) -> bool:
@@ -86,7 +87,7 @@ class NodeLoad:
 
 @dataclass
 class _Live:
-    stats: dict[str, Any]
+    stats: InstanceStats
     history: list[tuple[float, float, float]]  # (t, received, answered) of recent heartbeats
 
 
@@ -107,25 +108,24 @@ class AppStatistics:
         self._retired_hist: dict[str, Any] = {}
         self._door = FrontDoorCounts()
 
-    def beat(self, instance: str, stats: Mapping[str, Any], now_s: float) -> dict[str, Any]:
+    def beat(self, instance: str, stats: InstanceStats, now_s: float) -> InstanceStats:
         """Record an instance's heartbeat ``stats`` received at ``now_s`` (monotonic seconds).
 
-        Returns the record kept (a copy of ``stats`` whose ``arrival_rps`` / ``service_rps`` are over
-        the last few seconds of heartbeats rather than since the instance started).
+        Returns the record kept (``stats`` with ``arrival_rps`` / ``service_rps`` over the last few
+        seconds of heartbeats rather than since the instance started).
         """
-        rec = dict(stats)
-        answered = sum(float(as_count(rec.get(k))) for k in ("ok", "deadline_missed", "errors"))
+        rec = stats
         with self._lock:
             live = self._live.get(instance)
             if live is None:
                 live = self._live[instance] = _Live(rec, [])
             hist = live.history
-            hist.append((now_s, float(as_count(rec.get("received"))), answered))
+            hist.append((now_s, float(rec.received), float(rec.answered)))
             while len(hist) > 2 and now_s - hist[1][0] >= RATE_WINDOW_S:
                 hist.pop(0)
             (t0, r0, s0), (t1, r1, s1) = hist[0], hist[-1]
             if t1 - t0 > 0.2:
-                rec["arrival_rps"], rec["service_rps"] = (r1 - r0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+                rec = dataclasses.replace(rec, arrival_rps=(r1 - r0) / (t1 - t0), service_rps=(s1 - s0) / (t1 - t0))
             live.stats = rec
         return rec
 
@@ -139,12 +139,10 @@ class AppStatistics:
                 return
             s = live.stats
             for k in COUNTERS:
-                v = as_number(s.get(k))
-                if v is not None and v > 0:
-                    self._retired[k] = self._retired.get(k, 0) + (v if k == "busy_ms" else int(v))
-            _add_sizes(self._retired_sizes, s.get("batch_sizes"))
+                self._retired[k] = self._retired.get(k, 0) + getattr(s, k)
+            _add_sizes(self._retired_sizes, s.batch_sizes)
             with contextlib.suppress(ValueError):
-                self._retired_hist = add_wire(self._retired_hist, s.get("hist"))
+                self._retired_hist = add_wire(self._retired_hist, s.hist)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the records of instances not in ``keep`` without banking them (shadows that exited:
@@ -184,10 +182,9 @@ class AppStatistics:
         """The live instances' last heartbeats, summed (cheap: no histograms)."""
         with self._lock:
             lives = [lv.stats for lv in self._live.values()]
-        return NodeLoad(held=sum(as_count(s.get("held")) for s in lives),
-                        batches=sum(as_count(s.get("batches")) for s in lives),
-                        rows_run=sum(as_count(s.get("ok")) + as_count(s.get("errors")) for s in lives),
-                        busy_ms=sum(as_number(s.get("busy_ms")) or 0.0 for s in lives), instances=len(lives))
+        return NodeLoad(held=sum(s.held for s in lives), batches=sum(s.batches for s in lives),
+                        rows_run=sum(s.ok + s.errors for s in lives),
+                        busy_ms=sum(s.busy_ms for s in lives), instances=len(lives))
 
     def _merged(self) -> tuple[dict[str, Any], dict[str, int], RequestHistograms]:
         totals: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
@@ -198,16 +195,14 @@ class AppStatistics:
         for live in self._live.values():
             s = live.stats
             for k in COUNTERS:
-                v = as_number(s.get(k))
-                if v is not None and v > 0:
-                    totals[k] += v if k == "busy_ms" else int(v)
-            _add_sizes(sizes, s.get("batch_sizes"))
+                totals[k] += getattr(s, k)
+            _add_sizes(sizes, s.batch_sizes)
             with contextlib.suppress(ValueError):
-                if s.get("hist"):
-                    hist.merge(RequestHistograms.from_wire(s["hist"]))
+                if s.hist:
+                    hist.merge(RequestHistograms.from_wire(s.hist))
         return totals, sizes, hist
 
-    def totals(self, roles: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def totals(self, roles: Mapping[str, Role] | None = None) -> AppTotals:
         """The app's statistics for ``status``: cumulative counters (live plus gone instances),
         ``batch_sizes`` and ``hist`` (the duration histograms Prometheus exports), rates, queue and
         held requests (of instances that serve), p50/p99 of the recent window, SLO attainment, and
@@ -224,25 +219,24 @@ class AppStatistics:
             totals, sizes, hist = self._merged()
             lives = [(n, lv.stats) for n, lv in self._live.items()]
             door = self._door.as_dict()
-        serving = [(n, s) for n, s in lives if roles.get(n, "active") in SERVING_ROLES]
-        live = [s for _, s in serving if as_number(s.get("p50_ms")) is not None]
-        weight = sum(max(1, as_count(s.get("ok"))) for s in live)
+        serving = [(n, s) for n, s in lives if roles.get(n, Role.ACTIVE) in SERVING_ROLES]
+        live = [s for _, s in serving if s.p50_ms is not None]
+        weight = sum(max(1, s.ok) for s in live)
         answered = totals["ok"] + totals["deadline_missed"] + totals["errors"]
-        not_shadow = [s for n, s in lives if roles.get(n, "active") != "shadow"]
-        totals.update({
-            "p50_ms": sum(float(s["p50_ms"]) * max(1, as_count(s.get("ok"))) for s in live) / weight
-            if live else None,
-            "p99_ms": max((float(s["p99_ms"]) for s in live if as_number(s.get("p99_ms")) is not None), default=None),
-            "arrival_rps": sum(as_number(s.get("arrival_rps")) or 0.0 for _, s in lives),
-            "service_rps": sum(as_number(s.get("service_rps")) or 0.0 for _, s in lives),
-            "queue_len": sum(as_count(s.get("queue_len")) for s in not_shadow),
-            "held": sum(as_count(s.get("held")) for s in not_shadow),
-            "slo_attainment": totals["within_slo"] / answered if answered else None,
-            "batch_sizes": {str(k): n for k, n in sorted(sizes.items())},
-            "hist": hist.to_wire(),
-            "oip": door,
-        })
-        return totals
+        not_shadow = [s for n, s in lives if roles.get(n, Role.ACTIVE) != Role.SHADOW]
+        return AppTotals(
+            **totals,
+            p50_ms=sum(float(s.p50_ms or 0.0) * max(1, s.ok) for s in live) / weight if live else None,
+            p99_ms=max((float(s.p99_ms) for s in live if s.p99_ms is not None), default=None),
+            arrival_rps=sum(s.arrival_rps for _, s in lives),
+            service_rps=sum(s.service_rps for _, s in lives),
+            queue_len=sum(s.queue_len for s in not_shadow),
+            held=sum(s.held for s in not_shadow),
+            slo_attainment=totals["within_slo"] / answered if answered else None,
+            batch_sizes={str(k): n for k, n in sorted(sizes.items())},
+            hist=hist.to_wire(),
+            oip=door,
+        )
 
     def model_statistics(self, name: str) -> dict[str, Any]:
         """The Triton ``ModelStatistics`` of the app as model ``name``, version ``1``: success/fail,

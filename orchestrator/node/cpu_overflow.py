@@ -29,6 +29,8 @@ from gpuprims.coexec.overflow import OverflowRouter, RouteDecision
 from gpuprims.cpushare import CpuShare, available_cores
 from gpuprims.profile.format import Profile, ProfileError, load_profile
 from orchestrator.config.schema import AppConfig, NodeConfig
+from orchestrator.control.records import InstanceStats, Role
+from orchestrator.node.state import InstanceState
 
 
 class OverflowSetupError(ValueError):
@@ -209,14 +211,14 @@ def start_overflow(cfg: NodeConfig, profiles: Iterable[Profile], *, cores: Seque
 # ---- the running node ------------------------------------------------------------------------------
 
 #: The role of a CPU overflow instance in the node's instance table (routed to beside the actives).
-OVERFLOW_ROLE = "overflow"
+OVERFLOW_ROLE = Role.OVERFLOW
 #: How often the node refreshes the ingest's cost models from measured execution times.
 COST_UPDATE_S = 0.5
 #: Counters of an instance kept per device when it goes (the status split).
 SPLIT_COUNTERS = ("received", "ok", "deadline_missed", "errors")
 
 
-def device_of(role: str) -> str:
+def device_of(role: Role) -> str:
     """The device an instance of ``role`` serves on: ``cpu`` for the overflow instance, else ``gpu``."""
     return CPU if role == OVERFLOW_ROLE else GPU
 
@@ -330,7 +332,7 @@ class NodeOverflow:
         return ov
 
     # -- the loop's duty -------------------------------------------------------------------------------
-    def update(self, instances: Iterable[Any], ingest: Any, now: float, *, force: bool = False) -> bool:
+    def update(self, instances: Iterable[InstanceState], ingest: Any, now: float, *, force: bool = False) -> bool:
         """Every ``update_s`` (or when ``force``): fold the instances' measured batch times into each
         app's models and give every routed queue of an overflowing app its cost. Returns True when it ran."""
         if not force and now < self._next_update:
@@ -339,20 +341,20 @@ class NodeOverflow:
         self._set_costs(instances, ingest, now, measure=True)
         return True
 
-    def reroute(self, instances: Iterable[Any], ingest: Any) -> None:
+    def reroute(self, instances: Iterable[InstanceState], ingest: Any) -> None:
         """A route changed (an instance joined or left): give every routed queue its cost now, from the
         models as they stand, so a new queue does not wait for the next update (the ingest routes an
         app least-loaded while one of its queues has no cost model)."""
         self._set_costs(instances, ingest, 0.0, measure=False)
 
-    def _set_costs(self, instances: Iterable[Any], ingest: Any, now: float, *, measure: bool) -> None:
+    def _set_costs(self, instances: Iterable[InstanceState], ingest: Any, now: float, *, measure: bool) -> None:
         insts = list(instances)
         costed: set[int] = set()
         with self._lock:
             for name, ov in self.apps.items():
                 # What the ingest routes to (Supervisor.route): actives, loading or not, and a ready CPU instance.
                 mine = [st for st in insts if st.app == name and not st.ended
-                        and (st.role == "active" or (st.role == OVERFLOW_ROLE and st.ready))]
+                        and (st.role == Role.ACTIVE or (st.role == Role.OVERFLOW and st.ready))]
                 busy: dict[str, tuple[float, float]] = {}
                 for st in mine:
                     busy[st.name] = self._observe(ov, st, now) if measure else self._busy.get(st.name, (0.0, 0.0))
@@ -371,16 +373,15 @@ class NodeOverflow:
             self._windows = {k: v for k, v in self._windows.items() if k in live}
             self._busy = {k: v for k, v in self._busy.items() if k in live}
 
-    def _observe(self, ov: AppOverflow, st: Any, now: float) -> tuple[float, float]:
+    def _observe(self, ov: AppOverflow, st: InstanceState, now: float) -> tuple[float, float]:
         """Feed the instance's batches since the last update into its device's model; returns
         (fraction of the window it was busy, mean batch time in ms or 0 when it ran none)."""
-        s = st.stats or {}
-        sizes = s.get("batch_sizes") or {}
+        s = st.stats if st.stats is not None else InstanceStats()
         try:
-            executed = sum(int(k) * int(v) for k, v in sizes.items())
-            win = _Window(float(s.get("busy_ms") or 0.0), executed, int(s.get("batches") or 0), now)
+            executed = sum(int(k) * int(v) for k, v in s.batch_sizes.items())
         except (TypeError, ValueError):
-            return 0.0, 0.0  # a malformed heartbeat: no measurement this round
+            return 0.0, 0.0  # a batch size that is not a number: no measurement this round
+        win = _Window(s.busy_ms, executed, s.batches, now)
         prev = self._windows.get(st.name)
         self._windows[st.name] = win
         if prev is None:
@@ -408,32 +409,24 @@ class NodeOverflow:
         return next(a.max_batch for a in self.cfg.apps if a.name == app)
 
     # -- bookkeeping ------------------------------------------------------------------------------------
-    def retire(self, st: Any) -> None:
+    def retire(self, st: InstanceState) -> None:
         """Bank a gone instance's counters under its device (the split never goes backwards)."""
-        if st.app not in self.retired or st.role == "shadow":
+        if st.app not in self.retired or st.role == Role.SHADOW:
             return
-        bank = self.retired[st.app][device_of(st.role)]
-        for k in SPLIT_COUNTERS:
-            v = (st.stats or {}).get(k)
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                bank[k] = bank.get(k, 0) + int(v)
+        _bank(self.retired[st.app][device_of(st.role)], st.stats)
 
     def lost(self, app: str) -> None:
         """The app's CPU instance died (counted in status/metrics)."""
         self.failures[app] = self.failures.get(app, 0) + 1
 
-    def split(self, app: str, instances: Iterable[Any]) -> dict[str, Any]:
+    def split(self, app: str, instances: Iterable[InstanceState]) -> dict[str, Any]:
         """The app's ``overflow`` entry of ``status``: per device, requests routed (received by its
         instances) and answered (ok, deadline_missed, errors), the pool, failures and current costs."""
         per: dict[str, dict[str, int]] = {d: dict(self.retired[app][d]) for d in (GPU, CPU)}
         for st in instances:
-            if st.app != app or st.role == "shadow":
+            if st.app != app or st.role == Role.SHADOW:
                 continue
-            bank = per[device_of(st.role)]
-            for k in SPLIT_COUNTERS:
-                v = (st.stats or {}).get(k)
-                if isinstance(v, int | float) and not isinstance(v, bool):
-                    bank[k] = bank.get(k, 0) + int(v)
+            _bank(per[device_of(st.role)], st.stats)
         out: dict[str, Any] = {"cores": list(self.pools[app].cores), "alpha_ms": self.pools[app].alpha_ms,
                                "cpu_instance_failures": self.failures.get(app, 0),
                                "accel_seeded_from_cpu_profile": app in self.seeded_from_cpu,
@@ -443,6 +436,13 @@ class NodeOverflow:
             out[label] = {"routed": c.get("received", 0), "ok": c.get("ok", 0),
                           "answered": c.get("ok", 0) + c.get("deadline_missed", 0) + c.get("errors", 0)}
         return out
+
+
+def _bank(bank: dict[str, int], stats: InstanceStats | None) -> None:
+    """Add an instance's split counters to ``bank``."""
+    if stats is not None:
+        for k in SPLIT_COUNTERS:
+            bank[k] = bank.get(k, 0) + getattr(stats, k)
 
 
 def model_key(model: str) -> str:

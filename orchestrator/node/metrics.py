@@ -38,7 +38,8 @@ from prometheus_client.registry import Collector
 
 from gpuprims import __version__
 from gpuprims.stats import DurationHistogram
-from orchestrator.control.stats import as_count, as_number, merged_histograms
+from orchestrator.control.stats import merged_histograms
+from orchestrator.control.values import as_count, as_number
 
 __all__ = ["FAILURE_REASONS", "MetricsServer"]
 

@@ -1,6 +1,6 @@
 """Monitoring and detection: when an app is overloaded or under-uses its share, change its GPU%.
 
-Every ``interval_s`` the node's status is sampled. Per app, over the last ``window_s``:
+Every ``interval_s`` the node's view (`orchestrator.control.records.NodeView`) is sampled. Per app, over the last ``window_s``:
 arrival rate, service rate (answered per second), queue length, SLO attainment of what was answered,
 and utilisation (fraction of wall time its instances spent running the model, per instance).
 
@@ -18,9 +18,9 @@ mixes samples from before and after, and the dwell counts from when the change e
 only changes that change what the instance gets (on the CPU backend whole cores: see
 ``Placement.effective_target``), and a step down only if the instance's utilisation, scaled to its
 smaller capacity, stays within ``max_util_after`` (hysteresis between ``underuse_util`` and that).
-Every decision carries its reason; the node logs it, keeps it in ``status()["decisions"]`` (made or
-not, and why), puts it on the change it asks for (``reason`` in ``status()["changes"]``) and counts
-it in the metrics.
+Every decision carries its reason; :meth:`Monitor.autoscale` (the node's monitor duty) logs it, keeps
+it in ``status()["decisions"]`` (made or not, and why), puts it on the change it asks for (``reason``
+in ``status()["changes"]``) and counts it in the metrics.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from orchestrator.config.schema import NodeConfig
+from orchestrator.control.errors import ChangeError
+from orchestrator.control.records import AppView, NodeView
+from orchestrator.node.placement import Placement
+from orchestrator.node.reconfig import Change, Changes
+from orchestrator.node.state import AppState
 
 log = logging.getLogger("gpuprims.monitor")
 
@@ -102,6 +109,22 @@ class _AppTrack:
 NeededPct = Callable[[str, float], int | None]
 
 
+class AutoscaleHost(Protocol):
+    """What the monitor's duty reads and asks of the node (`orchestrator.node.node.Node` has it)."""
+
+    cfg: NodeConfig
+    apps: dict[str, AppState]
+    changes: Changes
+    placement: Placement
+
+    def view(self) -> NodeView: ...
+
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = ..., method: str = ...,
+                reason: str | None = ...) -> Change: ...
+
+    def record(self, event: dict[str, Any]) -> None: ...
+
+
 class Monitor:
     """Samples a node's status and proposes GPU% changes (pure: the caller applies them)."""
 
@@ -110,19 +133,18 @@ class Monitor:
         self.needed_pct = needed_pct
         self._apps: dict[str, _AppTrack] = {}
         self.decisions: list[Decision] = []
+        self._told: set[int] = set()  # finished changes already told to `changed`
 
     @staticmethod
-    def _totals(app: Mapping[str, Any]) -> dict[str, float]:
-        insts = app.get("instances") or []
+    def _totals(app: AppView) -> dict[str, float]:
+        t, active = app.totals, app.active
         return {
-            "received": float(app.get("received") or 0),
-            "served": float((app.get("ok") or 0) + (app.get("deadline_missed") or 0) + (app.get("errors") or 0)),
-            "within": float(app.get("within_slo") or 0),
-            "queue": float(sum(int(i.get("queue_len") or 0) for i in insts if i.get("role") == "active")),
-            # The app's total over its live and gone instances; the instances' sum where it has none.
-            "busy_ms": float(app["busy_ms"]) if isinstance(app.get("busy_ms"), int | float)
-            else float(sum(float(i.get("busy_ms") or 0) for i in insts)),
-            "instances": float(max(1, sum(1 for i in insts if i.get("role") == "active"))),
+            "received": float(t.received),
+            "served": float(t.answered),
+            "within": float(t.within_slo),
+            "queue": float(sum(i.queue_len for i in active)),
+            "busy_ms": float(t.busy_ms),  # the app's total over its live and gone instances
+            "instances": float(max(1, len(active))),
         }
 
     def changed(self, app: str, now: float) -> None:
@@ -151,14 +173,12 @@ class Monitor:
             utilisation=max(0.0, (b["busy_ms"] - a["busy_ms"]) / 1e3 / dt / b["instances"]),
         )
 
-    def sample(self, now: float, status: Mapping[str, Any]) -> list[Decision]:
-        """Feed one status snapshot taken at ``now`` (seconds); return the changes to make now."""
+    def sample(self, now: float, view: NodeView) -> list[Decision]:
+        """Feed one view of the node taken at ``now`` (seconds); return the changes to make now."""
         p = self.policy
         out: list[Decision] = []
-        apps = status.get("apps", {})
-        used = {name: int(a.get("gpu_pct") or 0) * max(1, len([i for i in a.get("instances") or []
-                                                               if i.get("role") == "active"]))
-                for name, a in apps.items()}
+        apps: Mapping[str, AppView] = view.apps
+        used = {name: a.gpu_pct * max(1, len(a.active)) for name, a in apps.items()}
         for name, a in apps.items():
             tr = self._apps.setdefault(name, _AppTrack())
             tr.samples.append((now, self._totals(a)))
@@ -173,10 +193,10 @@ class Monitor:
             tr.streak += 1 if verdict else 0
             if not verdict or tr.streak < p.confirm or now - tr.last_change < p.dwell_s:
                 continue
-            pct = int(a.get("gpu_pct") or 0)
-            n = max(1, len([i for i in a.get("instances") or [] if i.get("role") == "active"]))
-            # Only the apps on the same device compete for its share (status gives each app's "gpu").
-            free = 100 - sum(v for k, v in used.items() if k != name and apps[k].get("gpu") == a.get("gpu"))
+            pct = a.gpu_pct
+            n = max(1, len(a.active))
+            # Only the apps on the same device compete for its share.
+            free = 100 - sum(v for k, v in used.items() if k != name and apps[k].gpu == a.gpu)
             need = self.needed_pct(name, w.arrival_rps) if self.needed_pct else None
             if verdict == "overloaded":
                 target = need if need is not None and need > pct else pct + p.step_pct
@@ -202,3 +222,54 @@ class Monitor:
                 and (w.attainment is None or w.attainment >= p.slo_target)):
             return "underused", f"busy {w.utilisation:.0%} of the time < {p.underuse_util:.0%}, no queue"
         return "", ""
+
+    # -- the node's monitor duty ----------------------------------------------------------------------
+    def autoscale(self, host: AutoscaleHost, now: float) -> None:
+        """Sample ``host``'s view and make the changes it calls for, each as a change of share of
+        origin ``monitor``; every decision, made or not, is recorded with its reason."""
+        # A window must not mix samples from before and after a change (of any origin), and the
+        # dwell counts from when the change ended.
+        for ch in host.changes:
+            if not ch.phase.terminal:
+                self.changed(ch.app, now)
+            elif ch.id not in self._told and ch.ended is not None:
+                self._told.add(ch.id)
+                self.changed(ch.app, ch.ended)
+        for d in self.sample(now, host.view()):
+            if d.app in host.changes.running:
+                continue  # its change is still running; the monitor asks again if it still holds
+            self._apply(host, d)
+
+    def _apply(self, host: AutoscaleHost, d: Decision) -> None:
+        # A change that does not change what the instances get (on the CPU backend: whole cores)
+        # costs a shadow start and buys nothing: take the next share that does, or none.
+        placement, p = host.placement, self.policy
+        others = placement.held_beside(d.app)  # on the app's own device
+        n = max(1, host.apps[d.app].instances)
+        hi = 100 if host.cfg.node.allow_oversubscribe else (100 - others) // n
+        target = placement.effective_target(d.from_pct, d.to_pct, p.min_pct, hi)
+        base = {"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
+                "from_pct": d.from_pct}
+        if target is None:
+            host.record({**base, "to_pct": d.to_pct, "ok": False, "automatic": True,
+                         "result": f"not made: no share toward {d.to_pct}% changes what {d.app} gets "
+                                   f"({placement.capacity(d.from_pct)} at {d.from_pct}%)"})
+            return
+        if d.verdict == "underused":
+            # Hysteresis: down only if the instance would still be comfortably below busy after it
+            # (its utilisation scaled by what it has now over what it would get).
+            after = d.window.get("utilisation", 0.0) * (placement.capacity(d.from_pct)
+                                                        / max(1, placement.capacity(target)))
+            if after > p.max_util_after:
+                host.record({**base, "to_pct": target, "ok": False, "automatic": True,
+                             "result": f"not made: at {target}% it would be busy {after:.0%} of the time "
+                                       f"(> max_util_after {p.max_util_after:.0%})"})
+                return
+        log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, target, d.reason)
+        try:
+            ch = host.set_gpu(d.app, target, origin="monitor", reason=f"{d.verdict}: {d.reason}")
+            ok, text = True, f"change {ch.id} accepted"
+        except ChangeError as e:
+            ok, text = False, str(e)
+            log.warning("monitor: change of %s refused: %s", d.app, text)
+        host.record({**base, "to_pct": target, "asked_pct": d.to_pct, "ok": ok, "automatic": True, "result": text})

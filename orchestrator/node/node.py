@@ -61,6 +61,7 @@ from orchestrator.control.messages import (
     StatusRequest,
     StopRequest,
 )
+from orchestrator.control.records import InstanceStats, NodeView
 from orchestrator.control.rundir import NodeRecord, RunDirBusy, claim, sweep_dead_segments, update_record
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.frontdoor.core import Unavailable
@@ -86,9 +87,9 @@ from orchestrator.node.repository import (
     RepositoryPoller,
     repository_model_of,
 )
-from orchestrator.node.state import AppState, InstanceState
+from orchestrator.node.state import AppState, InstanceState, InstanceTable
 from orchestrator.node.supervisor import Supervisor
-from orchestrator.node.view import node_status
+from orchestrator.node.view import node_status, node_view
 
 __all__ = ["AppState", "InstanceState", "Node", "StartError", "install_signal_handlers"]
 
@@ -157,7 +158,7 @@ class Node:
         self.mps: MpsDaemon | None = None
         self.token = new_token()
         self.apps: dict[str, AppState] = {}
-        self.instances: dict[str, InstanceState] = {}
+        self.instances: InstanceTable = InstanceTable()
         self.placement = Placement(cfg, self.apps, backend=self.backend)
         self.params: ParamShare | None = None
         self.supervisor: Supervisor | None = None
@@ -169,7 +170,6 @@ class Node:
         self.events: list[dict[str, Any]] = []
         self.errors: dict[str, int] = {}  # loop errors by where they happened (each logged)
         self.monitor = monitor  # orchestrator.node.monitor.Monitor: automatic GPU% changes when set
-        self._monitor_seen: set[int] = set()  # changes the monitor was told of (Monitor.changed)
         self.share_params = share_params  # Param-Share between instances of the same model
         if monitor is not None and monitor.needed_pct is None:
             monitor.needed_pct = self.placement.needed_pct
@@ -576,7 +576,7 @@ class Node:
         self._guard("pinning", self._pin_threads)
         if self.monitor is not None and now >= self._next_sample:
             self._next_sample = now + self.monitor.policy.interval_s
-            self._guard("monitor", self._autoscale)
+            self._guard("monitor", self.monitor.autoscale, self, now)
         if self.metrics is not None:
             self._guard("metrics", self.metrics.update, self.status())
 
@@ -607,54 +607,6 @@ class Node:
             log.exception("node loop: %s failed (counted in status errors.%s); the node carries on", where, where)
             return None
 
-    def _autoscale(self) -> None:
-        assert self.monitor is not None
-        now = time.monotonic()
-        # A window must not mix samples from before and after a change (of any origin), and the
-        # monitor's dwell counts from when the change ended.
-        for ch in self.changes:
-            if not ch.phase.terminal:
-                self.monitor.changed(ch.app, now)
-            elif ch.id not in self._monitor_seen and ch.ended is not None:
-                self._monitor_seen.add(ch.id)
-                self.monitor.changed(ch.app, ch.ended)
-        for d in self.monitor.sample(now, self.status()):
-            if d.app in self.changes.running:
-                continue  # its change is still running; the monitor asks again if it still holds
-            # A change that does not change what the instances get (on the CPU backend: whole cores)
-            # costs a shadow start and buys nothing: take the next share that does, or none.
-            others = self.placement.held_beside(d.app)  # on the app's own device
-            n = max(1, self.apps[d.app].instances)
-            hi = 100 if self.cfg.node.allow_oversubscribe else (100 - others) // n
-            target = self.placement.effective_target(d.from_pct, d.to_pct, self.monitor.policy.min_pct, hi)
-            if target is None:
-                self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
-                             "from_pct": d.from_pct, "to_pct": d.to_pct, "ok": False, "automatic": True,
-                             "result": f"not made: no share toward {d.to_pct}% changes what {d.app} gets "
-                                       f"({self.placement.capacity(d.from_pct)} at {d.from_pct}%)"})
-                continue
-            if d.verdict == "underused":
-                # Hysteresis: down only if the instance would still be comfortably below busy after it
-                # (its utilisation scaled by what it has now over what it would get).
-                after = d.window.get("utilisation", 0.0) * (self.placement.capacity(d.from_pct)
-                                                            / max(1, self.placement.capacity(target)))
-                if after > self.monitor.policy.max_util_after:
-                    self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
-                                 "from_pct": d.from_pct, "to_pct": target, "ok": False, "automatic": True,
-                                 "result": f"not made: at {target}% it would be busy {after:.0%} of the time "
-                                           f"(> max_util_after {self.monitor.policy.max_util_after:.0%})"})
-                    continue
-            log.info("monitor: %s %s -> change %d%% to %d%% (%s)", d.app, d.verdict, d.from_pct, target, d.reason)
-            try:
-                ch = self.set_gpu(d.app, target, origin="monitor", reason=f"{d.verdict}: {d.reason}")
-                ok, text = True, f"change {ch.id} accepted"
-            except ChangeError as e:
-                ok, text = False, str(e)
-                log.warning("monitor: change of %s refused: %s", d.app, text)
-            self.record({"event": "decision", "app": d.app, "verdict": d.verdict, "reason": d.reason,
-                         "from_pct": d.from_pct, "to_pct": target, "asked_pct": d.to_pct, "ok": ok,
-                         "automatic": True, "result": text})
-
     def request_stop(self, drain: bool = True) -> None:
         """Ask serve() to stop (safe from signal handlers and other threads)."""
         self._stop_drain = drain
@@ -665,7 +617,7 @@ class Node:
         if isinstance(msg, Heartbeat):
             st = self.instances.get(msg.instance)
             if st is not None:
-                self._beat(st, dict(msg.stats))
+                self._beat(st, msg.stats)
         elif isinstance(msg, Ready):
             st = self.instances.get(msg.instance)
             if st is not None:
@@ -715,14 +667,18 @@ class Node:
         assert self.server is not None
         self.server.reply(item, msg)
 
-    def _beat(self, st: InstanceState, stats: dict[str, Any]) -> None:
+    def _beat(self, st: InstanceState, stats: InstanceStats) -> None:
         now = time.monotonic()
         st.stats, st.last_beat = self.apps[st.app].stats.beat(st.name, stats, now), now
 
     # -- status ---------------------------------------------------------------------------------------
+    def view(self) -> NodeView:
+        """The node now, by field (orchestrator/node/view.py): what its parts read."""
+        return node_view(self)
+
     def status(self) -> dict[str, Any]:
         """A JSON-able snapshot: node, ingest counters and drops, per app and instance statistics, changes
-        (orchestrator/node/view.py)."""
+        (the view's JSON, for the control edge)."""
         return node_status(self)
 
     # -- stop -----------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from gpuprims.cpushare import CpuShare
 from orchestrator.control.errors import ChangeError
+from orchestrator.control.records import InstanceStats
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.node.state import AppState, InstanceState
 
@@ -258,7 +259,7 @@ class Change:
                 host.kill(old, role="finishing")
                 old = None
             if old is None or old.ended:
-                self.switched[-1]["old_served"] = old.stats.get("ok") if old is not None else None
+                self.switched[-1]["old_served"] = _served(old)
                 self.switched[-1]["old_last_answer_ns"] = _last_answer(old)
                 self._next_instance(host)
 
@@ -308,7 +309,7 @@ class Change:
             # requeued into its queue and no request meets an app without one.
             host.kill(old)
             host.route(self.app)
-            self.switched.append({"from": old.name, "to": new.name, "init_ms": None, "old_served": old.stats.get("ok"),
+            self.switched.append({"from": old.name, "to": new.name, "init_ms": None, "old_served": _served(old),
                                   "switch_ns": time.monotonic_ns(), **_pending_data_path(),
                                   # Killed: its last heartbeat's last answer (up to heartbeat_ms stale).
                                   "old_last_answer_ns": _last_answer(old)})
@@ -341,13 +342,13 @@ class Change:
             if sw.get("data_path") != "waiting":
                 continue
             new = host.instances.get(sw["to"])
-            first = int((new.stats.get("first_ok_ns") or 0) if new is not None else 0)
+            stats = new.stats if new is not None and new.stats is not None else InstanceStats()
+            first = stats.first_ok_ns
             old_last = sw.get("old_last_answer_ns")
             if first and (old_last is not None or self.phase.terminal):
-                stats = new.stats if new is not None else {}
                 sw["new_first_answer_ns"] = first
-                took = max(int(stats.get("first_request_ns") or 0), int(sw["switch_ns"]))
-                sw["new_first_wait_ms"] = round(max(0.0, (first - took) / 1e6 - float(stats.get("first_model_ms") or 0)), 3)
+                took = max(stats.first_request_ns, int(sw["switch_ns"]))
+                sw["new_first_wait_ms"] = round(max(0.0, (first - took) / 1e6 - (stats.first_model_ms or 0.0)), 3)
                 gap = (first - old_last) / 1e6 if old_last else None
                 sw["answer_gap_ms"] = round(gap, 3) if gap is not None else None
                 wait = sw["new_first_wait_ms"]
@@ -393,7 +394,12 @@ def _pending_data_path() -> dict[str, Any]:
 
 def _last_answer(st: InstanceState | None) -> int | None:
     """When the instance last answered (ns, CLOCK_MONOTONIC) by its last heartbeat; None if never."""
-    return int(st.stats.get("last_ok_ns") or 0) or None if st is not None else None
+    return st.stats.last_ok_ns or None if st is not None and st.stats is not None else None
+
+
+def _served(st: InstanceState | None) -> int | None:
+    """What the instance answered OK by its last heartbeat; None with no heartbeat."""
+    return st.stats.ok if st is not None and st.stats is not None else None
 
 
 class Changes:

@@ -7,17 +7,17 @@ them owns another, and only the node's one loop writes them.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config.schema import AppConfig
+from orchestrator.control.records import InstanceStats, Role
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.control.stats import AppStatistics
 from orchestrator.node.launcher import InstanceProcess
 
-#: An instance's role. ``active`` instances are routed to; a ``shadow`` waits (CPU side up, model not
-#: loaded) for a change of share; ``finishing`` drains after a switch; ``stopping`` is on its way out.
-ROLES = ("active", "shadow", "finishing", "stopping")
+__all__ = ["AppState", "InstanceState", "InstanceTable", "Role"]
 
 
 @dataclass
@@ -28,10 +28,10 @@ class InstanceState:
     app: str
     spec: InstanceSpec
     proc: InstanceProcess
-    role: str = "active"  # one of ROLES
+    role: Role = Role.ACTIVE
     ready: bool = False
     initialized: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat, as its app's AppStatistics keeps it
+    stats: InstanceStats | None = None  # its last heartbeat, as its app's AppStatistics keeps it (None before)
     last_beat: float = 0.0
     started: float = field(default_factory=time.monotonic)
     ended: bool = False
@@ -68,3 +68,20 @@ class AppState:
         """Fold a departing instance's counters (and batch counts and duration histograms) into the
         app's, so the app's totals never go back."""
         self.stats.retire(st.name)
+
+
+class InstanceTable(dict[str, InstanceState]):
+    """The node's instances by name, which also answers by app and role in one call (as Ray Serve's
+    ``ReplicaStateContainer``): ``table.of("a", Role.ACTIVE)`` are app a's active instances."""
+
+    def of(self, app: str, *roles: Role) -> list[InstanceState]:
+        """App ``app``'s instances in any of ``roles`` (every role when none is given), oldest first."""
+        return [st for st in self.values() if st.app == app and (not roles or st.role in roles)]
+
+    def count(self, app: str, *roles: Role) -> int:
+        """How many instances `of` gives."""
+        return sum(1 for st in self.values() if st.app == app and (not roles or st.role in roles))
+
+    def with_role(self, *roles: Role) -> Iterator[InstanceState]:
+        """Every instance in any of ``roles``, of any app."""
+        return (st for st in self.values() if st.role in roles)

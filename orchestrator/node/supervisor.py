@@ -216,9 +216,7 @@ class Supervisor:
 
     def instance_memory(self, st: InstanceState) -> MemoryReading:
         """An instance's last PSS reading and its heartbeat's device memory (cuda backend)."""
-        dev = st.stats.get("device_bytes")
-        ok = isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0
-        return MemoryReading(self.memory.get(st.pid), dev if ok else None)
+        return MemoryReading(self.memory.get(st.pid), st.stats.device_bytes if st.stats is not None else None)
 
     def app_memory(self, app_name: str) -> MemoryReading:
         """The sum over the app's instances (actives, shadow, finishing, overflow)."""

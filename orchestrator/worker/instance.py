@@ -10,10 +10,10 @@ gpu_worker and gpu_model_runner):
 - :class:`orchestrator.worker.zoo_runner.AppRunner` is the model: it takes the share (CPU cores on the cpu
   backend; on cuda the orchestrator set ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` before CUDA
   initialises), builds the model(s), warms them up and measures them.
-- :class:`orchestrator.worker.serving.ServingLoop` is the serving loop: take complete requests from the
-  queue, answer those that can no longer meet their deadline with DEADLINE_MISSED, form a batch as
-  large as the deadline allows (``gpuprims.batching``), gather the payloads into the batch, run the
-  model, answer each request and release the slots.
+- a serving loop (:mod:`orchestrator.worker.loops`, one class per serving mode, picked from the spec)
+  serves the queue: take complete requests from the queue, answer those that can no longer meet their
+  deadline with DEADLINE_MISSED, form a batch as large as the deadline allows (``gpuprims.batching``),
+  gather the payloads into the batch, run the model, answer each request and release the slots.
 
 A *dispatched* instance (``spec.dispatched``, under the node's spatio-temporal or temporal scheduler)
 does not batch on its own: it waits for ``RunBatch`` messages, each naming a stage, a batch size and a
@@ -57,11 +57,13 @@ from orchestrator.control.messages import (
     StatsReply,
     StatsRequest,
 )
+from orchestrator.control.records import InstanceStats
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
 from orchestrator.worker.file_runner import FileRunner
 from orchestrator.worker.launch import die_with_parent
-from orchestrator.worker.serving import LATENCY_MEMORY_S, PROBE_AFTER_S, LatencyStats, ServingLoop
-from orchestrator.worker.tensor_serving import TensorServingLoop
+from orchestrator.worker.loops import ServingLoop, serving_loop
+from orchestrator.worker.loops.base import LATENCY_MEMORY_S, PROBE_AFTER_S
+from orchestrator.worker.loops.stats import LatencyStats
 
 if TYPE_CHECKING:
     from orchestrator.worker.zoo_runner import AppRunner
@@ -82,24 +84,22 @@ class Instance:
     """The instance process (see the module docstring): its control connection, the messages it
     handles, the heartbeat and the shadow's pre-warm thread. It owns a model runner
     (:class:`orchestrator.worker.zoo_runner.AppRunner`: the device and the model) and a serving loop
-    (:class:`orchestrator.worker.serving.ServingLoop`: the queue and the data path's seams)."""
+    (:class:`orchestrator.worker.loops.ServingLoop` of its serving mode: the queue and the data path's seams)."""
 
     def __init__(self, spec: InstanceSpec, control: Any | None) -> None:
         self.spec = spec
         self.control = control
         self.pool = PacketPool.attach(spec.pool)
         self.runner: AppRunner | FileRunner
-        self.serving: ServingLoop
         if spec.serves_file:
             self.runner = FileRunner(spec)
-            self.serving = TensorServingLoop(spec, self.pool, self.runner)
         else:
             # A zoo model's runner imports torch and the zoo: only an instance that serves one pays for
             # them, so a model file's instance (and its fork server) maps no torch.
             from orchestrator.worker.zoo_runner import AppRunner
 
             self.runner = AppRunner(spec)
-            self.serving = ServingLoop(spec, self.pool, self.runner)
+        self.serving: ServingLoop = serving_loop(spec, self.pool, self.runner)  # adaptive, dispatched or a file's
         self.finishing = False
         self.stopping = False
         self.initialized = False
@@ -138,7 +138,7 @@ class Instance:
         return self.runner.measured
 
     def step(self, max_wait_ms: float = 50.0) -> None:
-        """One iteration of the serving loop (:meth:`ServingLoop.step`)."""
+        """One iteration of the serving loop (:meth:`AdaptiveLoop.step`)."""
         self.serving.step(max_wait_ms)
 
     def drain(self) -> int:
@@ -276,12 +276,13 @@ class Instance:
             return
 
         self._last_beat = now
-        snap = self.serving.snapshot()
-        snap.update(gpu_pct=self.spec.gpu_pct, initialized=self.initialized, finishing=self.finishing,
-                    params=self.runner.params_mode, engine=self.runner.describe(), mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-                    device_bytes=instance_device_bytes(self.spec.backend))
+        stats = InstanceStats(**self.serving.snapshot(), gpu_pct=self.spec.gpu_pct, initialized=self.initialized,
+                              finishing=self.finishing, params=self.runner.params_mode,
+                              engine=self.runner.describe(),
+                              mps_pct=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                              device_bytes=instance_device_bytes(self.spec.backend))
         with contextlib.suppress(Exception):
-            self.control.send(Heartbeat(instance=self.spec.name, stats=snap))
+            self.control.send(Heartbeat(instance=self.spec.name, stats=stats))
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, InitGpu):
@@ -308,7 +309,7 @@ class Instance:
             self.control.send(self.serving.run_batch(msg))
         elif isinstance(msg, StatsRequest):
             snap = self.stats.snapshot(self.consumer.depth() + len(self.queue), len(self.queue))
-            self.control.send(StatsReply(instance=self.spec.name, stats=snap))
+            self.control.send(StatsReply(instance=self.spec.name, stats=InstanceStats(**snap)))
         else:
             log.warning("ignoring unexpected control message %s", type(msg).__name__)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from orchestrator.control.channel import InstanceClient, connect_instance_from_env
 from orchestrator.control.messages import Ended, Error, Finish, Heartbeat, InitGpu, Ready, Shutdown
+from orchestrator.control.records import InstanceStats
 from orchestrator.control.spec import InstanceSpec
 
 _PIDS = itertools.count(900_001)  # no real process has these ids here; they are only labels
@@ -49,7 +50,7 @@ class FakeInstance:
         self.send(Ready(instance=self.spec.name, pid=self.pid, info={"initialized": initialized, **info}))
 
     def beat(self, **stats: Any) -> None:
-        self.send(Heartbeat(instance=self.spec.name, stats=stats))
+        self.send(Heartbeat(instance=self.spec.name, stats=InstanceStats(**stats)))
 
     def end(self, drained: int = 0) -> None:
         self.send(Ended(instance=self.spec.name, drained_count=drained))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -45,6 +46,7 @@ from orchestrator.control.messages import (
     StopRequest,
     encode,
 )
+from orchestrator.control.records import InstanceStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -246,7 +248,7 @@ def test_several_instances(server: ControlServer, token: str) -> None:
     clients = [connect_instance(server.address, f"i{k}", token) for k in range(3)]
     try:
         for c in clients:
-            c.send(Heartbeat(instance=c.instance, stats={"n": 1}))
+            c.send(Heartbeat(instance=c.instance, stats=InstanceStats(received=1)))
         peers = {_recv(server).peer for _ in clients}
         assert peers == {"i0", "i1", "i2"}
         for c in clients:
@@ -412,6 +414,8 @@ def test_zmq_garbage_is_counted_not_fatal(run_dir: Path, token: str) -> None:
             raw.send_multipart([token.encode()])
             raw.send_multipart([token.encode(), b"\xeenope"])
             raw.send_multipart([token.encode(), b"\x02{"])
+            # a heartbeat whose body is not an InstanceStats (a count that is text)
+            raw.send_multipart([token.encode(), b"\x04" + json.dumps({"instance": "raw", "stats": {"ok": "x"}}).encode()])
             raw.send_multipart(encode(Finish(instance="raw"), token.encode()))
             forged.send_multipart(encode(Heartbeat(instance="b"), token.encode()))
             badid.send_multipart(encode(Heartbeat(instance="x"), token.encode()))
@@ -424,9 +428,9 @@ def test_zmq_garbage_is_counted_not_fatal(run_dir: Path, token: str) -> None:
             while got is None and time.monotonic() < deadline:
                 got = server.poll(200)
             assert got is not None and got.peer == "raw" and isinstance(got.msg, Heartbeat)
-            while sum(server.rejected.values()) < 7 and time.monotonic() < deadline:
+            while sum(server.rejected.values()) < 8 and time.monotonic() < deadline:
                 assert server.poll(100) is None
-            assert server.rejected == {"malformed": 3, "unknown_tag": 1, "wrong_direction": 1,
+            assert server.rejected == {"malformed": 4, "unknown_tag": 1, "wrong_direction": 1,
                                        "identity_mismatch": 1, "bad_identity": 1}
         finally:
             for s in (raw, forged, badid, rawcli):

@@ -32,6 +32,7 @@ from orchestrator.control.messages import (
     encode,
     encode_header,
 )
+from orchestrator.control.records import InstanceStats
 
 TOKEN = b"t" * 64
 
@@ -39,9 +40,10 @@ SAMPLES: list[Message] = [
     Ready(instance="a-0", pid=42, info={"device": "cpu", "params": 3}, blobs=(b"\x00" * 100, b"ipc")),
     Finish(instance="a-0"),
     Ended(instance="a-0", drained_count=7),
-    Heartbeat(instance="a-0", stats={"arrived": 3, "latency": {"b": {"10": 2}}}),
+    Heartbeat(instance="a-0", stats=InstanceStats(received=3, p50_ms=1.5, batch_sizes={"2": 1},
+                                                  engine={"kind": "eager"}, mps_pct="30")),
     StatsRequest(instance="a-0"),
-    StatsReply(instance="a-0", stats={"served": 1}),
+    StatsReply(instance="a-0", stats=InstanceStats(ok=1)),
     InitGpu(instance="a-1", gpu_pct=60),
     Shutdown(instance="a-0", drain=False),
     Error(instance="a-0", kind="cuda_oom", message="out of memory"),
@@ -81,8 +83,9 @@ def test_blobs_are_not_in_the_header() -> None:
 
 def test_numpy_scalars_encode() -> None:
     np = pytest.importorskip("numpy")
-    _, back = decode(encode(Heartbeat(instance="a", stats={"x": np.int64(3), "y": np.float32(0.5)}), TOKEN))
-    assert back.stats == {"x": 3, "y": 0.5}  # type: ignore[attr-defined]
+    _, back = decode(encode(Heartbeat(instance="a", stats=InstanceStats(ok=np.int64(3), p50_ms=np.float32(0.5))),
+                            TOKEN))
+    assert back.stats == InstanceStats(ok=3, p50_ms=0.5)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("bad", [0, 101, True, 50.0])
@@ -93,14 +96,14 @@ def test_gpu_pct_validated_at_construction(bad: object) -> None:
 
 def test_encode_refuses_unserialisable() -> None:
     with pytest.raises(ValueError, match="cannot encode Heartbeat"):
-        encode(Heartbeat(instance="a", stats={"x": object()}), TOKEN)
+        encode(Heartbeat(instance="a", stats=InstanceStats(engine={"x": object()})), TOKEN)
     with pytest.raises(ValueError, match="cannot encode"):
-        encode(Heartbeat(instance="a", stats={"x": float("nan")}), TOKEN)
+        encode(Heartbeat(instance="a", stats=InstanceStats(p50_ms=float("nan"))), TOKEN)
 
 
 def test_encode_refuses_oversized_header_and_too_many_blobs() -> None:
     with pytest.raises(ValueError, match="blobs"):
-        encode(Heartbeat(instance="a", stats={"x": "y" * MAX_HEADER_BYTES}), TOKEN)
+        encode(Heartbeat(instance="a", stats=InstanceStats(engine={"x": "y" * MAX_HEADER_BYTES})), TOKEN)
     with pytest.raises(ValueError, match="blobs"):
         encode(Finish(instance="a", blobs=(b"",) * (MAX_BLOBS + 1)), TOKEN)
 
@@ -128,7 +131,15 @@ def _hdr(tag: int, body: object) -> bytes:
     ([TOKEN, _hdr(3, {"instance": "a", "drained_count": "7"})], "malformed", "drained_count must be int"),
     ([TOKEN, _hdr(3, {"instance": "a", "drained_count": True})], "malformed", "must be int"),
     ([TOKEN, _hdr(2, {"instance": 5})], "malformed", "instance must be str"),
-    ([TOKEN, _hdr(4, {"instance": "a", "stats": [1]})], "malformed", "stats must be dict"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": [1]})], "malformed", "stats must be InstanceStats"),
+    # A heartbeat's body is checked field by field (a counted drop, never a crash in the node's loop).
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"okk": 1}})], "malformed", "unknown fields ['okk']"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"ok": "lots"}})], "malformed", "InstanceStats.ok must be"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"ok": -3}})], "malformed", "InstanceStats.ok must be"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"received": True}})], "malformed", "InstanceStats.received"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"p50_ms": "1"}})], "malformed", "InstanceStats.p50_ms"),
+    ([TOKEN, _hdr(4, {"instance": "a", "stats": {"batch_sizes": [1]}})], "malformed", "batch_sizes"),
+    ([TOKEN, _hdr(6, {"instance": "a", "stats": {"engine": 3}})], "malformed", "InstanceStats.engine"),
     ([TOKEN, _hdr(14, {"app": "a", "gpu_pct": 0})], "malformed", "gpu_pct must be an integer in 1..100"),
     ([TOKEN, _hdr(9, {"instance": "a", "drain": 1})], "malformed", "drain must be bool"),
     ([TOKEN, b"\x02" + b" " * MAX_HEADER_BYTES], "oversized", "header frame"),

@@ -25,6 +25,7 @@ from gpuprims.client import Result
 from gpuprims.modelrepo.config import QueuePolicy, TimeoutAction
 from gpuprims.wire import DType, Status
 from orchestrator.config.schema import ConfigError, load_config, parse_config
+from orchestrator.control.records import InstanceStats
 from orchestrator.control.stats import AppStatistics
 from orchestrator.frontdoor import oip_pb2 as pb
 from orchestrator.frontdoor.admission import (
@@ -101,7 +102,7 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
 
 
 def _admission_counts(core: Core, app: str = "m") -> dict[str, Any]:
-    return core.stats[app].totals()["oip"]["admission"]
+    return core.stats[app].totals().oip["admission"]
 
 
 def _answered(core: Core, app: str = "m") -> int:
@@ -129,11 +130,11 @@ def test_the_model_is_learnt_from_heartbeats() -> None:
     adm = Admission(clock=lambda: now[0])
     info = _info()
     stats = AppStatistics()
-    stats.beat("i0", {"batches": 10, "ok": 40, "errors": 0, "busy_ms": 100.0, "held": 0}, now_s=0.0)
+    stats.beat("i0", InstanceStats(batches=10, ok=40, errors=0, busy_ms=100.0, held=0), now_s=0.0)
     adm.decide(info, RequestParams(), stats)  # first look: nothing to compare with yet
     assert adm.predict_ms(info, 0) is None
     now[0] = 1.0
-    stats.beat("i0", {"batches": 20, "ok": 120, "errors": 0, "busy_ms": 250.0, "held": 24}, now_s=1.0)
+    stats.beat("i0", InstanceStats(batches=20, ok=120, errors=0, busy_ms=250.0, held=24), now_s=1.0)
     adm.decide(info, RequestParams(), stats)  # 10 batches of 8 rows in 150 ms: 15 ms a batch of 8
     assert adm.predict_ms(info, 0) == 15.0
     # The instances hold 24 (the heartbeat's count) though this door has none in flight: 3 rounds ahead.
@@ -298,7 +299,7 @@ def test_http_flood_without_deadlines_is_refused_at_once_and_answered_once() -> 
         assert statuses == {200: HIGH_ROOM, 503: n - HIGH_ROOM}
         assert sorted(int(b["id"]) for st, b, _ in answers if st == 200) == sorted(
             {int(b["id"]) for st, b, _ in answers if st == 200})
-        assert core.stats["m"].totals()["oip"]["statuses"].get("REFUSED") == n - HIGH_ROOM
+        assert core.stats["m"].totals().oip["statuses"].get("REFUSED") == n - HIGH_ROOM
 
     asyncio.run(run())
 
@@ -427,7 +428,7 @@ def test_admission_counts_reach_prometheus() -> None:
     stats.record_admission(2, "predicted_late")
     stats.record_admission(2, "predicted_late")
     registry = CollectorRegistry()
-    registry.register(_Collector(lambda: {"apps": {"a": stats.totals()}}))
+    registry.register(_Collector(lambda: {"apps": {"a": stats.totals().to_dict()}}))
     text = generate_latest(registry).decode()
     assert 'gpuprims_frontdoor_admitted_total{app="a",level="1"} 1.0' in text
     assert 'gpuprims_frontdoor_refused_total{app="a",level="2",reason="predicted_late"} 2.0' in text

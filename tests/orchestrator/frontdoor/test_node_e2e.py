@@ -129,7 +129,7 @@ def test_an_instance_killed_holding_front_door_rows_answers_them_once(node: Node
                        for code, name in (("503", "INSTANCE_FAILED"), ("504", "DEADLINE_MISSED"))), e
         else:
             assert np.asarray(replies[0]).shape == (4, 10)
-        stats = door.core.stats["cls"].totals()["oip"]["statuses"]
+        stats = door.core.stats["cls"].totals().oip["statuses"]
         assert sum(stats.values()) == 4 and set(stats) <= {"OK", "INSTANCE_FAILED", "DEADLINE_MISSED"}
         c = node.ingest.counters()
         assert c["local_submitted"] - before["local_submitted"] == 4

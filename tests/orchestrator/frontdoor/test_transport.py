@@ -107,7 +107,7 @@ def test_an_instance_killed_holding_front_door_rows_answers_each_once_with_an_er
             assert len(got) == 1 and isinstance(got[0], InferenceServerException)
             assert got[0].status() == "503" and "INSTANCE_FAILED" in got[0].message()
             assert door.core is not None
-            oip = door.core.stats[APP.name].totals()["oip"]  # the front door's counts in the app's record
+            oip = door.core.stats[APP.name].totals().oip  # the front door's counts in the app's record
             assert oip["statuses"] == {"INSTANCE_FAILED": 2}
             assert oip["fail"]["count"] == 1 and oip["success"]["count"] == 0
             c = pool.ingest.counters()
@@ -137,7 +137,7 @@ def test_an_answer_after_its_row_was_given_up_is_dropped_not_sent_twice(pool: Po
         while door.core.transport.stray == 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.005)
         assert door.core.transport.stray == 1  # type: ignore[attr-defined]
-        assert door.core.stats[APP.name].totals()["oip"]["statuses"] == {"LOST": 1}
+        assert door.core.stats[APP.name].totals().oip["statuses"] == {"LOST": 1}
 
 
 def test_rows_the_node_cannot_take_are_answered_with_the_reason(pool: Pool) -> None:
@@ -261,7 +261,7 @@ def test_inferences_are_shed_while_the_loop_runs_behind_and_admitted_once_it_cat
             assert e.value.status() == "StatusCode.UNAVAILABLE" and "front door overloaded" in str(e.value)
         assert core.shed == {APP.name: 2}
         assert pool.pool.consumer(0).depth() == 0  # nothing shed reached the node
-        assert core.stats[APP.name].totals()["oip"]["statuses"] == {"SHED": 2}
+        assert core.stats[APP.name].totals().oip["statuses"] == {"SHED": 2}
         stop.set()
         deadline = time.monotonic() + REACT_S
         while asyncio.run_coroutine_threadsafe(lag(), door._loop).result(REACT_S) >= 0.5:

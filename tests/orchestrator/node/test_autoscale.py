@@ -147,13 +147,13 @@ def _decision(verdict: str, from_pct: int, to_pct: int, util: float) -> Decision
 def test_a_step_down_that_would_leave_the_instance_busy_is_not_made(monkeypatch: pytest.MonkeyPatch) -> None:
     node, mon, asked = _node(monkeypatch, {25: 1, 50: 2, 75: 3, 100: 4})
     mon.next = [_decision("underused", 50, 25, util=0.4)]  # 2 cores -> 1 would make it 80 % busy
-    node._autoscale()
+    mon.autoscale(node, time.monotonic())
     assert asked == []
     ev = [e for e in node.events if e["event"] == "decision"][-1]
     assert ev["ok"] is False and "would be busy 80%" in ev["result"] and ev["reason"] == "underused because"
     assert node.status()["decisions"][-1] == ev  # visible in status
     mon.next = [_decision("underused", 50, 25, util=0.25)]  # -> 50 %: made, with its reason
-    node._autoscale()
+    mon.autoscale(node, time.monotonic())
     assert asked == [("a", 25, {"origin": "monitor", "reason": "underused: underused because"})]
     ev = [e for e in node.events if e["event"] == "decision"][-1]
     assert ev["ok"] is True and ev["to_pct"] == 25
@@ -173,11 +173,11 @@ def test_the_monitor_is_told_of_running_and_finished_changes_once(monkeypatch: p
     node, mon, _ = _node(monkeypatch, {25: 1, 50: 2, 75: 3, 100: 4})
     monkeypatch.setattr(node.changes, "check", lambda app, pct: None)
     ch = Node.set_gpu(node, "a", 75)
-    node._autoscale()
+    mon.autoscale(node, time.monotonic())
     assert [a for a, _ in mon.told] == ["a"]  # running: its window restarts every sample
     ch._enter(Phase.DONE)
     node.changes.running.clear()
     node.changes.finished.append(ch)
-    node._autoscale()
-    node._autoscale()
+    mon.autoscale(node, time.monotonic())
+    mon.autoscale(node, time.monotonic())
     assert mon.told[1:] == [("a", ch.ended)]  # finished: once, dwell counted from its end

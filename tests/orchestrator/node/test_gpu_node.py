@@ -72,12 +72,12 @@ def test_instances_run_under_mps_with_their_share(tmp_path: Path) -> None:
             if st.role != "active":
                 continue
             assert st.pid in clients, f"{st.name} is not an MPS client"
-            assert st.stats.get("mps_pct") == str(st.spec.gpu_pct)
+            assert st.stats is not None and st.stats.mps_pct == str(st.spec.gpu_pct)
         ok, msg = change_gpu_pct(node, "a", 60)
         assert ok, msg
         for _ in range(20):
             node.step(50)
         a = next(st for st in node.instances.values() if st.app == "a" and st.role == "active")
-        assert a.stats.get("mps_pct") == "60" and a.pid in node.mps.clients()
+        assert a.stats is not None and a.stats.mps_pct == "60" and a.pid in node.mps.clients()
     finally:
         node.stop()

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuprims import __version__
 from gpuprims.stats import RequestHistograms
+from orchestrator.control.records import InstanceStats, Role
 from orchestrator.control.stats import AppStatistics
 from orchestrator.control.status_format import format_status
 from orchestrator.node.metrics import MetricsServer, _Collector
@@ -35,12 +36,12 @@ def _hist_wire(request_s: list[float]) -> dict[str, Any]:
 
 def _beat(received: int, ok: int = 0, *, deadline_missed: int = 0, errors: int = 0, within_slo: int | None = None,
           p50_ms: float | None = None, p99_ms: float | None = None, queue_len: int = 0, busy_ms: float = 0.0,
-          batch_sizes: dict[str, int] | None = None, request_s: list[float] | None = None) -> dict[str, Any]:
+          batch_sizes: dict[str, int] | None = None, request_s: list[float] | None = None) -> InstanceStats:
     """A heartbeat's stats as an instance sends them (orchestrator/worker/instance.py LatencyStats.snapshot)."""
-    return {"received": received, "ok": ok, "deadline_missed": deadline_missed, "errors": errors,
-            "within_slo": ok if within_slo is None else within_slo, "p50_ms": p50_ms, "p99_ms": p99_ms,
-            "queue_len": queue_len, "held": queue_len, "busy_ms": busy_ms, "batch_sizes": batch_sizes or {},
-            "hist": _hist_wire(request_s or [])}
+    return InstanceStats(received=received, ok=ok, deadline_missed=deadline_missed, errors=errors,
+                         within_slo=ok if within_slo is None else within_slo, p50_ms=p50_ms, p99_ms=p99_ms,
+                         queue_len=queue_len, held=queue_len, busy_ms=busy_ms, batch_sizes=batch_sizes or {},
+                         hist=_hist_wire(request_s or []))
 
 
 def _node_status(apps: dict[str, tuple[AppStatistics, dict[str, Any], list[dict[str, Any]]]],
@@ -48,8 +49,8 @@ def _node_status(apps: dict[str, tuple[AppStatistics, dict[str, Any], list[dict[
     """`Node.status`'s shape from each app's record, its config fields and its instances' entries."""
     out: dict[str, Any] = {}
     for name, (agg, fields, insts) in apps.items():
-        roles = {i["name"]: i.get("role", "active") for i in insts}
-        out[name] = {**fields, **agg.totals(roles), "instances": insts}
+        roles = {i["name"]: Role(i.get("role", "active")) for i in insts}
+        out[name] = {**fields, **agg.totals(roles).to_dict(), "instances": insts}
     return {"node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
             "apps": out, **extra}
 
@@ -60,16 +61,16 @@ def _node_status(apps: dict[str, tuple[AppStatistics, dict[str, Any], list[dict[
 def test_rates_are_over_the_recent_heartbeats() -> None:
     agg = AppStatistics()
     first = agg.beat("det-0", _beat(0), now_s=100.0)
-    assert "arrival_rps" not in first  # one heartbeat: no window yet
+    assert first == _beat(0)  # one heartbeat: no window yet, the instance's own rates
     rec = agg.beat("det-0", _beat(100, 60, deadline_missed=20, within_slo=50), now_s=102.0)
-    assert rec["arrival_rps"] == pytest.approx(50) and rec["service_rps"] == pytest.approx(40)
+    assert rec.arrival_rps == pytest.approx(50) and rec.service_rps == pytest.approx(40)
     # The window starts at the newest heartbeat at least RATE_WINDOW_S old: the ones before stop counting.
     agg.beat("det-0", _beat(100, 80, deadline_missed=20), now_s=110.0)
     rec = agg.beat("det-0", _beat(110, 90, deadline_missed=20), now_s=111.0)
-    assert rec["arrival_rps"] == pytest.approx((110 - 100) / 9) and rec["service_rps"] == pytest.approx((110 - 80) / 9)
-    t = agg.totals({"det-0": "active"})
-    assert t["received"] == 110 and t["ok"] == 90 and t["deadline_missed"] == 20
-    assert t["slo_attainment"] == pytest.approx(90 / 110)
+    assert rec.arrival_rps == pytest.approx((110 - 100) / 9) and rec.service_rps == pytest.approx((110 - 80) / 9)
+    t = agg.totals({"det-0": Role.ACTIVE})
+    assert t.received == 110 and t.ok == 90 and t.deadline_missed == 20
+    assert t.slo_attainment == pytest.approx(90 / 110)
 
 
 def test_totals_weigh_serving_instances_and_leave_out_shadows() -> None:
@@ -77,12 +78,12 @@ def test_totals_weigh_serving_instances_and_leave_out_shadows() -> None:
     agg.beat("a-0", _beat(10, 10, p50_ms=5.0, p99_ms=6.0, queue_len=1), now_s=1.0)
     agg.beat("a-1", _beat(30, 30, p50_ms=9.0, p99_ms=20.0, queue_len=2), now_s=1.0)
     agg.beat("a-s", _beat(0, 0, p50_ms=100.0, p99_ms=100.0, queue_len=7), now_s=1.0)
-    t = agg.totals({"a-0": "active", "a-1": "active", "a-s": "shadow"})
-    assert t["p50_ms"] == pytest.approx((5 * 10 + 9 * 30) / 40) and t["p99_ms"] == 20.0
-    assert t["queue_len"] == 3 and t["held"] == 3
+    t = agg.totals({"a-0": Role.ACTIVE, "a-1": Role.ACTIVE, "a-s": Role.SHADOW})
+    assert t.p50_ms == pytest.approx((5 * 10 + 9 * 30) / 40) and t.p99_ms == 20.0
+    assert t.queue_len == 3 and t.held == 3
     # An instance the node no longer has (a shadow that exited) is dropped, not banked.
-    t = agg.totals({"a-0": "active", "a-1": "active"})
-    assert t["received"] == 40
+    t = agg.totals({"a-0": Role.ACTIVE, "a-1": Role.ACTIVE})
+    assert t.received == 40
 
 
 def test_counters_never_go_backwards_when_an_instance_goes() -> None:
@@ -92,20 +93,29 @@ def test_counters_never_go_backwards_when_an_instance_goes() -> None:
     agg.retire("a-0")  # twice, or an unknown name: nothing happens
     agg.retire("nope")
     agg.beat("a-s1", _beat(2, 2, busy_ms=1.0, batch_sizes={"1": 2}, request_s=[0.001]), now_s=2.0)
-    t = agg.totals({"a-s1": "active"})
-    assert t["received"] == 12 and t["ok"] == 12 and t["busy_ms"] == pytest.approx(6.0)
-    assert t["batch_sizes"] == {"1": 6, "2": 3}
-    assert RequestHistograms.from_wire(t["hist"]).request.count == 3
+    t = agg.totals({"a-s1": Role.ACTIVE})
+    assert t.received == 12 and t.ok == 12 and t.busy_ms == pytest.approx(6.0)
+    assert t.batch_sizes == {"1": 6, "2": 3}
+    assert RequestHistograms.from_wire(t.hist).request.count == 3
 
 
-def test_malformed_heartbeat_values_count_as_nothing() -> None:
+@pytest.mark.parametrize("bad", [{"received": "lots"}, {"ok": -3}, {"errors": None}, {"p50_ms": float("nan")},
+                                 {"held": True}, {"hist": []}, {"nope": 1}, [1]])
+def test_a_malformed_heartbeat_is_refused_whole(bad: Any) -> None:
+    """A heartbeat body crosses a process boundary: from_wire refuses it (the channel counts it as
+    ``malformed`` and drops it) rather than the statistics reading a wrong figure as zero."""
+    with pytest.raises(ValueError, match="InstanceStats"):
+        InstanceStats.from_wire(bad)
+
+
+def test_malformed_batch_sizes_and_histograms_count_as_nothing() -> None:
     agg = AppStatistics()
-    agg.beat("a-0", {"received": "lots", "ok": -3, "errors": None, "batch_sizes": {"1": "x", "2": 1},
-                     "hist": {"request": {"counts": [1]}}, "p50_ms": float("nan")}, now_s=1.0)
+    agg.beat("a-0", InstanceStats.from_wire({"batch_sizes": {"1": "x", "2": 1}, "hist": {"request": {"counts": [1]}}}),
+             now_s=1.0)
     agg.retire("a-0")
     t = agg.totals({})
-    assert t["received"] == 0 and t["ok"] == 0 and t["batch_sizes"] == {"2": 1} and t["p50_ms"] is None
-    json.dumps(t)
+    assert t.received == 0 and t.ok == 0 and t.batch_sizes == {"2": 1} and t.p50_ms is None
+    json.dumps(t.to_dict())
 
 
 def test_one_record_feeds_status_prometheus_and_the_oip_statistics() -> None:
@@ -142,7 +152,7 @@ def test_format_status() -> None:
     agg.beat("detect-0", _beat(10, 9, deadline_missed=1, p50_ms=12.0, p99_ms=13.0, queue_len=3), now_s=2.0)
     status = _node_status({
         "detect": (agg, {"app_id": 1, "slo_ms": 50, "gpu_pct": 50},
-                   [{"name": "detect-0", "role": "active", **agg.totals({"detect-0": "active"})}]),
+                   [{"name": "detect-0", "role": "active", **agg.totals({"detect-0": Role.ACTIVE}).to_dict()}]),
         "idle": (AppStatistics(), {"app_id": 2, "slo_ms": 80}, [])}, drops={"bad_magic": 4})
     text = format_status(json.loads(json.dumps(status)))
     lines = text.splitlines()

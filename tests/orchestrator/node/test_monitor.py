@@ -4,16 +4,21 @@ from typing import Any
 
 import pytest
 
+from orchestrator.control.records import AppTotals, AppView, InstanceStats, InstanceView, NodeView, Role
 from orchestrator.node.monitor import Monitor, MonitorPolicy
 
 
-def status(apps: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def status(apps: dict[str, dict[str, Any]], gpus: tuple[int, ...] | None = None) -> NodeView:
+    """A node view of apps on GPU 0 (or ``gpus``, in order) with one active instance each."""
     out = {}
-    for name, a in apps.items():
-        out[name] = {"gpu_pct": a["pct"], "received": a["received"], "ok": a["ok"], "deadline_missed": a.get("missed", 0),
-                     "errors": 0, "within_slo": a["within"],
-                     "instances": [{"role": "active", "queue_len": a["queue"], "busy_ms": a["busy_ms"]}]}
-    return {"apps": out}
+    for k, (name, a) in enumerate(apps.items()):
+        inst = InstanceView(name=f"{name}-0", pid=1, role=Role.ACTIVE, ready=True, gpu_pct=a["pct"], gpu=0,
+                            consumer=k, stats=InstanceStats(queue_len=a["queue"], busy_ms=a["busy_ms"]))
+        out[name] = AppView(name=name, app_id=k, model="m", slo_ms=100.0, gpu_pct=a["pct"],
+                            gpu=gpus[k] if gpus else 0, instances=(inst,),
+                            totals=AppTotals(received=a["received"], ok=a["ok"], deadline_missed=a.get("missed", 0),
+                                             within_slo=a["within"], busy_ms=a["busy_ms"]))
+    return NodeView(apps=out)
 
 
 class Sim:
@@ -82,9 +87,7 @@ def test_only_the_apps_on_the_same_gpu_cap_the_step_up() -> None:
             a["within"] += 100
             a["busy_ms"] += 1000
             a["queue"] = 10 * (i + 1)
-            st = status({"a": a, "b": o})
-            st["apps"]["a"]["gpu"], st["apps"]["b"]["gpu"] = gpus
-            out += sim.m.sample(sim.t, st)
+            out += sim.m.sample(sim.t, status({"a": a, "b": o}, gpus))
         return out[0].to_pct
 
     assert run((0, 0)) == 40  # b holds 60 % of GPU 0

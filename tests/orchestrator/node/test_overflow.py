@@ -11,6 +11,7 @@ from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.profile import save_profile, with_stages
 from orchestrator.config.schema import NodeConfig
+from orchestrator.control.records import InstanceStats
 from orchestrator.node.cpu_overflow import (
     OVERFLOW_ROLE,
     NodeOverflow,
@@ -129,7 +130,7 @@ def _node_overflow(tmp_path: Path, *, accel: bool = True) -> tuple[NodeOverflow,
 
 def _inst(name: str, role: str, consumer: int, **stats: object) -> SimpleNamespace:
     return SimpleNamespace(name=name, app="a", role=role, ready=True, ended=False,
-                           spec=SimpleNamespace(consumer=consumer), stats=dict(stats))
+                           spec=SimpleNamespace(consumer=consumer), stats=InstanceStats(**stats))
 
 
 def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Path, ingest: Ingest) -> None:
@@ -143,17 +144,18 @@ def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Pat
     assert not ov.update([acc, cpu], ingest, now=0.1)  # not due yet (every COST_UPDATE_S)
     # First heartbeats open the measurement window; a second one, 1 s later, closes it: the
     # accelerator ran 10 batches of 8 in 160 ms (twice its profile), busy 16% of the second.
-    acc.stats = {"busy_ms": 0.0, "batches": 0, "batch_sizes": {}}
+    acc.stats = InstanceStats(busy_ms=0.0, batches=0, batch_sizes={})
     ov.update([acc, cpu], ingest, now=1.0)
-    acc.stats = {"busy_ms": 160.0, "batches": 10, "batch_sizes": {"8": 10}}
+    acc.stats = InstanceStats(busy_ms=160.0, batches=10, batch_sizes={"8": 10})
     ov.update([acc, cpu], ingest, now=2.0)
     # learned scale 0.8 + 0.2 * 2 = 1.2: 1200 us a request; fixed 1.2 * 2000 - 1200 plus 0.16 x 16 ms / 2
     fixed, per = ingest.cost(0)  # type: ignore[misc]
     assert per == pytest.approx(1200.0) and fixed == pytest.approx(1200.0 + 1280.0)
     assert ingest.cost(1) == pytest.approx((6000.0, 5000.0))  # the CPU measured nothing: unchanged
     assert ov.costs["a"]["a-0"] == (pytest.approx(2480.0), pytest.approx(1200.0))
-    # A malformed heartbeat measures nothing and breaks nothing.
-    acc.stats = {"busy_ms": "x", "batches": None, "batch_sizes": {"eight": 1}}
+    # A heartbeat whose batch sizes are not numbers measures nothing and breaks nothing (its other
+    # fields are refused at the wire: InstanceStats.from_wire).
+    acc.stats = InstanceStats(busy_ms=170.0, batches=11, batch_sizes={"eight": 1})
     assert ov.update([acc, cpu], ingest, now=3.0)
     # The CPU instance gone: its queue loses its cost model (its consumer may serve another app next).
     ov.update([acc], ingest, now=4.0)

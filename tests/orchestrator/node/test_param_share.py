@@ -278,10 +278,10 @@ def test_onnxruntime_instances_serve_from_one_segment_and_survive_the_exporters_
         assert [st.spec.share_params.split(":")[0] for st in insts] == ["export", "import"]
         for _ in range(10):
             node.step(50)
-        assert sorted(st.stats.get("params") for st in node.instances.values()) == ["exported", "imported"]
+        assert sorted(st.stats.params for st in node.instances.values() if st.stats is not None) == ["exported", "imported"]
         exp = next(iter(node.params.exports.values()))
         segments.append(ParameterHandles.from_bytes(exp.path.read_bytes()).handle.decode())
-        assert {st.stats["engine"]["initializers"]["segment"] for st in node.instances.values()} == set(segments)
+        assert {st.stats.engine["initializers"]["segment"] for st in node.instances.values() if st.stats and st.stats.engine} == set(segments)
         text = format_status(node.status())
         (line,) = [ln for ln in text.splitlines() if ln.startswith("param-share onnxruntime|mobilenet_v2")]
         assert "cpu node segment" in line and "ready" in line and "users=a-0,a-1" in line
@@ -345,7 +345,7 @@ def test_an_onnx_model_files_instances_share_its_initializers(tmp_path: Path) ->
                    "shadow: cold, engine: onnxruntime}\n")
     node = Node(load_config(p), warmup=False, heartbeat_ms=100).start()
     try:
-        _until(node, lambda: sorted(str(st.stats.get("params")) for st in node.instances.values())
+        _until(node, lambda: sorted(str(st.stats.params if st.stats else None) for st in node.instances.values())
                == ["exported", "imported"], 120, "both instances reporting their initializers")
         (exp,) = node.params.describe()
         assert str(exp["key"]).startswith("onnxruntime|") and exp["mb"] is not None
@@ -364,7 +364,7 @@ def test_importers_answer_like_the_exporter_and_survive_its_death(tmp_path: Path
         assert [st.spec.share_params.split(":")[0] for st in insts] == ["export", "import"]
         for _ in range(10):
             node.step(50)
-        assert sorted(st.stats.get("params") for st in node.instances.values()) == ["exported", "imported"]
+        assert sorted(st.stats.params for st in node.instances.values() if st.stats is not None) == ["exported", "imported"]
         from gpuprims.cuda.ipc import ParameterHandles
 
         exp = next(iter(node.params.exports.values()))
