@@ -24,7 +24,7 @@ from gpuprims.stats import STAGES
 from gpuprims.wire import Status
 from orchestrator.worker import instance as instance_mod
 from orchestrator.worker.instance import LATENCY_MEMORY_S, PROBE_AFTER_S, Instance, InstanceSpec
-from orchestrator.worker.serving import TRACE_ENV, read_trace
+from orchestrator.worker.loops.trace import TRACE_ENV, read_trace
 
 SHAPE = (3, 32, 32)
 
@@ -321,7 +321,7 @@ def test_a_due_heartbeat_waits_for_an_idle_moment_up_to_half_a_period(
     inst.heartbeat()
     assert len(control.sent) == 1  # idle: sent
     (beat,) = control.sent
-    assert beat.stats["ok"] == 1 and beat.stats["p50_ms"] > 0  # type: ignore[attr-defined]
+    assert beat.stats.ok == 1 and beat.stats.p50_ms > 0  # type: ignore[attr-defined]
     _send(ing, sock, 2)
     while not inst.serving.busy() and time.monotonic() < deadline:
         time.sleep(0.001)
