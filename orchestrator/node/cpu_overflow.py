@@ -210,8 +210,6 @@ def start_overflow(cfg: NodeConfig, profiles: Iterable[Profile], *, cores: Seque
 
 # ---- the running node ------------------------------------------------------------------------------
 
-#: The role of a CPU overflow instance in the node's instance table (routed to beside the actives).
-OVERFLOW_ROLE = Role.OVERFLOW
 #: How often the node refreshes the ingest's cost models from measured execution times.
 COST_UPDATE_S = 0.5
 #: Counters of an instance kept per device when it goes (the status split).
@@ -220,7 +218,7 @@ SPLIT_COUNTERS = ("received", "ok", "deadline_missed", "errors")
 
 def device_of(role: Role) -> str:
     """The device an instance of ``role`` serves on: ``cpu`` for the overflow instance, else ``gpu``."""
-    return CPU if role == OVERFLOW_ROLE else GPU
+    return CPU if role == Role.OVERFLOW else GPU
 
 
 def load_cpu_profiles(dirs: Iterable[str | None]) -> dict[str, Profile]:

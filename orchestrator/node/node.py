@@ -66,7 +66,7 @@ from orchestrator.control.rundir import NodeRecord, RunDirBusy, claim, sweep_dea
 from orchestrator.frontdoor import FrontDoor, FrontDoorError, start_frontdoor
 from orchestrator.frontdoor.core import Unavailable
 from orchestrator.frontdoor.security import ServerTls, TlsError, load_tls
-from orchestrator.node.cpu_overflow import OVERFLOW_ROLE, NodeOverflow, OverflowSetupError
+from orchestrator.node.cpu_overflow import NodeOverflow, OverflowSetupError
 from orchestrator.node.dispatch import (
     LiveScheduler,
     core_groups,
@@ -81,13 +81,12 @@ from orchestrator.node.param_share import ParamShare
 from orchestrator.node.placement import Placement, model_key
 from orchestrator.node.reconfig import Change, Changes
 from orchestrator.node.repository import (
-    LOADING_ROLE,
     PollAction,
     Repository,
     RepositoryPoller,
     repository_model_of,
 )
-from orchestrator.node.state import AppState, InstanceState, InstanceTable
+from orchestrator.node.state import AppState, InstanceState, InstanceTable, Role
 from orchestrator.node.supervisor import Supervisor
 from orchestrator.node.view import node_status, node_view
 
@@ -400,7 +399,7 @@ class Node:
         bound: list[tuple[str, InstanceState]] = []
         for name, a in self.apps.items():
             pcts[name] = self.placement.stage_pcts(name)
-            st = next(s for s in self.instances.values() if s.app == name and s.role == "active")
+            st = next(s for s in self.instances.values() if s.app == name and s.role == Role.ACTIVE)
             bound.append((name, st))
             models = {s.name: s.model for s in a.cfg.stages} if a.cfg.stages else {"main": a.cfg.model or ""}
             for stage in stage_names(a.cfg):
@@ -471,7 +470,7 @@ class Node:
     def finish(self, st: InstanceState) -> None:
         self._sup().finish(st)
 
-    def kill(self, st: InstanceState, role: str = "stopping") -> None:
+    def kill(self, st: InstanceState, role: Role = Role.STOPPING) -> None:
         self._sup().kill(st, role)
 
     # -- what the repository asks of the node (repository.RepositoryHost) --------------------------------
@@ -480,13 +479,13 @@ class Node:
         sup = self._sup()
         share = self.placement.share_for(app.name, gpu_pct, index)
         st = sup.spawn(app, sup.next_name(app.name, "l"), share, gpu_pct=gpu_pct)
-        st.role = LOADING_ROLE
+        st.role = Role.LOADING
         return st
 
     def activate(self, app_name: str, instances: list[InstanceState]) -> None:
         """A loaded app's instances are all READY: serve them, route to them, start its shadow."""
         for st in instances:
-            st.role = "active"
+            st.role = Role.ACTIVE
         sup = self._sup()
         sup.route(app_name)
         if self.apps[app_name].cfg.warm_shadow and not self.scheduled:
@@ -622,13 +621,13 @@ class Node:
             st = self.instances.get(msg.instance)
             if st is not None:
                 Supervisor.mark_ready(st, msg)
-                if st.role == "active":
+                if st.role == Role.ACTIVE:
                     self._sup().route(st.app)
                     if self.dispatcher is not None:
                         self.dispatcher.bind(st.app, st.name, st.spec.consumer)
-                elif st.role == "shadow":
+                elif st.role == Role.SHADOW:
                     self._sup().shadow_ok(st.app)
-                elif st.role == OVERFLOW_ROLE:
+                elif st.role == Role.OVERFLOW:
                     self._sup().overflow_ok(st)
                 log.info("%s ready (pid %d)", msg.instance, msg.pid)
         elif isinstance(msg, BatchDone):

@@ -45,7 +45,7 @@ from gpuprims.cpushare import CpuShare
 from orchestrator.control.errors import ChangeError
 from orchestrator.control.records import InstanceStats
 from orchestrator.control.spec import InstanceSpec
-from orchestrator.node.state import AppState, InstanceState
+from orchestrator.node.state import AppState, InstanceState, Role
 
 log = logging.getLogger("gpuprims.reconfig")
 
@@ -89,7 +89,7 @@ class ChangeHost(Protocol):
     def share_for(self, app_name: str, gpu_pct: int, index: int) -> CpuShare | None: ...
     def route(self, app_name: str) -> None: ...
     def finish(self, st: InstanceState) -> None: ...
-    def kill(self, st: InstanceState, role: str = "stopping") -> None: ...
+    def kill(self, st: InstanceState, role: Role = Role.STOPPING) -> None: ...
     def record(self, event: dict[str, Any]) -> None: ...
 
 
@@ -148,9 +148,9 @@ class Change:
         if self.method == "overlap" and self._new is not None and self.phase in (Phase.PENDING, Phase.INITIALISING):
             # (A restart's replacement is already the app's active: the supervisor looks after it.)
             st = host.instances.get(self._new)
-            if st is not None and st.role == "shadow":
+            if st is not None and st.role == Role.SHADOW:
                 st.error = st.error or "discarded by a failed change"
-                host.kill(st, role="shadow")
+                host.kill(st, role=Role.SHADOW)
         self.error = reason
         self._enter(Phase.FAILED)
         log.error("change %d of %s to %d%% failed: %s", self.id, self.app, self.to_pct, reason)
@@ -187,7 +187,7 @@ class Change:
     def _next_old(self, host: ChangeHost) -> InstanceState | None:
         """The next active instance still at another share (replacements started meanwhile included)."""
         cands = sorted((st for st in host.instances.values()
-                        if st.app == self.app and st.role == "active" and st.name not in self._done_with
+                        if st.app == self.app and st.role == Role.ACTIVE and st.name not in self._done_with
                         and (st.spec.gpu_pct != self.to_pct or self._other_model(st))), key=lambda st: st.name)
         return cands[0] if cands else None
 
@@ -215,7 +215,7 @@ class Change:
             if self._new is None:
                 shadow = host.shadow_of(self.app)
                 if shadow is not None and self._other_model(shadow):  # a shadow of the model being replaced
-                    host.kill(shadow, role="stopping")
+                    host.kill(shadow, role=Role.STOPPING)
                     shadow = None
                 shadow = shadow or host.spawn_shadow(self.app)
                 self._new = shadow.name
@@ -245,18 +245,18 @@ class Change:
                                 f"{self.from_pct}%")
         elif self.phase is Phase.SWITCHED:
             old = self._current_old(host)
-            if old is not None and old.role == "finishing":
+            if old is not None and old.role == Role.FINISHING:
                 if old.ready:
                     host.finish(old)
                 else:  # a replacement still starting has served nothing: what its queue holds is requeued
-                    host.kill(old, role="finishing")
+                    host.kill(old, role=Role.FINISHING)
             self._enter(Phase.DRAINING)
         elif self.phase is Phase.DRAINING:
             old = host.instances.get(self._old or "")
             if old is not None and not old.ended and self._timed_out():
                 log.error("%s did not report Ended within %.0f s; killing it (what it holds is requeued)",
                           old.name, self.timeout_s)
-                host.kill(old, role="finishing")
+                host.kill(old, role=Role.FINISHING)
                 old = None
             if old is None or old.ended:
                 self.switched[-1]["old_served"] = _served(old)
@@ -266,11 +266,11 @@ class Change:
     def _switch(self, host: ChangeHost, shadow: InstanceState) -> None:
         init_ms = (time.monotonic() - self._t_init) * 1e3
         t = time.monotonic()
-        shadow.role = "active"
+        shadow.role = Role.ACTIVE
         shadow.spec.gpu_pct = self.to_pct
         old = self._current_old(host)
-        if old is not None and old.role == "active":
-            old.role = "finishing"  # off the route from here on; Finish follows
+        if old is not None and old.role == Role.ACTIVE:
+            old.role = Role.FINISHING  # off the route from here on; Finish follows
         host.route(self.app)
         switch_ns = time.monotonic_ns()
         switch_ms = (time.monotonic() - t) * 1e3

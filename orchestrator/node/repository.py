@@ -48,12 +48,10 @@ from orchestrator.config.schema import AppConfig, ConfigError, NodeConfig, parse
 from orchestrator.control.errors import ChangeError, RepositoryError, SupervisionError
 from orchestrator.node.placement import Placement
 from orchestrator.node.reconfig import Change, Phase, model_key
-from orchestrator.node.state import AppState, InstanceState
+from orchestrator.node.state import AppState, InstanceState, Role
 
 log = logging.getLogger("gpuprims.node")
 
-#: The role of an instance started by a load until every instance of the load is READY.
-LOADING_ROLE = "loading"
 #: How long a failed load waits for the Error message of an instance that exited.
 ERROR_GRACE_S = 2.0
 #: The app keys a new version of a model file may change while it serves (a change of model): the file and
@@ -79,7 +77,7 @@ class RepositoryHost(Protocol):
     def activate(self, app_name: str, instances: list[InstanceState]) -> None: ...
     def unroute(self, app_name: str) -> None: ...
     def finish(self, st: InstanceState) -> None: ...
-    def kill(self, st: InstanceState, role: str = "stopping") -> None: ...
+    def kill(self, st: InstanceState, role: Role = Role.STOPPING) -> None: ...
     def publish_model(self, app: AppConfig) -> None: ...
     def withdraw_model(self, name: str) -> None: ...
     def record(self, event: dict[str, Any]) -> None: ...
@@ -488,7 +486,7 @@ class Repository:
             for st in list(h.instances.values()):
                 if st.app != op.name:
                     continue
-                if st.role == "active" and st.ready:
+                if st.role == Role.ACTIVE and st.ready:
                     h.finish(st)
                 else:
                     h.kill(st)

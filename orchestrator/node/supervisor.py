@@ -49,11 +49,11 @@ from orchestrator.control.memory import MemoryReading, MemorySampler, NodeMemory
 from orchestrator.control.messages import Error, Finish, InitGpu, Ready, Shutdown
 from orchestrator.control.share_spec import ENV_HOLDER, HOLDER_MODULE, HolderSpec
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
-from orchestrator.node.cpu_overflow import OVERFLOW_ROLE, NodeOverflow
+from orchestrator.node.cpu_overflow import NodeOverflow
 from orchestrator.node.launcher import ForkLauncher, Launcher
 from orchestrator.node.param_share import HolderProcess, ParamShare
 from orchestrator.node.placement import Placement
-from orchestrator.node.state import AppState, InstanceState
+from orchestrator.node.state import AppState, InstanceState, Role
 from orchestrator.worker.launch import ENV_IMPORT_NICE
 
 log = logging.getLogger("gpuprims.node")
@@ -124,7 +124,7 @@ class Supervisor:
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, app: AppConfig, name: str, share: CpuShare | None, *, defer_init: bool = False,
-              gpu_pct: int | None = None, role: str | None = None) -> InstanceState:
+              gpu_pct: int | None = None, role: Role | None = None) -> InstanceState:
         """Start an instance process with the launcher (the node's: ``python -m orchestrator.worker.launch``); an
         active unless ``defer_init``
         or ``role`` (``overflow``: a CPU instance on ``share``'s cores, whatever the node's backend)."""
@@ -133,7 +133,7 @@ class Supervisor:
         consumer = self.free_consumers.pop()
         pct = gpu_pct if gpu_pct is not None else self.placement.instance_pct(app.name)
         scheduled = self.placement.scheduled
-        on_cpu = role == OVERFLOW_ROLE
+        on_cpu = role == Role.OVERFLOW
         backend = "cpu" if on_cpu else self.backend
         engine = app.cpu_overflow_engine if on_cpu else app.engine
         spec = InstanceSpec(
@@ -182,7 +182,7 @@ class Supervisor:
             self.free_consumers.append(consumer)
             raise SupervisionError(f"could not start {name}: {e}") from e
         st = InstanceState(name=name, app=app.name, spec=spec, proc=proc,
-                           role=role or ("shadow" if defer_init else "active"))
+                           role=role or (Role.SHADOW if defer_init else Role.ACTIVE))
         self.instances[name] = st
         log.info("spawned %s (pid %d, consumer %d, %d%%)", name, proc.pid, consumer, pct)
         return st
@@ -240,13 +240,13 @@ class Supervisor:
     def shadow_of(self, app_name: str) -> InstanceState | None:
         """A live shadow of the app (ready or still starting), if there is one."""
         for st in self.instances.values():
-            if st.app == app_name and st.role == "shadow" and st.error is None:
+            if st.app == app_name and st.role == Role.SHADOW and st.error is None:
                 return st
         return None
 
     def actives(self, app_name: str) -> list[InstanceState]:
         """The app's active instances, by name."""
-        return sorted((st for st in self.instances.values() if st.app == app_name and st.role == "active"),
+        return sorted((st for st in self.instances.values() if st.app == app_name and st.role == Role.ACTIVE),
                       key=lambda st: st.name)
 
     def init_shadow(self, st: InstanceState, gpu_pct: int, share: CpuShare | None) -> None:
@@ -259,10 +259,10 @@ class Supervisor:
 
     def finish(self, st: InstanceState) -> None:
         """<2, Finish>: the instance serves what it holds, reports Ended and exits."""
-        st.role = "finishing"
+        st.role = Role.FINISHING
         self.server.send(st.name, Finish(instance=st.name))
 
-    def kill(self, st: InstanceState, role: str = "stopping") -> None:
+    def kill(self, st: InstanceState, role: Role = Role.STOPPING) -> None:
         """SIGKILL an instance; :meth:`reap` handles its exit by ``role`` on the next step."""
         st.role = role
         if st.alive:
@@ -275,7 +275,7 @@ class Supervisor:
         app = self.apps[app_name].cfg
         consumers = [st.spec.consumer for st in self.instances.values()
                      if st.app == app_name and not st.ended
-                     and (st.role == "active" or (st.role == OVERFLOW_ROLE and st.ready))]
+                     and (st.role == Role.ACTIVE or (st.role == Role.OVERFLOW and st.ready))]
         self.ingest.set_route(app.app_id, consumers)
         if self.overflow is not None and app_name in self.overflow.pools:
             self.overflow.reroute(self.instances.values(), self.ingest)
@@ -341,7 +341,7 @@ class Supervisor:
             gone.append(st)
             self.params.instance_exited(st.name)
             app = self.apps[st.app]
-            if st.role == "shadow":
+            if st.role == Role.SHADOW:
                 self._release(st)
                 st.error = st.error or f"exited with status {rc}"
                 self._shadow_failed(st.app)
@@ -351,14 +351,14 @@ class Supervisor:
             app.retire(st)
             if self.overflow is not None:
                 self.overflow.retire(st)
-            if st.role == OVERFLOW_ROLE:
+            if st.role == Role.OVERFLOW:
                 self._overflow_lost(st, rc)
                 continue
-            if st.role == "active" and not st.ended:
+            if st.role == Role.ACTIVE and not st.ended:
                 self._replace(st, rc)
                 continue
             failed, requeued = self._release(st)
-            if st.role == "finishing" and not st.ended:
+            if st.role == Role.FINISHING and not st.ended:
                 # Died while draining during a switch: what it held goes to the new active.
                 app.failed_by_crash += failed
                 app.requeued_by_crash += requeued
@@ -401,7 +401,7 @@ class Supervisor:
     def check_hangs(self, now: float, timeout_s: float) -> None:
         """Kill active instances that have been serving but sent no heartbeat for ``timeout_s``."""
         for st in list(self.instances.values()):
-            if (st.role in ("active", OVERFLOW_ROLE) and st.initialized and st.alive and st.last_beat
+            if (st.role in (Role.ACTIVE, Role.OVERFLOW) and st.initialized and st.alive and st.last_beat
                     and now - st.last_beat > timeout_s):
                 log.error("%s sent no heartbeat for %.1f s (node.hang_timeout_s %.1f); killing it as hung",
                           st.name, now - st.last_beat, timeout_s)
@@ -432,11 +432,11 @@ class Supervisor:
         """Start the app's CPU overflow instance on its pool's cores; routed to once it is ready."""
         assert self.overflow is not None
         return self.spawn(self.apps[app_name].cfg, self.next_name(app_name, "c"), self.overflow.share(app_name),
-                          gpu_pct=100, role=OVERFLOW_ROLE)
+                          gpu_pct=100, role=Role.OVERFLOW)
 
     def overflow_of(self, app_name: str) -> InstanceState | None:
         """The app's CPU overflow instance (ready or starting), if there is one."""
-        return next((st for st in self.instances.values() if st.app == app_name and st.role == OVERFLOW_ROLE), None)
+        return next((st for st in self.instances.values() if st.app == app_name and st.role == Role.OVERFLOW), None)
 
     def refill_overflow(self, now: float) -> None:
         """Start a CPU instance for every overflowing app that has none (after its back-off)."""
@@ -528,7 +528,7 @@ class Supervisor:
         """Stop every instance: Shutdown (draining what it holds when ``drain``), then SIGTERM, then SIGKILL.
         ``pump(ms)`` runs the control loop's receive side while waiting."""
         for st in self.instances.values():
-            st.role = "stopping"
+            st.role = Role.STOPPING
             if not st.ready:
                 # Still starting (a shadow importing at low priority can take seconds on a busy
                 # machine): it holds no request and cannot be told yet, so it is not waited for.
@@ -555,7 +555,7 @@ class Supervisor:
                 st.proc.kill()
                 st.proc.wait()
         for st in list(self.instances.values()):
-            if st.role != "shadow":
+            if st.role != Role.SHADOW:
                 self.apps[st.app].retire(st)
             self.params.instance_exited(st.name)
         self.instances.clear()

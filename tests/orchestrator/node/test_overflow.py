@@ -11,9 +11,8 @@ from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
 from gpuprims.profile import save_profile, with_stages
 from orchestrator.config.schema import NodeConfig
-from orchestrator.control.records import InstanceStats
+from orchestrator.control.records import InstanceStats, Role
 from orchestrator.node.cpu_overflow import (
-    OVERFLOW_ROLE,
     NodeOverflow,
     OverflowSetupError,
     plan_pools,
@@ -135,7 +134,7 @@ def _inst(name: str, role: str, consumer: int, **stats: object) -> SimpleNamespa
 
 def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Path, ingest: Ingest) -> None:
     ov, _ = _node_overflow(tmp_path)
-    acc, cpu = _inst("a-0", "active", 0), _inst("a-c1", OVERFLOW_ROLE, 1)
+    acc, cpu = _inst("a-0", "active", 0), _inst("a-c1", Role.OVERFLOW, 1)
     assert ov.update([acc, cpu], ingest, now=0.0)
     # accelerator: 8 ms a batch of 8 -> 1000 us a request, a lone request 2 ms -> 1000 us fixed;
     # CPU (1 core of a 1-core profile): 40 ms / 8 -> 5000 us, 10 ms alone -> 5000 us + alpha 1 ms.
@@ -162,7 +161,7 @@ def test_costs_come_from_the_profiles_then_follow_measured_batches(tmp_path: Pat
     assert ingest.cost(1) is None and ingest.cost(0) is not None
     # A route change sets costs at once, from the models as they stand: a new (still loading) active
     # is costed like the accelerator, a CPU instance only once it is ready.
-    new, cpu2 = _inst("a-r5", "active", 2), _inst("a-c6", OVERFLOW_ROLE, 3)
+    new, cpu2 = _inst("a-r5", "active", 2), _inst("a-c6", Role.OVERFLOW, 3)
     new.ready = cpu2.ready = False
     ov.reroute([acc, new, cpu2], ingest)
     assert ingest.cost(2) is not None and ingest.cost(2)[1] == pytest.approx(ingest.cost(0)[1])  # type: ignore[index]
@@ -173,10 +172,10 @@ def test_split_counts_each_device_and_keeps_what_gone_instances_counted(tmp_path
     ov, _ = _node_overflow(tmp_path, accel=False)
     assert ov.seeded_from_cpu == {"a"}  # no accelerator profile: seeded from the CPU one until measured
     acc = _inst("a-0", "active", 0, received=10, ok=9, errors=1)
-    dead = _inst("a-c1", OVERFLOW_ROLE, 1, received=4, ok=2, deadline_missed=1)
+    dead = _inst("a-c1", Role.OVERFLOW, 1, received=4, ok=2, deadline_missed=1)
     ov.retire(dead)
     ov.lost("a")
-    cpu = _inst("a-c2", OVERFLOW_ROLE, 2, received=3, ok=3)
+    cpu = _inst("a-c2", Role.OVERFLOW, 2, received=3, ok=3)
     shadow = _inst("a-s3", "shadow", 3, received=99)
     split = ov.split("a", [acc, cpu, shadow])
     assert split["accelerator"] == {"routed": 10, "ok": 9, "answered": 10}

@@ -21,8 +21,8 @@ from gpuprims.gather import preprocess
 from gpuprims.profile import save_profile, with_stages
 from gpuprims.wire import Status
 from orchestrator.config.schema import load_config
+from orchestrator.control.records import Role
 from orchestrator.control.status_format import format_status
-from orchestrator.node.cpu_overflow import OVERFLOW_ROLE
 from orchestrator.node.metrics import MetricsServer
 from orchestrator.node.node import Node
 from tests.gpuprims.sched._profiles import grid
@@ -142,7 +142,7 @@ def test_a_long_accelerator_queue_overflows_to_the_cpu_with_equal_answers(node: 
 
 
 def test_sigkill_of_the_cpu_instance_leaves_the_accelerator_serving(node: Node, inputs: list) -> None:
-    victim = next(st for st in node.instances.values() if st.role == OVERFLOW_ROLE)
+    victim = next(st for st in node.instances.values() if st.role == Role.OVERFLOW)
     app_before = node.status()["apps"]["cls"]
     client = Client(node.ingest.ports[0])
     try:
@@ -168,7 +168,7 @@ def test_sigkill_of_the_cpu_instance_leaves_the_accelerator_serving(node: Node, 
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             node.step(50)
-            new = [st for st in node.instances.values() if st.role == OVERFLOW_ROLE and st.ready]
+            new = [st for st in node.instances.values() if st.role == Role.OVERFLOW and st.ready]
             if new and len(node.ingest.route(1)) == 2:
                 break
         assert new and new[0].name != victim.name, "no replacement CPU instance became ready"

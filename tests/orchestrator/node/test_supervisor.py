@@ -35,9 +35,9 @@ from gpuprims.wire import Status
 from orchestrator.config.schema import HostResources, load_config, parse_config
 from orchestrator.control.channel import ControlAddress
 from orchestrator.control.errors import ChangeError
+from orchestrator.control.records import Role
 from orchestrator.control.share_spec import ENV_HOLDER, HolderSpec
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
-from orchestrator.node.cpu_overflow import OVERFLOW_ROLE
 from orchestrator.node.monitor import Monitor, MonitorPolicy
 from orchestrator.node.node import Node
 from orchestrator.node.param_share import ParamShare
@@ -346,7 +346,7 @@ def test_a_dead_overflow_instance_gives_what_it_held_to_the_accelerator_and_come
         _step_until(node, lambda: node.supervisor.overflow_of("a") is not None  # type: ignore[union-attr]
                     and node.supervisor.overflow_of("a").ready, "the CPU overflow instance")  # type: ignore[union-attr]
         cpu_inst = node.supervisor.overflow_of("a")
-        assert cpu_inst is not None and cpu_inst.role == OVERFLOW_ROLE
+        assert cpu_inst is not None and cpu_inst.role == Role.OVERFLOW
         assert sorted(node.ingest.route(1)) == sorted([node.instances["a-0"].spec.consumer, cpu_inst.spec.consumer])
         launcher.by_name(cpu_inst.name).die(-signal.SIGKILL)
         _step_until(node, lambda: node.supervisor.overflow_of("a") is not cpu_inst, "the overflow's exit")  # type: ignore[union-attr]
