@@ -20,11 +20,12 @@ from gpuprims.pool import PacketPool
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
 from gpuprims.tensorwire import WireTensor, decode_arrays, encode, encode_arrays
 from gpuprims.wire import DType, Status
+from orchestrator.control.messages import RunBatch
 from orchestrator.worker.file_runner import FileRunner, zero_request
 from orchestrator.worker.instance import Instance, InstanceSpec
-from orchestrator.worker.tensor_serving import TensorServingLoop, raw_input
-
-from ...modelfiles import multi_inputs, repository, run_onnx
+from orchestrator.worker.loops import serving_loop
+from orchestrator.worker.loops.tensors import TensorLoop, raw_input
+from tests.modelfiles import multi_inputs, repository, run_onnx
 
 MULTI, DETECTOR = 1, 2
 
@@ -158,7 +159,7 @@ def test_raw_v1_bodies_are_taken_for_a_model_with_one_fixed_input() -> None:
 def test_the_runner_warms_up_every_batch_size_and_describes_its_file(node) -> None:
     insts, _, _ = node
     inst = insts[MULTI]
-    assert isinstance(inst.runner, FileRunner) and isinstance(inst.serving, TensorServingLoop)
+    assert isinstance(inst.runner, FileRunner) and isinstance(inst.serving, TensorLoop)
     assert inst.runner.warm_sizes() == [1, 4, 8]
     assert all(inst.policy.model.samples(b) >= 1 for b in (1, 4, 8))
     d = inst.runner.describe()
@@ -184,3 +185,14 @@ def test_outputs_that_do_not_split_into_the_batch_fail_that_batch_only(node, rep
     assert {r.status for r in got.values()} == {Status.INTERNAL}
     _send(ing, sock, MULTI, 10, encode_arrays(x))
     assert _serve(insts, sock, 1)[10].status == Status.OK  # the instance serves on
+
+
+def test_a_model_file_is_not_served_in_dispatched_mode_nor_through_a_zoo_runner(node) -> None:
+    insts, _, _ = node
+    inst = insts[MULTI]
+    with pytest.raises(ValueError, match="a model file is not served in dispatched mode"):
+        inst.serving.run_batch(RunBatch(instance=inst.spec.name, id=0, stage="main", batch=1))
+    zoo = InstanceSpec(name="z-0", app="z", app_id=9, model="mobilenet_v2", pool=inst.spec.pool, consumer=0)
+    with pytest.raises(TypeError, match="a zoo model is served through an AppRunner, got a FileRunner"):
+        serving_loop(zoo, inst.pool, inst.runner)
+
