@@ -399,7 +399,7 @@ class Node:
         bound: list[tuple[str, InstanceState]] = []
         for name, a in self.apps.items():
             pcts[name] = self.placement.stage_pcts(name)
-            st = next(s for s in self.instances.values() if s.app == name and s.role == Role.ACTIVE)
+            st = self.instances.of(name, Role.ACTIVE)[0]
             bound.append((name, st))
             models = {s.name: s.model for s in a.cfg.stages} if a.cfg.stages else {"main": a.cfg.model or ""}
             for stage in stage_names(a.cfg):

@@ -53,7 +53,7 @@ from orchestrator.node.cpu_overflow import NodeOverflow
 from orchestrator.node.launcher import ForkLauncher, Launcher
 from orchestrator.node.param_share import HolderProcess, ParamShare
 from orchestrator.node.placement import Placement
-from orchestrator.node.state import AppState, InstanceState, Role
+from orchestrator.node.state import AppState, InstanceState, InstanceTable, Role
 from orchestrator.worker.launch import ENV_IMPORT_NICE
 
 log = logging.getLogger("gpuprims.node")
@@ -86,7 +86,7 @@ def file_fields(app: AppConfig) -> dict[str, Any]:
 class Supervisor:
     """The instance processes of one node (see the module docstring)."""
 
-    def __init__(self, cfg: NodeConfig, apps: dict[str, AppState], instances: dict[str, InstanceState], *,
+    def __init__(self, cfg: NodeConfig, apps: dict[str, AppState], instances: InstanceTable, *,
                  pool: PacketPool, ingest: Ingest, server: ControlServer, token: str, run_dir: Path,
                  placement: Placement, params: ParamShare, backend: str, launcher: Launcher, heartbeat_ms: float,
                  warmup: bool, consumers: int, mps: Any = None,
@@ -239,15 +239,11 @@ class Supervisor:
 
     def shadow_of(self, app_name: str) -> InstanceState | None:
         """A live shadow of the app (ready or still starting), if there is one."""
-        for st in self.instances.values():
-            if st.app == app_name and st.role == Role.SHADOW and st.error is None:
-                return st
-        return None
+        return next((st for st in self.instances.of(app_name, Role.SHADOW) if st.error is None), None)
 
     def actives(self, app_name: str) -> list[InstanceState]:
         """The app's active instances, by name."""
-        return sorted((st for st in self.instances.values() if st.app == app_name and st.role == Role.ACTIVE),
-                      key=lambda st: st.name)
+        return sorted(self.instances.of(app_name, Role.ACTIVE), key=lambda st: st.name)
 
     def init_shadow(self, st: InstanceState, gpu_pct: int, share: CpuShare | None) -> None:
         """Tell a shadow to take ``gpu_pct`` (and, on the CPU backend, its new cores) and load its model."""
@@ -436,7 +432,7 @@ class Supervisor:
 
     def overflow_of(self, app_name: str) -> InstanceState | None:
         """The app's CPU overflow instance (ready or starting), if there is one."""
-        return next((st for st in self.instances.values() if st.app == app_name and st.role == Role.OVERFLOW), None)
+        return next(iter(self.instances.of(app_name, Role.OVERFLOW)), None)
 
     def refill_overflow(self, now: float) -> None:
         """Start a CPU instance for every overflowing app that has none (after its back-off)."""

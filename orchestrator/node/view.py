@@ -25,7 +25,7 @@ from orchestrator.node.param_share import ParamShare
 from orchestrator.node.placement import Placement
 from orchestrator.node.reconfig import Changes
 from orchestrator.node.repository import Repository
-from orchestrator.node.state import AppState, InstanceState
+from orchestrator.node.state import AppState, InstanceState, InstanceTable
 from orchestrator.node.supervisor import Supervisor
 
 
@@ -41,7 +41,7 @@ class NodeParts(Protocol):
     launcher: Launcher
     placement: Placement
     apps: dict[str, AppState]
-    instances: dict[str, InstanceState]
+    instances: InstanceTable
     changes: Changes
     overflow: NodeOverflow | None
     dispatcher: LiveScheduler | None

@@ -42,7 +42,7 @@ from orchestrator.node.monitor import Monitor, MonitorPolicy
 from orchestrator.node.node import Node
 from orchestrator.node.param_share import ParamShare
 from orchestrator.node.reconfig import Phase
-from orchestrator.node.state import InstanceState
+from orchestrator.node.state import InstanceState, InstanceTable
 from orchestrator.node.supervisor import SHADOW_BACKOFF_MAX_S, Supervisor
 from tests.gpuprims.sched._profiles import grid
 from tests.orchestrator.fake_launcher import FakeLauncher
@@ -389,7 +389,7 @@ def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
     launcher = _RecordingLauncher()
     placement = SimpleNamespace(instance_pct=lambda app: 50, scheduled=False, stage_pcts=lambda app: None)
     server = SimpleNamespace(address=ControlAddress("ipc:///tmp/x-i", "ipc:///tmp/x-c"))
-    sup = Supervisor(cfg, {}, {}, pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
+    sup = Supervisor(cfg, {}, InstanceTable(), pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
                      token="ab" * 16, run_dir=tmp_path, placement=placement, params=ParamShare(tmp_path),  # type: ignore[arg-type]
                      backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8,
                      holder_launcher=lambda env: _recorded_holder(env, holders))
