@@ -3,7 +3,7 @@
 Accelerator profiles come from the papers' tables (``gpuprims/coexec/profiles/paper``); CPU profiles
 were measured on this machine (``gpuprims/coexec/profiles/cpu``; ``--measure-cpu`` measures them
 again: ``gpuprims-profile --device cpu --stages`` for the DUET models and ResNet-50, and the LSTM cell
-time with 1..N busy cores). The three scenarios (``gpuprims.coexec.scenarios``) are simulated from
+time with 1..N busy cores). The three scenarios (``gpuprims.sched.coexec_scenarios``) are simulated from
 these profiles: no accelerator ran here. Writes ``bench/results/<machine>/coexec.json`` (+ ``.png``).
 
 ``--live-overflow`` instead runs SIR+ request overflow LIVE on a node (CPU backend): one app whose
@@ -33,8 +33,8 @@ import numpy as np
 
 from bench import serving as sv
 from bench.common import ROOT, git_commit, machine_info, results_dir, write_result
-from gpuprims.coexec.scenarios import paper_chrion, paper_duet, paper_sir
 from gpuprims.profile import save_profile, with_stages
+from gpuprims.sched.coexec_scenarios import paper_chrion, paper_duet, paper_sir
 from orchestrator.config.schema import parse_config
 from orchestrator.node.dispatch import measured_profile
 

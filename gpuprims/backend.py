@@ -38,14 +38,8 @@ def native_available() -> bool:
 
 def cuda_kernels_built() -> bool:
     """True if the native extension was built with its CUDA kernels (nvcc was found at build), or the
-    fake CUDA runtime stands in for them."""
-    if runtime.is_fake():
-        return True
-    if not native_available():
-        return False
-    from gpuprims import _native
-
-    return bool(_native.CUDA_KERNELS_BUILT)
+    fake CUDA runtime stands in for them (:func:`gpuprims.cuda.runtime.kernels_built`)."""
+    return runtime.kernels_built()
 
 
 def cuda_available() -> bool:
@@ -64,6 +58,17 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
     except RuntimeError:
         return False
+
+
+def torch_device(backend: str, gpu: int = 0) -> Any:
+    """The torch device an instance's model and inputs live on: ``cuda:<gpu>`` on the cuda backend,
+    ``cpu`` on the cpu backend and on the fake CUDA runtime. torch is imported here on first call, not
+    at this module's head: the node resolves backends and maps no torch."""
+    import torch
+
+    if backend == "cuda" and not runtime.is_fake():
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
 
 
 def _version(v: int) -> str:

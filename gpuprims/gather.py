@@ -21,7 +21,7 @@ Methods (``method=``):
 
 On the fake CUDA runtime (``GPUPRIMS_FAKE_CUDA``, :mod:`gpuprims.testing.fake`) the cuda methods run the
 same code with "device" memory in host memory, so the tensors they return are CPU tensors and
-:func:`torch_device` says ``cpu``: an instance uses that device for its model.
+:func:`torch_device` (:mod:`gpuprims.backend`, where device resolution lives; re-exported here) says ``cpu``: an instance uses that device for its model.
 
 Rows whose packets fail the kernel's checks (see :class:`gpuprims.cuda.dma.DmaStatus`) are not
 placed; ``gatherer.statuses`` holds each row's verdict after a gather (0 = OK), so the caller answers
@@ -36,17 +36,31 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from gpuprims.backend import torch_device
 from gpuprims.cuda import runtime
 from gpuprims.cuda.dma import UNIT, DeviceRows, PinnedPool, cuda_copy_gather, gpu_dma_async
-from gpuprims.cuda.event import Event, Stream
+from gpuprims.cuda.event import Event, Stream, stream_handle
+from gpuprims.cuda.sync import sync_lite
 from gpuprims.stats import StageClock
 
 Method = Literal["host", "gpu_dma", "cuda_copy"]
 METHODS: tuple[str, ...] = ("host", "gpu_dma", "cuda_copy")
 DTYPES = ("uint8", "float32")
 
+__all__ = ["DTYPES", "METHODS", "CudaCopyGatherer", "Gatherer", "GpuDmaGatherer", "HostGatherer", "Method",
+           "ModelRunner", "default_method", "keep_rows", "make_gatherer", "preprocess", "torch_device"]
+
 #: How long a gather or a model run may take before it is reported as stuck (a device that stopped).
 DEFAULT_TIMEOUT_S = 30.0
+
+
+def _torch() -> Any:
+    """torch, imported on first use rather than at this module's head: the instance code imports
+    this module in processes that serve an ONNX file and map no torch (tests/test_layers.py,
+    TORCH_FREE)."""
+    import torch
+
+    return torch
 
 
 class Gatherer(Protocol):
@@ -67,7 +81,7 @@ def preprocess(batch: Any, dtype: str) -> Any:
     """The apps' input transform on the host: uint8 bodies become float32 in [0, 1] (x / 255, as the
     GPU-DMA kernel's UNIT normalisation computes it); float32 passes unchanged. The correctness oracle
     applies the same transform before running the model directly in torch."""
-    import torch
+    torch = _torch()
 
     if dtype == "uint8":
         return batch.to(torch.float32).div_(255.0)
@@ -77,7 +91,7 @@ def preprocess(batch: Any, dtype: str) -> Any:
 def keep_rows(batch: Any, keep: np.ndarray) -> Any:
     """The rows of a gathered batch (a torch tensor on its device) where the boolean mask ``keep`` is
     true (a copy)."""
-    import torch
+    torch = _torch()
 
     return batch[torch.from_numpy(keep).to(batch.device)]
 
@@ -85,16 +99,6 @@ def keep_rows(batch: Any, keep: np.ndarray) -> Any:
 def default_method(backend: str) -> Method:
     """``gpu_dma`` on cuda, ``host`` on cpu."""
     return "gpu_dma" if backend == "cuda" else "host"
-
-
-def torch_device(backend: str, gpu: int = 0) -> Any:
-    """The torch device an instance's model and inputs live on: ``cuda:<gpu>`` on the cuda backend,
-    ``cpu`` on the cpu backend and on the fake CUDA runtime."""
-    import torch
-
-    if backend == "cuda" and not runtime.is_fake():
-        return torch.device("cuda", gpu)
-    return torch.device("cpu")
 
 
 def _check_args(backend: str, input_shape: tuple[int, ...], dtype: str, max_batch: int, method: str) -> None:
@@ -127,7 +131,7 @@ class HostGatherer:
     clock: StageClock | None = None
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int) -> None:
-        import torch
+        torch = _torch()
 
         self.pool = pool
         self.dtype = dtype
@@ -172,7 +176,7 @@ class HostGatherer:
 
 def _check_out(out: Any, max_batch: int, input_shape: tuple[int, ...]) -> None:
     """Refuse an ``out`` buffer the GPU-DMA kernel cannot write as a batch, naming what is wrong."""
-    import torch
+    torch = _torch()
 
     want = (max_batch, *input_shape)
     if not isinstance(out, torch.Tensor):
@@ -191,7 +195,7 @@ class _DeviceBatch:
 
     def __init__(self, device: int, max_batch: int, input_shape: tuple[int, ...], elem: Any,
                  out: Any = None) -> None:
-        import torch
+        torch = _torch()
 
         self.mem: Any = None
         if out is not None:
@@ -234,7 +238,7 @@ class _CudaGatherer:
             if runtime.is_fake():
                 stream = self._own_stream = Stream(device)
             else:
-                import torch
+                torch = _torch()
 
                 stream = torch.cuda.current_stream(device)
         self.stream = stream
@@ -264,7 +268,7 @@ class GpuDmaGatherer(_CudaGatherer):
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
                  stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S,
                  out: Any = None) -> None:
-        import torch
+        torch = _torch()
 
         if out is not None:
             _check_out(out, max_batch, input_shape)  # before the pool is registered
@@ -292,7 +296,7 @@ class CudaCopyGatherer(_CudaGatherer):
 
     def __init__(self, pool: Any, input_shape: tuple[int, ...], dtype: str, max_batch: int, device: int,
                  stream: Any = None, interval_us: float = 20, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        import torch
+        torch = _torch()
 
         super().__init__(pool, input_shape, dtype, max_batch, device, stream, interval_us, timeout_s)
         self.batch = _DeviceBatch(device, max_batch, input_shape, torch.uint8 if dtype == "uint8" else torch.float32)
@@ -300,7 +304,7 @@ class CudaCopyGatherer(_CudaGatherer):
 
     def gather(self, recs: np.ndarray) -> Any:
         """float32 rows for `recs` on the device; per-row verdicts in ``statuses``."""
-        import torch
+        torch = _torch()
 
         arr = _records(recs, self.max_batch)
         st = np.zeros(arr.size, dtype=np.int32)
@@ -365,22 +369,18 @@ class ModelRunner:
         self._own_stream: Stream | None = None
 
     def run(self, model: Any, x: Any) -> Any:
-        import torch
+        torch = _torch()
 
         if self.backend == "cpu":
             with torch.inference_mode():
                 return model(x)
         if not runtime.is_fake():
-            from gpuprims.cuda.sync import sync_lite
-
             with torch.inference_mode():
                 return sync_lite(model, x, interval_us=self.interval_us, stream=self.stream, timeout_s=self.timeout_s)
         return self._run_fake(model, x)
 
     def _run_fake(self, model: Any, x: Any) -> Any:
-        import torch
-
-        from gpuprims.cuda.event import stream_handle
+        torch = _torch()
 
         rt = runtime.cuda()
         if self.stream is None:

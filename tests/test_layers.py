@@ -226,7 +226,7 @@ def test_the_checker_finds_a_circle() -> None:
 TORCH_FREE = ("orchestrator.node.node", "orchestrator.cli.main", "orchestrator.cli.control", "orchestrator.cli.node",
               "orchestrator.config.schema", "orchestrator.node.supervisor",
               "orchestrator.frontdoor", "orchestrator.node.metrics", "orchestrator.control.status_format", "apps.zoo",
-              "apps.zoo.names", "orchestrator.worker.instance", "orchestrator.worker.serving", "orchestrator.worker.tensor_serving",
+              "apps.zoo.names", "orchestrator.worker.instance", "orchestrator.worker.loops", "orchestrator.config.host",
               "orchestrator.worker.file_runner", "orchestrator.worker.launch", "orchestrator.node.launcher", "orchestrator.worker.forkserver",
               "gpuprims.engines.kinds", "gpuprims.engines.file_onnx", "gpuprims.engines.file_tensorrt")
 
@@ -253,3 +253,57 @@ def test_the_zoo_names_agree_with_the_registry() -> None:
         m = MODELS[name]
         assert (m.num_classes, m.labels, m.input_shape, m.description) == (
             n.num_classes, n.labels, n.input_shape, n.description)
+
+
+#: The floors of ``gpuprims/`` and which others each may import: a subpackage is one unit, and so is
+#: each top-level module (``gpuprims`` itself, whose names load lazily, is not counted). The CUDA layer
+#: resolves no device (``backend`` does, above it); ``coexec`` plans from task graphs and never reads
+#: profiles (``profile`` builds graphs from them, ``sched`` runs the papers' scenarios over both); the
+#: test rig (``testing``) sits above ``cuda`` and no library unit imports it.
+GPUPRIMS_UNITS: dict[str, set[str]] = {
+    "_version": set(), "wire": set(), "tensors": set(), "stats": set(), "interrupt": set(), "cpushare": set(),
+    "device": set(), "batching": set(),
+    "tensorwire": {"tensors"},
+    "pool": {"wire"},
+    "ingest": {"pool", "wire"},
+    "client": {"tensorwire", "wire"},
+    "cuda": {"wire"},
+    "backend": {"cuda"},
+    "gather": {"backend", "cuda", "stats"},
+    "testing": {"cuda", "wire"},
+    "coexec": set(),
+    "opara": {"coexec"},
+    "modelrepo": {"tensors"},
+    "engines": {"_version", "backend", "coexec", "cuda", "gather", "opara", "tensors"},
+    "profile": {"_version", "backend", "coexec", "cpushare", "engines", "interrupt"},
+    "sched": {"coexec", "profile"},
+    "traffic": {"interrupt", "tensorwire", "wire"},
+}
+
+
+def _gpuprims_unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "gpuprims" and len(parts) > 1 else None
+
+
+def test_every_gpuprims_module_sits_in_a_unit() -> None:
+    loose = sorted({u for m in MODULES if (u := _gpuprims_unit(m)) is not None and u not in GPUPRIMS_UNITS})
+    assert not loose, f"gpuprims units missing from GPUPRIMS_UNITS: {loose}"
+
+
+def test_gpuprims_units_import_only_what_their_row_allows() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        unit = _gpuprims_unit(module)
+        if unit is None:
+            continue
+        for name, line in _imports(module, path):
+            target = _resolve(name)
+            other = _gpuprims_unit(target) if target is not None else None
+            if other is not None and other != unit and other not in GPUPRIMS_UNITS[unit]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({unit}) imports {target} ({other})")
+    assert not bad, "imports against the gpuprims units table:\n" + "\n".join(bad)
+
+
+def test_the_gpuprims_units_table_has_no_circle() -> None:
+    assert _cycles({unit: set(allowed) for unit, allowed in GPUPRIMS_UNITS.items()}) == []

@@ -33,12 +33,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.node import map_arg
+
 from gpuprims.coexec.graph import CPU, GPU, Task, TaskGraph
 
 
 def accelerator_device() -> Any:
     """``torch.device("cuda")`` when a GPU is usable, else ``torch.device("cpu")`` (module docstring)."""
-    import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -82,7 +86,6 @@ class FxPartition:
 
 def partition(model: Any) -> FxPartition:
     """Trace ``model`` and cut it into DUET subgraphs; ValueError if fx cannot trace it."""
-    import torch.fx
 
     try:
         gm = torch.fx.symbolic_trace(model)
@@ -227,8 +230,6 @@ def _unique(name: str, used: set[str]) -> str:
 
 
 def _to(value: Any, device: Any) -> Any:
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value if value.device == device else value.to(device)
     if isinstance(value, tuple):
@@ -247,9 +248,6 @@ class _Runner:
         self.nodes = {n.name: n for n in self.gm.graph.nodes}
 
     def run(self, names: Sequence[str], env: dict[str, Any]) -> None:
-        import torch
-        from torch.fx.node import map_arg
-
         with torch.inference_mode():
             for name in names:
                 node = self.nodes[name]
@@ -278,8 +276,6 @@ class SubgraphExecutor:
     """
 
     def __init__(self, part: FxPartition, placement: Mapping[str, str], *, accel: Any = None) -> None:
-        import torch
-
         names = {s.name for s in part.subgraphs}
         bad = sorted(set(placement) ^ names)
         if bad:
@@ -299,8 +295,6 @@ class SubgraphExecutor:
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the model on ``inputs``; the answer comes back on the CPU."""
-        import torch
-        from torch.fx.node import map_arg
 
         if len(inputs) != len(self._placeholders):
             raise ValueError(f"model takes {len(self._placeholders)} inputs, got {len(inputs)}")
@@ -349,7 +343,6 @@ def profile_subgraphs(part: FxPartition, inputs: Sequence[Any], *, device: Any =
                       warmup: int = 3) -> dict[str, dict[str, float]]:
     """Median time (ms) of each subgraph run alone on ``device`` with its real inputs, plus its
     output size (MB: tensors other subgraphs read). Returns {name: {"latency_ms", "out_mb"}}."""
-    import torch
 
     dev = torch.device(device)
     runner = _Runner(part.module, dev, dev == torch.device("cpu"))
@@ -383,8 +376,6 @@ def placement_timer(part: FxPartition, inputs: Sequence[Any], *, repeats: int = 
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
 
     def measure(placement: dict[str, str]) -> float:
-        import torch
-
         with SubgraphExecutor(part, placement, accel=accel) as ex:
             def once() -> None:
                 ex(*inputs)
@@ -397,8 +388,6 @@ def placement_timer(part: FxPartition, inputs: Sequence[Any], *, repeats: int = 
 
 
 def _nbytes(v: Any) -> int:
-    import torch
-
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (tuple, list)):
@@ -423,8 +412,6 @@ class LstmExecutor:
 
     def __init__(self, model: Any, placement: Mapping[str, str], order: Sequence[str], *, cpu_workers: int = 1,
                  accel: Any = None, wait_s: float = 60.0) -> None:
-        import torch
-
         layers, steps = len(model.cells), model.seq_len
         want = {cell_name(layer, t) for layer in range(layers) for t in range(steps)} | {"head"}
         bad = sorted(set(placement) ^ want)
@@ -454,7 +441,6 @@ class LstmExecutor:
 
     def __call__(self, x: Any) -> Any:
         """Run the model on ``x`` (N, 1, T, F); the answer comes back on the CPU."""
-        import torch
 
         seq = x[:, 0]
         done = {op: threading.Event() for op in self.order}
@@ -521,8 +507,6 @@ class LstmExecutor:
 
 
 def _step_cell(cell: Any, x: Any, start: threading.Barrier, repeats: int, out: list[float]) -> None:
-    import torch
-
     with torch.inference_mode():
         h = c = x.new_zeros(x.shape[0], cell.hidden_size)
         for _ in range(10):
@@ -539,8 +523,6 @@ def measure_lstm_cell_ms(*, batch: int, features: int, max_workers: int, repeats
     """Median time (ms) of one LSTM cell step (``features`` in and hidden, ``batch`` rows) on the CPU
     while ``k`` worker threads run cells at once, for k = 1..max_workers: what ``LstmExecutor``'s
     CPU workers see, contention for cores, caches and the interpreter lock included."""
-    import torch
-    from torch import nn
 
     if batch < 1 or features < 1 or max_workers < 1 or repeats < 1:
         raise ValueError("batch, features, max_workers and repeats must be >= 1")

@@ -25,6 +25,7 @@ cudaMemcpyAsync copies it to the device (CUDA-Copy); on the CPU backend, a stagi
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import math
@@ -38,6 +39,7 @@ import numpy as np
 from gpuprims.cuda import runtime
 from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, StreamLike, stream_handle
+from gpuprims.wire import DType
 
 log = logging.getLogger("gpuprims.dma")
 
@@ -45,6 +47,15 @@ MAX_BATCH = 512  # rows per call; equals _native.DMA_MAX_BATCH (a test keeps the
 _MODE_COPY = 0
 _MODE_U8_TO_F32 = 1
 _WARPS_PER_BLOCK = 8
+
+
+def _torch() -> Any:
+    """torch, imported on first use rather than at this module's head: the instance code imports
+    this module in processes that serve an ONNX file and map no torch (tests/test_layers.py,
+    TORCH_FREE)."""
+    import torch
+
+    return torch
 
 
 class DmaStatus(enum.IntEnum):
@@ -97,21 +108,23 @@ class PinnedPool:
 
     With the ``cuda`` backend the pool's whole mapping is page-locked and mapped for the GPU with
     cudaHostRegister(cudaHostRegisterMapped | cudaHostRegisterPortable) in this process, and its device
-    pointer is obtained per device (cudaHostGetDevicePointer). ``cpu`` registers nothing. ``auto``
-    picks cuda where a GPU and driver are present. close() unregisters (cudaHostUnregister); call it
-    before the pool itself is closed.
+    pointer is obtained per device (cudaHostGetDevicePointer). ``cpu`` registers nothing. The backend
+    is one that will run: ``auto`` is resolved first with :func:`gpuprims.backend.resolve_backend`
+    (device resolution lives there, above this layer). close() unregisters (cudaHostUnregister); call
+    it before the pool itself is closed.
     """
 
-    def __init__(self, pool: Any, *, backend: Literal["auto", "cpu", "cuda"] = "auto") -> None:
-        from gpuprims.backend import resolve_backend
-
+    def __init__(self, pool: Any, *, backend: Literal["cpu", "cuda"] = "cuda") -> None:
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be 'cpu' or 'cuda' (resolve 'auto' first with "
+                             f"gpuprims.backend.resolve_backend), got {backend!r}")
         self.layout = PoolLayout.of(pool)
         self.address = int(pool.address)
         if self.address <= 0 or self.address % 16:
             raise ValueError(f"pool address must be positive and 16-byte aligned, got 0x{self.address:x}")
         self._geometry = self.layout.geometry()
         self.pool = pool
-        self.backend = resolve_backend(backend)
+        self.backend = backend
         self.region: runtime.PinnedRegion | None = None
         if self.backend == "cuda":
             self.region = runtime.PinnedRegion(self.address, self.layout.nbytes, owner=pool)
@@ -263,7 +276,7 @@ def _target(gpu_buffer: Any) -> _Target:
         return _Target("cpu", gpu_buffer.ctypes.data, gpu_buffer.nbytes, gpu_buffer.shape[0],
                        gpu_buffer.nbytes // gpu_buffer.shape[0], gpu_buffer.dtype == np.float32, None, gpu_buffer)
     try:
-        import torch
+        torch = _torch()
     except ImportError:  # pragma: no cover - torch is a dependency
         torch = None
     if torch is not None and isinstance(gpu_buffer, torch.Tensor):
@@ -330,7 +343,6 @@ def _plan(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id: int | Non
         mode, row_src, channels = _MODE_U8_TO_F32, t.row_stride // 4, len(normalize.mean)
         a, b, d = normalize.coefficients
         if expect_dtype is None:
-            from gpuprims.wire import DType
 
             expect_dtype = int(DType.UINT8)
     return _Plan(packets, packets.records[:num_packets], t, row_src, -1 if expect_dtype is None else int(expect_dtype),
@@ -553,7 +565,7 @@ def _default_stream(stream: StreamLike, t: _Target) -> int:
         return stream_handle(stream)
     if runtime.is_fake():
         return 0  # the fake runtime has no torch streams: the legacy default stream
-    import torch
+    torch = _torch()
 
     return int(torch.cuda.current_stream(t.device).cuda_stream)
 
@@ -597,6 +609,4 @@ def cuda_copy_gather(packets: Packets, num_packets: int, gpu_buffer: Any, gpu_id
 
 
 def _ctypes_bytes(address: int, nbytes: int) -> Any:
-    import ctypes
-
     return (ctypes.c_char * nbytes).from_address(address)

@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
 from gpuprims.cuda import runtime
 from gpuprims.cuda.errors import CudaError, raise_from_message
 from gpuprims.cuda.event import Event, Stream, StreamLike, stream_handle
@@ -73,7 +75,6 @@ class Capture:
         if self.graph.fake:
             ev: Any = Event(self.graph.device)
         else:
-            import torch
 
             ev = torch.cuda.Event()
         self._events.append(ev)
@@ -92,7 +93,6 @@ class Capture:
         if self.graph.fake:
             runtime.cuda().launch_host_func(stream_handle(target), fn)
         else:
-            import torch
 
             with torch.cuda.stream(self._handle_or_stream(target)):
                 fn()
@@ -252,8 +252,6 @@ class CudaGraph:
 
     @contextlib.contextmanager
     def _capture_torch(self, stream: StreamLike, pool: Any) -> Iterator[Capture]:
-        import torch
-
         side = _torch_stream(stream, self.device) if stream is not None else torch.cuda.Stream(self.device)
         g = torch.cuda.CUDAGraph()
         cap = Capture(self, side)
@@ -276,7 +274,6 @@ class CudaGraph:
         if self.fake:
             runtime.cuda().cuda_graph_launch(self._exec, stream_handle(stream))
             return
-        import torch
 
         try:
             if stream is None:
@@ -327,7 +324,6 @@ class CudaGraph:
 def _torch_stream(stream: Any, device: int) -> Any:
     """A torch stream for ``stream`` (a torch.cuda.Stream as it is; a gpuprims Stream or a raw handle as
     a torch.cuda.ExternalStream)."""
-    import torch
 
     if isinstance(stream, torch.cuda.Stream):
         return stream

@@ -37,6 +37,15 @@ _cpu_default: CpuStream | None = None
 _cpu_default_lock = threading.Lock()
 
 
+def _torch() -> Any:
+    """torch, imported on first use rather than at this module's head: the instance code imports
+    this module in processes that serve an ONNX file and map no torch (tests/test_layers.py,
+    TORCH_FREE)."""
+    import torch
+
+    return torch
+
+
 class AdaptiveWait:
     """When to start polling: sleep until ``quantile`` of recent latencies minus ``margin_us`` after
     the start, then poll every ``fine_interval_us``. Learns from :meth:`observe`; until ``warmup``
@@ -75,7 +84,7 @@ class AdaptiveWait:
 def _check_model_batch(model: Model, batch: Any) -> None:
     if not callable(model):
         raise TypeError(f"model must be callable, got {type(model).__name__}")
-    import torch
+    torch = _torch()
 
     if not isinstance(batch, torch.Tensor):
         raise TypeError(f"batch must be a torch.Tensor, got {type(batch).__name__}")
@@ -102,7 +111,7 @@ def default_cpu_stream() -> CpuStream:
 
 
 def _infer(model: Model, batch: Any) -> Any:
-    import torch
+    torch = _torch()
 
     with torch.no_grad():
         return model(batch)
@@ -117,7 +126,7 @@ def _cpu_submit(model: Model, batch: Any, stream: StreamLike) -> tuple[Any, CpuS
 
 def _cuda_run(model: Model, batch: Any, stream: StreamLike) -> tuple[Any, Any]:
     """Enqueue model(batch) on `stream` (default: torch's current stream); return (output, torch stream)."""
-    import torch
+    torch = _torch()
 
     runtime.cuda()  # the fork guard and the kernels check, before torch touches the device
     dev = batch.device

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gpuprims.backend import torch_device
 from gpuprims.engines.base import KINDS, BuildInfo, Engine, EngineError, Progress, make_engine
 from gpuprims.engines.cache import EngineCache, engine_key
 from gpuprims.engines.kinds import ENGINE_KINDS
-from gpuprims.gather import torch_device
 
 #: Every candidate (kind, options) per backend, in the order tried.
 CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
@@ -103,8 +105,6 @@ class AutoEngine(Engine):
 
     def _decide(self, module: Any, cands: list[tuple[str, dict[str, Any]]], cache: EngineCache,
                 progress: Progress | None) -> dict[str, Any]:
-        import torch
-
         top = self.source.max_batch
         gen = torch.Generator().manual_seed(0)
         device = next(iter(module.parameters()), torch.zeros(0)).device

@@ -113,14 +113,19 @@ class BuildInfo:
                 "load_ms": round(self.load_ms, 1), "artefact": self.artefact, **self.extra}
 
 
-class Engine(abc.ABC):
-    """One model on one device behind the run seam (see the module docstring).
+def check_batch(kind: str, x: Any, source: ModelSource) -> int:
+    """The rows of `x`; refuses, by name, a batch that is not ``(n, C, H, W)`` with 1 <= n <= max_batch."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 4 or shape[1:] != source.input_shape or not 1 <= shape[0] <= source.max_batch:
+        raise EngineError(f"engine {kind!r} takes (n, {', '.join(map(str, source.input_shape))}) with "
+                          f"1 <= n <= {source.max_batch}, got {shape or type(x).__name__}")
+    return int(shape[0])
 
-    Subclasses set :attr:`kind` and :attr:`spec` (their row of :data:`~gpuprims.engines.kinds.ENGINE_KINDS`,
-    which gives :attr:`backends`, :attr:`option_defaults` and the option checks), or else :attr:`backends` and
-    :attr:`option_defaults` themselves (a custom engine), and :attr:`tolerance`, and implement
-    :meth:`_prepare` and :meth:`run`.
-    """
+
+class KindOptions:
+    """What an engine class and a file engine class (:class:`gpuprims.engines.files.FileEngine`) share:
+    their kind's row of the kinds table (:attr:`spec`), or else :attr:`backends` and
+    :attr:`option_defaults` set by the class itself, and the checks of a configuration against them."""
 
     kind: ClassVar[str] = ""
     #: The kind's row of the kinds table: its options, their checks and its backends, written once there.
@@ -128,13 +133,6 @@ class Engine(abc.ABC):
     backends: ClassVar[tuple[str, ...]] = BACKENDS
     #: Every option this kind takes, with its default: anything else is refused by name.
     option_defaults: ClassVar[Mapping[str, Any]] = {}
-    #: (rtol, atol) within which this engine's float32 outputs equal eager's on every zoo model it supports.
-    tolerance: ClassVar[tuple[float, float]] = (1e-4, 1e-4)
-    #: Whether the engine runs on the torch module's own weights (so Param-Share applies to it).
-    uses_torch_weights: ClassVar[bool] = False
-    #: Whether run() only enqueues on Target.stream and returns (a CUDA graph, TensorRT): the run seam
-    #: then calls it on the host thread and waits on an event recorded after it (Sync-lite).
-    asynchronous: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -142,18 +140,6 @@ class Engine(abc.ABC):
             cls.backends = cls.spec.backends
             cls.option_defaults = cls.spec.options
 
-    def __init__(self, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
-                 cache: Any = None) -> None:
-        # cache: a gpuprims.engines.cache.EngineCache (typed Any: the cache module imports this one).
-        self.check(target.backend, options)
-        self.source = source
-        self.target = target
-        self.options = self.validate_options(options)
-        self.cache = cache
-        self.info = BuildInfo()
-        self.prepared = False
-
-    # -- configuration -----------------------------------------------------------------------------------
     @classmethod
     def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
         """The options with defaults filled in; unknown keys and bad values are refused by name."""
@@ -177,6 +163,35 @@ class Engine(abc.ABC):
             raise EngineUnavailable(f"engine {cls.kind!r} needs the {' or '.join(cls.backends)} backend; "
                                     f"this node runs on {backend}")
         cls.validate_options(options)
+
+
+class Engine(KindOptions, abc.ABC):
+    """One model on one device behind the run seam (see the module docstring).
+
+    Subclasses set :attr:`kind` and :attr:`spec` (their row of :data:`~gpuprims.engines.kinds.ENGINE_KINDS`,
+    which gives :attr:`backends`, :attr:`option_defaults` and the option checks), or else :attr:`backends` and
+    :attr:`option_defaults` themselves (a custom engine), and :attr:`tolerance`, and implement
+    :meth:`_prepare` and :meth:`run`.
+    """
+
+    #: (rtol, atol) within which this engine's float32 outputs equal eager's on every zoo model it supports.
+    tolerance: ClassVar[tuple[float, float]] = (1e-4, 1e-4)
+    #: Whether the engine runs on the torch module's own weights (so Param-Share applies to it).
+    uses_torch_weights: ClassVar[bool] = False
+    #: Whether run() only enqueues on Target.stream and returns (a CUDA graph, TensorRT): the run seam
+    #: then calls it on the host thread and waits on an event recorded after it (Sync-lite).
+    asynchronous: ClassVar[bool] = False
+
+    def __init__(self, source: ModelSource, target: Target, options: Mapping[str, Any] | None = None, *,
+                 cache: Any = None) -> None:
+        # cache: a gpuprims.engines.cache.EngineCache (typed Any: the cache module imports this one).
+        self.check(target.backend, options)
+        self.source = source
+        self.target = target
+        self.options = self.validate_options(options)
+        self.cache = cache
+        self.info = BuildInfo()
+        self.prepared = False
 
     # -- life cycle --------------------------------------------------------------------------------------
     def prepare(self, module: Any = None, progress: Progress | None = None) -> BuildInfo:

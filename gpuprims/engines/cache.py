@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,14 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 #: How often a process waiting for another's build says so.
 WAIT_REPORT_S = 5.0
+
+
+def _torch() -> Any:
+    """torch, imported on first use rather than at this module's head: an instance serving an ONNX
+    file keeps its artefacts here and maps no torch (tests/test_layers.py, TORCH_FREE)."""
+    import torch
+
+    return torch
 
 
 def default_root() -> Path:
@@ -62,11 +72,13 @@ def fingerprint(parts: Mapping[str, Any]) -> str:
 
 
 def _zoo_code_digest() -> str:
-    """SHA-256 of the zoo's source files: the zoo's weights and graphs are a function of its code."""
-    import apps.zoo
-
+    """SHA-256 of the zoo's source files: the zoo's weights and graphs are a function of its code. The
+    zoo is found, not imported (importing this package loads no numpy and no model code)."""
+    spec = importlib.util.find_spec("apps.zoo")
+    if spec is None or spec.origin is None:
+        raise EngineError("the model zoo (apps.zoo) is not installed")
     h = hashlib.sha256()
-    for path in sorted(Path(apps.zoo.__file__).parent.glob("*.py")):
+    for path in sorted(Path(spec.origin).parent.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -74,7 +86,7 @@ def _zoo_code_digest() -> str:
 
 def weights_digest(module: Any) -> str:
     """SHA-256 over a torch module's parameters and buffers (names, dtypes, shapes and bytes)."""
-    import torch
+    torch = _torch()
 
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
@@ -115,14 +127,14 @@ def device_identity(target: Target) -> dict[str, Any]:
     compute capability (from torch, or the fake runtime's device table)."""
     if target.backend == "cpu":
         return {"backend": "cpu", **_cpu_identity()}
-    from gpuprims.cuda import runtime
+    from gpuprims.cuda import runtime  # numpy: validating ``engine:`` imports this package, and no numpy
 
     if runtime.is_fake():
         rt: Any = runtime.cuda()
         major, minor = rt.cuda_device_capability(target.device_index)
         return {"backend": "cuda", "fake": True, "name": rt.cuda_device_name(target.device_index),
                 "cc": f"{major}.{minor}"}
-    import torch
+    torch = _torch()
 
     major, minor = torch.cuda.get_device_capability(target.device_index)
     return {"backend": "cuda", "name": torch.cuda.get_device_name(target.device_index), "cc": f"{major}.{minor}",
@@ -131,7 +143,6 @@ def device_identity(target: Target) -> dict[str, Any]:
 
 def library_versions(*names: str) -> dict[str, str | None]:
     """Installed versions of python packages (None when absent), plus torch's and gpuprims'."""
-    from importlib import metadata
 
     out: dict[str, str | None] = {"gpuprims": __version__}
     for name in ("torch", *names):

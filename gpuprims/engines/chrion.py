@@ -29,12 +29,14 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from apps.zoo.seqnets import StackedLSTM
 from gpuprims.coexec.fx_exec import LstmExecutor, measure_lstm_cell_ms
 from gpuprims.coexec.graph import CPU, PCIE, SHARED_MEMORY
 from gpuprims.coexec.oppart import CpuCores, chrion_plan, lstm_graph
-from gpuprims.engines.base import Engine, EngineError, ExportError, Progress
-from gpuprims.engines.duet import accelerator, check_batch, example_batch
+from gpuprims.engines.base import EngineError, ExportError, Progress
+from gpuprims.engines.duet import CoexecEngine, accelerator, example_batch
 from gpuprims.engines.kinds import ENGINE_KINDS
 
 
@@ -48,7 +50,7 @@ def _median_ms(fn: Any, repeats: int) -> float:
     return statistics.median(samples)
 
 
-class ChrionEngine(Engine):
+class ChrionEngine(CoexecEngine):
     """Chrion's placement of an unrolled LSTM's cells on the accelerator and k CPU cores (module docstring)."""
 
     kind = "chrion"
@@ -69,8 +71,6 @@ class ChrionEngine(Engine):
         return cores
 
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-        import torch
-
         t0 = time.perf_counter()
         cores = self._cores()
         model = self.source.build_module("cpu")
@@ -137,15 +137,3 @@ class ChrionEngine(Engine):
             "slowdown": [round(s, 3) for s in slowdown], "planning_ms": round(planning_ms, 3)}})
         if progress is not None:
             progress(f"chrion: {len(plan.on(CPU))} of {len(plan.placement)} operator(s) on {k} core(s)", 1.0)
-
-    def run(self, x: Any) -> Any:
-        if not self.prepared:
-            raise EngineError("engine 'chrion' is not prepared: call prepare() before run()")
-        check_batch(self.kind, x, self.source)
-        return self.executor(x)
-
-    def close(self) -> None:
-        ex = self.__dict__.pop("executor", None)
-        if ex is not None:
-            ex.close()
-        super().close()

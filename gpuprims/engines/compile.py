@@ -30,10 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gpuprims.backend import torch_device
 from gpuprims.engines.base import BuildInfo, Engine, EngineError, ExportError, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
 from gpuprims.engines.kinds import ENGINE_KINDS
-from gpuprims.gather import torch_device
 
 INDUCTOR_DIR = "inductor"
 
@@ -52,17 +54,18 @@ def buckets_for(max_batch: int, policy: str = "pow2") -> list[int]:
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block (inductor reads its cache directory when it compiles)."""
-    was = os.environ.get(name)
-    os.environ[name] = value
+def inductor_cache_dir(path: Path) -> Iterator[None]:
+    """``TORCHINDUCTOR_CACHE_DIR`` set to `path` for the block (inductor reads it when it compiles;
+    both inductor engines, this one and ``gpuprims.engines.file_torch``, keep its cache in their entry)."""
+    was = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     try:
         yield
     finally:
         if was is None:
-            os.environ.pop(name, None)
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
-            os.environ[name] = was
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = was
 
 
 def _first_line(e: BaseException) -> str:
@@ -93,8 +96,6 @@ class CompileEngine(Engine):
                           f"(max_batch of {self.source.model!r})")
 
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-        import torch
-
         device = torch_device(self.target.backend, self.target.device_index)
         if module is None:
             module = self.source.build_module(device)
@@ -117,7 +118,7 @@ class CompileEngine(Engine):
         key = engine_key(self, module, libraries=())
         t0 = time.perf_counter()
         compile_ms: dict[int, float] = {}
-        with _env("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)):
+        with inductor_cache_dir(inductor_dir):
             self._compile_buckets(buckets, compile_ms, device, progress)
         total_ms = (time.perf_counter() - t0) * 1e3
 
@@ -135,7 +136,6 @@ class CompileEngine(Engine):
     def _compile_buckets(self, buckets: list[int], compile_ms: dict[int, float], device: Any,
                          progress: Progress | None) -> None:
         """Run the compiled module once per bucket: dynamo traces and inductor compiles each shape now."""
-        import torch
 
         for i, b in enumerate(buckets):
             if progress is not None:
@@ -153,8 +153,6 @@ class CompileEngine(Engine):
 
     @contextlib.contextmanager
     def _no_recompile(self) -> Iterator[None]:
-        import torch
-
         cfg = torch._dynamo.config
         was = cfg.error_on_recompile
         cfg.error_on_recompile = True
@@ -164,8 +162,6 @@ class CompileEngine(Engine):
             cfg.error_on_recompile = was
 
     def run(self, x: Any) -> Any:
-        import torch
-
         if not self.prepared:
             raise EngineError("engine 'compile' is not prepared: call prepare() first")
         n = int(x.shape[0])

@@ -52,12 +52,18 @@ import math
 import time
 from typing import Any, ClassVar
 
+import torch
+
+from gpuprims.backend import torch_device
 from gpuprims.cuda import runtime
 from gpuprims.cuda.errors import CudaError
 from gpuprims.cuda.event import Event, Stream, stream_handle
-from gpuprims.cuda.graph import CudaGraph, capture_plan
-from gpuprims.engines.base import Engine, EngineError, Progress
+from gpuprims.cuda.graph import CudaGraph, _torch_stream, capture_plan
+from gpuprims.engines.base import Engine, EngineError, Progress, check_batch
 from gpuprims.engines.kinds import ENGINE_KINDS
+from gpuprims.opara import op_graph, plan_streams
+from gpuprims.opara.cpu_exec import _compile
+from gpuprims.opara.graph import INPUT, OUTPUT
 
 log = logging.getLogger("gpuprims.engines")
 
@@ -71,7 +77,6 @@ def buckets_for(max_batch: int) -> list[int]:
 def device_tensor(shape: tuple[int, ...], device: int) -> tuple[runtime.DeviceMemory, Any]:
     """Zeroed float32 device memory of ``shape`` (cudaMalloc, ours, tracked by the runtime) and a torch
     tensor viewing it: a CUDA tensor on a GPU, a CPU tensor over the fake's device memory (host memory)."""
-    import torch
 
     nbytes = math.prod(shape) * 4
     mem = runtime.DeviceMemory(nbytes, device)
@@ -105,9 +110,6 @@ class CudaGraphEngine(Engine):
 
     # -- prepare -------------------------------------------------------------------------------------
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-
-        from gpuprims.gather import torch_device
-
         t0 = time.perf_counter()
         self.fake = runtime.is_fake()
         dev = self.target.device_index
@@ -147,7 +149,6 @@ class CudaGraphEngine(Engine):
     def _warm_up(self, progress: Progress | None) -> None:
         """``warmup`` eager runs per bucket, outside any capture (on a side stream on a GPU, as torch's
         CUDA graph notes ask), so lazy initialisation never happens inside a capture."""
-        import torch
 
         n = self.options["warmup"]
         self._say(progress, f"cudagraph: warming up {len(self.buckets)} bucket(s) x {n}", 0.0)
@@ -169,8 +170,6 @@ class CudaGraphEngine(Engine):
         side.synchronize()
 
     def _capture_all(self, progress: Progress | None) -> None:
-        import torch
-
         pool = None if self.fake else torch.cuda.graph_pool_handle()
         order = sorted(self.buckets, reverse=True)  # largest first: the shared pool is sized once
         for i, b in enumerate(order):
@@ -189,11 +188,6 @@ class CudaGraphEngine(Engine):
 
     def _capture_opara(self, g: CudaGraph, b: int, pool: Any) -> None:
         """Plan bucket ``b`` with Opara and capture the plan into ``g`` (module docstring)."""
-        import torch
-
-        from gpuprims.opara import op_graph, plan_streams
-        from gpuprims.opara.cpu_exec import _compile
-        from gpuprims.opara.graph import INPUT, OUTPUT
 
         static = self._static[:b]
         try:
@@ -256,7 +250,6 @@ class CudaGraphEngine(Engine):
         """The work one bucket's graph holds: the model on ``static[:b]``. On a GPU this runs once, inside
         the capture, and its output tensor (in the graph's pool) is what replays rewrite; on the fake it
         is the host launch each replay runs, writing into the static output buffer."""
-        import torch
 
         static, module = self._static, self.module
         if self.fake:
@@ -286,7 +279,6 @@ class CudaGraphEngine(Engine):
             if self._own_stream is None:
                 self._own_stream = Stream(self.target.device_index)
             return self._own_stream
-        import torch
 
         return torch.cuda.current_stream(self.target.device_index)
 
@@ -296,11 +288,7 @@ class CudaGraphEngine(Engine):
         ``(n, C, H, W)``; rows already in the static buffer (GPU-DMA's) are not copied."""
         if not self.prepared:
             raise EngineError("engine 'cudagraph' is not prepared: call prepare() before run()")
-        shape = tuple(x.shape)
-        if len(shape) != 4 or shape[1:] != self.source.input_shape or not 1 <= shape[0] <= self.source.max_batch:
-            raise EngineError(f"engine 'cudagraph' takes (n, {', '.join(map(str, self.source.input_shape))}) "
-                              f"with 1 <= n <= {self.source.max_batch}, got {shape}")
-        n = shape[0]
+        n = check_batch(self.kind, x, self.source)
         stream = self._stream()
         if x.data_ptr() != self._static.data_ptr():
             self._copy_in(x, n, stream)
@@ -310,15 +298,12 @@ class CudaGraphEngine(Engine):
         return (self._out if self.fake else self._outs[b])[:n]
 
     def _copy_in(self, x: Any, n: int, stream: Any) -> None:
-        import torch
-
         if self.fake:
             src = x.detach().to(torch.float32).contiguous()
             self._keep = src  # alive until the copy has run (the next run() or close() comes after it)
             runtime.cuda().cuda_memcpy_async(self._static.data_ptr(), src.data_ptr(), src.numel() * 4,
                                              stream_handle(stream))
             return
-        from gpuprims.cuda.graph import _torch_stream
 
         with torch.cuda.stream(_torch_stream(stream, self.target.device_index)):
             self._static[:n].copy_(x, non_blocking=True)

@@ -25,37 +25,49 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
+from gpuprims.backend import torch_device
 from gpuprims.coexec.fx_exec import SubgraphExecutor, partition, profile_subgraphs
 from gpuprims.coexec.graph import CPU, GPU, PCIE, SHARED_MEMORY
 from gpuprims.coexec.subgraph import duet
-from gpuprims.engines.base import Engine, EngineError, ExportError, ModelSource, Progress, Target
+from gpuprims.engines.base import Engine, EngineError, ExportError, ModelSource, Progress, Target, check_batch
 from gpuprims.engines.kinds import ENGINE_KINDS
-
-
-def check_batch(kind: str, x: Any, source: ModelSource) -> None:
-    """Refuse, by name, a batch that is not float ``(n, C, H, W)`` with 1 <= n <= max_batch."""
-    shape = tuple(getattr(x, "shape", ()))
-    if len(shape) != 4 or shape[1:] != source.input_shape or not 1 <= shape[0] <= source.max_batch:
-        raise EngineError(f"engine {kind!r} takes (n, {', '.join(map(str, source.input_shape))}) with "
-                          f"1 <= n <= {source.max_batch}, got {shape or type(x).__name__}")
 
 
 def accelerator(target: Target) -> Any:
     """The accelerator of ``target`` for the co-execution engines: cuda:<i>, or the CPU on the cpu
     backend and on the fake CUDA runtime (both "devices" are then the same cores)."""
-    from gpuprims.gather import torch_device
 
     return torch_device(target.backend, target.device_index)
 
 
 def example_batch(source: ModelSource) -> Any:
     """A seeded ``(max_batch, C, H, W)`` batch in [0, 1): what the planners profile with."""
-    import torch
 
     return torch.rand((source.max_batch, *source.input_shape), generator=torch.Generator().manual_seed(source.seed))
 
 
-class DuetEngine(Engine):
+class CoexecEngine(Engine):
+    """An engine whose prepare() leaves an ``executor`` running a batch across the accelerator and the
+    CPU cores (DUET's subgraphs, Chrion's operators); run() checks the batch and calls it."""
+
+    executor: Any
+
+    def run(self, x: Any) -> Any:
+        if not self.prepared:
+            raise EngineError(f"engine {self.kind!r} is not prepared: call prepare() before run()")
+        check_batch(self.kind, x, self.source)
+        return self.executor(x)
+
+    def close(self) -> None:
+        ex = self.__dict__.pop("executor", None)
+        if ex is not None:
+            ex.close()
+        super().close()
+
+
+class DuetEngine(CoexecEngine):
     """DUET's placement of the model's subgraphs on the accelerator and the CPU (module docstring)."""
 
     kind = "duet"
@@ -66,8 +78,6 @@ class DuetEngine(Engine):
     tolerance = (1e-4, 1e-5)
 
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-        import torch
-
         t0 = time.perf_counter()
         accel = accelerator(self.target)
         cpu = torch.device("cpu")
@@ -102,15 +112,3 @@ class DuetEngine(Engine):
             "planning_ms": round(planning_ms, 3)}})
         if progress is not None:
             progress(f"duet: {len(plan.on(CPU))} of {len(part.subgraphs)} subgraph(s) on the CPU", 1.0)
-
-    def run(self, x: Any) -> Any:
-        if not self.prepared:
-            raise EngineError("engine 'duet' is not prepared: call prepare() before run()")
-        check_batch(self.kind, x, self.source)
-        return self.executor(x)
-
-    def close(self) -> None:
-        ex = self.__dict__.pop("executor", None)
-        if ex is not None:
-            ex.close()
-        super().close()

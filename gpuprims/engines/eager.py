@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from gpuprims.backend import torch_device
 from gpuprims.engines.base import Engine, Progress
 from gpuprims.engines.kinds import ENGINE_KINDS
 
@@ -23,8 +26,6 @@ class EagerEngine(Engine):
         self.module = module
 
     def run(self, x: Any) -> Any:
-        import torch
-
         with torch.inference_mode():
             return self.module(x)
 
@@ -35,6 +36,5 @@ class EagerEngine(Engine):
 
 def _device(target: Any) -> Any:
     """The torch device of a target: ``cuda:<i>`` on cuda (``cpu`` on the fake runtime)."""
-    from gpuprims.gather import torch_device
 
     return torch_device(target.backend, target.device_index)

@@ -28,7 +28,6 @@ silent bf16). OpenVINO compiles the file at load; there is nothing to cache. BF1
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,13 @@ from typing import Any
 import numpy as np
 
 from gpuprims.cuda import runtime
-from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable
 from gpuprims.engines.cache import EngineCache, device_identity
 from gpuprims.engines.files import FileEngine, first_line
 from gpuprims.engines.kinds import FILE_ENGINE_KINDS, OV_HINTS
 from gpuprims.engines.kinds import ORT_OPTIMIZATION_LEVELS as OPTIMIZATION_LEVELS
 from gpuprims.engines.kinds import ORT_PROVIDERS as PROVIDERS
+from gpuprims.engines.ort_session import cuda_provider_options, default_threads, session_options
 from gpuprims.engines.ort_share import (
     InitializerSource,
     SharedInitializers,
@@ -85,14 +84,6 @@ def _ov() -> Any:
     import openvino
 
     return openvino
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on (its affinity, which an instance's share sets)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def onnx_external_files(path: Path) -> list[Path]:
@@ -172,24 +163,13 @@ class OnnxRuntimeFileEngine(FileEngine):
 
     # -- build and load ----------------------------------------------------------------------------------
     def _session_options(self, ort: Any, level: str) -> Any:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        so.log_severity_level = 3  # errors only: ORT's warnings go to stderr, not our log
-        return so
+        return session_options(ort, self.threads, level)
 
     def _providers(self, trt_dir: Path | None) -> list[Any]:
         provider = self.options["provider"]
         if provider == "cpu":
             return [PROVIDERS["cpu"]]
-        cuda: dict[str, str] = {"device_id": str(self.target.device_index)}
-        handle = stream_handle(self.target.stream)
-        if handle:
-            cuda.update(has_user_compute_stream="1", user_compute_stream=str(handle))
+        cuda, handle = cuda_provider_options(self.target.device_index, self.target.stream)
         providers: list[Any] = [(PROVIDERS["cuda"], cuda), PROVIDERS["cpu"]]
         if provider == "tensorrt":
             trt = {"device_id": str(self.target.device_index),

@@ -118,8 +118,9 @@ def _allocator(trt: Any, buffers: _DeviceBuffers) -> Any:
     return OutputAllocator()
 
 
-def _logger(trt: Any) -> Any:
-    """A TensorRT logger that sends warnings and errors to ours and keeps the errors for messages."""
+def trt_logger(trt: Any) -> Any:
+    """A TensorRT logger that sends warnings and errors to ours and keeps the errors for messages (both
+    TensorRT engines use it: this one on a plan file, ``engine: tensorrt`` on a zoo model's export)."""
     base = trt.ILogger
 
     class Logger(base):  # type: ignore[misc, valid-type]
@@ -158,7 +159,7 @@ class TensorRTFileEngine(FileEngine):
         t0 = time.perf_counter()
         self._trt = trt
         self._own_stream: Stream | None = None
-        self._logger = _logger(trt)
+        self._logger = trt_logger(trt)
         try:
             plan = self.path.read_bytes()
         except OSError as e:
@@ -331,4 +332,3 @@ class TensorRTFileEngine(FileEngine):
         if own is not None:
             own.close()
         super().close()
-

@@ -30,11 +30,10 @@ import abc
 import contextlib
 import inspect
 import json
-import os
 import re
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from gpuprims.cuda.event import stream_handle
 from gpuprims.engines.base import BuildInfo, EngineError
 from gpuprims.engines.cache import EngineCache
+from gpuprims.engines.compile import inductor_cache_dir
 from gpuprims.engines.files import FileEngine, first_line
 from gpuprims.engines.kinds import FILE_ENGINE_KINDS
 from gpuprims.tensors import DataType, ModelSignature, TensorSpec
@@ -346,19 +346,6 @@ class TorchExportFileEngine(TorchFileEngine):
         super().check_file_signature({k: v for k, v in inputs.items() if k in known}, outputs)
 
 
-@contextlib.contextmanager
-def _env_set(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block (inductor reads its cache directory when it compiles)."""
-    was = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if was is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = was
-
 
 class CompileFileEngine(TorchExportFileEngine):
     """``torch.compile`` over a ``torch.export`` program (see the module docstring)."""
@@ -400,7 +387,7 @@ class CompileFileEngine(TorchExportFileEngine):
                                       dynamic=self.options["dynamic"])
         t0 = time.perf_counter()
         compile_ms: dict[int, float] = {}
-        with _env_set("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir)):
+        with inductor_cache_dir(inductor_dir):
             for b in self.warm_sizes():
                 t = time.perf_counter()
                 try:

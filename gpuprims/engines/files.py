@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gpuprims.engines.base import BACKENDS, BuildInfo, EngineError, EngineUnavailable, Target
+from gpuprims.engines.base import BuildInfo, EngineError, EngineUnavailable, KindOptions, Target
 from gpuprims.engines.cache import EngineCache, device_identity, fingerprint, library_versions
 from gpuprims.engines.kinds import FILE_ENGINE_KINDS, EngineKind, file_engine_kind
 from gpuprims.tensors import DataType, ModelSignature, SignatureError, TensorSpec
@@ -124,20 +124,13 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-class FileEngine(abc.ABC):
+class FileEngine(KindOptions, abc.ABC):
     """One model file on one device, named tensors in and out (see the module docstring).
 
     Subclasses set :attr:`kind`, :attr:`backends`, :attr:`option_defaults`, :attr:`tolerance`,
     :attr:`suffixes` and :attr:`libraries`, and implement :meth:`_prepare` and :meth:`_run`.
     """
 
-    kind: ClassVar[str] = ""
-    #: The kind's row of the kinds table (its options, their checks, its backends and libraries), or None
-    #: for a class that sets those itself.
-    spec: ClassVar[EngineKind | None] = None
-    backends: ClassVar[tuple[str, ...]] = BACKENDS
-    #: Every option this kind takes, with its default: anything else is refused by name.
-    option_defaults: ClassVar[Mapping[str, Any]] = {}
     #: (rtol, atol) within which this engine's floating outputs equal the file run directly in its own
     #: runtime (tests/gpuprims/engines/test_files.py holds every kind to it).
     tolerance: ClassVar[tuple[float, float]] = (1e-5, 1e-6)
@@ -151,8 +144,6 @@ class FileEngine(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "spec" in cls.__dict__ and cls.spec is not None:
-            cls.backends = cls.spec.backends
-            cls.option_defaults = cls.spec.options
             cls.libraries = cls.spec.libraries
             cls.install_hint = cls.spec.install_hint
 
@@ -184,28 +175,12 @@ class FileEngine(abc.ABC):
 
     # -- configuration -----------------------------------------------------------------------------------
     @classmethod
-    def validate_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The options with defaults filled in; unknown keys and bad values are refused by name."""
-        if cls.spec is not None:
-            return cls.spec.validate_options(options)
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(cls.option_defaults))
-        if unknown:
-            allowed = ", ".join(sorted(cls.option_defaults)) or "none"
-            raise EngineError(f"engine {cls.kind!r} has no option(s) {unknown} (it takes: {allowed})")
-        return {**cls.option_defaults, **options}
-
-    @classmethod
     def check(cls, backend: str, options: Mapping[str, Any] | None = None) -> None:
         """Raise :class:`EngineUnavailable` when this kind cannot run on ``backend`` or its library is
         missing, :class:`EngineError` for bad options. Builds nothing and imports no engine library."""
-        if cls.spec is not None:
-            cls.spec.check(backend, options)
+        super().check(backend, options)
+        if cls.spec is not None:  # the kinds table's row checked the libraries too
             return
-        if backend not in cls.backends:
-            raise EngineUnavailable(f"engine {cls.kind!r} needs the {' or '.join(cls.backends)} backend; "
-                                    f"this node runs on {backend}")
-        cls.validate_options(options)
         for lib in cls.libraries:
             if importlib.util.find_spec(lib) is None:
                 raise EngineUnavailable(f"engine {cls.kind!r} needs the {lib} package"

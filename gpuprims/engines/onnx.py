@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpuprims.engines.base import EngineUnavailable, ExportError, ModelSource
 
 log = logging.getLogger("gpuprims.engines")
@@ -60,7 +62,6 @@ def export_onnx(module: Any, source: ModelSource, path: str | os.PathLike[str], 
         import onnx
     except ImportError as e:
         raise EngineUnavailable("ONNX export needs the onnx package: pip install 'gpuprims[onnx]'") from e
-    import torch
 
     path = Path(path)
     name = source.model

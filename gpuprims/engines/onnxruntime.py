@@ -28,20 +28,21 @@ needed for any of it: torch holds the buffers and gives their addresses.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from gpuprims.cuda.event import stream_handle
+from gpuprims.backend import torch_device
 from gpuprims.engines.base import BuildInfo, Engine, EngineError, EngineUnavailable, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
 from gpuprims.engines.kinds import ENGINE_KINDS
 from gpuprims.engines.kinds import ORT_OPTIMIZATION_LEVELS as OPTIMIZATION_LEVELS
 from gpuprims.engines.kinds import ORT_PROVIDERS as PROVIDERS
 from gpuprims.engines.onnx import INPUT_NAME, OUTPUT_NAME, export_onnx
+from gpuprims.engines.ort_session import cuda_provider_options, default_threads, session_options
 from gpuprims.engines.ort_share import (
     InitializerSource,
     SharedInitializers,
@@ -49,7 +50,6 @@ from gpuprims.engines.ort_share import (
     take_shared,
     trim_heap,
 )
-from gpuprims.gather import torch_device
 
 ONNX_FILE = "model.onnx"
 OPTIMIZED_FILE = "model.opt.onnx"
@@ -66,14 +66,6 @@ def _ort() -> Any:
 def _say(progress: Progress | None, message: str, fraction: float | None) -> None:
     if progress is not None:
         progress(message, fraction)
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on (its affinity, which an instance's share sets)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 class OnnxRuntimeEngine(Engine):
@@ -110,25 +102,13 @@ class OnnxRuntimeEngine(Engine):
 
     # -- build and load ----------------------------------------------------------------------------------
     def _session_options(self, ort: Any, level: str) -> Any:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-        # Idle pool threads block instead of spinning: they would burn the neighbouring app's core.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        so.log_severity_level = 3  # errors only: ORT's warnings go to stderr, not our log
-        return so
+        return session_options(ort, self.threads, level)
 
     def _providers(self, trt_dir: Path | None) -> list[Any]:
         provider = self.options["provider"]
         if provider == "cpu":
             return [PROVIDERS["cpu"]]
-        cuda: dict[str, str] = {"device_id": str(self.target.device_index)}
-        handle = stream_handle(self.target.stream)
-        if handle:  # ORT takes 0 (the legacy default stream) for "no stream given"
-            cuda.update(has_user_compute_stream="1", user_compute_stream=str(handle))
+        cuda, _ = cuda_provider_options(self.target.device_index, self.target.stream)
         providers: list[Any] = [(PROVIDERS["cuda"], cuda)]
         if provider == "tensorrt":
             c, h, w = self.source.input_shape
@@ -209,7 +189,6 @@ class OnnxRuntimeEngine(Engine):
 
     def _bind(self, ort: Any) -> None:
         """The device buffers I/O binding uses: the static input and the preallocated output."""
-        import torch
 
         device = torch_device(self.target.backend, self.target.device_index)
         top = self.source.max_batch
@@ -225,8 +204,6 @@ class OnnxRuntimeEngine(Engine):
         return self._input if self.on_device and self.prepared else None
 
     def run(self, x: Any) -> Any:
-        import torch
-
         if not self.prepared:
             raise EngineError("engine 'onnxruntime' is not prepared: call prepare() first")
         n = int(x.shape[0])

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpuprims.engines.base import BuildInfo, Engine, EngineError, Progress
 from gpuprims.engines.cache import EngineCache, engine_key
 from gpuprims.engines.kinds import ENGINE_KINDS, OV_HINTS
@@ -81,8 +83,6 @@ class OpenVinoEngine(Engine):
                               extra={"threads": self.threads, "openvino": ov.__version__})
 
     def run(self, x: Any) -> Any:
-        import torch
-
         if not self.prepared:
             raise EngineError("engine 'openvino' is not prepared: call prepare() first")
         n = int(x.shape[0])

@@ -33,10 +33,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from gpuprims.cuda import runtime
 from gpuprims.cuda.event import Event, Stream, stream_handle
-from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, ExportError, Progress
+from gpuprims.cuda.graph import _torch_stream
+from gpuprims.engines.base import Engine, EngineError, EngineUnavailable, ExportError, Progress, check_batch
+from gpuprims.engines.cache import EngineCache, device_identity, fingerprint, model_identity
 from gpuprims.engines.cudagraph import _settle, device_tensor
+from gpuprims.engines.file_tensorrt import trt_logger
 from gpuprims.engines.kinds import ENGINE_KINDS
 from gpuprims.engines.onnx import export_onnx
 
@@ -75,8 +80,6 @@ class TensorRTEngine(Engine):
 
     # -- build ---------------------------------------------------------------------------------------
     def _prepare(self, module: Any, progress: Progress | None) -> None:
-        from gpuprims.engines.cache import EngineCache, device_identity, fingerprint, model_identity
-
         trt = _trt()
         version = str(getattr(trt, "__version__", "unknown"))
         if self.options["precision"] == "fp16" and _major(version) >= 11:
@@ -87,7 +90,7 @@ class TensorRTEngine(Engine):
         key = fingerprint({"kind": self.kind, "model": model_identity(self.source, module), "options": self.options,
                            "tensorrt": version, "device": device})
         cache = self.cache if self.cache is not None else EngineCache()
-        self._logger = _logger(trt)
+        self._logger = trt_logger(trt)
 
         def build(tmp: Path) -> dict[str, Any]:
             mod = module
@@ -205,7 +208,6 @@ class TensorRTEngine(Engine):
             if self._own_stream is None:
                 self._own_stream = Stream(self.target.device_index)
             return self._own_stream
-        import torch
 
         return torch.cuda.current_stream(self.target.device_index)
 
@@ -215,11 +217,7 @@ class TensorRTEngine(Engine):
         event recorded on the stream after this call; valid until the next run)."""
         if not self.prepared:
             raise EngineError("engine 'tensorrt' is not prepared: call prepare() before run()")
-        shape = tuple(x.shape)
-        if len(shape) != 4 or shape[1:] != self.source.input_shape or not 1 <= shape[0] <= self.source.max_batch:
-            raise EngineError(f"engine 'tensorrt' takes (n, {', '.join(map(str, self.source.input_shape))}) "
-                              f"with 1 <= n <= {self.source.max_batch}, got {shape}")
-        n = shape[0]
+        n = check_batch(self.kind, x, self.source)
         stream = self._stream()
         if x.data_ptr() != self._static.data_ptr():
             self._copy_in(x, n, stream)
@@ -231,15 +229,12 @@ class TensorRTEngine(Engine):
         return self._out[:n]
 
     def _copy_in(self, x: Any, n: int, stream: Any) -> None:
-        import torch
-
         src = x.detach().to(torch.float32).contiguous()
         if runtime.is_fake():
             self._keep = src
             runtime.cuda().cuda_memcpy_async(self._static.data_ptr(), src.data_ptr(), src.numel() * 4,
                                              stream_handle(stream))
             return
-        from gpuprims.cuda.graph import _torch_stream
 
         with torch.cuda.stream(_torch_stream(stream, self.target.device_index)):
             self._static[:n].copy_(src, non_blocking=True)
@@ -294,24 +289,6 @@ def _call(obj: Any, name: str) -> Any:
     fn = getattr(obj, name, None)
     return fn() if callable(fn) else None
 
-
-def _logger(trt: Any) -> Any:
-    """A TensorRT logger that sends warnings and errors to ours and keeps the errors for messages."""
-    base = trt.ILogger
-
-    class Logger(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            base.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity: Any, msg: str) -> None:
-            if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
-                self.errors.append(str(msg))
-                log.error("TensorRT: %s", msg)
-            elif severity == trt.ILogger.Severity.WARNING:
-                log.warning("TensorRT: %s", msg)
-
-    return Logger()
 
 
 def _monitor(trt: Any, progress: Progress | None) -> Any:

@@ -33,6 +33,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.fx.node import map_arg
+
 from gpuprims.opara.graph import INPUT, OUTPUT, OpGraph
 from gpuprims.opara.plan import StreamPlan
 
@@ -120,8 +123,6 @@ class StreamExecutor:
 
     def __init__(self, graph: OpGraph, plan: StreamPlan, *, intra_op_threads: int | None = None,
                  timeout_s: float = 60.0) -> None:
-        import torch
-
         if graph.module is None:
             raise ValueError("graph has no traced module: build it with gpuprims.opara.op_graph(model, input)")
         if sorted(plan.order) != sorted(graph.names):
@@ -189,8 +190,6 @@ class StreamExecutor:
             return run.env[self._output] if self._output is not None else None
 
     def _worker(self, stream: int) -> None:
-        import torch
-
         # get_num_threads first: a thread's first parallel op otherwise initialises its OpenMP count
         # from torch's process-wide default, which another executor's workers may have just changed.
         torch.get_num_threads()
@@ -222,7 +221,6 @@ class StreamExecutor:
 
     def close(self) -> None:
         """Stop the stream threads and put back the caller's torch thread count (idempotent)."""
-        import torch
 
         with self._lock:
             if self._closed:
@@ -240,7 +238,6 @@ class StreamExecutor:
 
 def _compile(gm: Any, node: Any) -> Callable[[dict[str, Any]], Any]:
     """A function of the environment that evaluates one fx node."""
-    from torch.fx.node import map_arg
 
     args, kwargs = node.args, node.kwargs
 

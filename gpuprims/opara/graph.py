@@ -42,6 +42,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.node import map_arg
+
 from gpuprims.coexec.graph import GPU, Task, TaskGraph
 
 MEMORY = "memory"
@@ -270,9 +276,6 @@ _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, ope
 
 @functools.lru_cache(maxsize=1)
 def _function_names() -> tuple[dict[Any, str], frozenset[Any], frozenset[Any]]:
-    import torch
-    import torch.nn.functional as F
-
     contractions = {
         torch.conv1d: "conv", torch.conv2d: "conv", torch.conv3d: "conv", F.conv1d: "conv", F.conv2d: "conv",
         F.conv3d: "conv", F.linear: "linear", torch.matmul: "matmul", torch.mm: "matmul", torch.bmm: "matmul",
@@ -297,8 +300,6 @@ def _describe(node: Any, gm: Any) -> str:
 
 
 def _tensors(value: Any) -> list[Any]:
-    import torch
-
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -330,7 +331,6 @@ def _is_inplace(node: Any, gm: Any) -> bool:
 
 def _estimate(node: Any, gm: Any, ins: list[Any], out: list[Any]) -> tuple[float, float]:
     """(flops, bytes) of one fx node from what it is and the tensors it read and wrote."""
-    from torch import nn
 
     contractions, views, _ = _function_names()
     out_numel = sum(t.numel() for t in out)
@@ -379,9 +379,6 @@ def op_graph(model: Any, example_input: Any, *, device: Roofline = T4) -> OpGrap
     it gives are the shapes the plan is for (one plan per batch size). Raises ValueError when fx cannot
     trace the model, when the input count is wrong, or when an in-place write goes through a shared view.
     """
-    import torch
-    import torch.fx
-    from torch.fx.node import map_arg
 
     try:
         gm = model if isinstance(model, torch.fx.GraphModule) else torch.fx.symbolic_trace(model)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import resource
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -30,8 +32,18 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from apps.zoo import load_model
+from gpuprims._version import __version__
+from gpuprims.backend import resolve_backend
+from gpuprims.coexec.fx_exec import partition, profile_subgraphs
 from gpuprims.cpushare import apply_cpu_share, plan_cpu_shares
+from gpuprims.engines import EngineCache, EngineError, ModelSource, Target, check_engine, make_engine
 from gpuprims.profile.format import Profile, ProfilePoint, StageEntry, with_stages
+from gpuprims.profile.knee import knee
 
 MPS_PIPE_DIR = "/tmp/nvidia-mps"
 
@@ -63,7 +75,6 @@ def _rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
-        import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -85,11 +96,8 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
     Returns a ProfilePoint-shaped dict plus ``"device"`` and ``"torch"``.
     """
     _apply_share(spec)
-    import numpy as np
-    import torch
 
     base_rss_mb = _rss_mb()  # after torch's own import, so only the model and its activations count
-    from apps.zoo import load_model
 
     device = torch.device("cuda" if spec.backend == "cuda" else "cpu")
     engine = None
@@ -120,8 +128,6 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
             mps = os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIR), "control"))
             dev = name + ("" if mps else " (no MPS daemon: GPU% not enforced)")
         else:
-            import resource
-            import time
 
             for _ in range(spec.warmup):
                 model(x)
@@ -145,7 +151,6 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
 
 def _prepared_engine(spec: PointSpec, threads: int) -> Any:
     """The point's engine (``spec.engine``), prepared: built, or taken from the engine cache."""
-    from gpuprims.engines import EngineCache, ModelSource, Target, make_engine
 
     shape = tuple(spec.input_shape)
     source = ModelSource(spec.model, (shape[0], shape[1], shape[2]), max(spec.max_batch, spec.batch_size),
@@ -159,7 +164,6 @@ def _prepared_engine(spec: PointSpec, threads: int) -> Any:
 def check_engine_args(engine: str, options: dict[str, Any], backend: str, input_shape: Sequence[int],
                       width: float) -> None:
     """Refuse an engine this backend cannot run, or a profile an engine cannot take, with the reason."""
-    from gpuprims.engines import EngineError, check_engine
 
     if engine == "eager" and not options:
         return
@@ -181,10 +185,6 @@ def measure_stages(spec: PointSpec) -> list[dict[str, Any]]:
     latency is keyed ``"cpu"`` on the CPU backend and ``"gpu"`` on cuda.
     """
     _apply_share(spec)
-    import torch
-
-    from apps.zoo import load_model
-    from gpuprims.coexec.fx_exec import partition, profile_subgraphs
 
     device = torch.device("cuda" if spec.backend == "cuda" else "cpu")
     model = load_model(spec.model, seed=spec.seed, input_shape=tuple(spec.input_shape), width=spec.width)
@@ -232,7 +232,6 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
     into ``engine_cache`` (each point's process then loads it from there). Raises ValueError for
     bad arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
     """
-    from gpuprims.backend import resolve_backend
 
     if not model:
         raise ValueError("model must be non-empty")
@@ -269,7 +268,6 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
     specs = [PointSpec(model, b, g, be, shape, repeats, warmup, float(width), seed,
                        tuple(cores) if cores is not None else None, engine, tuple(sorted(options.items())),
                        engine_cache, bs[-1]) for b in bs for g in gs]
-    from tqdm import tqdm
 
     points: list[dict[str, Any]] = []
     ctx = get_context("spawn")
@@ -382,8 +380,6 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
 
 def _profile(model: str, be: str, specs: list[PointSpec], bs: list[int], gs: list[int], shape: tuple[int, ...],
              repeats: int, points: list[dict[str, Any]]) -> Profile:
-    from gpuprims import __version__
-
     return Profile(
         model=model, source="measured", backend=be, device=points[0]["device"],
         source_note=f"gpuprims-profile, {asdict(specs[0]) | {'batch_size': bs, 'gpu_pct': gs}}",
@@ -401,8 +397,6 @@ def plot_profile(profile: Profile, path: str | Path, *, tolerance: float = 0.10)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from gpuprims.profile.knee import knee
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for b in profile.batch_sizes:

@@ -31,7 +31,9 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
 from typing import Any, Literal
 
 import numpy as np
@@ -40,7 +42,7 @@ import numpy.random  # numpy loads it lazily otherwise, in the first run
 
 from gpuprims.profile.format import Profile
 from gpuprims.sched.dag import App
-from gpuprims.sched.scheduler import Dispatch, Scheduler
+from gpuprims.sched.scheduler import Dispatch, Scheduler, make_scheduler
 
 _EPS = 1e-9
 
@@ -553,7 +555,6 @@ def _summary(st: _AppStats, unfinished: int, window_s: float) -> dict[str, Any]:
 
 def _run_shard(args: tuple[Any, ...]) -> _Raw:
     (name, sched_kw, profiles, workloads, gpu_ids, sim_kw) = args
-    from gpuprims.sched.scheduler import make_scheduler
 
     sch = make_scheduler(name, [w.app for w in workloads], profiles, num_gpus=len(gpu_ids), **sched_kw)
     return _simulate(sch, workloads, gpu_ids=gpu_ids, **sim_kw)
@@ -573,11 +574,6 @@ def simulate_sharded(scheduler_name: str, workloads: Sequence[Workload], profile
     stream (seed ``seed * 1000 + shard``). The result has the same shape, plus ``"processes"``.
     Raises ValueError for bad arguments (as ``simulate``) or ``processes`` < 1.
     """
-    from concurrent.futures import ProcessPoolExecutor
-    from dataclasses import replace
-    from multiprocessing import get_context
-
-    from gpuprims.sched.scheduler import make_scheduler
 
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")

@@ -22,7 +22,7 @@ A workload comes from ``--scenario`` (``paper-table3``, ``many``) or ``--config 
 The output is JSON with ``"simulated": true`` at every level.
 
 ``--scenario paper-sir|paper-duet|paper-chrion`` runs the CPU co-execution comparisons instead
-(``gpuprims.coexec.scenarios``: accelerator profiles from the papers' tables, CPU profiles measured
+(``gpuprims.sched.coexec_scenarios``: accelerator profiles from the papers' tables, CPU profiles measured
 on this machine); of the other options only ``--seed`` (paper-sir) and ``--out`` apply.
 """
 
@@ -38,9 +38,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuprims import __version__
-from gpuprims.coexec.scenarios import SCENARIOS as COEXEC_SCENARIOS
-from gpuprims.coexec.scenarios import paper_sir
 from gpuprims.profile.format import Profile, ProfileError, load_profiles, paper_profiles
+from gpuprims.sched.coexec_scenarios import SCENARIOS as COEXEC_SCENARIOS
+from gpuprims.sched.coexec_scenarios import paper_sir
 from gpuprims.sched.dag import App, Stage
 from gpuprims.sched.scenarios import many_apps, paper_table3
 from gpuprims.sched.scheduler import SCHEDULERS, make_scheduler

@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuprims import _native
 from gpuprims.cuda.errors import STICKY_STATUSES, CudaError
 from gpuprims.cuda.runtime import FAKE_ENV
 
@@ -1038,7 +1039,6 @@ class FakeRuntime:
                    channels: int, a: list[float], b: list[float], d: list[float], status_dev: int,
                    result_dev: int, blocks_per_row: int) -> None:
         """Queue the GPU-DMA "kernel" (the CPU reference) on `stream`; argument checks as the native."""
-        from gpuprims import _native
 
         self._enter("dma_launch")
         self._dev(device, "launch_gather")

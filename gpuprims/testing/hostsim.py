@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from gpuprims import wire
+from gpuprims.cuda import runtime
 from gpuprims.cuda.dma import IMAGENET, UNIT, Normalize, PoolLayout
 from gpuprims.testing.synthetic import STATE_FILLING, SyntheticPool
 
@@ -148,7 +149,6 @@ def compare(kernel: HostKernel, case: Case, *, stale_error: int = 0) -> list[str
     """Run `case` through the host-built kernel and the CPU reference; return what differs (empty
     when the bytes of every row, every verdict and the count agree, and the verdicts are the ones
     the case expects)."""
-    from gpuprims.cuda import runtime
 
     native = runtime.native()
     lay = PoolLayout.of(case.pool)

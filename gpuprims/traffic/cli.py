@@ -23,7 +23,12 @@ import numpy as np
 
 from gpuprims import __version__, wire
 from gpuprims.interrupt import ctrl_c_interrupts
-from gpuprims.traffic.stream import AppStream, Stream, parse_addr, read_intervals
+from gpuprims.traffic.echo import EchoServer
+from gpuprims.traffic.pcap import PcapError, read_pcap, replay_plan, write_pcap
+from gpuprims.traffic.receiver import Receiver, Tracker
+from gpuprims.traffic.runner import run
+from gpuprims.traffic.sender import SocketSet, parse_port_range
+from gpuprims.traffic.stream import AppStream, PlanBuilder, Stream, parse_addr, read_intervals
 
 _APP_KEYS = {"rate": float, "pps": float, "process": str, "count": int, "duration": float, "to": str,
              "image": str, "variants": int, "deadline_us": int, "chunk": int, "intervals": str}
@@ -214,8 +219,6 @@ def gen(output: str | None, **kw: Any) -> None:
 def pcap_cmd(output: str, src: str, src_ports: str, nanosecond: bool, src_mac: str, dst_mac: str,
              **kw: Any) -> None:
     """Write an app stream as an Ethernet/IPv4/UDP pcap, timestamped by its schedule."""
-    from gpuprims.traffic.pcap import write_pcap
-    from gpuprims.traffic.sender import parse_port_range
 
     stream = _build_stream(kw)
     assert stream is not None
@@ -255,9 +258,6 @@ def replay(pcap_path: str | None, speed: float, loops: int, raw: bool, skip_fore
            samples_path: str | None, cdf_path: str | None, timeline_path: str | None, progress: bool, gso: bool,
            batch: int, **kw: Any) -> None:
     """Send a pcap or generated stream at a rate, receive the answers, and report (JSON)."""
-    from gpuprims.traffic.pcap import PcapError, read_pcap, replay_plan
-    from gpuprims.traffic.runner import run
-    from gpuprims.traffic.sender import parse_port_range
 
     try:
         if pcap_path:
@@ -320,9 +320,6 @@ def _given(name: str) -> bool:
 def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None, idle: float,
          json_path: str | None) -> None:
     """Receive answers to requests sent by something else (tcpreplay) and count them."""
-    from gpuprims.traffic.pcap import PcapError, read_pcap, replay_plan
-    from gpuprims.traffic.receiver import Receiver, Tracker
-    from gpuprims.traffic.sender import SocketSet
 
     addrs = [parse_addr(a) for a in listen]
     plan = None
@@ -382,8 +379,6 @@ def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None,
 
 
 def _empty_plan():
-    from gpuprims.traffic.stream import PlanBuilder
-
     b = PlanBuilder()
     return b.build(ev_time_ns=np.zeros(0, np.int64), ev_unit=np.zeros(0, np.uint32), ev_rid=np.zeros(0, np.uint64),
                    ev_dest=np.zeros(0, np.uint16), ev_app=np.zeros(0, np.int32), ev_warmup=np.zeros(0, bool),
@@ -401,7 +396,6 @@ def _empty_plan():
 def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_every: int, duplicate_every: int,
          spin_us: float) -> None:
     """Answer gpuprims requests on loopback after a delay (a stand-in node for tests)."""
-    from gpuprims.traffic.echo import EchoServer
 
     host, port = parse_addr(listen)
     try:
@@ -425,4 +419,3 @@ def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_ev
 
 if __name__ == "__main__":  # pragma: no cover
     main()
-

@@ -11,11 +11,13 @@ naming the file and the 1-based frame number. `replay_plan` turns a capture into
 
 from __future__ import annotations
 
+import io
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import dpkt
 import numpy as np
 
 from gpuprims import wire
@@ -322,10 +324,6 @@ def _records(path: Path) -> Iterator[tuple[int, int, bytes, int]]:
 
 
 def _pcapng_records(path: Path, data: bytes) -> Iterator[tuple[int, int, bytes, int]]:
-    import io
-
-    import dpkt
-
     try:
         reader = dpkt.pcapng.Reader(io.BytesIO(data))
     except (ValueError, dpkt.dpkt.Error, struct.error) as e:

@@ -6,6 +6,8 @@ import socket
 import time
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 from gpuprims.traffic.receiver import Receiver, Tracker
 from gpuprims.traffic.report import Report, build_report
 from gpuprims.traffic.sender import Sender, SocketSet, parse_port_range
@@ -61,8 +63,6 @@ def _run(plan: Plan, sockets: list[socket.socket], *, timeout_s: float, linger_s
     receiver = Receiver(sockets, keep_payloads=keep_payloads)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=plan.n_events, unit="req", desc="sending", dynamic_ncols=True, leave=True)
     interrupted = False
     receiver.start()

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuprims import tensorwire, wire
+from gpuprims.traffic.images import request_body
 
 PROCESSES = ("constant", "poisson")
 #: Request ids must stay below this so (app_id, request_id) packs into one u64 key for matching.
@@ -180,7 +181,6 @@ class AppStream:
         if self.tensors is not None:
             return [np.frombuffer(tensorwire.encode_arrays(tensor_values(self.tensors, seed=v)), np.uint8)
                     for v in range(self.variants)]
-        from gpuprims.traffic.images import request_body
 
         return [request_body(self.shape, self.dtype, self.image, variant=v) for v in range(self.variants)]
 

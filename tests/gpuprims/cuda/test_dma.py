@@ -322,6 +322,8 @@ def test_packets_and_normalize_validation(cpu_pool: tuple[PinnedPool, list[int],
         PinnedPool(object(), backend="cpu")
     with pytest.raises(ValueError, match="backend"):
         PinnedPool(cpu_pool[0].pool, backend="gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"resolve 'auto' first with gpuprims\.backend\.resolve_backend"):
+        PinnedPool(cpu_pool[0].pool, backend="auto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not registered with CUDA"):
         pp.device_pointer(0)
 

@@ -1,8 +1,8 @@
 """The papers' headline comparisons, simulated from profiles: ``gpuprims-sim --scenario paper-sir|paper-duet|paper-chrion``.
 
-Accelerator profiles come from the papers' tables (``profiles/paper/*.json``, ``source: "paper"``,
+Accelerator profiles come from the papers' tables (``gpuprims/coexec/profiles/paper/*.json``, ``source: "paper"``,
 each stage naming its table row); CPU profiles were measured on this machine's cores
-(``profiles/cpu/*.json``, made by ``gpuprims-profile --device cpu --stages`` and, for the LSTM cell,
+(``gpuprims/coexec/profiles/cpu/*.json``, made by ``gpuprims-profile --device cpu --stages`` and, for the LSTM cell,
 ``fx_exec.measure_lstm_cell_ms``; see docs/cpu-coexecution.md). A scenario pairs the two, runs the
 planner on the pair, and reports beside it what the paper reports (``paper_*`` keys) and, where the
 paper gives CPU times too, the same planner on the paper's own pair (``paper_pair``). Our CPU cores

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuprims.coexec.scenarios import PAPER_DUET, bundled, paper_chrion, paper_duet, paper_sir
+from gpuprims.sched.coexec_scenarios import PAPER_DUET, bundled, paper_chrion, paper_duet, paper_sir
 from gpuprims.sched.sim_cli import main as sim_main
 
 
