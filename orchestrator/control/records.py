@@ -6,7 +6,7 @@ role strings (as vLLM's ``v1/metrics/stats.py`` and Ray Serve's ``ReplicaState``
 - :class:`AppTotals`: an app's statistics (`orchestrator.control.stats.AppStatistics.totals`).
 - :class:`InstanceView`, :class:`AppView`, :class:`NodeView`: one read of a running node
   (``Node.view()``); the monitor, the CPU overflow and the metrics read them by field.
-- :class:`EngineChoice` and :class:`StageSpec`: the app's validated engine and a DAG stage, as they
+- :class:`EngineSpec` and :class:`StageSpec`: the app's validated engine and a DAG stage, as they
   cross the process boundary in the instance's spec.
 
 JSON appears only at the control edge: ``to_wire`` / ``from_wire`` for the heartbeat's encoding and
@@ -29,7 +29,7 @@ __all__ = [
     "SERVING_ROLES",
     "AppTotals",
     "AppView",
-    "EngineChoice",
+    "EngineSpec",
     "InstanceStats",
     "InstanceView",
     "NodeView",
@@ -307,7 +307,7 @@ class NodeView:
 # -- what an instance is told -------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class EngineChoice:
+class EngineSpec:
     """An app's (or a stage's) validated engine: its kind (``eager``, ``onnxruntime``, ...) and
     options, as apps.yaml's ``engine:`` said and the node checked before starting an instance."""
 
@@ -318,12 +318,12 @@ class EngineChoice:
         return {"kind": self.kind, "options": dict(self.options)}
 
     @classmethod
-    def from_wire(cls, data: object) -> EngineChoice:
+    def from_wire(cls, data: object) -> EngineSpec:
         if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) or not data["kind"]:
-            raise ValueError(f"an engine choice needs a non-empty 'kind', got {data!r:.80}")
+            raise ValueError(f"an engine spec needs a non-empty 'kind', got {data!r:.80}")
         options = data.get("options", {})
         if not isinstance(options, Mapping) or set(data) - {"kind", "options"}:
-            raise ValueError(f"an engine choice is {{'kind', 'options'}}, got {data!r:.80}")
+            raise ValueError(f"an engine spec is {{'kind', 'options'}}, got {data!r:.80}")
         return cls(data["kind"], dict(options))
 
 
@@ -335,7 +335,7 @@ class StageSpec:
     name: str
     model: str
     routes: tuple[str, ...] = ()
-    engine: EngineChoice = field(default_factory=EngineChoice)
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.model, "routes": list(self.routes),
@@ -349,4 +349,4 @@ class StageSpec:
         if not isinstance(name, str) or not isinstance(model, str) or not isinstance(routes, list) \
                 or not all(isinstance(r, str) for r in routes):
             raise ValueError(f"a stage needs a name, a model and routes of stage names, got {data!r:.80}")
-        return cls(name, model, tuple(routes), EngineChoice.from_wire(data.get("engine") or {"kind": "eager"}))
+        return cls(name, model, tuple(routes), EngineSpec.from_wire(data.get("engine") or {"kind": "eager"}))

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from gpuprims.engines.errors import EngineError
 from gpuprims.engines.kinds import file_engine_kind
+from orchestrator.control.records import EngineSpec, StageSpec
 
 ENV_SPEC = "GPUPRIMS_INSTANCE_SPEC"
 #: The instance code, which every instance imports (torch-free).
@@ -22,7 +22,8 @@ INSTANCE_MODULE = "orchestrator.worker.instance"
 
 @dataclass
 class InstanceSpec:
-    """Everything an instance needs to start, JSON-serialisable."""
+    """Everything an instance needs to start, JSON-serialisable (`to_json`); `from_json` rebuilds and
+    checks it, its engine choice and stages included."""
 
     name: str
     app: str
@@ -47,9 +48,9 @@ class InstanceSpec:
     chunk_payload: int = 1024
     warmup: bool = True
     share_params: str | None = None
-    # A DAG app: [{"name", "model", "routes": [stage, ...]}, ...]; the first stage named in `entry`
-    # runs first and class i of its output continues at routes[i] (classes past the list end there).
-    stages: list[dict[str, Any]] | None = None
+    # A DAG app's stages, each on its own engine; the stage named in `entry` runs first and class i of
+    # its output continues at routes[i] (classes past the list end there).
+    stages: tuple[StageSpec, ...] | None = None
     entry: str | None = None
     # Scheduler-dispatched (node.scheduler spatiotemporal/temporal): serve only what RunBatch says,
     # one stage at a time; the warm-up measures every stage at ``profile_batches`` for the scheduler.
@@ -64,8 +65,7 @@ class InstanceSpec:
     prewarm: bool = False
     # The model runner (gpuprims.engines): eager (torch), onnxruntime, tensorrt, cudagraph, compile, ...
     # and its options (apps.yaml ``engine:``), validated by the node before it starts the instance.
-    engine: str = "eager"
-    engine_options: dict[str, Any] | None = None
+    engine: EngineSpec = field(default_factory=EngineSpec)
     engine_cache: str | None = None  # the engine cache's directory (node.engine_cache); None: the default
     # A model file (a Triton model repository's version, or apps.yaml ``model: path``): its completed
     # config (gpuprims.modelrepo.ModelConfig JSON, the one message from the repository to the instance),
@@ -75,6 +75,14 @@ class InstanceSpec:
     model_path: str | None = None
     model_version: int | None = None
     model_fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineSpec):
+            raise TypeError(f"InstanceSpec.engine must be an EngineSpec, got {self.engine!r}")
+        if self.stages is not None:
+            self.stages = tuple(self.stages)
+            if not all(isinstance(s, StageSpec) for s in self.stages):
+                raise TypeError(f"InstanceSpec.stages must be StageSpecs, got {self.stages!r:.120}")
 
     @property
     def serves_file(self) -> bool:
@@ -92,6 +100,12 @@ class InstanceSpec:
         if unknown:
             raise ValueError(f"unknown instance spec keys: {sorted(unknown)}")
         data["input_shape"] = tuple(data.get("input_shape", (3, 224, 224)))
+        if "engine" in data:
+            data["engine"] = EngineSpec.from_wire(data["engine"])
+        if data.get("stages") is not None:
+            if not isinstance(data["stages"], list):
+                raise ValueError(f"instance spec stages must be a list, got {data['stages']!r:.80}")
+            data["stages"] = tuple(StageSpec.from_wire(s) for s in data["stages"])
         return cls(**data)
 
 
@@ -108,7 +122,7 @@ def instance_imports(spec: InstanceSpec) -> tuple[str, ...]:
     if not spec.serves_file:
         return TORCH_IMPORTS
     try:
-        kind = file_engine_kind(spec.engine)
+        kind = file_engine_kind(spec.engine.kind)
     except EngineError:
         return (INSTANCE_MODULE,)
     if kind.needs_torch:

@@ -42,11 +42,12 @@ from gpuprims.cpushare import CpuShare
 from gpuprims.cuda.ipc import ENV_OWNER_PID
 from gpuprims.ingest import Ingest
 from gpuprims.pool import PacketPool
-from orchestrator.config.schema import AppConfig, NodeConfig
+from orchestrator.config.schema import AppConfig, EngineChoice, NodeConfig
 from orchestrator.control.channel import ControlServer, instance_env
 from orchestrator.control.errors import SupervisionError
 from orchestrator.control.memory import MemoryReading, MemorySampler, NodeMemory, ProcessMemory, total
 from orchestrator.control.messages import Error, Finish, InitGpu, Ready, Shutdown
+from orchestrator.control.records import EngineSpec, StageSpec
 from orchestrator.control.share_spec import ENV_HOLDER, HOLDER_MODULE, HolderSpec
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
 from orchestrator.node.cpu_overflow import NodeOverflow
@@ -72,6 +73,11 @@ def start_holder_process(env: dict[str, str]) -> HolderProcess:
     """The node's way to start a Param-Share holder: ``<python> -m orchestrator.worker.param_holder``."""
     return subprocess.Popen([sys.executable, "-m", HOLDER_MODULE], env=env, stdin=subprocess.DEVNULL,
                             cwd=str(_ROOT))
+
+
+def _engine_spec(choice: EngineChoice) -> EngineSpec:
+    """The config's validated engine choice as the instance's spec carries it across the process boundary."""
+    return EngineSpec(choice.kind, dict(choice.options))
 
 
 def file_fields(app: AppConfig) -> dict[str, Any]:
@@ -144,10 +150,8 @@ class Supervisor:
             cores=list(share.cores) if share is not None else None,
             threads=share.threads if share is not None else None, defer_init=defer_init,
             heartbeat_ms=self.heartbeat_ms, chunk_payload=self.cfg.node.pool.max_payload, warmup=self.warmup,
-            stages=[{"name": st.name, "model": st.model, "routes": list(st.routes),
-                     "engine": app.stage_engine(st).kind, "engine_options": dict(app.stage_engine(st).options)}
-                    for st in app.stages]
-            if app.stages else None,
+            stages=tuple(StageSpec(st.name, st.model, tuple(st.routes), _engine_spec(app.stage_engine(st)))
+                         for st in app.stages) if app.stages else None,
             entry=app.entry_stages()[0] if app.stages else None,
             share_params=None if on_cpu else self.params.mode_for(app, name),
             dispatched=scheduled,
@@ -155,7 +159,7 @@ class Supervisor:
             stage_pcts=self.placement.stage_pcts(app.name) if scheduled else None,
             # cpu backend: a shadow loads and warms its model at nice 19 before it is needed.
             prewarm=defer_init and self.backend == "cpu" and not scheduled,
-            engine=engine.kind, engine_options=dict(engine.options) or None,
+            engine=_engine_spec(engine),
             engine_cache=self.cfg.node.engine_cache,
             **file_fields(app),
         )

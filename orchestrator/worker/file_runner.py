@@ -138,10 +138,10 @@ class FileRunner:
     def build(self, device: Any) -> dict[str, Any]:
         """Make and prepare the file's engine (built, or taken from the engine cache by the file's
         content); returns what :meth:`install` takes, so a pre-warm thread can build it."""
-        kind = resolve_file_kind(self.spec.engine, self.spec.model_path)  # (eager on a torch file: the file run by torch)
+        kind = resolve_file_kind(self.spec.engine.kind, self.spec.model_path)  # (eager on a torch file: the file run by torch)
         t0 = time.perf_counter()
         engine = make_file_engine(kind, self.spec.model_path, self.signature, self._target(),
-                                  self.spec.engine_options or {}, self.spec.model_fingerprint)
+                                  dict(self.spec.engine.options), self.spec.model_fingerprint)
         if isinstance(engine, SharesInitializers):  # Param-Share: the node's segment of its initializers
             engine.initializers_from = InitializerSource.parse(self.spec.share_params, await_handles)
         info = engine.prepare(self.cache)
@@ -156,7 +156,7 @@ class FileRunner:
         self.samples_run = bool(built.get("samples_run"))
         if engine.target.threads != self._target().threads:
             fresh = make_file_engine(engine.kind, self.spec.model_path, self.signature, self._target(),
-                                     self.spec.engine_options or {}, self.spec.model_fingerprint)
+                                     dict(self.spec.engine.options), self.spec.model_fingerprint)
             if isinstance(engine, SharesInitializers) and isinstance(fresh, SharesInitializers):
                 fresh.initializers_from = engine.initializers_from  # the mapping made for the first
             fresh.prepare(self.cache)

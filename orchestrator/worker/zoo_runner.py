@@ -169,22 +169,21 @@ class AppRunner:
             engines: dict[str, Engine] = {}
             fallbacks: dict[str, str] = {}
             for st in self.spec.stages:
-                kind = st.get("engine") or self.spec.engine
-                engines[st["name"]] = self._prepared(st["name"], st["model"], kind, st.get("engine_options"), device,
-                                                     None, fallbacks)
-            routes = {st["name"]: list(st.get("routes") or []) for st in self.spec.stages}
-            entry = self.spec.entry or self.spec.stages[0]["name"]
+                engines[st.name] = self._prepared(st.name, st.model, st.engine.kind, dict(st.engine.options),
+                                                  device, None, fallbacks)
+            routes = {st.name: list(st.routes) for st in self.spec.stages}
+            entry = self.spec.entry or self.spec.stages[0].name
             return {"engines": engines, "fallbacks": fallbacks, "stage_models": dict(engines), "routes": routes,
                     "model": DagModel(dict(engines), routes, entry)}
         out: dict[str, Any] = {}
         module = None
-        if engine_class(self.spec.engine).uses_torch_weights:
+        if engine_class(self.spec.engine.kind).uses_torch_weights:
             module = self._load_single(device, out)  # Param-Share applies: the engine runs on these weights
         else:
             out["params_mode"] = "engine"  # the engine holds its own copy of the weights
         fallbacks = {}
-        engine = self._prepared("main", self.spec.model, self.spec.engine, self.spec.engine_options, device, module,
-                                fallbacks)
+        engine = self._prepared("main", self.spec.model, self.spec.engine.kind, dict(self.spec.engine.options),
+                                device, module, fallbacks)
         out.update(engines={"main": engine}, fallbacks=fallbacks, model=engine)
         if isinstance(engine, SharesInitializers) and engine.shared is not None:
             out["params_mode"] = engine.shared.mode  # the session's initializers are the node's segment
@@ -296,7 +295,7 @@ class AppRunner:
     def entry_stage(self) -> str:
         """The stage whose queue is the ring: the DAG entry, or ``main`` for a one-model app."""
         if self.spec.stages:
-            return self.spec.entry or self.spec.stages[0]["name"]
+            return self.spec.entry or self.spec.stages[0].name
         return "main"
 
     def stage_model(self, stage: str) -> Any:
@@ -339,7 +338,7 @@ class AppRunner:
         """Dispatched mode: median latency of every stage over ``profile_batches`` (the scheduler's
         starting profile; it corrects itself from measured latencies later)."""
         batches = sorted(set(self.spec.profile_batches or default_profile_batches(self.spec.max_batch)))
-        stages = [st["name"] for st in self.spec.stages] if self.spec.stages else ["main"]
+        stages = [st.name for st in self.spec.stages] if self.spec.stages else ["main"]
         lock = open(self.spec.measure_lock, "a") if self.spec.measure_lock else None  # noqa: SIM115
         try:
             if lock is not None:

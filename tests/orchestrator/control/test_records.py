@@ -12,7 +12,7 @@ from orchestrator.control.records import (
     SERVING_ROLES,
     AppTotals,
     AppView,
-    EngineChoice,
+    EngineSpec,
     InstanceStats,
     InstanceView,
     NodeView,
@@ -87,9 +87,9 @@ def test_the_status_json_is_the_view_flattened_as_before() -> None:
     assert "model_file" not in a
 
 
-def test_engine_choice_and_stage_spec_cross_as_json() -> None:
-    e = EngineChoice("onnxruntime", {"threads": 2})
-    assert EngineChoice.from_wire(json.loads(json.dumps(e.to_wire()))) == e
+def test_engine_spec_and_stage_spec_cross_as_json() -> None:
+    e = EngineSpec("onnxruntime", {"threads": 2})
+    assert EngineSpec.from_wire(json.loads(json.dumps(e.to_wire()))) == e
     s = StageSpec("face", "resnet18", ("a", "b"), e)
     assert StageSpec.from_wire(json.loads(json.dumps(s.to_wire()))) == s
     assert StageSpec.from_wire({"name": "x", "model": "m"}) == StageSpec("x", "m")
@@ -97,9 +97,9 @@ def test_engine_choice_and_stage_spec_cross_as_json() -> None:
 
 @pytest.mark.parametrize("bad", [{"kind": ""}, {"kind": 3}, {"kind": "eager", "options": []},
                                  {"kind": "eager", "extra": 1}, "eager"])
-def test_engine_choice_refuses_bad_wire(bad: Any) -> None:
-    with pytest.raises(ValueError, match="engine choice"):
-        EngineChoice.from_wire(bad)
+def test_engine_spec_refuses_bad_wire(bad: Any) -> None:
+    with pytest.raises(ValueError, match="engine spec"):
+        EngineSpec.from_wire(bad)
 
 
 @pytest.mark.parametrize("bad", [{"name": "x"}, {"name": "x", "model": "m", "routes": "a"},

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.control.records import EngineSpec
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.node import launcher
 from orchestrator.node.launcher import (
@@ -210,16 +211,16 @@ def test_servers_beyond_the_cap_end_only_when_idle(tmp_path: Path, fork_servers:
 # -- fork servers per need ---------------------------------------------------------------------------------
 
 _FILE_SPEC = InstanceSpec(name="f-0", app="f", app_id=2, model="model.onnx", pool="p", consumer=0,
-                          engine="onnxruntime", model_config="{}", model_path="model.onnx")
+                          engine=EngineSpec("onnxruntime"), model_config="{}", model_path="model.onnx")
 
 
 def test_what_an_instance_imports_decides_its_fork_server() -> None:
     assert instance_imports(_SPEC) == ("orchestrator.worker.instance", "orchestrator.worker.zoo_runner")  # a zoo model: torch
     assert instance_imports(_FILE_SPEC) == ("orchestrator.worker.instance", "gpuprims.engines.file_onnx", "onnxruntime")
     torch_file = InstanceSpec(name="t-0", app="t", app_id=3, model="m.pt", pool="p", consumer=0,
-                              engine="torchscript", model_config="{}", model_path="m.pt")
+                              engine=EngineSpec("torchscript"), model_config="{}", model_path="m.pt")
     assert instance_imports(torch_file) == ("orchestrator.worker.instance", "orchestrator.worker.zoo_runner")
-    odd = InstanceSpec(name="o-0", app="o", app_id=4, model="m.x", pool="p", consumer=0, engine="nosuch",
+    odd = InstanceSpec(name="o-0", app="o", app_id=4, model="m.x", pool="p", consumer=0, engine=EngineSpec("nosuch"),
                        model_config="{}", model_path="m.x")
     assert instance_imports(odd) == ("orchestrator.worker.instance",)  # the instance refuses the kind itself
     assert ForkLauncher(sys.executable, preload="").preload_for(_FILE_SPEC) == ""  # a given preload wins

@@ -35,7 +35,7 @@ from gpuprims.wire import Status
 from orchestrator.config.schema import HostResources, load_config, parse_config
 from orchestrator.control.channel import ControlAddress
 from orchestrator.control.errors import ChangeError
-from orchestrator.control.records import Role
+from orchestrator.control.records import EngineSpec, Role
 from orchestrator.control.share_spec import ENV_HOLDER, HolderSpec
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
 from orchestrator.node.monitor import Monitor, MonitorPolicy
@@ -403,11 +403,11 @@ def test_instances_get_the_apps_engine_and_the_overflow_instance_its_own(tmp_pat
     app = {"name": "a", "model": "mobilenet_v2", "slo_ms": 100, "gpu_pct": 50, "overflow": "cpu",
            "engine": {"kind": "onnxruntime", "provider": "cpu", "optimization": "basic"}, "overflow_engine": "eager"}
     active, overflow = _specs_spawned(tmp_path, "cpu", app, [None, "overflow"])
-    assert (active.engine, active.engine_options) == ("onnxruntime", {"provider": "cpu", "optimization": "basic"})
+    assert active.engine == EngineSpec("onnxruntime", {"provider": "cpu", "optimization": "basic"})
     assert active.engine_cache == str(tmp_path / "c")
     # Param-Share on the CPU for ONNX Runtime: the first instance exports the session's initializers.
     assert active.share_params is not None and active.share_params.startswith("export:")
-    assert (overflow.engine, overflow.engine_options, overflow.backend) == ("eager", None, "cpu")
+    assert (overflow.engine, overflow.backend) == (EngineSpec("eager"), "cpu")
 
 
 def test_eager_instances_still_share_their_weights(tmp_path: Path) -> None:
@@ -415,7 +415,7 @@ def test_eager_instances_still_share_their_weights(tmp_path: Path) -> None:
     holders: list[dict[str, str]] = []
     first, second = _specs_spawned(tmp_path, "cuda", app, [None, None], holders)
     # On CUDA a holder the node owns exports the weights and every instance imports (Param-Share).
-    assert first.engine == "eager" and first.share_params.startswith("import:")  # type: ignore[union-attr]
+    assert first.engine == EngineSpec("eager") and first.share_params.startswith("import:")  # type: ignore[union-attr]
     assert second.share_params == first.share_params
     (env,) = holders
     assert HolderSpec.from_json(env[ENV_HOLDER]).path == first.share_params.removeprefix("import:")  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ import pytest
 from gpuprims.client import Client
 from gpuprims.modelrepo import load_config
 from orchestrator.config.schema import load_config as load_node_config
+from orchestrator.control.records import EngineSpec
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.node.node import Node
 from orchestrator.worker.file_runner import FileRunner, WarmupError, warmup_dir
@@ -50,7 +51,7 @@ def _runner(tmp_path: Path, flag: bytes | None) -> FileRunner:
         (tmp_path / "multi" / "warmup" / "flag.bin").write_bytes(flag)
     cfg = load_config(tmp_path / "multi", torch_ok=False)
     spec = InstanceSpec(name="multi-0", app="multi", app_id=1, model=str(model), pool="p", consumer=0,
-                        engine="onnxruntime", model_config=cfg.to_json(), model_path=str(model))
+                        engine=EngineSpec("onnxruntime"), model_config=cfg.to_json(), model_path=str(model))
     return FileRunner(spec)
 
 

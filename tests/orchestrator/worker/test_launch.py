@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.control.records import EngineSpec
 from orchestrator.worker import instance, launch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -85,7 +86,7 @@ def test_a_prewarming_instance_imports_at_the_nice_value_what_its_spec_needs() -
 
     zoo = InstanceSpec(name="a-0", app="a", app_id=1, model="mobilenet_v2", pool="p", consumer=0)
     onnx_file = InstanceSpec(name="f-0", app="f", app_id=2, model="m.onnx", pool="p", consumer=0,
-                             engine="onnxruntime", model_config="{}", model_path="m.onnx")
+                             engine=EngineSpec("onnxruntime"), model_config="{}", model_path="m.onnx")
     assert launch.imports_from_env({ENV_SPEC: zoo.to_json()}) == ("orchestrator.worker.instance", "orchestrator.worker.zoo_runner")
     assert launch.imports_from_env({ENV_SPEC: onnx_file.to_json()}) == (
         "orchestrator.worker.instance", "gpuprims.engines.file_onnx", "onnxruntime")

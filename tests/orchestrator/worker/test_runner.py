@@ -14,6 +14,7 @@ import torch
 
 from apps.zoo import load_model
 from gpuprims.batching import LatencyModel
+from orchestrator.control.records import EngineSpec, StageSpec
 from orchestrator.control.share_spec import ERROR_SUFFIX
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.worker.zoo_runner import AppRunner, DagModel, await_handles
@@ -76,7 +77,7 @@ def test_eager_is_the_default_and_runs_on_torch_weights(tmp_path: Path) -> None:
 
 def test_onnxruntime_engine_equals_eager_is_cached_and_holds_its_own_weights(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    spec = _spec(tmp_path, engine="onnxruntime", threads=1, share_params=None)
+    spec = _spec(tmp_path, engine=EngineSpec("onnxruntime"), threads=1, share_params=None)
     first = _ready(spec)
     try:
         d = first.describe()
@@ -103,7 +104,7 @@ def test_onnxruntime_engine_equals_eager_is_cached_and_holds_its_own_weights(tmp
 
 def test_an_engine_prepared_before_the_share_is_made_again_for_it_from_the_cache(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    runner = AppRunner(_spec(tmp_path, engine="onnxruntime"))
+    runner = AppRunner(_spec(tmp_path, engine=EngineSpec("onnxruntime")))
     built = runner.build(torch.device("cpu"))  # a shadow's pre-warm: its share is not known yet
     assert built["engines"]["main"].describe()["cache_hit"] is False
     runner.spec.cores, runner.spec.threads = [0], 1  # InitGpu brings the share
@@ -127,7 +128,7 @@ def test_a_model_the_engine_cannot_take_is_served_by_eager_after_one_line(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "spectral_model", raising=False)
     caplog.set_level(logging.ERROR, logger="gpuprims.instance")
-    runner = _ready(_spec(tmp_path, app="spec", model="spectral_model:build", engine="onnxruntime"))
+    runner = _ready(_spec(tmp_path, app="spec", model="spectral_model:build", engine=EngineSpec("onnxruntime")))
     try:
         d = runner.describe()
         assert d["kind"] == "eager" and "does not export to ONNX" in d["fallback"]
@@ -143,8 +144,7 @@ def test_a_model_the_engine_cannot_take_is_served_by_eager_after_one_line(
 
 def test_a_dag_app_has_one_engine_per_stage(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    stages = [{"name": "r", "model": "mobilenet_v2", "routes": ["x"], "engine": "onnxruntime"},
-              {"name": "x", "model": "resnet18", "routes": []}]
+    stages = (StageSpec("r", "mobilenet_v2", ("x",), EngineSpec("onnxruntime")), StageSpec("x", "resnet18"))
     runner = _ready(_spec(tmp_path, model="", stages=stages, entry="r", threads=1))
     try:
         d = runner.describe()["stages"]

@@ -16,20 +16,21 @@ from gpuprims.ingest import Ingest, packet_balance
 from gpuprims.pool import PacketPool
 from gpuprims.wire import Status
 from orchestrator.control.messages import BatchDone, RunBatch
+from orchestrator.control.records import StageSpec
 from orchestrator.control.spec import InstanceSpec
 from orchestrator.worker.loops import DispatchedLoop, serving_loop
 from orchestrator.worker.zoo_runner import AppRunner
 
 SHAPE = (3, 32, 32)
 APP = 1
-STAGES = [{"name": "router", "model": "recog_router", "routes": ["face", "car"]},
-          {"name": "face", "model": "vgg_face"}, {"name": "car", "model": "resnet_car"}]
+STAGES = (StageSpec("router", "recog_router", ("face", "car")), StageSpec("face", "vgg_face"),
+          StageSpec("car", "resnet_car"))
 
 
 class _Rig:
     """A dispatched loop over a pool whose ingest listens on loopback, and a client socket."""
 
-    def __init__(self, stages: list[dict] | None) -> None:
+    def __init__(self, stages: tuple[StageSpec, ...] | None) -> None:
         self.pool = PacketPool.create(slot_count=1024, record_count=64, max_chunks=64, consumer_count=1)
         self.ing = Ingest(self.pool, [("127.0.0.1", 0)]).start()
         self.ing.set_route(APP, [0])

@@ -21,6 +21,7 @@ from gpuprims.tensors import DataType, ModelSignature, TensorSpec
 from gpuprims.tensorwire import WireTensor, decode_arrays, encode, encode_arrays
 from gpuprims.wire import DType, Status
 from orchestrator.control.messages import RunBatch
+from orchestrator.control.records import EngineSpec
 from orchestrator.worker.file_runner import FileRunner, zero_request
 from orchestrator.worker.instance import Instance, InstanceSpec
 from orchestrator.worker.loops import serving_loop
@@ -39,8 +40,8 @@ def _spec(repo: Path, name: str, app_id: int, pool: PacketPool, consumer: int, m
     cfg = load_config(repo / name)
     path = repo / name / "1" / "model.onnx"
     return InstanceSpec(name=f"{name}-0", app=name, app_id=app_id, model=str(path), pool=pool.name, consumer=consumer,
-                        slo_ms=5000.0, max_batch=max_batch, max_wait_ms=0.0, warmup=True, engine="onnxruntime",
-                        engine_options={"provider": "cpu"}, model_config=cfg.to_json(), model_path=str(path),
+                        slo_ms=5000.0, max_batch=max_batch, max_wait_ms=0.0, warmup=True,
+                        engine=EngineSpec("onnxruntime", {"provider": "cpu"}), model_config=cfg.to_json(), model_path=str(path),
                         model_version=1)
 
 
