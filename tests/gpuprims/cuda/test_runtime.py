@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,29 @@ def test_every_cuda_entry_point_converts_its_arguments_and_reports_cuda_error() 
     assert rt.cuda_driver_version() == 0  # no driver installed
     with pytest.raises(ValueError, match="64 bytes"):
         rt.cuda_ipc_open_mem_handle(0, b"short")
+
+
+@pytest.mark.real
+def test_the_fake_runtime_is_loaded_by_name_only_when_selected() -> None:
+    """The CUDA layer never imports its test rig (gpuprims.testing); GPUPRIMS_FAKE_CUDA loads it."""
+    code = ("import os, sys\n"
+            "os.environ.pop('GPUPRIMS_FAKE_CUDA', None)\n"
+            "import gpuprims.gather, gpuprims.cuda.dma, gpuprims.cuda.ipc, gpuprims.cuda.sync\n"
+            "assert not [m for m in sys.modules if m.startswith('gpuprims.testing')], 'imported the rig'\n"
+            "os.environ['GPUPRIMS_FAKE_CUDA'] = '1'\n"
+            "from gpuprims.cuda import runtime\n"
+            "from gpuprims.testing import fake\n"
+            "assert runtime.cuda() is fake.runtime()\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != runtime.FAKE_ENV}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_a_fake_runtime_that_does_not_import_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "FAKE_MODULE", "gpuprims.testing.no_such_fake")
+    with pytest.raises(runtime.CudaUnavailableError,
+                       match=r"GPUPRIMS_FAKE_CUDA is set but the fake CUDA runtime \(gpuprims\.testing\.no_such_fake\) "
+                             r"does not import"):
+        runtime.fake_runtime()
