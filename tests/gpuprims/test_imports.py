@@ -14,6 +14,7 @@ importing them.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +96,10 @@ def local_imports(path: Path, module: str | None = None) -> list[LocalImport]:
     return out
 
 
-def _all_local_imports() -> list[LocalImport]:
-    return [imp for path in sorted((ROOT / "gpuprims").rglob("*.py")) for imp in local_imports(path)]
+@functools.cache
+def _all_local_imports() -> tuple[LocalImport, ...]:
+    """Every function-local import in gpuprims/ (parsed once per session)."""
+    return tuple(imp for path in sorted((ROOT / "gpuprims").rglob("*.py")) for imp in local_imports(path))
 
 
 def _optional(name: str) -> bool:
