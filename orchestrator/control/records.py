@@ -144,6 +144,28 @@ _STATS_FIELDS: dict[str, Any] = {f.name: typing.get_type_hints(InstanceStats)[f.
                                  for f in dataclasses.fields(InstanceStats)}
 
 
+def _checked(what: str, hints: Mapping[str, Any], data: Mapping[str, Any],
+             required: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The entries of ``data`` that ``hints`` names, each checked against its type (`_kind_ok`);
+    ValueError names the first that is missing or of the wrong kind."""
+    missing = required - set(data)
+    if missing:
+        raise ValueError(f"{what} lacks {sorted(missing)}")
+    out: dict[str, Any] = {}
+    for name, hint in hints.items():
+        if name in data:
+            if not _kind_ok(hint, data[name]):
+                raise ValueError(f"{what}.{name} must be {hint}, got {data[name]!r:.80}")
+            out[name] = data[name]
+    return out
+
+
+def _mapping(what: str, data: object) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
 # -- an app's statistics ------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,6 +231,21 @@ class InstanceView:
     def busy_ms(self) -> float:
         return self.stats.busy_ms if self.stats is not None else 0.0
 
+    @classmethod
+    def from_dict(cls, data: object) -> InstanceView:
+        """Rebuild from `to_dict` output (a status reply another process received); ValueError names
+        what is malformed. The heartbeat's fields are its ``stats`` when it had sent one."""
+        d = _mapping("an instance", data)
+        v = _checked("an instance", _INSTANCE_FIELDS, d, frozenset(_INSTANCE_FIELDS) - _INSTANCE_OPTIONAL)
+        role = v.pop("role")
+        if role not in set(Role):
+            raise ValueError(f"an instance's role must be one of {[str(r) for r in Role]}, got {role!r:.40}")
+        if v.get("cores") is not None:
+            v["cores"] = tuple(v["cores"])
+        if "received" in d:  # its last heartbeat, flattened in
+            v["stats"] = InstanceStats.from_wire({k: d[k] for k in _STATS_FIELDS if k in d})
+        return cls(role=Role(role), **v)
+
     def to_dict(self) -> dict[str, Any]:
         """The instance's part of the status reply (the heartbeat's fields flattened in, as before)."""
         out: dict[str, Any] = {"name": self.name, "pid": self.pid, "role": str(self.role), "ready": self.ready,
@@ -217,6 +254,8 @@ class InstanceView:
                                "warm": self.warm, "prewarm": self.prewarm}
         if self.stats is not None:
             out.update(self.stats.to_wire())
+            if self.stats.gpu_pct is None:  # a snapshot that does not say: the node's own figure
+                out["gpu_pct"] = self.gpu_pct
         out["engine"] = self.engine
         out["memory"] = None if self.memory is None else dict(self.memory)
         return out
@@ -252,6 +291,17 @@ class AppView:
     @property
     def active(self) -> tuple[InstanceView, ...]:
         return self.with_role(Role.ACTIVE)
+
+    @classmethod
+    def from_dict(cls, name: str, data: object) -> AppView:
+        """Rebuild app ``name`` from `to_dict` output; ValueError names what is malformed."""
+        d = _mapping(f"app {name!r}", data)
+        v = _checked(f"app {name!r}", _APP_FIELDS, d, frozenset({"app_id", "slo_ms", "gpu_pct", "gpu"}))
+        insts = d.get("instances", [])
+        if not isinstance(insts, list):
+            raise ValueError(f"app {name!r}: instances must be a list, got {type(insts).__name__}")
+        totals = AppTotals(**_checked(f"app {name!r}", _TOTALS_FIELDS, d))
+        return cls(name=name, instances=tuple(InstanceView.from_dict(i) for i in insts), totals=totals, **v)
 
     def to_dict(self) -> dict[str, Any]:
         """The app's part of the status reply (the totals flattened in, as before)."""
@@ -291,6 +341,18 @@ class NodeView:
         a = self.apps.get(app)
         return a.active if a is not None else ()
 
+    @classmethod
+    def from_dict(cls, data: object) -> NodeView:
+        """Rebuild from a status reply's body (`to_dict` output, received from another process);
+        ValueError names what is malformed."""
+        d = _mapping("a status reply", data)
+        v = _checked("a status reply", _NODE_FIELDS, d)
+        apps = _mapping("a status reply's apps", d.get("apps", {}))
+        for key in ("decisions", "param_share"):
+            if key in v:
+                v[key] = tuple(v[key])
+        return cls(apps={str(n): AppView.from_dict(str(n), a) for n, a in apps.items()}, **v)
+
     def to_dict(self) -> dict[str, Any]:
         """The status reply's body (``orchestrator.control.status_format.format_status`` takes it)."""
         return {
@@ -302,6 +364,21 @@ class NodeView:
             "param_share": list(self.param_share),
             "repository": None if self.repository is None else dict(self.repository),
         }
+
+
+# What a status reply's entries hold besides the records inside them (from_dict checks each).
+_INSTANCE_FIELDS: dict[str, Any] = {
+    "name": str, "pid": int, "role": str, "ready": bool, "gpu_pct": int, "gpu": int | str, "consumer": int,
+    "cores": list | None, "warm": bool, "prewarm": str | None, "engine": dict | None, "memory": dict | None}
+_INSTANCE_OPTIONAL = frozenset({"cores", "warm", "prewarm", "engine", "memory"})
+_APP_FIELDS: dict[str, Any] = {
+    "app_id": int, "model": str | None, "slo_ms": float, "gpu_pct": int, "gpu": int | str, "restarts": int,
+    "failed_by_crash": int, "requeued_by_crash": int, "hangs": int, "shadow_restarts": int,
+    "change": dict | None, "memory": dict | None, "overflow": dict | None, "model_file": dict | None}
+_TOTALS_FIELDS: dict[str, Any] = {f.name: typing.get_type_hints(AppTotals)[f.name] for f in dataclasses.fields(AppTotals)}
+_NODE_FIELDS: dict[str, Any] = {
+    "node": dict, "ingest": dict, "drops": dict, "control_rejected": dict, "decisions": list, "changes": dict,
+    "scheduler": dict, "param_share": list, "repository": dict | None}
 
 
 # -- what an instance is told -------------------------------------------------------------------------

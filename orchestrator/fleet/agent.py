@@ -36,6 +36,7 @@ import yaml
 
 from orchestrator.control.channel import connect_command, control_address, read_token
 from orchestrator.control.messages import StatusReply, StatusRequest
+from orchestrator.control.records import NodeView
 from orchestrator.control.rundir import read_record
 from orchestrator.fleet.routes import RoutesServer
 from orchestrator.worker.launch import die_with_parent
@@ -175,15 +176,22 @@ class Agent:
             return f"the node's front door did not answer: {e}"
 
     def state(self) -> dict[str, Any]:
-        """The node's state for the controller: GPUs, share held per GPU, apps with rates and SLO."""
+        """The node's state for the controller: GPUs, share held per GPU, apps with rates and SLO (read
+        by field from the node's status reply; an unusable reply reads as no apps, its reason logged)."""
         status = self.status()
-        apps = {n: {"gpu": a.get("gpu"), "gpu_pct": a.get("gpu_pct"), "arrival_rps": a.get("arrival_rps"),
-                    "service_rps": a.get("service_rps"), "slo_attainment": a.get("slo_attainment"),
-                    "instances": len([i for i in a.get("instances", []) if i.get("role") == "active"])}
-                for n, a in (status.get("apps") or {}).items()}
-        return {**self.info(), "held": status.get("node", {}).get("gpus", {}), "apps": apps,
+        view = NodeView()
+        if "error" not in status:
+            try:
+                view = NodeView.from_dict(status)
+            except ValueError as e:
+                log.warning("agent %s: the node's status reply is malformed (%s); reporting no apps", self.name, e)
+        apps = {n: {"gpu": a.gpu, "gpu_pct": a.gpu_pct, "arrival_rps": a.totals.arrival_rps,
+                    "service_rps": a.totals.service_rps, "slo_attainment": a.totals.slo_attainment,
+                    "instances": len(a.active)}
+                for n, a in view.apps.items()}
+        return {**self.info(), "held": dict(view.node.get("gpus") or {}), "apps": apps,
                 "loaded": sorted(self.loaded), "orchestrator": self.proc.poll() is None,
-                "errors": status.get("node", {}).get("errors", {})}
+                "errors": dict(view.node.get("errors") or {})}
 
     def status(self) -> dict[str, Any]:
         """The orchestrator's full status (its command socket)."""

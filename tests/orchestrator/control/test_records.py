@@ -107,3 +107,35 @@ def test_engine_spec_refuses_bad_wire(bad: Any) -> None:
 def test_stage_spec_refuses_bad_wire(bad: Any) -> None:
     with pytest.raises(ValueError, match="stage"):
         StageSpec.from_wire(bad)
+
+
+def test_a_status_reply_reads_back_as_the_view() -> None:
+    v = _view()
+    back = NodeView.from_dict(json.loads(json.dumps(v.to_dict())))
+    assert back.to_dict() == json.loads(json.dumps(v.to_dict()))
+    a = back.apps["a"]
+    assert [i.name for i in a.active] == ["a-0", "a-1"] and a.totals.slo_attainment == 1.0
+    assert a.instances[0].stats == v.apps["a"].instances[0].stats and a.instances[1].stats is None
+    assert NodeView.from_dict({}) == NodeView()
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda st: st.update(apps=[]), "apps must be a JSON object"),
+    (lambda st: st["apps"]["a"].update(gpu_pct="50"), r"app 'a'.gpu_pct"),
+    (lambda st: st["apps"]["a"].pop("slo_ms"), r"app 'a' lacks \['slo_ms'\]"),
+    (lambda st: st["apps"]["a"].update(instances={}), "instances must be a list"),
+    (lambda st: st["apps"]["a"].update(slo_attainment="all"), "slo_attainment"),
+    (lambda st: st["apps"]["a"]["instances"][0].update(role="primary"), "role must be one of"),
+    (lambda st: st["apps"]["a"]["instances"][0].update(ok=-1), "InstanceStats.ok"),
+    (lambda st: st["apps"]["a"]["instances"][1].pop("pid"), r"lacks \['pid'\]"),
+    (lambda st: st.update(decisions={}), "decisions"),
+    ("not a dict", "must be a JSON object"),
+])
+def test_a_malformed_status_reply_is_refused_with_the_reason(change: Any, needle: str) -> None:
+    st: Any = json.loads(json.dumps(_view().to_dict()))
+    if callable(change):
+        change(st)
+    else:
+        st = change
+    with pytest.raises(ValueError, match=needle):
+        NodeView.from_dict(st)
