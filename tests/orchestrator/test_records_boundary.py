@@ -4,8 +4,10 @@ the control edge, where a status reply is rendered for a person or another progr
 
 - ``orchestrator/control/status_format.py``: the CLI's ``status`` table, from a status reply;
 - ``orchestrator/cli/``: the CLI, which holds only status replies from another process;
-- ``orchestrator/node/metrics.py``: the Prometheus renderer of the status JSON (what a scrape sees);
-- ``orchestrator/fleet/agent.py``: the fleet agent, which reads its node's status reply over the wire.
+- ``orchestrator/node/metrics.py``: the Prometheus renderer of the status JSON (what a scrape sees).
+
+The fleet agent, which receives its node's status reply over the wire, reads it as a ``NodeView``
+(``NodeView.from_dict``), so it is not on the edge.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ CONTROL_EDGE = (
     "orchestrator/control/status_format.py",
     "orchestrator/cli/",
     "orchestrator/node/metrics.py",
-    "orchestrator/fleet/agent.py",
 )
 
 #: Reading a role or the SLO attainment out of a status dict.
