@@ -19,6 +19,7 @@ from orchestrator.control.records import (
     Role,
     StageSpec,
 )
+from orchestrator.worker.loops.stats import LatencyStats
 
 
 def test_roles_are_their_own_status_text() -> None:
@@ -139,3 +140,12 @@ def test_a_malformed_status_reply_is_refused_with_the_reason(change: Any, needle
         st = change
     with pytest.raises(ValueError, match=needle):
         NodeView.from_dict(st)
+
+
+def test_the_instances_snapshot_is_an_instance_stats() -> None:
+    """The heartbeat's producer (orchestrator/worker/loops/stats.py) names exactly the record's fields:
+    a new figure is one field here and one key there, or the instance's heartbeat fails this first."""
+    snap = LatencyStats(100.0).snapshot(3, 1)
+    stats = InstanceStats(**snap, gpu_pct=50, initialized=True)
+    assert InstanceStats.from_wire(json.loads(json.dumps(stats.to_wire()))) == stats
+    assert stats.queue_len == 3 and stats.held == 1
