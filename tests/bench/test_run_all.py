@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import run_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,7 @@ def test_the_readme_lists_every_experiment_with_its_command() -> None:
         assert f"python -m bench.{name}" in readme, name
 
 
+@pytest.mark.real  # bench.run_all in child interpreters
 def test_list_says_what_would_run_and_unknown_names_are_refused() -> None:
     r = subprocess.run([sys.executable, "-m", "bench.run_all", "--list"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)

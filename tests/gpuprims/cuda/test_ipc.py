@@ -22,6 +22,7 @@ from tests.gpuprims.cuda.workers import (
 )
 
 
+@pytest.mark.real  # a spawned importer process
 def test_cpu_share_across_spawn_process_gives_identical_output() -> None:
     model = build_tied(seed=1)
     x = torch.randn(2, 3, 12, 12)
@@ -82,6 +83,7 @@ def test_handles_round_trip_and_reject_garbage() -> None:
             ParameterHandles.from_bytes(dataclasses.replace(h, backend="tpu").to_bytes())  # type: ignore[arg-type]
 
 
+@pytest.mark.real  # a spawned importer process
 def test_cuda_share_on_the_fake_runtime_goes_through_its_ipc(fake_cuda: Any) -> None:
     """On the fake runtime a model on the CPU exports into fake device memory (backend="cuda"), so a node
     there runs CUDA's IPC path: the importer maps it with cudaIpcOpenMemHandle and computes the same."""

@@ -302,6 +302,7 @@ def _read_op(rt: fake.FakeRuntime, p: int, kind: str, dst: runtime.DeviceMemory)
     return s
 
 
+@pytest.mark.real  # a spawned exporter process
 @pytest.mark.parametrize("how", ["free", "exit"])
 @pytest.mark.parametrize("kind", ["memcpy", "host"])
 def test_reading_ipc_memory_after_its_exporter_freed_it_or_exited_faults(

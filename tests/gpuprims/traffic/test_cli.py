@@ -134,6 +134,7 @@ _LAUNCH_WITH_SIGINT_IGNORED = ("import os, signal, sys; signal.signal(signal.SIG
                                "os.execv(sys.executable, [sys.executable, '-m', 'gpuprims.traffic.cli', *sys.argv[1:]])")
 
 
+@pytest.mark.real  # the CLI in a child process, interrupted
 @pytest.mark.parametrize("inherited", ["default", "ignored"])
 def test_ctrl_c_prints_the_partial_report(inherited: str) -> None:
     duration_s, rate = 60.0, 200

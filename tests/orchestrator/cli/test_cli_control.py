@@ -196,6 +196,7 @@ def _one_line_error(r: subprocess.CompletedProcess[str], *fragments: str) -> Non
     assert len(errors) == 1 and all(f in errors[0] for f in fragments), r.stderr
 
 
+@pytest.mark.real  # the CLI in child interpreters
 def test_status_and_stop_without_a_node_import_no_heavy_module(tmp_path: Path) -> None:
     r = _run(tmp_path, "status")
     _one_line_error(r, "no running node found")
@@ -208,6 +209,7 @@ def test_status_and_stop_without_a_node_import_no_heavy_module(tmp_path: Path) -
     assert _heavy(r.stderr) == []
 
 
+@pytest.mark.real  # the CLI in child interpreters
 def test_status_stop_and_set_gpu_against_a_node_import_no_heavy_module(tmp_path: Path, node: _StandIn) -> None:
     r = node.run(tmp_path, "status", "--json")
     assert r.returncode == 0 and json.loads(r.stdout) == STATUS, r.stderr
