@@ -37,7 +37,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -405,9 +405,18 @@ def _served(st: InstanceState | None) -> int | None:
 class Changes:
     """The node's changes: at most one running per app, the finished ones kept for ``status``."""
 
-    def __init__(self, host: ChangeHost, check: Callable[[str, int], None], *, timeout_s: float = 180.0,
-                 keep: int = 50) -> None:
+    def __init__(self, host: ChangeHost | None, check: Callable[[str, int], None], *,
+                 apps: Mapping[str, AppState] | None = None, record: Callable[[dict[str, Any]], None] | None = None,
+                 timeout_s: float = 180.0, keep: int = 50) -> None:
+        #: what the changes act through (the node's supervisor, set once it is up); None: accepted ones wait
         self.host = host
+        if host is not None:
+            apps = host.apps if apps is None else apps
+            record = host.record if record is None else record
+        if apps is None or record is None:
+            raise ValueError("Changes without a host takes the node's apps and record")
+        self.apps: Mapping[str, AppState] = apps  # submit reads and records through these, before the host too
+        self._record = record
         self.check = check
         self.timeout_s = timeout_s
         self.running: dict[str, Change] = {}
@@ -432,7 +441,7 @@ class Changes:
         if app in self.changing or app in self.running:
             self.counts["refused"] += 1
             raise ChangeError(f"a change of {app} is already in progress; try again when it completes")
-        state = self.host.apps[app]
+        state = self.apps[app]
         if model is not None and method != "overlap":
             self.counts["refused"] += 1
             raise ChangeError("a change of model is made by Overlapped-Execution only")
@@ -446,20 +455,23 @@ class Changes:
             return ch
         self.running[app] = ch
         self.changing.add(app)
-        self.host.record({"event": "change_accepted", "app": app, "change": ch.id, "from_pct": ch.from_pct,
+        self._record({"event": "change_accepted", "app": app, "change": ch.id, "from_pct": ch.from_pct,
                           "to_pct": to_pct, "method": method, "origin": origin, "reason": reason})
         return ch
 
     def advance(self) -> None:
         """Advance every running change; one that raises fails alone. Finished changes whose switches
         still wait for the new instance's first answer get their data-path downtime filled in."""
-        self._measuring = [ch for ch in self._measuring if self._observe(ch)]
+        if self.host is None:
+            return
+        host = self.host
+        self._measuring = [ch for ch in self._measuring if self._observe(ch, host)]
         for app, ch in list(self.running.items()):
             try:
-                ch.advance(self.host)
+                ch.advance(host)
             except Exception as e:
                 log.exception("change %d of %s raised", ch.id, app)
-                ch.fail(self.host, f"internal error: {type(e).__name__}: {e}")
+                ch.fail(host, f"internal error: {type(e).__name__}: {e}")
             if ch.phase.terminal:
                 del self.running[app]
                 self.changing.discard(app)
@@ -467,6 +479,8 @@ class Changes:
 
     def cancel_all(self, reason: str) -> None:
         """Fail every running change (the node is stopping)."""
+        if self.host is None:  # (nothing runs before there is a host)
+            return
         for app, ch in list(self.running.items()):
             ch.fail(self.host, reason)
             del self.running[app]
@@ -496,15 +510,15 @@ class Changes:
         yield from self.running.values()
         yield from self.finished
 
-    def _observe(self, ch: Change) -> bool:
+    def _observe(self, ch: Change, host: ChangeHost) -> bool:
         try:
-            return ch.observe_data_path(self.host)
+            return ch.observe_data_path(host)
         except Exception:
             log.exception("change %d: measuring the switch from the data path failed", ch.id)
             return False
 
     def _finish(self, ch: Change) -> None:
-        if self._observe(ch):
+        if self.host is not None and self._observe(ch, self.host):
             self._measuring.append(ch)
         self.counts["done" if ch.phase is Phase.DONE else "failed"] += 1
         self.finished.append(ch)

@@ -50,10 +50,14 @@ from orchestrator.control.messages import Error, Finish, InitGpu, Ready, Shutdow
 from orchestrator.control.records import EngineSpec, StageSpec
 from orchestrator.control.share_spec import ENV_HOLDER, HOLDER_MODULE, HolderSpec
 from orchestrator.control.spec import ENV_SPEC, InstanceSpec
+from orchestrator.frontdoor import FrontDoor
+from orchestrator.frontdoor.core import Unavailable
 from orchestrator.node.cpu_overflow import NodeOverflow
 from orchestrator.node.launcher import ForkLauncher, Launcher
 from orchestrator.node.param_share import HolderProcess, ParamShare
 from orchestrator.node.placement import Placement
+from orchestrator.node.reconfig import Change, Changes
+from orchestrator.node.repository import repository_model_of
 from orchestrator.node.state import AppState, InstanceState, InstanceTable, Role
 from orchestrator.worker.launch import ENV_IMPORT_NICE
 
@@ -90,12 +94,19 @@ def file_fields(app: AppConfig) -> dict[str, Any]:
 
 
 class Supervisor:
-    """The instance processes of one node (see the module docstring)."""
+    """The instance processes of one node (see the module docstring).
+
+    It is also what a change of share (:class:`orchestrator.node.reconfig.ChangeHost`) and a repository
+    operation (:class:`orchestrator.node.repository.RepositoryHost`) act through: their instance tables,
+    spawning, routing, finishing and killing, ``changes`` (the node's, which the node's loop advances) and
+    the front door's model list (``frontdoor``, set once it is up).
+    """
 
     def __init__(self, cfg: NodeConfig, apps: dict[str, AppState], instances: InstanceTable, *,
                  pool: PacketPool, ingest: Ingest, server: ControlServer, token: str, run_dir: Path,
                  placement: Placement, params: ParamShare, backend: str, launcher: Launcher, heartbeat_ms: float,
-                 warmup: bool, consumers: int, mps: Any = None,
+                 warmup: bool, consumers: int, changes: Changes, mps: Any = None,
+                 ready_timeout_s: float = 180.0, stop_timeout_s: float = 15.0,
                  record: Callable[[dict[str, Any]], None] = lambda e: None,
                  on_lost: Callable[[InstanceState], None] = lambda st: None,
                  overflow: NodeOverflow | None = None,
@@ -125,6 +136,12 @@ class Supervisor:
         self._overflow_failures: dict[str, int] = {}
         self._overflow_not_before: dict[str, float] = {}
         self.holder_launcher = holder_launcher
+        self.changes = changes
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        #: instance -> the last Error it reported; kept after it is gone (its Error can trail its exit).
+        self.last_errors: dict[str, str] = {}
+        self.frontdoor: FrontDoor | None = None
         params.bind(backend, self._start_holder, cfg.gpu_of)
         self.memory = MemorySampler()
 
@@ -201,6 +218,59 @@ class Supervisor:
         if self.mps is not None:
             env.update(self.mps.env(HOLDER_GPU_PCT))
         return self.holder_launcher(env)
+
+    # -- what changes and repository operations act through (ChangeHost, RepositoryHost) ------------------
+    def spawn_active(self, app_name: str, gpu_pct: int, share: CpuShare | None) -> InstanceState:
+        """Start a new active instance of the app at ``gpu_pct`` (routed to by the next :meth:`route`)."""
+        return self.spawn(self.apps[app_name].cfg, self.next_name(app_name, "k"), share, gpu_pct=gpu_pct)
+
+    def share_for(self, app_name: str, gpu_pct: int, index: int) -> CpuShare | None:
+        """The CPU share instance ``index`` of the app gets at ``gpu_pct`` (None on cuda)."""
+        return self.placement.share_for(app_name, gpu_pct, index)
+
+    def spawn_loading(self, app: AppConfig, index: int, gpu_pct: int) -> InstanceState:
+        """Start instance ``index`` of an app being loaded: not routed to, not replaced, until activated."""
+        st = self.spawn(app, self.next_name(app.name, "l"), self.share_for(app.name, gpu_pct, index), gpu_pct=gpu_pct)
+        st.role = Role.LOADING
+        return st
+
+    def activate(self, app_name: str, instances: list[InstanceState]) -> None:
+        """A loaded app's instances are all READY: serve them, route to them, start its shadow."""
+        for st in instances:
+            st.role = Role.ACTIVE
+        self.route(app_name)
+        if self.apps[app_name].cfg.warm_shadow and not self.placement.scheduled:
+            self.spawn_shadow(app_name)
+
+    def unroute(self, app_name: str) -> None:
+        """No new request reaches the app (its requests are dropped as for an unknown app)."""
+        self.ingest.set_route(self.apps[app_name].cfg.app_id, [])
+
+    def publish_model(self, app: AppConfig) -> None:
+        """The front door serves ``app`` (its model metadata is rebuilt), counting its inferences in the
+        app's statistics record."""
+        if self.frontdoor is not None:
+            state = self.apps.get(app.name)
+            self.frontdoor.add_model(app, statistics=state.stats if state is not None else None)
+
+    def withdraw_model(self, name: str) -> None:
+        """The front door no longer lists or serves ``name``."""
+        if self.frontdoor is not None:
+            self.frontdoor.remove_model(name)
+
+    def set_gpu(self, app: str, gpu_pct: int, *, origin: str = "set-gpu", method: str = "overlap",
+                reason: str | None = None, model: str | None = None) -> Change:
+        """Submit a change of the app's share (or model) to the node's changes; ChangeError when refused."""
+        return self.changes.submit(app, gpu_pct, origin=origin, method=method, reason=reason, model=model)
+
+    def reported(self, instance: str, error: str) -> None:
+        """Keep an instance's Error (the last 64 instances'), also after the instance is gone."""
+        st = self.instances.get(instance)
+        if st is not None:
+            st.error = error
+        self.last_errors[instance] = error
+        while len(self.last_errors) > 64:
+            del self.last_errors[next(iter(self.last_errors))]
 
     # -- memory --------------------------------------------------------------------------------------
     def _own_processes(self) -> list[tuple[str, int]]:
@@ -279,6 +349,64 @@ class Supervisor:
         self.ingest.set_route(app.app_id, consumers)
         if self.overflow is not None and app_name in self.overflow.pools:
             self.overflow.reroute(self.instances.values(), self.ingest)
+
+    def start_all(self, shares: dict[str, CpuShare], handle: Callable[[Any], None],
+                  stopping: Callable[[], bool]) -> list[Unavailable]:
+        """Start-up: spawn every app's instances and wait for each READY (``ready_timeout_s``); other
+        messages go to ``handle``. Param-Share: the first instance of each model exports its weights; the
+        others start once the export exists and map it instead of loading their own copy. A model of the
+        model repository that fails to start (a file its engine cannot run) is UNAVAILABLE alone (returned,
+        see :meth:`drop_apps`); every other app starts all-or-nothing (SupervisionError)."""
+        later: list[tuple[AppConfig, str]] = []
+        for app in self.cfg.apps:
+            for i in range(self.apps[app.name].instances):
+                name = f"{app.name}-{i}"
+                if self.params.exported(app):
+                    later.append((app, name))
+                else:
+                    self.spawn(app, name, shares.get(name))
+        from_repository = {a.name for a in self.cfg.apps if a.file is not None and a.file.repository is not None}
+        self.await_ready([st for st in self.instances.values() if st.app not in from_repository],
+                         self.ready_timeout_s, handle, stopping)
+        failed: dict[str, str] = {}
+        for name in sorted(from_repository):
+            try:  # (a Ready taken while another app was awaited has marked its instance ready already)
+                self.await_ready([st for st in self.instances.of(name) if not st.ready], self.ready_timeout_s,
+                                 handle, stopping)
+            except SupervisionError as e:
+                if stopping():
+                    raise
+                failed[name] = str(e)
+        dropped = self.drop_apps(failed) if failed else []
+        if later:
+            self.await_ready([self.spawn(app, name, shares.get(name)) for app, name in later],
+                             self.ready_timeout_s, handle, stopping)
+        return dropped
+
+    def drop_apps(self, failed: dict[str, str]) -> list[Unavailable]:
+        """Start-up: take the repository models whose instances failed to start out of the node; each is
+        returned UNAVAILABLE with its reason, and the other apps start without them. Every instance of
+        theirs is killed first (none of them is then taken for a crashed active to replace), waited for
+        and reaped."""
+        mine = [st for st in self.instances.values() if st.app in failed]
+        for st in mine:
+            self.kill(st)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for st in mine:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                st.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self.reap()
+        out = []
+        for name, why in sorted(failed.items()):
+            # Its own words, where an instance's Error was taken while another app was awaited.
+            why = next((f"instance {st.name} failed to start: {self.last_errors[st.name]}" for st in mine
+                        if st.app == name and st.name in self.last_errors), why)
+            cfg = self.apps.pop(name).cfg
+            log.error("model %s is UNAVAILABLE: %s", name, why)
+            out.append(Unavailable(repository_model_of(cfg) or name,
+                                   str(cfg.file.version) if cfg.file is not None else "", why))
+            self.record({"event": "model_unavailable", "app": name, "reason": why})
+        return out
 
     def await_ready(self, pending: list[InstanceState], timeout_s: float, handle: Callable[[Any], None],
                     stopping: Callable[[], bool] = lambda: False) -> None:

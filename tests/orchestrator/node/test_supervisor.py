@@ -41,7 +41,7 @@ from orchestrator.control.spec import ENV_SPEC, InstanceSpec
 from orchestrator.node.monitor import Monitor, MonitorPolicy
 from orchestrator.node.node import Node
 from orchestrator.node.param_share import ParamShare
-from orchestrator.node.reconfig import Phase
+from orchestrator.node.reconfig import Changes, Phase
 from orchestrator.node.state import InstanceState, InstanceTable
 from orchestrator.node.supervisor import SHADOW_BACKOFF_MAX_S, Supervisor
 from tests.gpuprims.sched._profiles import grid
@@ -392,6 +392,7 @@ def _specs_spawned(tmp_path: Path, backend: str, app_yaml: dict[str, Any],
     sup = Supervisor(cfg, {}, InstanceTable(), pool=SimpleNamespace(name="/pool"), ingest=None, server=server,  # type: ignore[arg-type]
                      token="ab" * 16, run_dir=tmp_path, placement=placement, params=ParamShare(tmp_path),  # type: ignore[arg-type]
                      backend=backend, launcher=launcher, heartbeat_ms=100, warmup=False, consumers=8,
+                     changes=Changes(None, lambda app, pct: None, apps={}, record=lambda event: None),
                      holder_launcher=lambda env: _recorded_holder(env, holders))
     share = CpuShare(cores=[0], threads=1, gpu_pct=50)
     for i, role in enumerate(roles):
