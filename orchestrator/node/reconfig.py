@@ -77,7 +77,8 @@ class Phase(str, enum.Enum):
 
 
 class ChangeHost(Protocol):
-    """What a change needs from the node: its tables and a few public actions."""
+    """What a change needs from the node: its tables and a few public actions (the node's
+    :class:`~orchestrator.node.supervisor.Supervisor` implements it)."""
 
     apps: dict[str, AppState]
     instances: dict[str, InstanceState]

@@ -60,7 +60,8 @@ SWAPPABLE = frozenset({"model", "file", "config", "max_batch", "max_wait_ms", "s
 
 
 class RepositoryHost(Protocol):
-    """What an operation may use of the node (the node implements it)."""
+    """What an operation may use of the node (the node's :class:`~orchestrator.node.supervisor.Supervisor`
+    implements it)."""
 
     cfg: NodeConfig
     apps: dict[str, AppState]
