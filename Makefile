@@ -15,6 +15,8 @@ $(VENV)/.installed: $(SETUP_INPUTS)
 lint: setup
 	$(PY) -m ruff check .
 
+# Every test, `heavy` ones included (those needing a GPU skip with the reason where there is none);
+# docs/test-durations.md has its time.
 test: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
@@ -37,8 +39,8 @@ test-contended: setup
 	$(PY) -m ruff check .
 	scripts/contended.sh $(PY) -m pytest -q
 
-# The minutes-long verifications `make test` leaves out (marker `heavy`): every zoo model through every CPU
-# engine, inductor compiles.
+# The minutes-long verifications alone (marker `heavy`: every zoo model through every CPU engine, inductor
+# compiles, the benches' quick real-node runs). `make test` runs them too: every test that needs no GPU.
 test-heavy: setup
 	$(PY) -m pytest -q -m heavy
 
