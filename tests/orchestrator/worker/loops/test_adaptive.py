@@ -30,7 +30,7 @@ def test_pessimistic_latency_model_recovers_through_a_probe(setup: tuple[Instanc
     inst, ing, sock = setup
     for _ in range(40):
         inst.policy.observe(1, 10_000.0)  # one bad stretch: every request now "cannot make it"
-    assert inst.policy.expired(0.0, 500.0)
+    assert inst.policy.expired(0.0, inst.spec.slo_ms)
     # Nothing has run for a while, so the request goes through as a probe instead of expiring.
     send(ing, sock, 1)
     assert answer(inst, sock).status == Status.OK
@@ -58,7 +58,7 @@ def test_a_spell_of_slow_batches_is_forgotten_once_it_is_old(setup: tuple[Instan
 
 def test_a_backlog_gives_up_its_head_so_a_full_batch_makes_it(setup: tuple[Instance, Ingest, socket.socket]) -> None:
     inst, ing, sock = setup
-    # Six requests whose own deadline is 33 ms, then six with the app's 500 ms; batches take 6 ms
+    # Six requests whose own deadline is 33 ms, then six with the app's SLO (seconds); batches take 6 ms
     # alone and 16 ms full (4). All 25 ms old, the short ones allow batches of one only, and a full
     # batch right after one would end too late for them, while a full batch of the others is in
     # time: the six short ones are given up on (DEADLINE_MISSED) instead of holding up the rest.
