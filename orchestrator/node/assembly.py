@@ -6,8 +6,8 @@ unwinding, last part first. Where a part must be undone later than it is built (
 before the front door that serves it), the node registers its undoing at the point of the order it
 belongs to. The order of the undoing is the node's stop order: the repository and its poller, the front
 door, the running changes, the routes, the instances (drained, then SIGTERM, SIGKILL) and the weights'
-holders, the metrics, the ingest, the control socket, the pool, Param-Share's segments, MPS, the
-threads' core set, and the run directory last.
+holders, Param-Share's segments, the metrics, the ingest, the control socket, the pool, MPS, the
+threads' core set, and the run directory last (tests/orchestrator/node/test_node_assembly.py).
 """
 
 from __future__ import annotations

@@ -83,3 +83,25 @@ def test_a_run_dir_a_live_node_holds_is_refused_and_left_as_it_is(tmp_path: Path
     with pytest.raises(StartError, match="a node is already running in"):
         node.start()
     assert (run / "token").read_text() == "the other node's" and (run / "node.json").exists()
+
+
+def test_the_instances_stop_after_the_routes_and_before_the_data_path_and_run_dir(
+        tmp_path: Path, node_factory: NodeFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = node_factory(_cfg(tmp_path)).start()
+    sup, ingest, run_dir = node.supervisor, node.ingest, node.run_dir
+    assert sup is not None and ingest is not None and run_dir is not None
+    assert ingest.route(1)  # app a is served
+    seen: list[Any] = []
+    shutdown = sup.shutdown
+
+    def watched(drain: bool, timeout_s: float, pump: Any) -> None:
+        seen.append((drain, list(ingest.route(1)), (run_dir / "token").exists(), node.pool is not None,
+                     node.changes.running == {}))
+        shutdown(drain, timeout_s, pump)
+
+    monkeypatch.setattr(sup, "shutdown", watched)
+    node.stop(drain=False)
+    node.stop()
+    # Once, undrained as asked; no route left, the pool and the run dir still there.
+    assert seen == [(False, [], True, True, True)]
+    assert not (run_dir / "token").exists() and not node.instances
