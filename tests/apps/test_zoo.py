@@ -89,7 +89,12 @@ def test_parameter_counts_match_the_originals(name: str) -> None:
     assert next(model.parameters()).device.type == "meta"
 
 
-@pytest.mark.parametrize("name", sorted(TINY_WIDTH))
+#: The zoo's biggest at a tiny width still take seconds each: out of the fast tier (make test runs them).
+SLOW_SMALL_RUNS = {"resnet50", "resnext50"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SMALL_RUNS else n
+                                  for n in sorted(TINY_WIDTH)])
 def test_every_model_runs_small_inputs_with_input_dependent_output(name: str) -> None:
     model = build_model(name, input_shape=SMALL, width=TINY_WIDTH[name], num_classes=7)
     assert not model.training

@@ -48,7 +48,12 @@ def test_parameter_counts_match_torchvision_without_aux_heads(name: str) -> None
     assert model_info(build_model(name, device="meta"))["params"] == KNOWN_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+#: inception_v3 runs for seconds even small: out of the fast tier (make test runs it).
+def _small_names() -> list[object]:
+    return [pytest.param(n, marks=pytest.mark.slow) if n == "inception_v3" else n for n in sorted(SMALL)]
+
+
+@pytest.mark.parametrize("name", _small_names())
 def test_small_variant_shape_and_input_dependent_output(name: str) -> None:
     model = load_model(name, input_shape=SMALL[name][0], width=SMALL[name][1], num_classes=7)
     assert isinstance(model, nn.Module)
@@ -130,7 +135,7 @@ def test_inputs_below_the_minimum_are_refused_with_it(name: str, side: int, mini
     build_model(name, input_shape=(3, minimum, minimum), device="meta")
 
 
-@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
+@pytest.mark.parametrize("name", ["googlenet", pytest.param("inception_v3", marks=pytest.mark.slow)])
 def test_smallest_accepted_input_runs(name: str) -> None:
     side = {"googlenet": 16, "inception_v3": 75}[name]
     model = build_model(name, input_shape=(3, side, side), width=0.125)
