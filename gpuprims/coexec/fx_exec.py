@@ -43,7 +43,6 @@ from gpuprims.coexec.graph import CPU, GPU, Task, TaskGraph
 
 def accelerator_device() -> Any:
     """``torch.device("cuda")`` when a GPU is usable, else ``torch.device("cpu")`` (module docstring)."""
-
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -86,7 +85,6 @@ class FxPartition:
 
 def partition(model: Any) -> FxPartition:
     """Trace ``model`` and cut it into DUET subgraphs; ValueError if fx cannot trace it."""
-
     try:
         gm = torch.fx.symbolic_trace(model)
     except Exception as e:  # fx raises many types (TraceError, TypeError, ...) for untraceable code
@@ -295,7 +293,6 @@ class SubgraphExecutor:
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the model on ``inputs``; the answer comes back on the CPU."""
-
         if len(inputs) != len(self._placeholders):
             raise ValueError(f"model takes {len(self._placeholders)} inputs, got {len(inputs)}")
         env: dict[str, Any] = dict(zip(self._placeholders, inputs))
@@ -343,7 +340,6 @@ def profile_subgraphs(part: FxPartition, inputs: Sequence[Any], *, device: Any =
                       warmup: int = 3) -> dict[str, dict[str, float]]:
     """Median time (ms) of each subgraph run alone on ``device`` with its real inputs, plus its
     output size (MB: tensors other subgraphs read). Returns {name: {"latency_ms", "out_mb"}}."""
-
     dev = torch.device(device)
     runner = _Runner(part.module, dev, dev == torch.device("cpu"))
     placeholders = [n.name for n in part.module.graph.nodes if n.op == "placeholder"]
@@ -441,7 +437,6 @@ class LstmExecutor:
 
     def __call__(self, x: Any) -> Any:
         """Run the model on ``x`` (N, 1, T, F); the answer comes back on the CPU."""
-
         seq = x[:, 0]
         done = {op: threading.Event() for op in self.order}
         state: dict[str, Any] = {}
@@ -523,7 +518,6 @@ def measure_lstm_cell_ms(*, batch: int, features: int, max_workers: int, repeats
     """Median time (ms) of one LSTM cell step (``features`` in and hidden, ``batch`` rows) on the CPU
     while ``k`` worker threads run cells at once, for k = 1..max_workers: what ``LstmExecutor``'s
     CPU workers see, contention for cores, caches and the interpreter lock included."""
-
     if batch < 1 or features < 1 or max_workers < 1 or repeats < 1:
         raise ValueError("batch, features, max_workers and repeats must be >= 1")
     gen = torch.Generator().manual_seed(seed)

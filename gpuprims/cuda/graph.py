@@ -324,7 +324,6 @@ class CudaGraph:
 def _torch_stream(stream: Any, device: int) -> Any:
     """A torch stream for ``stream`` (a torch.cuda.Stream as it is; a gpuprims Stream or a raw handle as
     a torch.cuda.ExternalStream)."""
-
     if isinstance(stream, torch.cuda.Stream):
         return stream
     return torch.cuda.ExternalStream(stream_handle(stream), device=torch.device("cuda", device))

@@ -143,7 +143,6 @@ def device_identity(target: Target) -> dict[str, Any]:
 
 def library_versions(*names: str) -> dict[str, str | None]:
     """Installed versions of python packages (None when absent), plus torch's and gpuprims'."""
-
     out: dict[str, str | None] = {"gpuprims": __version__}
     for name in ("torch", *names):
         try:

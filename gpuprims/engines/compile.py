@@ -136,7 +136,6 @@ class CompileEngine(Engine):
     def _compile_buckets(self, buckets: list[int], compile_ms: dict[int, float], device: Any,
                          progress: Progress | None) -> None:
         """Run the compiled module once per bucket: dynamo traces and inductor compiles each shape now."""
-
         for i, b in enumerate(buckets):
             if progress is not None:
                 progress(f"compiling {self.source.model} for batch {b} ({i + 1}/{len(buckets)})",

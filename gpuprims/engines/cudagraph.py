@@ -77,7 +77,6 @@ def buckets_for(max_batch: int) -> list[int]:
 def device_tensor(shape: tuple[int, ...], device: int) -> tuple[runtime.DeviceMemory, Any]:
     """Zeroed float32 device memory of ``shape`` (cudaMalloc, ours, tracked by the runtime) and a torch
     tensor viewing it: a CUDA tensor on a GPU, a CPU tensor over the fake's device memory (host memory)."""
-
     nbytes = math.prod(shape) * 4
     mem = runtime.DeviceMemory(nbytes, device)
     if runtime.is_fake():
@@ -149,7 +148,6 @@ class CudaGraphEngine(Engine):
     def _warm_up(self, progress: Progress | None) -> None:
         """``warmup`` eager runs per bucket, outside any capture (on a side stream on a GPU, as torch's
         CUDA graph notes ask), so lazy initialisation never happens inside a capture."""
-
         n = self.options["warmup"]
         self._say(progress, f"cudagraph: warming up {len(self.buckets)} bucket(s) x {n}", 0.0)
         if self.fake:
@@ -188,7 +186,6 @@ class CudaGraphEngine(Engine):
 
     def _capture_opara(self, g: CudaGraph, b: int, pool: Any) -> None:
         """Plan bucket ``b`` with Opara and capture the plan into ``g`` (module docstring)."""
-
         static = self._static[:b]
         try:
             graph = op_graph(self.module, static)
@@ -250,7 +247,6 @@ class CudaGraphEngine(Engine):
         """The work one bucket's graph holds: the model on ``static[:b]``. On a GPU this runs once, inside
         the capture, and its output tensor (in the graph's pool) is what replays rewrite; on the fake it
         is the host launch each replay runs, writing into the static output buffer."""
-
         static, module = self._static, self.module
         if self.fake:
             out = self._out

@@ -38,13 +38,11 @@ from gpuprims.engines.kinds import ENGINE_KINDS
 def accelerator(target: Target) -> Any:
     """The accelerator of ``target`` for the co-execution engines: cuda:<i>, or the CPU on the cpu
     backend and on the fake CUDA runtime (both "devices" are then the same cores)."""
-
     return torch_device(target.backend, target.device_index)
 
 
 def example_batch(source: ModelSource) -> Any:
     """A seeded ``(max_batch, C, H, W)`` batch in [0, 1): what the planners profile with."""
-
     return torch.rand((source.max_batch, *source.input_shape), generator=torch.Generator().manual_seed(source.seed))
 
 

@@ -36,5 +36,4 @@ class EagerEngine(Engine):
 
 def _device(target: Any) -> Any:
     """The torch device of a target: ``cuda:<i>`` on cuda (``cpu`` on the fake runtime)."""
-
     return torch_device(target.backend, target.device_index)

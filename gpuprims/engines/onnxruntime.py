@@ -189,7 +189,6 @@ class OnnxRuntimeEngine(Engine):
 
     def _bind(self, ort: Any) -> None:
         """The device buffers I/O binding uses: the static input and the preallocated output."""
-
         device = torch_device(self.target.backend, self.target.device_index)
         top = self.source.max_batch
         self._input = torch.empty((top, *self.source.input_shape), dtype=torch.float32, device=device)

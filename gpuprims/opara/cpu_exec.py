@@ -221,7 +221,6 @@ class StreamExecutor:
 
     def close(self) -> None:
         """Stop the stream threads and put back the caller's torch thread count (idempotent)."""
-
         with self._lock:
             if self._closed:
                 return
@@ -238,7 +237,6 @@ class StreamExecutor:
 
 def _compile(gm: Any, node: Any) -> Callable[[dict[str, Any]], Any]:
     """A function of the environment that evaluates one fx node."""
-
     args, kwargs = node.args, node.kwargs
 
     def load(env: dict[str, Any]) -> tuple[Any, Any]:

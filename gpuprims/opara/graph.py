@@ -67,7 +67,6 @@ class Roofline:
     The default is an NVIDIA T4 (8.1 TFLOP/s FP32, 320 GB/s), the edge GPU of the project's paper:
     ridge point about 25 FLOPs per byte.
     """
-
     peak_gflops: float = 8100.0
     bandwidth_gbps: float = 320.0
 
@@ -139,7 +138,6 @@ class GraphIndex:
     ``op_class``, ``host`` and ``demand_us`` are the ops' fields by position. Planning time is
     reported (the paper's Table I), so the planners do not rebuild this from names at every plan.
     """
-
     topo: tuple[str, ...]
     pos: Mapping[str, int]
     preds: tuple[tuple[int, ...], ...]
@@ -158,7 +156,6 @@ class OpGraph:
     Algorithm 1's "first successor" is the first in that order. ``module`` is the traced
     ``torch.fx.GraphModule`` when the graph comes from a model (None for hand-made graphs).
     """
-
     ops: tuple[Op, ...]
     module: Any = field(default=None, compare=False, repr=False)
     tasks: TaskGraph = field(init=False, compare=False, repr=False)
@@ -331,7 +328,6 @@ def _is_inplace(node: Any, gm: Any) -> bool:
 
 def _estimate(node: Any, gm: Any, ins: list[Any], out: list[Any]) -> tuple[float, float]:
     """(flops, bytes) of one fx node from what it is and the tensors it read and wrote."""
-
     contractions, views, _ = _function_names()
     out_numel = sum(t.numel() for t in out)
     kind: str | None = None
@@ -379,7 +375,6 @@ def op_graph(model: Any, example_input: Any, *, device: Roofline = T4) -> OpGrap
     it gives are the shapes the plan is for (one plan per batch size). Raises ValueError when fx cannot
     trace the model, when the input count is wrong, or when an in-place write goes through a shared view.
     """
-
     try:
         gm = model if isinstance(model, torch.fx.GraphModule) else torch.fx.symbolic_trace(model)
     except Exception as e:  # fx raises many types (TraceError, TypeError, ...) for untraceable code

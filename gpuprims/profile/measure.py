@@ -151,7 +151,6 @@ def measure_point(spec: PointSpec) -> dict[str, Any]:
 
 def _prepared_engine(spec: PointSpec, threads: int) -> Any:
     """The point's engine (``spec.engine``), prepared: built, or taken from the engine cache."""
-
     shape = tuple(spec.input_shape)
     source = ModelSource(spec.model, (shape[0], shape[1], shape[2]), max(spec.max_batch, spec.batch_size),
                          seed=spec.seed)
@@ -164,7 +163,6 @@ def _prepared_engine(spec: PointSpec, threads: int) -> Any:
 def check_engine_args(engine: str, options: dict[str, Any], backend: str, input_shape: Sequence[int],
                       width: float) -> None:
     """Refuse an engine this backend cannot run, or a profile an engine cannot take, with the reason."""
-
     if engine == "eager" and not options:
         return
     try:
@@ -232,7 +230,6 @@ def measure_profile(model: str, *, batch_sizes: Sequence[int], gpu_pcts: Sequenc
     into ``engine_cache`` (each point's process then loads it from there). Raises ValueError for
     bad arguments, RuntimeError naming the point when a child fails or exceeds ``timeout_s``.
     """
-
     if not model:
         raise ValueError("model must be non-empty")
     bs = sorted({int(b) for b in batch_sizes})

@@ -94,7 +94,6 @@ class Workload:
     ``route_probs[stage][label]`` is the probability that a request leaving ``stage`` carries
     ``label``; the remaining probability (and any label the stage does not route) ends the request.
     """
-
     app: App
     arrival: Arrival
     route_probs: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -574,7 +573,6 @@ def simulate_sharded(scheduler_name: str, workloads: Sequence[Workload], profile
     stream (seed ``seed * 1000 + shard``). The result has the same shape, plus ``"processes"``.
     Raises ValueError for bad arguments (as ``simulate``) or ``processes`` < 1.
     """
-
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     kw = dict(scheduler_kw or {})

@@ -1039,7 +1039,6 @@ class FakeRuntime:
                    channels: int, a: list[float], b: list[float], d: list[float], status_dev: int,
                    result_dev: int, blocks_per_row: int) -> None:
         """Queue the GPU-DMA "kernel" (the CPU reference) on `stream`; argument checks as the native."""
-
         self._enter("dma_launch")
         self._dev(device, "launch_gather")
         st = self._stream(stream, "launch_gather")

@@ -149,7 +149,6 @@ def compare(kernel: HostKernel, case: Case, *, stale_error: int = 0) -> list[str
     """Run `case` through the host-built kernel and the CPU reference; return what differs (empty
     when the bytes of every row, every verdict and the count agree, and the verdicts are the ones
     the case expects)."""
-
     native = runtime.native()
     lay = PoolLayout.of(case.pool)
     geo = lay.geometry()

@@ -219,7 +219,6 @@ def gen(output: str | None, **kw: Any) -> None:
 def pcap_cmd(output: str, src: str, src_ports: str, nanosecond: bool, src_mac: str, dst_mac: str,
              **kw: Any) -> None:
     """Write an app stream as an Ethernet/IPv4/UDP pcap, timestamped by its schedule."""
-
     stream = _build_stream(kw)
     assert stream is not None
     try:
@@ -258,7 +257,6 @@ def replay(pcap_path: str | None, speed: float, loops: int, raw: bool, skip_fore
            samples_path: str | None, cdf_path: str | None, timeline_path: str | None, progress: bool, gso: bool,
            batch: int, **kw: Any) -> None:
     """Send a pcap or generated stream at a rate, receive the answers, and report (JSON)."""
-
     try:
         if pcap_path:
             if kw["apps"]:
@@ -320,7 +318,6 @@ def _given(name: str) -> bool:
 def recv(listen: tuple[str, ...], pcap_path: str | None, duration: float | None, idle: float,
          json_path: str | None) -> None:
     """Receive answers to requests sent by something else (tcpreplay) and count them."""
-
     addrs = [parse_addr(a) for a in listen]
     plan = None
     if pcap_path:
@@ -396,7 +393,6 @@ def _empty_plan():
 def echo(listen: str, delay_us: float, status: str, response_bytes: int, drop_every: int, duplicate_every: int,
          spin_us: float) -> None:
     """Answer gpuprims requests on loopback after a delay (a stand-in node for tests)."""
-
     host, port = parse_addr(listen)
     try:
         srv = EchoServer(host, port, delay_s=delay_us / 1e6, status=wire.Status[status], response_bytes=response_bytes,
