@@ -24,7 +24,7 @@ import numpy as np
 from gpuprims.interrupt import ctrl_c_interrupts
 from orchestrator.config.schema import ConfigError, NodeConfig, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _with_free_port(cfg: NodeConfig) -> NodeConfig:

@@ -52,7 +52,7 @@ from gpuprims.cuda.event import Stream
 from gpuprims.engines import EngineCache, EngineUnavailable, ModelSource, Target, make_engine
 from orchestrator.node.mps import probe_daemon
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = (3, 224, 224)
 BATCH = 8
 

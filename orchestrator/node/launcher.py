@@ -51,7 +51,7 @@ __all__ = ["ForkLauncher", "ForkedProcess", "InstanceProcess", "Launcher", "Subp
 log = logging.getLogger(__name__)
 
 #: The directory ``orchestrator`` is in: the instances' working directory, so ``-m`` finds the package.
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class InstanceProcess(Protocol):

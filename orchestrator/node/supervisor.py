@@ -70,7 +70,7 @@ SHADOW_IMPORT_NICE = 10
 #: The MPS percentage a Param-Share holder runs at: it only copies the weights once, then waits.
 HOLDER_GPU_PCT = 10
 #: The repository's root: a holder's working directory, so ``-m`` finds the package.
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_holder_process(env: dict[str, str]) -> HolderProcess:
