@@ -37,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gpuprims.cuda import runtime
-from gpuprims.cuda.errors import CudaError
+from gpuprims.cuda.errors import CudaError, CudaUnavailableError
 from gpuprims.cuda.event import Event, StreamLike, stream_handle
 from gpuprims.wire import DType
 
@@ -103,21 +103,32 @@ class PoolLayout:
                                              self.record_count, self.max_chunks)
 
 
+def _registering_backend() -> Literal["cpu", "cuda"]:
+    """``auto`` for a pinned pool: ``cuda`` if the CUDA runtime loads and sees a device, else ``cpu``."""
+    try:
+        return "cuda" if runtime.device_count() > 0 else "cpu"
+    except (CudaError, CudaUnavailableError, OSError) as e:
+        log.info("PinnedPool backend auto: cpu (%s)", e)
+        return "cpu"
+
+
 class PinnedPool:
     """A packet pool as GPU-DMA reads it.
 
     With the ``cuda`` backend the pool's whole mapping is page-locked and mapped for the GPU with
     cudaHostRegister(cudaHostRegisterMapped | cudaHostRegisterPortable) in this process, and its device
-    pointer is obtained per device (cudaHostGetDevicePointer). ``cpu`` registers nothing. The backend
-    is one that will run: ``auto`` is resolved first with :func:`gpuprims.backend.resolve_backend`
-    (device resolution lives there, above this layer). close() unregisters (cudaHostUnregister); call
-    it before the pool itself is closed.
+    pointer is obtained per device (cudaHostGetDevicePointer). ``cpu`` registers nothing. ``auto``
+    (the default) is ``cuda`` where this layer's runtime sees a device (the fake runtime included) and
+    ``cpu`` elsewhere: registering host memory needs the runtime and a device, not torch, so this is
+    decided here; the node's choice of backend for a whole app is :func:`gpuprims.backend.resolve_backend`.
+    close() unregisters (cudaHostUnregister); call it before the pool itself is closed.
     """
 
-    def __init__(self, pool: Any, *, backend: Literal["cpu", "cuda"] = "cuda") -> None:
-        if backend not in ("cpu", "cuda"):
-            raise ValueError(f"backend must be 'cpu' or 'cuda' (resolve 'auto' first with "
-                             f"gpuprims.backend.resolve_backend), got {backend!r}")
+    def __init__(self, pool: Any, *, backend: Literal["auto", "cpu", "cuda"] = "auto") -> None:
+        if backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
+        if backend == "auto":
+            backend = _registering_backend()
         self.layout = PoolLayout.of(pool)
         self.address = int(pool.address)
         if self.address <= 0 or self.address % 16:

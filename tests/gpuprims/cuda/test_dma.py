@@ -322,8 +322,8 @@ def test_packets_and_normalize_validation(cpu_pool: tuple[PinnedPool, list[int],
         PinnedPool(object(), backend="cpu")
     with pytest.raises(ValueError, match="backend"):
         PinnedPool(cpu_pool[0].pool, backend="gpu")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"resolve 'auto' first with gpuprims\.backend\.resolve_backend"):
-        PinnedPool(cpu_pool[0].pool, backend="auto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cpu' or 'cuda'"):
+        PinnedPool(cpu_pool[0].pool, backend="any")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not registered with CUDA"):
         pp.device_pointer(0)
 
@@ -609,3 +609,24 @@ def test_float_rows_off_a_4_byte_boundary_are_refused() -> None:
             _native.dma_gather_cpu(sp.address, geo, recs, base + 2, 40, 40, 10, -1, 1, *args)
     finally:
         sp.close()
+
+
+@pytest.mark.skipif(cuda_available(), reason="asserts the fall-back to cpu where no CUDA device exists")
+def test_auto_is_cpu_where_the_runtime_sees_no_device() -> None:
+    bodies = images(1)
+    sp, _ = make_pool(bodies)
+    pp = PinnedPool(sp)  # the default, as docs/primitives.md writes it
+    assert pp.backend == "cpu" and pp.region is None
+    pp.close()
+
+
+def test_auto_registers_where_the_runtime_sees_a_device(fake_cuda: object) -> None:
+    bodies = images(1)
+    sp, _ = make_pool(bodies)
+    pp = PinnedPool(sp, backend="auto")
+    try:
+        assert pp.backend == "cuda" and pp.region is not None
+        assert fake_cuda.live("registered")  # type: ignore[attr-defined]
+    finally:
+        pp.close()
+    assert fake_cuda.live("registered") == []  # type: ignore[attr-defined]
