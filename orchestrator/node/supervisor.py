@@ -459,7 +459,11 @@ class Supervisor:
 
     # -- the loop's duties -------------------------------------------------------------------------------
     def reap(self) -> list[InstanceState]:
-        """Handle every instance that exited since the last call (see the module docstring); returns them."""
+        """Handle every instance that exited since the last call (see the module docstring); returns them.
+        A dead Param-Share holder is handled first: an instance that left because its weights died with
+        the holder (a lost CUDA context) is then still counted among the holder's users, and its
+        replacement maps a new holder's copy, never the dead one's."""
+        self._reap_holders()
         gone = []
         for st in list(self.instances.values()):
             rc = st.proc.poll()
@@ -498,7 +502,6 @@ class Supervisor:
                               st.name, rc, requeued, failed)
                 self.record({"event": "killed_draining" if st.killed else "died_draining", "app": st.app,
                              "instance": st.name, "failed": failed, "requeued": requeued})
-        self._reap_holders()
         # After the replacements above took their copies, never between an exit and its replacement.
         self.params.release_unused()
         return gone

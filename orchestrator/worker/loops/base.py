@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuprims.batching import BatchPolicy
+from gpuprims.cuda.errors import CudaError
 from gpuprims.gather import Gatherer, HostGatherer, keep_rows
 from gpuprims.pool import RECORD_DTYPE, LocalQueue, PacketPool
 from gpuprims.stats import DURATION_BOUNDS_S
 from gpuprims.wire import FLAG_MORE, DType, Status
 from orchestrator.control.messages import BatchDone, RunBatch
 from orchestrator.control.spec import InstanceSpec
+from orchestrator.worker.launch import exit_now
 from orchestrator.worker.loops.stats import LatencyStats
 from orchestrator.worker.loops.trace import StageTrace, TracedRequest
 
@@ -56,6 +58,8 @@ PULL_MAX = 64
 ANSWER_TIMEOUT_US = 5_000_000
 
 log = logging.getLogger("gpuprims.instance")
+#: The exit status of an instance whose CUDA context a sticky error lost (:meth:`ServingLoop._context_lost`).
+CONTEXT_LOST_EXIT = 70
 
 
 class ServingLoop:
@@ -200,6 +204,8 @@ class ServingLoop:
         try:
             out = self.run(fn, x)
         except Exception as e:
+            if isinstance(e, CudaError) and e.is_sticky:
+                self._context_lost(e, what, recs)
             log.error("%s failed on a batch of %d: %s", what, recs.size, e)
             self.fail(recs, info() if callable(info) else info, Status.INTERNAL)
             self._last_error = str(e)
@@ -209,6 +215,16 @@ class ServingLoop:
         self.stats.busy_ms += model_ms
         self.stats.batch_sizes[int(recs.size)] += 1
         return out, model_ms
+
+    def _context_lost(self, e: CudaError, what: str, recs: np.ndarray) -> None:
+        """A sticky CUDA error (an illegal address: the weights this instance maps died with their holder;
+        a launch failure) lost this process's context: no later call runs, so the batch is not answered
+        here. The process leaves at once (:data:`CONTEXT_LOST_EXIT`) with every request it holds
+        unanswered, and the supervisor replaces it and requeues them to a live instance, as after a crash:
+        each is answered once, by an instance that can run the model, instead of INTERNAL."""
+        log.critical("%s lost its CUDA context on a batch of %d (%s): leaving so the node requeues the %d "
+                     "request(s) this instance holds", what, recs.size, e, self.held() + int(recs.size))
+        exit_now(CONTEXT_LOST_EXIT)
 
     @staticmethod
     def _groups(out: Any, n: int) -> list[tuple[np.ndarray, Any]]:

@@ -18,11 +18,13 @@ import pytest
 from gpuprims import wire
 from gpuprims.batching import BatchDecision, LatencyModel
 from gpuprims.client import Client, Result
+from gpuprims.cuda.errors import CudaError
 from gpuprims.ingest import Ingest, LocalAnswer
 from gpuprims.stats import STAGES
 from gpuprims.wire import Status
 from orchestrator.worker.instance import Instance
-from orchestrator.worker.loops.base import LATENCY_MEMORY_S, PROBE_AFTER_S
+from orchestrator.worker.loops import base as loops_base
+from orchestrator.worker.loops.base import CONTEXT_LOST_EXIT, LATENCY_MEMORY_S, PROBE_AFTER_S
 from tests.orchestrator.worker.inproc import SHAPE, answer, send, send_body, serve_all, step_until
 
 
@@ -338,3 +340,49 @@ def test_an_oip_request_of_8_rows_is_queued_as_one_query_and_served_as_one_batch
         assert dict(inst.stats.batch_sizes) == {8: 1}
     finally:
         port.close()
+
+
+class _Left(Exception):
+    """What the test's exit_now raises instead of leaving the test process."""
+
+
+def test_a_lost_cuda_context_leaves_the_batch_unanswered_for_the_node_to_requeue(
+        setup: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sticky CUDA error (the weights the instance maps died with their holder: an illegal address) is
+    no answer: the process leaves at once with CONTEXT_LOST_EXIT and its requests still held, so the
+    supervisor requeues them to a live instance (each answered once there) instead of INTERNAL here."""
+    inst, ing, sock = setup
+    codes: list[int] = []
+
+    def leave(rc: int) -> None:
+        codes.append(rc)
+        raise _Left
+
+    def lost(x: object) -> object:
+        raise CudaError(700, "cudaErrorIllegalAddress", "an illegal memory access was encountered", "cuda_event_query")
+
+    monkeypatch.setattr(loops_base, "exit_now", leave)
+    inst.runner.model = lost
+    send(ing, sock, 1)
+    with pytest.raises(_Left):
+        step_until(inst, lambda: False, "the instance to leave")
+    assert codes == [CONTEXT_LOST_EXIT]
+    assert inst.stats.counts["error"] == 0 and inst.stats.counts["ok"] == 0  # nothing answered here
+    sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        sock.recv(65536)
+
+
+def test_a_cuda_error_that_keeps_the_context_answers_its_batch_internal(
+        setup: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    inst, ing, sock = setup
+    monkeypatch.setattr(loops_base, "exit_now", lambda rc: pytest.fail(f"left with {rc} on a non-sticky error"))
+    model = inst.runner.model
+
+    def oom(x: object) -> object:
+        raise CudaError(2, "cudaErrorMemoryAllocation", "out of memory", "cudaMalloc")
+
+    inst.runner.model = oom
+    send(ing, sock, 1)
+    assert serve_all(inst, sock, 1)[1].status == Status.INTERNAL
+    inst.runner.model = model
