@@ -1020,7 +1020,7 @@ def test_answers_to_a_receiver_that_will_not_take_them_are_held_then_arrive_once
             node.send(wire.encode_request(APP, rid, _body(rid)))
         _answer_all(node, 6, 3000)
         held = 6 * -(-3000 * 4 // node.pool.layout["max_payload"])  # datagrams of six 12000-byte answers
-        c = node.wait(lambda c: c["held_answers"] == held)
+        c = node.wait(lambda c: c["held_answers"] == held and c["requests_answered"] == 6)  # counted apart: wait for both
         assert c["requests_answered"] == 6 and c["answers_expired"] == 0 and c["response_send_errors"] == 0
         # Another client is served while the first one's answers wait.
         for rid in range(100, 103):
