@@ -395,30 +395,37 @@ class Client:
             p.expires_ns = now + p.timeout_ns
             self._pending[(p.app_id, rid)] = p
         to = p.to or self.node
+        # A traced request's timestamps are written under the lock the receive thread takes to resolve
+        # it, so an answer that comes back before the send call returns still reads them all.
+        traced = self._lock if self.trace else contextlib.nullcontext()
         try:
-            if self._native_send:
-                try:  # one system call for all of the request's datagrams
-                    ts, rest = self._book.send(self._sock, to, p.app_id, rid, p.body, p.deadline_us, p.flags)
-                    for d in rest:  # only if the socket's buffer filled (a blocking socket waits instead)
-                        self._sock.sendto(d, to)
-                    if self.trace:
-                        p.client_ts_ns = ts
-                        p.first_sent_ns = p.last_sent_ns = time.monotonic_ns()  # all sent in that one call
-                    return
-                except ValueError:  # a host name, not a numeric address: sendto resolves it
-                    self._native_send = False
-            dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us, p.flags)
-            self._sock.sendto(dgrams[0], to)
-            if self.trace:
-                p.client_ts_ns, p.first_sent_ns = ts, time.monotonic_ns()
-            for d in dgrams[1:]:
-                self._sock.sendto(d, to)
-            if self.trace:
-                p.last_sent_ns = time.monotonic_ns()
+            with traced:
+                self._send_datagrams(p, rid, to)
         except OSError:
             with self._lock:
                 self._pending.pop((p.app_id, rid), None)
             raise
+
+    def _send_datagrams(self, p: _Pending, rid: int, to: tuple[str, int]) -> None:
+        if self._native_send:
+            try:  # one system call for all of the request's datagrams
+                ts, rest = self._book.send(self._sock, to, p.app_id, rid, p.body, p.deadline_us, p.flags)
+                for d in rest:  # only if the socket's buffer filled (a blocking socket waits instead)
+                    self._sock.sendto(d, to)
+                if self.trace:
+                    p.client_ts_ns = ts
+                    p.first_sent_ns = p.last_sent_ns = time.monotonic_ns()  # all sent in that one call
+                return
+            except ValueError:  # a host name, not a numeric address: sendto resolves it
+                self._native_send = False
+        dgrams, ts = self._book.encode(p.app_id, rid, p.body, p.deadline_us, p.flags)
+        self._sock.sendto(dgrams[0], to)
+        if self.trace:
+            p.client_ts_ns, p.first_sent_ns = ts, time.monotonic_ns()
+        for d in dgrams[1:]:
+            self._sock.sendto(d, to)
+        if self.trace:
+            p.last_sent_ns = time.monotonic_ns()
 
     def _send_again(self, p: _Pending) -> None:
         """A retry from the receive thread: a send error fails the request instead of the thread."""
@@ -471,8 +478,10 @@ class Client:
             p.future.set_exception(e)
             return
         if self.trace:
-            res = dataclasses.replace(res, trace=ClientTrace(p.start_ns, p.client_ts_ns, p.first_sent_ns,
-                                                             p.last_sent_ns, now_ns))
+            # the send timestamps are read as the send call returns; an answer read before that (the
+            # sender descheduled) proves its datagrams had left by then
+            res = dataclasses.replace(res, trace=ClientTrace(p.start_ns, p.client_ts_ns, min(p.first_sent_ns, now_ns),
+                                                             min(p.last_sent_ns, now_ns), now_ns))
         p.future.set_result(res)
 
     def _expire(self, now_ns: int) -> None:

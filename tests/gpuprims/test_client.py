@@ -512,6 +512,32 @@ def test_a_traced_client_gives_each_result_its_timestamps_in_order_and_an_untrac
     assert {h.client_ts_ns for h in sent} == {t.client_ts_ns} and sent[0].request_id == r.request_id
 
 
+def test_a_traced_answer_that_comes_back_before_the_send_call_returns_still_has_its_timestamps() -> None:
+    """The receive thread resolves an answer as soon as it lands; a traced request's send timestamps are
+    written after its send call returns. Here the send call returns only after the node has answered
+    (on a busy machine the sender can simply be descheduled that long): the trace is still whole."""
+    answered = threading.Event()
+
+    def handler(h: wire.Header, b: bytes) -> tuple[Status, bytes, DType]:
+        answered.set()
+        return Status.OK, b[:8], DType.FLOAT32
+
+    with _Answerer(handler) as node, Client(node.address, timeout_s=5, trace=True) as c:
+        send = c._book.send
+
+        def slow_return(*args: object, **kwargs: object) -> object:
+            out = send(*args, **kwargs)
+            assert answered.wait(5), "the node never answered"
+            time.sleep(0.1)  # lets the answer land first; only makes the race likelier, never a pass
+            return out
+
+        c._book.send = slow_return  # type: ignore[method-assign]
+        r = c.infer(4, _input(3))
+    t = r.trace
+    assert r.ok and t is not None
+    assert 0 < t.start_ns <= t.client_ts_ns <= t.first_sent_ns <= t.last_sent_ns <= t.answered_ns
+
+
 def test_a_client_of_a_node_named_by_host_name_sends_the_same_datagrams_a_datagram_at_a_time() -> None:
     x = _input(5)  # 3 datagrams
     with _Answerer(lambda h, b: (Status.OK, b[:8], DType.FLOAT32)) as node, \
