@@ -8,6 +8,7 @@ exactly what this test exists to catch.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,10 @@ def _resolve(name: str) -> str | None:
     return None
 
 
+@functools.cache
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
-    """(imported name, line) for every import in the module, relative imports made absolute."""
+    """(imported name, line) for every import in the module, relative imports made absolute (parsed once
+    per run; callers do not change the list)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[str, int]] = []

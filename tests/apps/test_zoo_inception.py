@@ -53,6 +53,7 @@ def _small_names() -> list[object]:
     return [pytest.param(n, marks=pytest.mark.slow) if n == "inception_v3" else n for n in sorted(SMALL)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _small_names())
 def test_small_variant_shape_and_input_dependent_output(name: str) -> None:
     model = load_model(name, input_shape=SMALL[name][0], width=SMALL[name][1], num_classes=7)

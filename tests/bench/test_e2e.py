@@ -26,6 +26,7 @@ def test_load_runner_eager_is_the_zoo_module_and_the_engine_matches_it(tmp_path:
     assert any(tmp_path.iterdir())  # built into the cache it was given, not the user's
 
 
+@pytest.mark.slow
 def test_model_latency_ms_times_the_engine_back_to_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("onnxruntime")
     built: list[str] = []

@@ -35,6 +35,7 @@ def test_the_client_view_counts_every_request_once_by_its_outcome() -> None:
     assert v["time_to_first_ok_s"] == pytest.approx(1.1) and v["p50_ms_before"] == pytest.approx(10.0)
 
 
+@pytest.mark.slow
 def test_traffic_goes_on_while_the_fault_is_made_and_a_failed_fault_is_raised() -> None:
     sent: list[float] = []
     lock = threading.Lock()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench.fleet_plan import Evaluator, best_placement, draw_case, main
 from gpuprims.profile import paper_profiles
@@ -34,6 +35,7 @@ def test_cases_draw_rates_a_gpu_can_serve() -> None:
     assert all(profiles[a.model].latency_ms(1, 100, stat="p99") <= a.slo_ms for a in apps)
 
 
+@pytest.mark.slow
 def test_a_quick_run_reports_the_planner_against_the_best(tmp_path: Path) -> None:
     main(["--quick", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "fleet_plan-quick.json").read_text())

@@ -18,6 +18,7 @@ from bench import footprint
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_quick_run_without_a_node_reports_the_cli_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "argv", ["footprint.py", "--quick", "--no-node", "--out-dir", str(tmp_path)])

@@ -230,6 +230,7 @@ def test_three_systems_are_interleaved_and_each_peer_gets_its_ratios() -> None:
     assert out["m.light.ray.slo_attainment_ratio"] == 2.0
 
 
+@pytest.mark.slow
 def test_the_plot_draws_any_number_of_systems(tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
     st = peer.summarise([_block([10.0], ["ok"])], 100.0) | {"rate_rps": 5.0}
@@ -275,6 +276,7 @@ def test_engine_mode_runs_the_same_engine_in_the_node_and_in_litserve(tmp_path: 
     assert plain.apps[0].engine.kind == "eager" and plain.node.engine_cache is None
 
 
+@pytest.mark.slow
 def test_the_native_driver_counts_every_request_once_with_its_status() -> None:
     from gpuprims.traffic.echo import EchoServer
     from gpuprims.wire import Status

@@ -57,6 +57,7 @@ def _files(root: Path) -> dict[str, bytes | dict[str, bytes]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_repository_holds_six_models_in_tritons_layout(repo: Path) -> None:
     assert sorted(p.name for p in repo.iterdir()) == sorted(model_repository.MODELS)
     for name, rel in model_repository.MODELS.items():
@@ -87,6 +88,7 @@ def _repository_node(repo: Path, **node: object) -> NodeConfig:
                                   "model_repository": str(repo), **node}, "apps": []}, source="test")
 
 
+@pytest.mark.slow
 def test_the_node_reads_every_model_with_the_engine_its_file_wants(repo: Path) -> None:
     cfg = _repository_node(repo)
     assert not cfg.unavailable, cfg.unavailable

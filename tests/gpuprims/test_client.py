@@ -298,6 +298,7 @@ def test_fleet_client_fails_over_without_waiting_for_a_silent_routes_server() ->
             silent.close()
 
 
+@pytest.mark.slow
 def test_fleet_client_returns_the_first_answer_once_and_counts_the_late_one() -> None:
     with EchoServer(delay_s=1.0) as p, EchoServer() as s:
         routes = _Routes(_table(1, p, s))

@@ -110,6 +110,7 @@ def _lazy(imp: LocalImport) -> bool:
     return (imp.module, imp.function, imp.name) in LAZY
 
 
+@pytest.mark.slow
 def test_function_local_imports_are_optional_libraries_or_listed() -> None:
     bad = [f"gpuprims/{imp.module.removeprefix('gpuprims.').replace('.', '/')}.py:{imp.line} "
            f"{imp.function}() imports {imp.name}"

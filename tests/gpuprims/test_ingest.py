@@ -612,6 +612,7 @@ def _child_answer_then_die(pool_name: str, n_answer: int) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_consumer_process_that_dies_after_answering_gets_each_request_one_answer() -> None:
     n = Node()
     ctx = mp.get_context("spawn")
@@ -678,6 +679,7 @@ def test_cost_model_arguments_are_checked() -> None:
         n.close()
 
 
+@pytest.mark.slow
 def test_fuzzed_answer_ring_entries_never_crash_the_ingest_nor_answer_a_held_request() -> None:
     """A consumer writing nonsense into its answer ring (random entries, lengths, fillers, tails that
     are unaligned, short of a header or a ring ahead): each drain counts it and moves on; the ring
@@ -905,6 +907,7 @@ def _child_take_then_die(pool_name: str, n_answer: int, n_hold: int) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_consumer_process_killed_holding_submitted_rows_answers_each_once() -> None:
     n = Node()
     ctx = mp.get_context("spawn")

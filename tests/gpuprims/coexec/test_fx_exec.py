@@ -31,6 +31,7 @@ def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
     return build_model(name, input_shape=shape, width=width), x
 
 
+@pytest.mark.slow
 def test_partition_finds_the_papers_branches() -> None:
     got = {}
     for name in ("wide_deep", "siamese", "mt_dnn"):

@@ -40,6 +40,7 @@ def test_schedule_and_device_validation() -> None:
             runtime.check_device(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("src", sorted(p.name for p in (ROOT / "native" / "cuda").glob("*.cu")))
 def test_cuda_sources_compile(src: str, tmp_path: Path) -> None:

@@ -233,6 +233,7 @@ OPARA_SOURCES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "cap"), [
     ("googlenet", None), ("googlenet", 3),
     pytest.param("inception_v3", None, marks=pytest.mark.slow),  # ~25 s at load 10: each bucket's first runs

@@ -17,6 +17,7 @@ MAX = 4
 SOURCE = ModelSource("tests.gpuprims.engines.nets:googlenet_small", (3, 32, 32), max_batch=MAX)
 
 
+@pytest.mark.slow
 def test_duet_plans_googlenet_and_answers_as_eager() -> None:
     eng = make_engine("duet", SOURCE, Target("cpu"), {"repeats": 1})
     assert isinstance(eng, DuetEngine)

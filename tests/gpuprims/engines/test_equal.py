@@ -59,6 +59,7 @@ def _batches(max_batch: int) -> list[int]:
     return sorted({1, max(1, max_batch // 2), max_batch})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "model"), _cases())
 def test_engine_equals_eager_on_the_zoo(kind: str, model: str, tmp_path: Path) -> None:
     max_batch = COMPILE_MAX_BATCH if kind == "compile" else MAX_BATCHES.get(model, MAX_BATCH)

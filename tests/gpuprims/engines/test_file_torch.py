@@ -91,6 +91,7 @@ def test_inputs_bound_in_the_signatures_order_when_nothing_names_them(tmp_path: 
         (TensorSpec("o", DataType.FP32, (1,)),))) == (["INPUT__0", "INPUT__1"], "by index")
 
 
+@pytest.mark.slow
 def test_torch_export_equals_the_program_run_directly(tmp_path: Path, cache: EngineCache) -> None:
     path, sig = fm.exported(tmp_path / "model.pt2")
     # the signature lists the inputs in another order than forward: they bind by forward's names
@@ -110,6 +111,7 @@ def test_torch_export_equals_the_program_run_directly(tmp_path: Path, cache: Eng
         assert got["plus one"].dtype == np.float16
 
 
+@pytest.mark.slow
 def test_compile_over_an_exported_program_and_its_cache(tmp_path: Path) -> None:
     path, sig = fm.exported(tmp_path / "model.pt2")
     cache = EngineCache(tmp_path / "cache")
@@ -171,6 +173,7 @@ def test_unbatched_model_with_a_data_dependent_output(tmp_path: Path, cache: Eng
         np.testing.assert_array_equal(got, np.flatnonzero(np.array(x)))
 
 
+@pytest.mark.slow
 def test_read_only_request_arrays_are_taken(tmp_path: Path, cache: EngineCache) -> None:
     path, sig = fm.exported(tmp_path / "model.pt2")
     eng = make_file_engine("torch_export", path, sig, CPU)

@@ -90,6 +90,7 @@ def test_unbuildable_model_is_an_export_error(tmp_path: Path) -> None:
         export_onnx(None, src, tmp_path / "x.onnx")
 
 
+@pytest.mark.slow
 def test_adaptive_pool_that_does_not_divide_is_refused_in_one_line(tmp_path: Path) -> None:
     # AlexNet pools to 6x6 from 1x1 at a 32x32 input: the exporter has no ONNX form for that
     src = ModelSource("alexnet", (3, 32, 32), max_batch=2, num_classes=10)

@@ -70,6 +70,7 @@ def test_a_gpu_provider_missing_from_this_build_is_named(fake_cuda: Any, tmp_pat
 
 
 # -- CPU: built once, threads, equal to eager ----------------------------------------------------------------
+@pytest.mark.slow
 def test_cpu_engine_equals_eager_and_keeps_its_artefacts(cache_dir: Path) -> None:
     eng = make_engine("onnxruntime", SRC, Target("cpu", threads=1), cache=EngineCache(cache_dir))
     info = eng.prepare()

@@ -68,6 +68,7 @@ def test_check_refuses_cpu_missing_library_and_bad_options(monkeypatch: pytest.M
         make_engine("tensorrt", SOURCE, Target("cuda"), {"opt_batch": 9})
 
 
+@pytest.mark.slow
 def test_builds_runs_and_caches_the_plan(fake_cuda: Any, trt: Any, tmp_path: Any) -> None:
     cache = EngineCache(tmp_path / "cache")
     stream = Stream(0)

@@ -467,6 +467,7 @@ _PIECES = ["{", "}", "[", "]", ":", ",", '"', "-1", "0", "-7", "99", "TYPE_STRIN
            "name", "dims", "input", "reshape", "shape", "max_batch_size", "parameters", "key", "value", "true"]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, len(FULL)), st.integers(0, 6), st.sampled_from(_PIECES)),
                 min_size=1, max_size=4))

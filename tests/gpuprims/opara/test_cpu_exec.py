@@ -102,6 +102,7 @@ def test_an_operator_error_propagates_with_its_node_and_the_executor_goes_on() -
             assert torch.equal(ex(x), model(x))
 
 
+@pytest.mark.slow
 def test_a_stuck_operator_times_out_instead_of_hanging_and_the_executor_refuses_more() -> None:
     _, graph = _branches()
     release = threading.Event()

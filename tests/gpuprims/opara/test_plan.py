@@ -154,6 +154,7 @@ def test_bad_cap_and_rule_are_refused(bad: object) -> None:
         allocate_streams(_block(), rule="")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "shape", "streams", "events"), [
     # The paper: 28 streams for GoogLeNet (1 + 3 new per Inception block x 9); one event per block
     # input and per branch end beside the first.
@@ -200,6 +201,7 @@ def dags(draw: st.DrawFn) -> OpGraph:
     return OpGraph(tuple(ops))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(graph=dags(), rule=st.sampled_from(RULES), prune=st.booleans(),
        cap=st.one_of(st.none(), st.integers(1, 4)))

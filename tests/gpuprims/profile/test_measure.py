@@ -86,6 +86,7 @@ def test_cli_bad_input(args: list[str], needle: str) -> None:
     assert res.exit_code == 2 and needle in res.output
 
 
+@pytest.mark.slow
 def test_plot_marks_the_knee(tmp_path: Path) -> None:
     p = grid("toy", {25: {1: 8.0, 4: 20.0}, 50: {1: 4.0, 4: 10.0}, 100: {1: 3.8, 4: 6.0}})
     out = plot_profile(p, tmp_path / "k.png")

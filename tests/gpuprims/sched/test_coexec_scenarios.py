@@ -39,6 +39,7 @@ def test_duet_on_the_papers_own_times_places_as_table2() -> None:
         assert ours["latency_ms"] <= min(ours["gpu_only_ms"], ours["cpu_only_ms"]) + 1e-9
 
 
+@pytest.mark.slow
 def test_chrion_modes_trade_latency_and_memory() -> None:
     r = paper_chrion()
     assert r["latency_optimal_latency_ms"] <= r["gpu_latency_ms"] + 1e-9
@@ -56,6 +57,7 @@ def test_sir_overflow_never_hurts_and_adds_throughput() -> None:
         assert m["by_load"][0]["gpu_only"]["simulated"]
 
 
+@pytest.mark.slow
 def test_sim_cli_runs_the_coexec_scenarios(tmp_path: Path) -> None:
     out = tmp_path / "chrion.json"
     res = CliRunner().invoke(sim_main, ["--scenario", "paper-chrion", "--out", str(out)])

@@ -102,6 +102,7 @@ def test_scenario_bad_input() -> None:
         many_apps(num_gpus=0, num_apps=1, rate_rps=1.0)
 
 
+@pytest.mark.slow
 def test_processes_option_splits_gpus() -> None:
     res = CliRunner().invoke(main, ["--scenario", "many", "--gpus", "2", "--apps", "4", "--duration-s", "0.2",
                                     "--scheduler", "temporal", "--processes", "2"])

@@ -23,6 +23,7 @@ def kernel() -> hostsim.HostKernel:
     return hostsim.HostKernel(hostsim.build(CACHE, extra_flags=hostsim.fma_flags()))
 
 
+@pytest.mark.slow
 def test_kernel_source_matches_cpu_reference_case_by_case(kernel: hostsim.HostKernel) -> None:
     result = hostsim.run_all(kernel, quick=True)
     assert result["cases"] > 40

@@ -69,6 +69,7 @@ def test_gen_and_pcap_commands(tmp_path) -> None:
     assert {f.dst for f in cap.frames} == {("127.0.0.1", 9001)}
 
 
+@pytest.mark.slow
 def test_replay_reports_json_with_plots(tmp_path) -> None:
     with EchoServer(delay_s=0.0002) as echo:
         r = CliRunner().invoke(main, ["replay", "--app", f"1:32x32x3:uint8,rate=500,to=127.0.0.1:{echo.port}",
@@ -162,6 +163,7 @@ def test_ctrl_c_prints_the_partial_report(inherited: str) -> None:
     assert "partial" in err
 
 
+@pytest.mark.slow
 def test_recv_counts_answers_to_someone_elses_requests(tmp_path) -> None:
     import socket
 

@@ -54,6 +54,7 @@ def test_echo_timestamps_bracket_the_hold(echo: EchoServer) -> None:
     assert r["receiver"]["kernel_timestamps"] == r["receiver"]["datagrams"] == 50
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "key", "expect"), [
     ({"drop_every": 4}, "never_answered", 25),
     ({"duplicate_every": 5}, "duplicates", 20),
@@ -71,6 +72,7 @@ def test_faults_are_counted_apart(fault: dict, key: str, expect: int) -> None:
         assert s["answered"] == 100
 
 
+@pytest.mark.slow
 def test_late_answers_are_late_and_lost() -> None:
     # Held answers come 2 s after their request reached the echo, so always after the 1 s timeout; the
     # others have that second (not milliseconds) to arrive, so a busy machine does not make them late.
@@ -182,6 +184,7 @@ def test_keep_payloads_returns_bodies() -> None:
         assert r.samples["sent_ns"][e] < t_arr <= t_reply
 
 
+@pytest.mark.slow
 def test_report_json_and_plots(echo: EchoServer, tmp_path) -> None:
     import json
 

@@ -86,6 +86,7 @@ def test_validate_refuses_overflow_without_a_cpu_profile_and_names_the_command(t
     assert "CPU profile of model 'resnet18'" in r.output and "gpuprims-profile resnet18 --device cpu" in r.output
 
 
+@pytest.mark.slow
 def test_validate_accepts_the_bundled_examples() -> None:
     root = Path(__file__).resolve().parents[3]
     for name in ("apps.yaml", "apps-paper.yaml", "apps-table3.yaml"):

@@ -30,6 +30,7 @@ def test_without_a_gpu_it_says_so_and_checks_what_it_can(tmp_path: Path, monkeyp
     assert doc["machine"]["device"].startswith("cpu-") and "load_avg_before" in doc["machine"]
 
 
+@pytest.mark.slow
 def test_on_the_fake_runtime_every_gpu_check_runs(tmp_path: Path, fake_cuda: object) -> None:
     r = CliRunner().invoke(doctor.main, ["doctor", "--fake", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output

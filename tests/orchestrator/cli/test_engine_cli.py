@@ -36,6 +36,7 @@ def test_jobs_cover_stages_and_the_overflow_instance(tmp_path: Path) -> None:
         ("a", "", "onnxruntime", "cpu"), ("d", "stage r", "onnxruntime", "cpu"), ("d", "stage f", "eager", "cpu")]
 
 
+@pytest.mark.slow
 def test_build_fills_the_cache_and_a_second_build_hits_it(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     cfg = _write(tmp_path, [_app("a", engine="onnxruntime"), _app("b")])

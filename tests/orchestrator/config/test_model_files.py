@@ -159,6 +159,7 @@ def test_app_keys_follow_the_config(repo: Path) -> None:
     assert keys["instances"] == 1 and keys["engine"] == {"kind": "onnxruntime", "provider": "cpu"}
 
 
+@pytest.mark.slow
 def test_validate_and_start_take_a_repository_without_a_config(repo: Path) -> None:
     r = CliRunner().invoke(cli_main, ["validate", "--model-repository", str(repo)])
     assert r.exit_code == 0, r.output

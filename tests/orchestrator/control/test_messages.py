@@ -168,6 +168,7 @@ def test_decode_never_crashes_on_garbage(frames: list[bytes]) -> None:
         assert e.reason in {"malformed", "unknown_tag", "oversized"}
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(sorted(MESSAGE_TYPES)), st.dictionaries(st.sampled_from(
     ["instance", "pid", "info", "drained_count", "stats", "gpu_pct", "drain", "kind", "message", "status",

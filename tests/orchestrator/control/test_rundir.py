@@ -148,6 +148,7 @@ def test_claim_refuses_a_live_node_and_clears_a_dead_one(tmp_path: Path, shm_nam
     assert rec is not None and rec.name == "new"
 
 
+@pytest.mark.slow
 def test_reap_stops_instances_the_dead_node_left(tmp_path: Path) -> None:
     d = _private(tmp_path)
     env = {**os.environ, "GPUPRIMS_CONTROL_ADDRESS": f"ipc://{d}/control.sock ipc://{d}/command.sock"}

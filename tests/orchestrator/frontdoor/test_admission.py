@@ -276,6 +276,7 @@ def test_http_overload_admits_high_priority_and_refuses_low_every_request_answer
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_http_flood_without_deadlines_is_refused_at_once_and_answered_once() -> None:
     info = _info()
     core, transport = _core(info)

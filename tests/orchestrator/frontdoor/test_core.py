@@ -22,6 +22,7 @@ def test_a_row_waits_for_the_deadline_the_request_carries() -> None:
     assert Core([info], client=None, timeout_s=0.5).row_timeout_s(info, 10_000_000) == 0.5  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_admit_sheds_only_while_the_loop_runs_behind_and_the_watch_sleeps_when_idle() -> None:
     info = ModelInfo(name="m", app_id=1, input_shape=(3,), dtype="float32", output_dim=2, max_batch=4,
                      max_wait_ms=1.0, slo_ms=100.0, instances=1)

@@ -110,6 +110,7 @@ def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_request_for_an_app_elsewhere_is_answered_by_its_owner_over_http_and_grpc(
         owner: tuple[LoopNode, torch.nn.Module], routes: Routes) -> None:
     node, model = owner
@@ -143,6 +144,7 @@ def test_a_request_for_an_app_elsewhere_is_answered_by_its_owner_over_http_and_g
         door.close()
 
 
+@pytest.mark.slow
 def test_a_silent_owner_is_failed_over_to_the_standby_and_each_request_answered_once(
         owner: tuple[LoopNode, torch.nn.Module], routes: Routes, silent: tuple[str, int]) -> None:
     node, model = owner
@@ -164,6 +166,7 @@ def test_a_silent_owner_is_failed_over_to_the_standby_and_each_request_answered_
         door.close()
 
 
+@pytest.mark.slow
 def test_the_table_is_followed_when_the_app_moves(owner: tuple[LoopNode, torch.nn.Module], routes: Routes,
                                                   silent: tuple[str, int]) -> None:
     node, model = owner

@@ -50,6 +50,7 @@ def test_receive_limit_is_the_largest_models_bound() -> None:
     assert max_message_bytes(SimpleNamespace(models={}), models_change=False) == 4 << 20  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_oversized_messages_are_refused_with_resource_exhausted(stack: Stack) -> None:
     big = np.zeros((64, *APPS[0].input_shape), np.float32)  # 3 MB: above every model's bound
     detect = model_info(APPS[1])

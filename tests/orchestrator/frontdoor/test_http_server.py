@@ -112,6 +112,7 @@ def test_bounds_follow_each_model() -> None:
     assert max_body_bytes(core) == classify.max_body_bytes(binary=False)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expect", [False, True])
 def test_oversized_content_length_is_refused_before_the_body(stack: Stack, expect: bool) -> None:
     """A declared length above the model's bound is answered 413 without the body: the test sends

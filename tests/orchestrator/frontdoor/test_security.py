@@ -117,6 +117,7 @@ def test_load_tls_names_the_file_that_cannot_be_served(certs: Certs, tmp_path: P
     assert load_tls(certs.server_cert, certs.server_key, certs.ca).context.verify_mode == ssl.CERT_REQUIRED
 
 
+@pytest.mark.slow
 def test_tls_serves_trusted_clients_and_failed_handshakes_leave_the_door_up(certs: Certs, echo: EchoServer) -> None:
     tls = load_tls(certs.server_cert, certs.server_key)
     before = echo.counters.requests
@@ -152,6 +153,7 @@ def test_tls_serves_trusted_clients_and_failed_handshakes_leave_the_door_up(cert
         assert echo.counters.requests - before == 5  # every trusted request reached the node once
 
 
+@pytest.mark.slow
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(certs: Certs, echo: EchoServer) -> None:
     tls = load_tls(certs.server_cert, certs.server_key, certs.ca)
     with start_frontdoor([APP], echo.address, http_port=0, grpc_port=0, timeout_s=10, tls=tls) as door:
@@ -171,6 +173,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(certs: Certs, echo: E
             assert _grpc_infer(g).shape == ANSWER
 
 
+@pytest.mark.slow
 def test_the_inference_token_is_checked_and_refusals_are_counted(certs: Certs, echo: EchoServer) -> None:
     before = echo.counters.requests
     with start_frontdoor([APP], echo.address, http_port=0, grpc_port=0, timeout_s=10,
@@ -196,6 +199,7 @@ def test_the_inference_token_is_checked_and_refusals_are_counted(certs: Certs, e
         assert door.guard.refused == {"http": 3, "grpc": 3} and echo.counters.requests - before == 2
 
 
+@pytest.mark.slow
 def test_token_over_tls(certs: Certs, echo: EchoServer) -> None:
     tls = load_tls(certs.server_cert, certs.server_key)
     with start_frontdoor([APP], echo.address, http_port=0, grpc_port=0, timeout_s=10, tls=tls,

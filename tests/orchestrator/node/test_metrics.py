@@ -271,6 +271,7 @@ def test_metrics_port_in_use() -> None:
             MetricsServer(port).start()
 
 
+@pytest.mark.slow
 def test_app_series_never_go_backwards_across_a_switch() -> None:
     """An instance replaced by Overlapped-Execution is banked in its app's record."""
     agg = AppStatistics()

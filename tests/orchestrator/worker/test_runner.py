@@ -75,6 +75,7 @@ def test_eager_is_the_default_and_runs_on_torch_weights(tmp_path: Path) -> None:
         runner.close()
 
 
+@pytest.mark.slow
 def test_onnxruntime_engine_equals_eager_is_cached_and_holds_its_own_weights(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     spec = _spec(tmp_path, engine=EngineSpec("onnxruntime"), threads=1, share_params=None)
@@ -102,6 +103,7 @@ def test_onnxruntime_engine_equals_eager_is_cached_and_holds_its_own_weights(tmp
         again.close()
 
 
+@pytest.mark.slow
 def test_an_engine_prepared_before_the_share_is_made_again_for_it_from_the_cache(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     runner = AppRunner(_spec(tmp_path, engine=EngineSpec("onnxruntime")))
@@ -142,6 +144,7 @@ def test_a_model_the_engine_cannot_take_is_served_by_eager_after_one_line(
         runner.close()
 
 
+@pytest.mark.slow
 def test_a_dag_app_has_one_engine_per_stage(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     stages = (StageSpec("r", "mobilenet_v2", ("x",), EngineSpec("onnxruntime")), StageSpec("x", "resnet18"))

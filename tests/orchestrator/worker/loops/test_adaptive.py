@@ -28,6 +28,7 @@ from orchestrator.worker.loops.base import CONTEXT_LOST_EXIT, LATENCY_MEMORY_S, 
 from tests.orchestrator.worker.inproc import SHAPE, answer, send, send_body, serve_all, step_until
 
 
+@pytest.mark.slow
 def test_pessimistic_latency_model_recovers_through_a_probe(setup: tuple[Instance, Ingest, socket.socket]) -> None:
     inst, ing, sock = setup
     for _ in range(40):
@@ -194,6 +195,7 @@ class _RefusingGatherer:
         self.inner.close()  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_rows_a_gather_refuses_are_answered_bad_request_and_the_rest_ok_once(
         setup: tuple[Instance, Ingest, socket.socket]) -> None:
     inst, ing, sock = setup
@@ -230,6 +232,7 @@ def test_a_failing_model_answers_its_batch_internal_once_and_the_next_batch_is_s
     assert len(inst.queue) == 0 and inst.serving.held() == 0
 
 
+@pytest.mark.slow
 def test_a_closed_loop_client_is_answered_without_waiting_while_an_open_loop_burst_is_batched(
         waiting: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
     inst, ing, sock = waiting
@@ -266,6 +269,7 @@ def test_a_closed_loop_client_is_answered_without_waiting_while_an_open_loop_bur
     assert inst.policy.held.came_held() >= 11  # and learnt that requests now come while others are held
 
 
+@pytest.mark.slow
 def test_a_multistream_query_of_8_is_one_batch_and_single_requests_beside_it_go_at_once(
         waiting16: tuple[Instance, Ingest, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
     inst, ing, _ = waiting16
@@ -312,6 +316,7 @@ def test_a_multistream_query_of_8_is_one_batch_and_single_requests_beside_it_go_
     assert inst.policy.held.mean_gap_ms() == math.inf  # no query ever came while another was held
 
 
+@pytest.mark.slow
 def test_an_oip_request_of_8_rows_is_queued_as_one_query_and_served_as_one_batch(
         waiting16: tuple[Instance, Ingest, socket.socket]) -> None:
     inst, ing, _ = waiting16
