@@ -230,7 +230,7 @@ def start(config: str | None, model_repository: str | None, model_control_mode: 
             raise click.ClickException(f"cannot start: {why}") from None
         urls = {f"udp:{p}": f"udp://{cfg.node.listen.host}:{p}" for p in node.ingest.ports}  # type: ignore[union-attr]
         if node.metrics is not None:
-            node.metrics.update(node.status())  # ready from now on, not from the first control-loop pass
+            node.metrics.update(node.view())  # ready from now on, not from the first control-loop pass
             base = node.metrics.url.rsplit("/", 1)[0]
             for path in getattr(node.metrics, "paths", ("/metrics",)):
                 urls[path.strip("/").replace("/", "_")] = base + path

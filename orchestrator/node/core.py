@@ -216,7 +216,7 @@ class NodeCore:
             d.add("monitor", lambda now: monitor.autoscale(self, now), interval_s=monitor.policy.interval_s)
         if self.metrics is not None:
             metrics = self.metrics
-            d.add("metrics", lambda now: metrics.update(self.status()))
+            d.add("metrics", lambda now: metrics.update(self.view()))
 
     def _refill_shadows(self, now: float) -> None:
         assert self.supervisor is not None

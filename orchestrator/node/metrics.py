@@ -1,14 +1,15 @@
-"""One statistics record per app, and what reads it: the ``status`` dict, Prometheus, OIP statistics.
+"""One statistics record per app, and what reads it: the node's view (``status``), Prometheus, OIP statistics.
 
 Every update of an app's statistics goes through its `AppStatistics` (one per app, like Triton's
 ``InferenceStatsAggregator`` per model): the instances' heartbeats (`AppStatistics.beat`), the banking
 of an instance that has gone (`AppStatistics.retire`) and the front door's inferences
 (`AppStatistics.record_inference`). Three readers take the same record:
 
-- `Node.status` puts `AppStatistics.totals` in each app's entry; the CLI's ``status`` prints it
-  (`orchestrator.control.status_format`);
-- `MetricsServer` renders that status dict as Prometheus metrics at scrape time, on a private
-  `CollectorRegistry` (never the global one), and answers the health probes;
+- `Node.view` puts `AppStatistics.totals` in each app's `AppView` (``totals``); the status reply is
+  that view's JSON, which the CLI's ``status`` prints (`orchestrator.control.status_format`);
+- `MetricsServer` renders the node's last `NodeView` as Prometheus metrics at scrape time, reading
+  its records by field (roles as `Role` members), on a private `CollectorRegistry` (never the global
+  one), and answers the health probes;
 - the front door's statistics extension answers `AppStatistics.model_statistics` (Triton's counting:
   ``queue`` and ``compute_*`` one per successful inference, as perf_analyzer needs).
 
@@ -38,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from gpuprims import __version__
 from gpuprims.stats import DurationHistogram
+from orchestrator.control.records import AppView, InstanceView, NodeView, Role
 from orchestrator.control.stats import merged_histograms
 from orchestrator.control.values import as_count, as_number
 
@@ -89,24 +91,22 @@ def _buckets(h: DurationHistogram) -> list[tuple[str, float]]:
 
 
 class _Collector(Collector):
-    """Renders a status dict (from ``source``) at scrape time on a private registry.
+    """Renders the node's `NodeView` (from ``source``) at scrape time on a private registry.
 
-    ``source`` gives `Node.status`'s dict: ``apps`` by name, each with its `AppStatistics.totals`.
-    Everything counted is a ``_total`` counter in base units; every series is per app (label ``app``,
-    never ``instance``, which Prometheus reserves for the scrape target) and is the app's total over
-    its live and gone instances, so it never goes backwards. See docs/metrics.md.
+    ``source`` gives `Node.view`: its apps by name, each with its instances and its `AppTotals`, read by
+    field. Everything counted is a ``_total`` counter in base units; every series is per app (label
+    ``app``, never ``instance``, which Prometheus reserves for the scrape target) and is the app's total
+    over its live and gone instances, so it never goes backwards. See docs/metrics.md.
     """
 
-    def __init__(self, source: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, source: Callable[[], NodeView]) -> None:
         self._source = source
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> Iterator[Any]:
-        st = self._source()
-        apps = st.get("apps")
-        apps = apps if isinstance(apps, Mapping) else {}
+        view = self._source()
         a_ = ["app"]
         c = {
             "arrived": CounterMetricFamily("gpuprims_request_arrivals", "Requests routed to the app", labels=a_),
@@ -161,62 +161,55 @@ class _Collector(Collector):
             "failures": CounterMetricFamily("gpuprims_overflow_cpu_instance_failures", "CPU overflow instances of "
                                             "the app that died (the accelerator path kept serving)", labels=a_),
         }
-        for name, a in apps.items():
-            if not isinstance(a, Mapping):
-                continue
-            app = str(name)
-            insts = [i for i in a.get("instances") or () if isinstance(i, Mapping)]
-            for key, field_ in (("arrived", "received"), ("served", "ok"), ("slo_met", "within_slo")):
-                c[key].add_metric([app], float(as_count(a.get(field_))))
-            c["requeued"].add_metric([app], float(as_count(a.get("requeued_by_crash"))))
-            c["restarts"].add_metric([app], float(as_count(a.get("restarts"))))
-            reasons = {"deadline_missed": as_count(a.get("deadline_missed")), "error": as_count(a.get("errors")),
-                       "instance_failed": as_count(a.get("failed_by_crash"))}
+        for name, a in view.apps.items():
+            app, t = str(name), a.totals
+            for key, n in (("arrived", t.received), ("served", t.ok), ("slo_met", t.within_slo),
+                           ("requeued", a.requeued_by_crash), ("restarts", a.restarts)):
+                c[key].add_metric([app], float(as_count(n)))
+            reasons = {"deadline_missed": as_count(t.deadline_missed), "error": as_count(t.errors),
+                       "instance_failed": as_count(a.failed_by_crash)}
             for r in FAILURE_REASONS:
                 failure.add_metric([app, r], float(reasons[r]))
-            sizes = _batch_counts(a.get("batch_sizes"))
+            sizes = _batch_counts(t.batch_sizes)
             c["batches"].add_metric([app], float(sum(sizes.values())))
             c["inferences"].add_metric([app], float(sum(sz * n for sz, n in sizes.items())))
             cum = [(repr(float(b)), float(sum(n for sz, n in sizes.items() if sz <= b))) for b in _BATCH_BOUNDS]
             batch.add_metric([app], [*cum, ("+Inf", float(sum(sizes.values())))],
                              float(sum(sz * n for sz, n in sizes.items())))
-            h = merged_histograms(a.get("hist"))
+            h = merged_histograms(t.hist)
             for key, fam in hist.items():
                 dh = getattr(h, key)
                 fam.add_metric([app], _buckets(dh), dh.sum_s)
-            serving = [as_number(i.get("gpu_pct")) for i in insts if i.get("role", "active") == "active"]
+            active = a.active
+            serving = [_share_pct(i) for i in active]
             pct = sum(v for v in serving if v is not None) if any(v is not None for v in serving) \
-                else as_number(a.get("gpu_pct"))
+                else as_number(a.gpu_pct)
             if pct is not None:
                 g["gpu_share"].add_metric([app], pct / 100)
-            slo = as_number(a.get("slo_ms"))
+            slo = as_number(a.slo_ms)
             if slo is not None:
                 g["slo"].add_metric([app], slo / 1000)
-            for key in ("queue_len", "held"):
-                g[key].add_metric([app], float(as_count(a.get(key))))
-            door = a.get("oip") if isinstance(a.get("oip"), Mapping) else {}
-            adm = door.get("admission") if isinstance(door.get("admission"), Mapping) else {}
-            for level, n in (adm.get("admitted") or {}).items():
+            g["queue_len"].add_metric([app], float(as_count(t.queue_len)))
+            g["held"].add_metric([app], float(as_count(t.held)))
+            adm = _as_mapping(_as_mapping(t.oip).get("admission"))
+            for level, n in _as_mapping(adm.get("admitted")).items():
                 admitted.add_metric([app, str(level)], float(as_count(n)))
-            for level, by in (adm.get("refused") or {}).items():
-                for reason, n in (by.items() if isinstance(by, Mapping) else ()):
+            for level, by in _as_mapping(adm.get("refused")).items():
+                for reason, n in _as_mapping(by).items():
                     refused.add_metric([app, str(level), str(reason)], float(as_count(n)))
             per_dev: dict[str, float] = {}
-            for i in insts:
-                if i.get("gpu") is not None and i.get("role", "active") == "active":
-                    per_dev[str(i["gpu"])] = per_dev.get(str(i["gpu"]), 0.0) + (as_number(i.get("gpu_pct")) or 0.0)
+            for i in active:
+                per_dev[str(i.gpu)] = per_dev.get(str(i.gpu), 0.0) + (_share_pct(i) or 0.0)
             for dev, v in sorted(per_dev.items()):
                 device.add_metric([app, dev], v / 100)
-            counts: dict[str, int] = {}
-            for i in insts:
-                role = str(i.get("role") or "active")
-                counts[role] = counts.get(role, 0) + 1
-            for role, n in sorted(counts.items()):
-                roles.add_metric([app, role], float(n))
-            split = a.get("overflow")
+            for role in sorted(Role, key=str):
+                n = len(a.with_role(role))
+                if n:
+                    roles.add_metric([app, str(role)], float(n))
+            split = a.overflow
             if isinstance(split, Mapping):
                 for dev in ("accelerator", "cpu"):
-                    d = split.get(dev) if isinstance(split.get(dev), Mapping) else {}
+                    d = _as_mapping(split.get(dev))
                     ovf["routed"].add_metric([app, dev], float(as_count(d.get("routed"))))
                     ovf["answered"].add_metric([app, dev], float(as_count(d.get("answered"))))
                 ovf["failures"].add_metric([app], float(as_count(split.get("cpu_instance_failures"))))
@@ -230,18 +223,17 @@ class _Collector(Collector):
         yield roles
         yield device
         yield from ovf.values()
-        yield from _engine_families(apps)
-        yield from _memory_families(st, apps)
-        yield from self._node_families(st)
+        yield from _engine_families(view.apps)
+        yield from _memory_families(view)
+        yield from self._node_families(view)
 
     @staticmethod
-    def _node_families(st: Mapping[str, Any]) -> Iterator[Any]:
-        ingest = st.get("ingest") if isinstance(st.get("ingest"), Mapping) else {}
+    def _node_families(view: NodeView) -> Iterator[Any]:
+        ingest = _as_mapping(view.ingest)
         drops = CounterMetricFamily("gpuprims_ingest_dropped", "Datagrams the ingest dropped, by reason",
                                     labels=["reason"])
         reasons = {k[5:]: v for k, v in ingest.items() if k.startswith("drop_")}
-        status_drops = st.get("drops")  # also answers_expired: answers held for a full send buffer, expired
-        for r, n in (status_drops.items() if isinstance(status_drops, Mapping) else ()):
+        for r, n in _as_mapping(view.drops).items():  # also answers_expired: answers held for a full send buffer
             reasons.setdefault(str(r), n)
         for r, n in sorted(reasons.items()):
             drops.add_metric([r], float(as_count(n)))
@@ -260,11 +252,10 @@ class _Collector(Collector):
                 yield GaugeMetricFamily(name, text, value=float(as_count(ingest[key])))
         rej = CounterMetricFamily("gpuprims_control_rejected", "Control messages dropped, by reason",
                                   labels=["reason"])
-        rejected = st.get("control_rejected")
-        for r, n in sorted(rejected.items() if isinstance(rejected, Mapping) else ()):
+        for r, n in sorted(_as_mapping(view.control_rejected).items()):
             rej.add_metric([str(r)], float(as_count(n)))
         yield rej
-        node = st.get("node") if isinstance(st.get("node"), Mapping) else {}
+        node = _as_mapping(view.node)
         uptime = as_number(node.get("uptime_s"))
         if uptime is not None and uptime > 0:
             yield GaugeMetricFamily("gpuprims_start_time_seconds", "When the node started serving, Unix time",
@@ -275,30 +266,35 @@ class _Collector(Collector):
         yield info
 
 
+def _share_pct(i: InstanceView) -> float | None:
+    """The instance's share as status shows it: its last heartbeat's figure, else the node's."""
+    if i.stats is not None and i.stats.gpu_pct is not None:
+        return as_number(i.stats.gpu_pct)
+    return as_number(i.gpu_pct)
+
+
 #: Fixed batch-size bucket bounds, so histograms of all instances aggregate (max_batch <= 4096).
 _BATCH_BOUNDS = tuple(2**k for k in range(13))
 
 
-def _engine_families(apps: Mapping[str, Any]) -> Iterator[Any]:
+def _engine_families(apps: Mapping[str, AppView]) -> Iterator[Any]:
     """Per instance and stage: its engine's build time (0 on a cache hit) and whether it came from the
-    engine cache (``engine`` in the instance's heartbeat, gpuprims.engines ``describe()``)."""
+    engine cache (the instance's ``engine``, gpuprims.engines ``describe()``)."""
     labels = ["app", "instance", "stage", "kind"]
     build = GaugeMetricFamily("gpuprims_engine_build_seconds", "Time the instance's engine took to build (0 when "
                               "it came from the engine cache)", labels=labels)
     hit = GaugeMetricFamily("gpuprims_engine_cache_hit", "1 when the instance's engine came from the engine "
                             "cache, 0 when it was built at start", labels=labels)
     for name, a in apps.items():
-        if not isinstance(a, Mapping):
-            continue
-        for i in a.get("instances") or ():
-            e = i.get("engine") if isinstance(i, Mapping) else None
+        for i in a.instances:
+            e = i.engine
             if not isinstance(e, Mapping) or not e:
                 continue
             stages = e.get("stages")
             for stage, d in (stages.items() if isinstance(stages, Mapping) else [("main", e)]):
                 if not isinstance(d, Mapping) or not d.get("kind"):
                     continue
-                key = [str(name), str(i.get("name", "?")), str(stage), str(d["kind"])]
+                key = [str(name), i.name, str(stage), str(d["kind"])]
                 build.add_metric(key, (as_number(d.get("build_ms")) or 0.0) / 1000)
                 hit.add_metric(key, 1.0 if d.get("cache_hit") else 0.0)
     yield build
@@ -308,7 +304,7 @@ def _engine_families(apps: Mapping[str, Any]) -> Iterator[Any]:
 _MEMORY_KINDS = (("pss", "pss_bytes"), ("device", "device_bytes"))
 
 
-def _memory_families(st: Mapping[str, Any], apps: Mapping[str, Any]) -> Iterator[Any]:
+def _memory_families(view: NodeView) -> Iterator[Any]:
     """Memory (orchestrator/control/memory.py): each instance's and app's PSS and device memory, each of the node's
     own processes' PSS (node, fork servers, Param-Share holders), and the whole tree's. A figure not known
     (not read yet, unreadable, no device memory on the CPU backend) has no sample."""
@@ -317,21 +313,17 @@ def _memory_families(st: Mapping[str, Any], apps: Mapping[str, Any]) -> Iterator
                              labels=["app", "instance", "kind"])
     app_fam = GaugeMetricFamily("gpuprims_app_memory_bytes", "The app's instances' memory summed (actives, "
                                 "shadow, draining, overflow), by kind (pss, device)", labels=["app", "kind"])
-    for name, a in apps.items():
-        if not isinstance(a, Mapping):
-            continue
+    for name, a in view.apps.items():
         for key, field_ in _MEMORY_KINDS:
-            v = as_number(_as_mapping(a.get("memory")).get(field_))
+            v = as_number(_as_mapping(a.memory).get(field_))
             if v is not None:
                 app_fam.add_metric([str(name), key], v)
-        for i in a.get("instances") or ():
-            if not isinstance(i, Mapping):
-                continue
+        for i in a.instances:
             for key, field_ in _MEMORY_KINDS:
-                v = as_number(_as_mapping(i.get("memory")).get(field_))
+                v = as_number(_as_mapping(i.memory).get(field_))
                 if v is not None:
-                    inst.add_metric([str(name), str(i.get("name", "?")), key], v)
-    mem = _as_mapping(_as_mapping(st.get("node")).get("memory"))
+                    inst.add_metric([str(name), i.name, key], v)
+    mem = _as_mapping(_as_mapping(view.node).get("memory"))
     procs = GaugeMetricFamily("gpuprims_node_process_memory_bytes", "PSS of the node's processes other than "
                               "instances: the node itself, its fork servers, its Param-Share holders",
                               labels=["process", "pid"])
@@ -355,17 +347,9 @@ def _as_mapping(v: Any) -> Mapping[str, Any]:
     return v if isinstance(v, Mapping) else {}
 
 
-def _status_ready(status: Mapping[str, Any]) -> bool:
+def _view_ready(view: NodeView) -> bool:
     """Ready: there are apps and every one has an active instance that said READY."""
-    apps = status.get("apps")
-    if not isinstance(apps, Mapping) or not apps:
-        return False
-    for a in apps.values():
-        insts = a.get("instances") if isinstance(a, Mapping) else None
-        if not any(isinstance(i, Mapping) and i.get("role", "active") == "active" and i.get("ready", True)
-                   for i in insts or ()):
-            return False
-    return True
+    return bool(view.apps) and all(any(i.ready for i in a.active) for a in view.apps.values())
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -385,10 +369,10 @@ class MetricsServer:
     """Serves ``/metrics`` (Prometheus text or OpenMetrics, as the scraper asks), ``/health/live`` and
     ``/health/ready`` over HTTP on loopback until closed; any other path is 404.
 
-    It renders the last status dict given to `update` (`Node.status`'s shape) at every scrape, on a
-    private `CollectorRegistry` (with the ``process_*`` and ``python_info`` families), never the
+    It renders the last `NodeView` given to `update` (`Node.view`) at every scrape, on a private
+    `CollectorRegistry` (with the ``process_*`` and ``python_info`` families), never the
     process-global one. ``ready`` decides ``/health/ready`` (default: every app has a READY active
-    instance in the last status). ``port`` 0 picks a free port.
+    instance in the last view). ``port`` 0 picks a free port.
     """
 
     PATHS = ("/metrics", "/health/live", "/health/ready")
@@ -398,24 +382,26 @@ class MetricsServer:
             raise ValueError(f"port must be 0..65535 (0 = any free port), got {port!r}")
         self._host = host
         self._port = port
-        self._snapshot: Mapping[str, Any] = {}
+        self._snapshot = NodeView()
         self._snapshot_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self._current))
         _add_process_collectors(self.registry)
-        self._ready = ready or (lambda: _status_ready(self._current()))
+        self._ready = ready or (lambda: _view_ready(self._current()))
         self._metrics_app = make_wsgi_app(self.registry)
         self._httpd: Any = None
         self._finalizer: weakref.finalize | None = None
 
-    def update(self, status: Mapping[str, Any]) -> None:
-        """Replace the status served (`Node.status`'s shape)."""
-        if not isinstance(status, Mapping):
-            raise ValueError(f"status must be a mapping, got {type(status).__name__}")
+    def update(self, view: NodeView) -> None:
+        """Replace the node's view served (`Node.view`). A status reply's dict is refused: the control
+        edge reads one into a `NodeView` with `NodeView.from_dict` first."""
+        if not isinstance(view, NodeView):
+            raise ValueError(f"MetricsServer.update takes a NodeView (Node.view()), got {type(view).__name__}; "
+                             "read a status reply with NodeView.from_dict first")
         with self._snapshot_lock:
-            self._snapshot = status
+            self._snapshot = view
 
-    def _current(self) -> Mapping[str, Any]:
+    def _current(self) -> NodeView:
         with self._snapshot_lock:
             return self._snapshot
 

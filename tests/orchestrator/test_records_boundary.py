@@ -2,12 +2,14 @@
 they pass records (orchestrator/control/records.py) and read them by field. JSON status is read only at
 the control edge, where a status reply is rendered for a person or another program:
 
-- ``orchestrator/control/status_format.py``: the CLI's ``status`` table, from a status reply;
-- ``orchestrator/cli/``: the CLI, which holds only status replies from another process;
-- ``orchestrator/node/metrics.py``: the Prometheus renderer of the status JSON (what a scrape sees).
+- ``orchestrator/cli/``: the CLI, which holds only status replies from another process (and turns
+  one into a ``NodeView`` with ``NodeView.from_dict`` before its ``status`` table reads it).
 
-The fleet agent, which receives its node's status reply over the wire, reads it as a ``NodeView``
-(``NodeView.from_dict``), so it is not on the edge.
+The ``status`` table (``orchestrator/control/status_format.py``) reads a ``NodeView`` by field.
+
+The Prometheus renderer (``orchestrator/node/metrics.py``) reads the node's ``NodeView`` by field, and
+the fleet agent, which receives its node's status reply over the wire, reads it as a ``NodeView``
+(``NodeView.from_dict``), so neither is on the edge.
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ PACKAGE = ROOT / "orchestrator"
 
 #: Where a status reply's JSON is read (see the module docstring), relative to the repository.
 CONTROL_EDGE = (
-    "orchestrator/control/status_format.py",
     "orchestrator/cli/",
-    "orchestrator/node/metrics.py",
 )
 
 #: Reading a role or the SLO attainment out of a status dict.

@@ -25,7 +25,7 @@ from gpuprims.client import Result
 from gpuprims.modelrepo.config import QueuePolicy, TimeoutAction
 from gpuprims.wire import DType, Status
 from orchestrator.config.schema import ConfigError, load_config, parse_config
-from orchestrator.control.records import InstanceStats
+from orchestrator.control.records import AppView, InstanceStats, NodeView
 from orchestrator.control.stats import AppStatistics
 from orchestrator.frontdoor import oip_pb2 as pb
 from orchestrator.frontdoor.admission import (
@@ -429,7 +429,8 @@ def test_admission_counts_reach_prometheus() -> None:
     stats.record_admission(2, "predicted_late")
     stats.record_admission(2, "predicted_late")
     registry = CollectorRegistry()
-    registry.register(_Collector(lambda: {"apps": {"a": stats.totals().to_dict()}}))
+    app = AppView(name="a", app_id=1, model="m", slo_ms=SLO_MS, gpu_pct=50, gpu=0, totals=stats.totals())
+    registry.register(_Collector(lambda: NodeView(apps={"a": app})))
     text = generate_latest(registry).decode()
     assert 'gpuprims_frontdoor_admitted_total{app="a",level="1"} 1.0' in text
     assert 'gpuprims_frontdoor_refused_total{app="a",level="2",reason="predicted_late"} 2.0' in text
