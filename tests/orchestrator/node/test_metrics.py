@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuprims import __version__
 from gpuprims.stats import RequestHistograms
-from orchestrator.control.records import InstanceStats, Role
+from orchestrator.control.records import InstanceStats, NodeView, Role
 from orchestrator.control.stats import AppStatistics
 from orchestrator.control.status_format import format_status
 from orchestrator.node.metrics import MetricsServer, _Collector
@@ -53,6 +53,16 @@ def _node_status(apps: dict[str, tuple[AppStatistics, dict[str, Any], list[dict[
         out[name] = {**fields, **agg.totals(roles).to_dict(), "instances": insts}
     return {"node": {"backend": "cpu", "pid": 1, "run_dir": "/r", "ports": [9000], "uptime_s": 3.0},
             "apps": out, **extra}
+
+
+def _view(status: dict[str, Any]) -> NodeView:
+    """The node's `NodeView` of a status dict (`NodeView.from_dict`, as the control edge reads a status
+    reply); an app's or instance's required field a test leaves out takes a plain default."""
+    apps = {name: {"app_id": 0, "model": None, "slo_ms": 50.0, "gpu_pct": 0, "gpu": 0, **a,
+                   "instances": [{"pid": 1, "ready": True, "gpu_pct": 0, "gpu": 0, "consumer": 0, **i}
+                                 for i in a.get("instances", [])]}
+            for name, a in status.get("apps", {}).items()}
+    return NodeView.from_dict({**status, "apps": apps})
 
 
 # ---- the record
@@ -131,7 +141,7 @@ def test_one_record_feeds_status_prometheus_and_the_oip_statistics() -> None:
     status = _node_status({"det": (agg, {"app_id": 1, "slo_ms": 50}, [{"name": "det-0", "role": "active"}])})
     assert status["apps"]["det"]["oip"]["statuses"] == {"OK": 2, "LOST": 1}
     with MetricsServer(0) as srv:
-        srv.update(status)
+        srv.update(_view(status))
         fams = _families(_scrape(srv.url))
     # As Triton's (perf_analyzer needs it): queue and compute_* count one per successful inference,
     # compute_infer's ns is the node's round trip; the node's own durations are in Prometheus.
@@ -154,7 +164,7 @@ def test_format_status() -> None:
         "detect": (agg, {"app_id": 1, "slo_ms": 50, "gpu_pct": 50},
                    [{"name": "detect-0", "role": "active", **agg.totals({"detect-0": Role.ACTIVE}).to_dict()}]),
         "idle": (AppStatistics(), {"app_id": 2, "slo_ms": 80}, [])}, drops={"bad_magic": 4})
-    text = format_status(json.loads(json.dumps(status)))
+    text = format_status(_view(json.loads(json.dumps(status))))
     lines = text.splitlines()
     assert lines[0].startswith("node: uptime=3.0s") and "backend=cpu" in lines[0] and "ports=9000" in lines[0]
     header = lines[1]
@@ -171,15 +181,27 @@ def test_format_status() -> None:
 
 
 def test_format_status_tolerates_sparse_input() -> None:
-    assert format_status({}) == "node: -\nno apps\ningest drops: -"
-    text = format_status({"apps": {"x": {"instances": [{"name": "x-0"}]}}, "control_rejected": {"bad_token": 1}})
-    assert "x (id -)" in text and "  x-0" in text and "control messages rejected: bad_token=1" in text
+    assert format_status(NodeView()) == "node: -\nno apps\ningest drops: -"
+    text = format_status(_view({"apps": {"x": {"instances": [{"name": "x-0", "role": "active"}]}},
+                                "control_rejected": {"bad_token": 1}}))
+    assert "x (id 0)" in text and "  x-0" in text and "control messages rejected: bad_token=1" in text
+    inst = next(ln for ln in text.splitlines() if ln.startswith("  x-0"))
+    assert inst.split()[1:] == ["active", "gpu", "0", "0", *["-"] * 10]  # no heartbeat yet: its figures are '-'
 
 
 def test_format_status_garbage_values() -> None:
-    text = format_status({"apps": {"x": {"gpu_pct": "lots", "p50_ms": float("nan"), "errors": "x",
-                                         "instances": [{}, 3]}, "y": 3}, "node": [], "drops": 5})
-    assert "x (id -)" in text and "  ?" in text
+    """Garbage never reaches the table: the status reply is refused where it becomes a view, naming
+    what is malformed (the CLI prints that on one line: tests/orchestrator/cli/test_cli_control.py)."""
+    app = {"app_id": 1, "slo_ms": 50, "gpu_pct": 0, "gpu": 0}
+    for garbage, what in (({"apps": {"x": {**app, "gpu_pct": "lots"}}}, "app 'x'.gpu_pct"),
+                          ({"apps": {"x": {**app, "p50_ms": float("nan")}}}, "app 'x'.p50_ms"),
+                          ({"apps": {"x": {**app, "errors": "x"}}}, "app 'x'.errors"),
+                          ({"apps": {"x": {**app, "instances": [{}]}}}, "an instance lacks"),
+                          ({"apps": {"x": {**app, "instances": [3]}}}, "an instance must be a JSON object"),
+                          ({"apps": {"y": 3}}, "app 'y' must be a JSON object"),
+                          ({"node": []}, "a status reply.node"), ({"drops": 5}, "a status reply.drops")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            NodeView.from_dict(garbage)
 
 
 # ---- Prometheus over HTTP
@@ -208,7 +230,7 @@ def test_metrics_endpoint() -> None:
     with MetricsServer(0) as srv:
         assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}/metrics"
         assert "gpuprims_request_arrivals_total{" not in _scrape(srv.url)
-        srv.update(_detect())
+        srv.update(_view(_detect()))
         body = _scrape(srv.url)
     lab = 'app="detect"'
     for line in (
@@ -242,8 +264,19 @@ def test_metrics_endpoint() -> None:
     assert 'instance="' not in body
     # Our metrics never land in the process-global registry.
     assert REGISTRY.get_sample_value("gpuprims_request_arrivals_total", {"app": "detect"}) is None
-    with pytest.raises(ValueError, match="mapping"):
+    with pytest.raises(ValueError, match="NodeView"):
         srv.update([])  # type: ignore[arg-type]
+
+
+def test_update_refuses_a_status_dict() -> None:
+    """Metrics read the node's records by field: a status reply's dict (the control edge's JSON) is
+    refused with an error that says what to pass, and what was served before stays served."""
+    srv = MetricsServer(0)  # never started: its registry renders what it was given
+    srv.update(_view(_detect()))
+    for bad in (_detect(), _view(_detect()).to_dict(), None):
+        with pytest.raises(ValueError, match=r"takes a NodeView \(Node.view\(\)\), got (dict|NoneType)"):
+            srv.update(bad)  # type: ignore[arg-type]
+    assert 'gpuprims_request_arrivals_total{app="detect"} 10.0' in generate_latest(srv.registry).decode()
 
 
 def test_metrics_server_stops_and_refuses() -> None:
@@ -281,7 +314,7 @@ def test_app_series_never_go_backwards_across_a_switch() -> None:
 
     def scrape(status: dict[str, Any]) -> dict[tuple[str, str], float]:
         with MetricsServer(0) as srv:
-            srv.update(status)
+            srv.update(_view(status))
             fams = _families(_scrape(srv.url))
         return {(s.name, s.labels.get("le", "")): s.value for f in fams.values() if f.name.startswith("gpuprims_")
                 and f.type in ("counter", "histogram") for s in f.samples if s.labels.get("app") == "detect"}
@@ -304,7 +337,7 @@ def _families(body: str) -> dict[str, Any]:
 
 def test_scrape_follows_prometheus_conventions() -> None:
     with MetricsServer(0) as srv:
-        srv.update(_detect())
+        srv.update(_view(_detect()))
         fams = _families(_scrape(srv.url))
     ours = {n: f for n, f in fams.items() if n.startswith("gpuprims_")}
     assert {"gpuprims_request_duration_seconds", "gpuprims_queue_duration_seconds",
@@ -331,7 +364,7 @@ def test_promtool_accepts_the_scrape(tmp_path: Path) -> None:
     if promtool is None:
         pytest.skip("promtool is not installed (Debian package prometheus; scripts/install-tools.sh installs it)")
     with MetricsServer(0) as srv:
-        srv.update(_detect())
+        srv.update(_view(_detect()))
         body = _scrape(srv.url)
     r = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
@@ -345,7 +378,7 @@ def test_health_endpoints() -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             _scrape(urls["health_ready"])
         assert e.value.code == 503  # no app has a READY instance yet
-        srv.update(_detect())
+        srv.update(_view(_detect()))
         assert _scrape(urls["health_ready"]) == "ready\n"
         for path in ("/", "/metrics/x", "/favicon.ico"):
             with pytest.raises(urllib.error.HTTPError) as e:
@@ -360,7 +393,7 @@ def test_health_endpoints() -> None:
             assert r.read().decode().endswith("# EOF\n")
         up = _detect()
         down = {**up, "apps": {"detect": {**up["apps"]["detect"], "instances": []}}}
-        srv.update(down)
+        srv.update(_view(down))
         with pytest.raises(urllib.error.HTTPError) as e:
             _scrape(urls["health_ready"])
         assert e.value.code == 503
@@ -375,7 +408,7 @@ def test_format_status_shows_the_recent_changes_and_the_monitors_decisions() -> 
          "reason": None, "phase": "draining", "switched": [{"downtime_ms": None}]}]},
         "decisions": [{"app": "a", "verdict": "underused", "reason": "busy 10% of the time < 30%, no queue",
                        "result": "not made: at 25% it would be busy 80% of the time (> max_util_after 70%)"}]}
-    text = format_status(st)
+    text = format_status(_view(st))
     assert ("change 4: a 50% -> 75% overlap by monitor (overloaded: SLO attainment 90.0% < 99%): done, "
             "switch downtime 0.125 ms") in text
     assert "change 5: a 75% -> 50% overlap by set-gpu: draining, switch downtime ?" in text
@@ -394,7 +427,7 @@ def _engine_status() -> dict[str, Any]:
 
 
 def test_engine_build_time_and_cache_hit_are_metrics() -> None:
-    fams = {f.name: f for f in _Collector(_engine_status).collect()}
+    fams = {f.name: f for f in _Collector(lambda: _view(_engine_status())).collect()}
     got = {(s.name, s.labels["instance"], s.labels["stage"], s.labels["kind"]): s.value
            for name in ("gpuprims_engine_build_seconds", "gpuprims_engine_cache_hit") for s in fams[name].samples}
     assert got[("gpuprims_engine_build_seconds", "a-0", "main", "onnxruntime")] == pytest.approx(1.234)
@@ -405,7 +438,7 @@ def test_engine_build_time_and_cache_hit_are_metrics() -> None:
 
 
 def test_status_shows_engines_other_than_eager_and_fallbacks() -> None:
-    text = format_status(_engine_status())
+    text = format_status(_view(_engine_status()))
     lines = [x for x in text.splitlines() if x.startswith("engine ")]
     assert lines == [
         "engine a-0: onnxruntime  provider=cpu  built in 1234 ms, load 12 ms, f00d  Param-Share n/a (own weights)",
@@ -422,13 +455,13 @@ def test_devices_and_expired_held_answers_in_status_and_metrics() -> None:
                                            {"name": "a-1", "role": "active", "gpu": 1, "gpu_pct": 30},
                                            {"name": "a-s", "role": "shadow", "gpu": 1, "gpu_pct": 30}]}},
               "ingest": {"held_answers": 2, "drop_late": 1}, "drops": {"late": 1, "answers_expired": 3}}
-    fams = {f.name: f for f in _Collector(lambda: status).collect()}
+    fams = {f.name: f for f in _Collector(lambda: _view(status)).collect()}
     share = {(s.labels["app"], s.labels["gpu"]): s.value for s in fams["gpuprims_app_device_share_ratio"].samples}
     assert share == {("a", "1"): pytest.approx(0.6)}
     assert [s.value for s in fams["gpuprims_ingest_held_answers"].samples] == [2.0]
     drops = {s.labels["reason"]: s.value for s in fams["gpuprims_ingest_dropped"].samples}
     assert drops == {"late": 1.0, "answers_expired": 3.0}
-    text = format_status(status)
+    text = format_status(_view(status))
     assert "DEVICE" in text and re.search(r"a-0\s+active\s+gpu 1\s+30", text), text
     assert "ingest drops:" in text and "answers_expired=3" in text, text
 
@@ -445,11 +478,12 @@ def _memory_status() -> dict[str, Any]:
                                           "memory": {"pss_bytes": 200 * mib, "device_bytes": 64 * mib}},
                                          {"name": "a-s1", "role": "shadow",
                                           "memory": {"pss_bytes": 100 * mib, "device_bytes": None}},
-                                         {"name": "a-k2", "role": "active", "memory": "garbage"}]}}}
+                                         {"name": "a-k2", "role": "active",
+                                          "memory": {"pss_bytes": "garbage", "device_bytes": float("nan")}}]}}}
 
 
 def test_memory_in_status_and_metrics() -> None:
-    fams = {f.name: f for f in _Collector(_memory_status).collect()}
+    fams = {f.name: f for f in _Collector(lambda: _view(_memory_status())).collect()}
     mib = 1 << 20
     inst = {(s.labels["instance"], s.labels["kind"]): s.value for s in fams["gpuprims_instance_memory_bytes"].samples}
     assert inst == {("a-0", "pss"): 200 * mib, ("a-0", "device"): 64 * mib, ("a-s1", "pss"): 100 * mib}
@@ -459,10 +493,10 @@ def test_memory_in_status_and_metrics() -> None:
     assert procs == {("node", "10"): 90 * mib, ("fork_server", "11"): 150 * mib}  # the unread holder: no sample
     assert {s.labels["kind"]: s.value for s in fams["gpuprims_node_memory_bytes"].samples} == \
         {"pss": 540 * mib, "device": 64 * mib}
-    text = format_status(_memory_status())
+    text = format_status(_view(_memory_status()))
     lines = text.splitlines()
     assert "PSS MB" in lines[1] and "DEV MB" in lines[1]
-    assert " 300 " in next(ln for ln in lines if ln.startswith("a (id -)"))
+    assert " 300 " in next(ln for ln in lines if ln.startswith("a (id 0)"))
     shadow = next(ln for ln in lines if ln.startswith("  a-s1"))
     assert " 100 " in shadow and " - " in shadow
     mem = next(ln for ln in lines if ln.startswith("memory (PSS MB):"))

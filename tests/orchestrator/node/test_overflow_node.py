@@ -21,7 +21,7 @@ from gpuprims.gather import preprocess
 from gpuprims.profile import save_profile, with_stages
 from gpuprims.wire import Status
 from orchestrator.config.schema import load_config
-from orchestrator.control.records import Role
+from orchestrator.control.records import NodeView, Role
 from orchestrator.control.status_format import format_status
 from orchestrator.node.metrics import MetricsServer
 from orchestrator.node.node import Node
@@ -132,10 +132,10 @@ def test_a_long_accelerator_queue_overflows_to_the_cpu_with_equal_answers(node: 
     assert acc + cpu == len(sent) and cpu > 0 and acc > 0, split
     assert split["cpu"]["answered"] == split["cpu"]["routed"]
     # status text and Prometheus show the split
-    text = format_status(node.status())
+    text = format_status(NodeView.from_dict(node.status()))
     assert f"overflow cls: accelerator routed={split['accelerator']['routed']}" in text
     srv = MetricsServer(0)  # never started: its registry renders what it was given
-    srv.update(node.status())
+    srv.update(node.view())
     body = generate_latest(srv.registry).decode()
     assert f'gpuprims_overflow_routed_total{{app="cls",device="cpu"}} {float(split["cpu"]["routed"])}' in body
     assert 'gpuprims_overflow_cpu_instance_failures_total{app="cls"} 0.0' in body
