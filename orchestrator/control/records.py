@@ -296,7 +296,7 @@ class AppView:
     def from_dict(cls, name: str, data: object) -> AppView:
         """Rebuild app ``name`` from `to_dict` output; ValueError names what is malformed."""
         d = _mapping(f"app {name!r}", data)
-        v = _checked(f"app {name!r}", _APP_FIELDS, d, frozenset({"app_id", "slo_ms", "gpu_pct", "gpu"}))
+        v = _checked(f"app {name!r}", _APP_FIELDS, d, frozenset({"app_id", "model", "slo_ms", "gpu_pct", "gpu"}))
         insts = d.get("instances", [])
         if not isinstance(insts, list):
             raise ValueError(f"app {name!r}: instances must be a list, got {type(insts).__name__}")

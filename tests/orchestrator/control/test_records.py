@@ -124,6 +124,7 @@ def test_a_status_reply_reads_back_as_the_view() -> None:
     (lambda st: st.update(apps=[]), "apps must be a JSON object"),
     (lambda st: st["apps"]["a"].update(gpu_pct="50"), r"app 'a'.gpu_pct"),
     (lambda st: st["apps"]["a"].pop("slo_ms"), r"app 'a' lacks \['slo_ms'\]"),
+    (lambda st: st["apps"]["a"].pop("model"), r"app 'a' lacks \['model'\]"),
     (lambda st: st["apps"]["a"].update(instances={}), "instances must be a list"),
     (lambda st: st["apps"]["a"].update(slo_attainment="all"), "slo_attainment"),
     (lambda st: st["apps"]["a"]["instances"][0].update(role="primary"), "role must be one of"),
