@@ -24,7 +24,8 @@ import click
 
 from orchestrator.control import channel as control
 from orchestrator.control.channel import ControlError, connect_command, control_address, read_token
-from orchestrator.control.messages import Message, SetGpuRequest, StatusRequest, StopRequest
+from orchestrator.control.messages import Message, SetGpuRequest, StatusReply, StatusRequest, StopRequest
+from orchestrator.control.records import NodeView
 from orchestrator.control.rundir import (
     NodeEntry,
     Removed,
@@ -120,9 +121,24 @@ def command(d: Path, msg: Message, timeout_ms: float) -> Any:
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the node.")
 def status(run_dir: str | None, name: str | None, as_json: bool, timeout: float) -> None:
     """Print apps, instances, GPU%, rates, latency, SLO attainment and drops."""
-    reply = command(find_run_dir(run_dir, name), StatusRequest(), timeout * 1000)
-    st = reply.status
-    click.echo(json.dumps(st, indent=1) if as_json else format_status(st))
+    d = find_run_dir(run_dir, name)
+    reply = command(d, StatusRequest(), timeout * 1000)
+    if not isinstance(reply, StatusReply):
+        raise click.ClickException(f"the node in {d} answered the status request with a {type(reply).__name__}, "
+                                   "not a status (is it a gpuprims node of this version?)")
+    if as_json:
+        click.echo(json.dumps(reply.status, indent=1))
+        return
+    click.echo(format_status(status_view(d, reply.status)))
+
+
+def status_view(d: Path, body: object) -> NodeView:
+    """A status reply's body as a view; a malformed or foreign one is a one-line error naming what is wrong."""
+    try:
+        return NodeView.from_dict(body)
+    except ValueError as e:
+        raise click.ClickException(f"the node in {d} sent a status this CLI cannot read "
+                                   f"(a node of another version?): {e}") from e
 
 
 @click.command()

@@ -23,6 +23,7 @@ import numpy as np
 
 from gpuprims.interrupt import ctrl_c_interrupts
 from orchestrator.config.schema import ConfigError, NodeConfig, load_config, parse_config
+from orchestrator.control.records import NodeView
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +140,7 @@ def _main(argv: list[str] | None) -> int:
         for _ in range(10):
             node.step(100)  # collect the last heartbeats
         apps = per_app_report(report, cfg)
-        status = node.status()
+        status = node.status()  # the status reply's body: the view's JSON and the loop's duties
         title = "client-side report (traffic tool)" + (", PARTIAL: interrupted" if interrupted else "")
         print(f"\n== {title} ==")
         hdr = f"{'app':<12}{'sent':>7}{'answered':>10}{'lost':>6}{'rps':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9':>9}{'SLO':>8}"
@@ -151,7 +152,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"send rate achieved: {report.summary['rate']['achieved']} "
               f"({report.summary['rate']['achieved_rps']:.1f} of {report.summary['rate']['target_rps']:.1f} req/s)")
         print("\n== node status ==")
-        print(format_status(status))
+        print(format_status(NodeView.from_dict(status)))
         if args.json:
             Path(args.json).write_text(json.dumps({"apps": apps, "traffic": report.to_dict(), "node": status,
                                                    "interrupted": interrupted}, indent=1, default=str))

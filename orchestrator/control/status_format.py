@@ -1,6 +1,10 @@
 """The text the CLI prints for a node's status (``gpuprims-orchestrator status``, ``make demo``).
 
-Formatting is the CLI's: the node and its metrics only produce the status dict.
+Formatting is the CLI's: the node only produces its view (`orchestrator.control.records.NodeView`);
+a status reply from another process becomes one with ``NodeView.from_dict`` at the CLI's edge. Apps,
+instances and their statistics are read by field; what the view keeps as JSON (``node``, ``changes``,
+``scheduler``, an app's ``overflow`` and ``memory``, an instance's ``engine``, ...) is read as mappings,
+and a missing or malformed value there prints as ``-``.
 """
 
 from __future__ import annotations
@@ -9,9 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["format_status"]
-
+from orchestrator.control.records import AppView, InstanceView, NodeView
 from orchestrator.control.values import as_count, as_number
+
+__all__ = ["format_status"]
 
 
 def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
@@ -24,9 +29,9 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
     return str(v)
 
 
-def _errors(entry: Mapping[str, Any]) -> dict[str, int]:
+def _errors(deadline_missed: Any, errors: Any) -> dict[str, int]:
     """An app's or instance's non-OK answers by status (the heartbeat counts them as plain numbers)."""
-    out = {"deadline_missed": as_count(entry.get("deadline_missed")), "error": as_count(entry.get("errors"))}
+    out = {"deadline_missed": as_count(deadline_missed), "error": as_count(errors)}
     return {k: v for k, v in out.items() if v}
 
 
@@ -45,13 +50,37 @@ def _counts(d: Mapping[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
-def format_status(status: Mapping[str, Any]) -> str:
-    """The table ``gpuprims-orchestrator status`` prints, from `Node.status` (or its JSON).
+def _app_row(a: AppView) -> list[str]:
+    """An app's row: its config's figures and its totals (`orchestrator.control.stats.AppStatistics.totals`)."""
+    t = a.totals
+    slo = as_number(a.slo_ms)
+    return [f"{a.name} (id {_fmt(a.app_id, 'd')})", "app", _dev(a.gpu), _fmt(a.gpu_pct, "d"), _fmt(t.arrival_rps),
+            _fmt(t.service_rps), _fmt(t.queue_len, "d"), _fmt(t.held, "d"), _fmt(t.p50_ms, ".2f"),
+            _fmt(t.p99_ms, ".2f"), "-" if slo is None else f"{slo:g} ms", _pct(t.slo_attainment),
+            *_mem(a.memory), _counts(_errors(t.deadline_missed, t.errors))]
 
-    One line per app (its totals: `orchestrator.node.metrics.AppStatistics.totals`) followed by one line
-    per instance, then the ingest's drops by reason. Missing or malformed values print as ``-``.
+
+def _instance_row(i: InstanceView) -> list[str]:
+    """An instance's row: its last heartbeat's figures (``-`` before its first), its share as the
+    heartbeat says it (else the node's figure)."""
+    s = i.stats
+    if s is None:
+        return ["  " + i.name, str(i.role), _dev(i.gpu), _fmt(i.gpu_pct, "d"), "-", "-", "-", "-", "-", "-", "",
+                "-", *_mem(i.memory), "-"]
+    pct = i.gpu_pct if s.gpu_pct is None else s.gpu_pct
+    return ["  " + i.name, str(i.role), _dev(i.gpu), _fmt(pct, "d"), _fmt(s.arrival_rps), _fmt(s.service_rps),
+            _fmt(s.queue_len, "d"), _fmt(s.held, "d"), _fmt(s.p50_ms, ".2f"), _fmt(s.p99_ms, ".2f"), "",
+            _pct(s.slo_attainment), *_mem(i.memory), _counts(_errors(s.deadline_missed, s.errors))]
+
+
+def format_status(view: NodeView) -> str:
+    """The table ``gpuprims-orchestrator status`` prints, from a node's view (``Node.view()``, or
+    ``NodeView.from_dict`` of a status reply).
+
+    One line per app (its totals) followed by one line per instance, then the ingest's drops by reason.
+    Values not known yet print as ``-``.
     """
-    node = _mapping(status.get("node"))
+    node = view.node
     head = [f"{k}={','.join(map(str, v)) if isinstance(v, list | tuple) else v}"
             for k, v in sorted(node.items()) if k not in ("uptime_s", "fork_servers") and not isinstance(v, Mapping)]
     if as_number(node.get("uptime_s")) is not None:
@@ -60,24 +89,9 @@ def format_status(status: Mapping[str, Any]) -> str:
     cols = ["APP / INSTANCE", "ROLE", "DEVICE", "GPU%", "ARR/s", "SRV/s", "QUEUE", "HELD", "P50 ms", "P99 ms", "SLO",
             "SLO att.", "PSS MB", "DEV MB", "ERRORS"]
     rows: list[list[str]] = []
-    apps = {str(k): a for k, a in _mapping(status.get("apps")).items() if isinstance(a, Mapping)}
-    for app_name, a in apps.items():
-        slo = as_number(a.get("slo_ms"))
-        name = f"{app_name} (id {_fmt(a.get('app_id'), 'd')})"
-        rows.append([name, "app", _dev(a.get("gpu")), _fmt(a.get("gpu_pct"), "d"), _fmt(a.get("arrival_rps")),
-                     _fmt(a.get("service_rps")), _fmt(a.get("queue_len"), "d"), _fmt(a.get("held"), "d"),
-                     _fmt(a.get("p50_ms"), ".2f"), _fmt(a.get("p99_ms"), ".2f"),
-                     "-" if slo is None else f"{slo:g} ms", _pct(a.get("slo_attainment")),
-                     *_mem(a.get("memory")), _counts(_errors(a))])
-        insts = a.get("instances")
-        for i in insts if isinstance(insts, list) else ():
-            if not isinstance(i, Mapping):
-                continue
-            rows.append(["  " + str(i.get("name", "?")), str(i.get("role", "-")), _dev(i.get("gpu")),
-                         _fmt(i.get("gpu_pct"), "d"),
-                         _fmt(i.get("arrival_rps")), _fmt(i.get("service_rps")), _fmt(i.get("queue_len"), "d"),
-                         _fmt(i.get("held"), "d"), _fmt(i.get("p50_ms"), ".2f"), _fmt(i.get("p99_ms"), ".2f"),
-                         "", _pct(i.get("slo_attainment")), *_mem(i.get("memory")), _counts(_errors(i))])
+    for a in view.apps.values():
+        rows.append(_app_row(a))
+        rows.extend(_instance_row(i) for i in a.instances)
     if rows:
         widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
         left = {0, 1, 2, len(cols) - 1}
@@ -90,49 +104,45 @@ def format_status(status: Mapping[str, Any]) -> str:
         lines.extend(line(r) for r in rows)
     else:
         lines.append("no apps")
-    for app_name, a in apps.items():
-        split = a.get("overflow")
+    for a in view.apps.values():
+        split = a.overflow
         if isinstance(split, Mapping):
             parts = []
             for dev in ("accelerator", "cpu"):
                 d = split.get(dev) if isinstance(split.get(dev), Mapping) else {}
                 parts.append(f"{dev} routed={_fmt(d.get('routed'), 'd')} answered={_fmt(d.get('answered'), 'd')}")
             cores = split.get("cores")
-            lines.append(f"overflow {app_name}: " + "  ".join(parts)
+            lines.append(f"overflow {a.name}: " + "  ".join(parts)
                          + f"  cpu cores={','.join(map(str, cores)) if isinstance(cores, list) else '-'}"
                          + f"  cpu instance failures={_fmt(split.get('cpu_instance_failures'), 'd')}")
-    lines.extend(_engine_lines(apps))
+    lines.extend(_engine_lines(view.apps))
     lines.extend(_memory_lines(node.get("memory")))
     lines.extend(_fork_server_lines(node.get("fork_servers")))
     lines.extend(_duty_lines(node.get("duties")))
-    lines.extend(_param_share_lines(status.get("param_share")))
-    drops = dict(_mapping(status.get("drops")))
+    lines.extend(_param_share_lines(view.param_share))
+    drops = dict(view.drops)
     total = sum(as_count(v) for v in drops.values())
     lines.append(f"ingest drops: {_counts(drops)}" + (f" (total {total})" if drops else ""))
-    sch = status.get("scheduler")
-    if isinstance(sch, Mapping) and sch.get("name") not in (None, "spatial"):
+    sch = view.scheduler
+    if sch.get("name") not in (None, "spatial"):
         lines.append(f"scheduler: {sch.get('name')}  round={_fmt(sch.get('round_ms'))}ms  runs={_fmt(sch.get('runs'), 'd')}"
                      f"  mean batch={_fmt(sch.get('mean_batch'))}  rejected={_fmt(sch.get('rejected_requests'), 'd')}"
                      f"  aborted={_fmt(sch.get('aborted'), 'd')}  in flight={_fmt(sch.get('inflight'), 'd')}")
         corr = sch.get("corrections")
         if isinstance(corr, Mapping) and corr:
             lines.append("  measured/predicted: " + "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(corr.items())))
-    lines.extend(_changes_lines(status))
-    rejected = _mapping(status.get("control_rejected"))
-    if rejected:
-        lines.append(f"control messages rejected: {_counts(dict(rejected))}")
+    lines.extend(_changes_lines(view.changes, view.decisions))
+    if view.control_rejected:
+        lines.append(f"control messages rejected: {_counts(dict(view.control_rejected))}")
     return "\n".join(lines)
 
 
-def _changes_lines(status: Any, keep: int = 3) -> list[str]:
+def _changes_lines(changes: Mapping[str, Any], decisions: tuple[Mapping[str, Any], ...], keep: int = 3) -> list[str]:
     """The last few changes of share (origin, reason, how they went, the measured switch downtime)
     and the monitor's last decisions, made or not."""
-    if not isinstance(status, Mapping):
-        return []
     out: list[str] = []
-    changes = status.get("changes")
-    recent = changes.get("recent") if isinstance(changes, Mapping) else None
-    for ch in (recent or [])[-keep:]:
+    recent = changes.get("recent")
+    for ch in (recent if isinstance(recent, list | tuple) else [])[-keep:]:
         if not isinstance(ch, Mapping):
             continue
         downs = [sw.get("downtime_ms") for sw in ch.get("switched") or [] if isinstance(sw, Mapping)]
@@ -140,7 +150,7 @@ def _changes_lines(status: Any, keep: int = 3) -> list[str]:
         why = f" ({ch['reason']})" if ch.get("reason") else ""
         out.append(f"change {ch.get('id')}: {ch.get('app')} {ch.get('from_pct')}% -> {ch.get('to_pct')}% "
                    f"{ch.get('method')} by {ch.get('origin')}{why}: {ch.get('phase')}, switch downtime {down}")
-    for d in (status.get("decisions") or [])[-keep:]:
+    for d in decisions[-keep:]:
         if isinstance(d, Mapping):
             out.append(f"monitor: {d.get('app')} {d.get('verdict')} ({d.get('reason')}): {d.get('result')}")
     return out
@@ -160,21 +170,20 @@ def _engine_line(where: str, e: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def _engine_lines(apps: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _engine_lines(apps: Mapping[str, AppView]) -> list[str]:
     """One line per instance running an engine other than eager (or one that fell back to eager):
     kind, cache hit or build time, load time, fingerprint."""
     out = []
     for a in apps.values():
-        insts = a.get("instances")
-        for i in insts if isinstance(insts, list) else ():
-            e = i.get("engine") if isinstance(i, Mapping) else None
+        for i in a.instances:
+            e = i.engine
             if not isinstance(e, Mapping) or not e:
                 continue
             stages = e.get("stages")
             items = list(stages.items()) if isinstance(stages, Mapping) else [("", e)]
             for stage, d in items:
                 if isinstance(d, Mapping) and (d.get("kind") != "eager" or d.get("fallback")):
-                    out.append(_engine_line(f"{i.get('name', '?')}{f' stage {stage}' if stage else ''}", d))
+                    out.append(_engine_line(f"{i.name}{f' stage {stage}' if stage else ''}", d))
     return out
 
 
@@ -250,7 +259,7 @@ def _param_share_lines(v: Any) -> list[str]:
     """One line per shared copy of weights (``ParamShare.describe``): its key, where it lives (a CUDA
     holder process or the node's shared-memory segment), its size and the instances that map it."""
     out = []
-    for e in v if isinstance(v, list) else ():
+    for e in v if isinstance(v, list | tuple) else ():
         if not isinstance(e, Mapping):
             continue
         owner = f"holder pid {e['holder_pid']}" if e.get("holder_pid") is not None else "node segment"

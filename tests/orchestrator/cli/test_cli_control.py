@@ -19,6 +19,7 @@ from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from orchestrator.cli import control as cli_control
 from orchestrator.control import rundir
@@ -38,6 +39,7 @@ from orchestrator.control.messages import (
     StatusRequest,
     StopRequest,
 )
+from orchestrator.control.records import AppTotals, AppView, NodeView
 
 ROOT = Path(__file__).resolve().parents[3]
 #: Modules the control-socket commands must not import: the node and its config schema, the front door's
@@ -58,7 +60,10 @@ print("HEAVY=" + json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)), f
 sys.exit(code)
 """
 CLI_S = 120.0  # a fresh interpreter's start plus one request, on a busy 2-core machine
-STATUS = {"apps": {"cls": {"gpu_pct": 50, "ok": 7, "instances": {}}}, "ingest": {"drops": {}}}
+STATUS = NodeView(apps={"cls": AppView(name="cls", app_id=1, model="m", slo_ms=50.0, gpu_pct=50, gpu=0,
+                                       totals=AppTotals(ok=7))}, ingest={"drops": {}}).to_dict()
+#: A status reply this CLI cannot read (another version's shape): no app_id, instances as a mapping.
+FOREIGN = {"apps": {"cls": {"gpu_pct": 50, "ok": 7, "instances": {}}}, "ingest": {"drops": {}}}
 
 
 def _node_dir(base: Path, name: str) -> Path:
@@ -242,3 +247,38 @@ def test_status_from_a_silent_node_ends_in_one_line(tmp_path: Path) -> None:
         silent.close()
     _one_line_error(r, "cannot reach the node in", str(silent.run_dir))
     assert [type(m) for m in silent.requests] == [StatusRequest]
+
+
+@pytest.mark.parametrize(("reply", "fragments"), [
+    (StatusReply(status=FOREIGN), ("sent a status this CLI cannot read", "app 'cls' lacks ['app_id', 'gpu'")),
+    (StatusReply(status={**STATUS, "apps": {"cls": {**STATUS["apps"]["cls"], "instances": [{"name": "cls-0"}]}}}),
+     ("sent a status this CLI cannot read", "an instance lacks")),
+    (StatusReply(status={**STATUS, "drops": 5}), ("sent a status this CLI cannot read", "a status reply.drops")),
+    (Result(ok=False, message="not now"), ("answered the status request with a Result, not a status",)),
+])
+def test_a_malformed_or_foreign_status_is_one_line_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reply: Message, fragments: tuple[str, ...]) -> None:
+    """The status reply becomes a NodeView at the CLI's edge: one it cannot read (another version's
+    node, a wrong message) is one line on stderr and exit 1. The node is faked in this process."""
+    asked: list[Message] = []
+
+    def command(d: Path, msg: Message, timeout_ms: float) -> Message:
+        asked.append(msg)
+        return reply
+
+    monkeypatch.setattr(cli_control, "find_run_dir", lambda run_dir, name: tmp_path)
+    monkeypatch.setattr(cli_control, "command", command)
+    r = CliRunner().invoke(cli_control.status, [])
+    assert isinstance(r.exception, SystemExit), r.exception  # click's exit, not an error escaping
+    _one_line_error(subprocess.CompletedProcess([], r.exit_code, r.stdout, r.stderr), str(tmp_path), *fragments)
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert asked == [StatusRequest()]
+
+
+def test_status_prints_the_table_of_a_readable_reply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli_control, "find_run_dir", lambda run_dir, name: tmp_path)
+    monkeypatch.setattr(cli_control, "command", lambda d, msg, timeout_ms: StatusReply(status=STATUS))
+    r = CliRunner().invoke(cli_control.status, [])
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert r.stdout.splitlines()[2].split() == ["cls", "(id", "1)", "app", "gpu", "0", "50", "0.0", "0.0", "0", "0",
+                                                "-", "-", "50", "ms", "-", "-", "-", "-"], r.stdout

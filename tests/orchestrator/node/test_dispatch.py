@@ -22,6 +22,7 @@ from gpuprims import wire
 from gpuprims.wire import Status
 from orchestrator.config.schema import load_config
 from orchestrator.control.messages import BatchDone, RunBatch
+from orchestrator.control.records import NodeView
 from orchestrator.control.status_format import format_status
 from orchestrator.node.node import Node
 from orchestrator.node.reconfig import change_gpu_pct
@@ -108,7 +109,7 @@ def test_live_scheduler_serves_dag_and_single_apps_correctly(tmp_path: Path, sch
     assert all(r.measured_ms > 0 and r.predicted_ms > 0 and r.overhead_ms >= 0 for r in log)
     assert all(r.late == (r.measured_ms + r.overhead_ms > r.predicted_ms + r.slack_ms) for r in log)
     assert sch["inflight"] == 0 and not sch["queued"]
-    text = format_status(st)
+    text = format_status(NodeView.from_dict(st))
     assert f"scheduler: {scheduler}" in text and "measured/predicted: " in text and "recog/face=" in text
     models = {n: load_model(n, seed=3, input_shape=SHAPE).eval() for n in ("recog_router", "vgg_face", "resnet_car")}
     cls_model = load_model("mobilenet_v2", seed=0, num_classes=10, input_shape=SHAPE).eval()
@@ -316,7 +317,7 @@ def test_live_scheduler_runs_every_stage_of_the_dag_and_single_apps_on_played_in
     assert {m.stage for m in runs.seen} == {"router", "face", "car", "main"}
     assert all(1 <= m.batch <= 4 for m in runs.seen)
     assert all(m.instance.startswith("recog" if m.stage != "main" else "cls") for m in runs.seen)
-    text = format_status(st)
+    text = format_status(NodeView.from_dict(st))
     assert f"scheduler: {scheduler}" in text and "measured/predicted: " in text and "recog/face=" in text
     assert node.errors == {}
 

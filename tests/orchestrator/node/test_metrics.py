@@ -192,7 +192,7 @@ def test_format_status_tolerates_sparse_input() -> None:
 def test_format_status_garbage_values() -> None:
     """Garbage never reaches the table: the status reply is refused where it becomes a view, naming
     what is malformed (the CLI prints that on one line: tests/orchestrator/cli/test_cli_control.py)."""
-    app = {"app_id": 1, "slo_ms": 50, "gpu_pct": 0, "gpu": 0}
+    app = {"app_id": 1, "model": None, "slo_ms": 50, "gpu_pct": 0, "gpu": 0}
     for garbage, what in (({"apps": {"x": {**app, "gpu_pct": "lots"}}}, "app 'x'.gpu_pct"),
                           ({"apps": {"x": {**app, "p50_ms": float("nan")}}}, "app 'x'.p50_ms"),
                           ({"apps": {"x": {**app, "errors": "x"}}}, "app 'x'.errors"),

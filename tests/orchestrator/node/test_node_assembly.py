@@ -13,6 +13,7 @@ import pytest
 from orchestrator.config.schema import NodeConfig, parse_config
 from orchestrator.control.errors import StartError
 from orchestrator.control.messages import Shutdown
+from orchestrator.control.records import NodeView
 from orchestrator.control.rundir import NodeRecord, proc_start_ticks, write_record
 from orchestrator.control.status_format import format_status
 from tests.orchestrator.conftest import NodeFactory, played
@@ -39,7 +40,7 @@ def test_the_loop_duties_are_counted_timed_and_shown_by_status(tmp_path: Path, n
         assert duties["messages"]["runs"] >= 1  # the shadow's Ready, at least
         assert duties["dispatch"]["runs"] == 0  # no live scheduler on a spatial node
         assert all(d["max_us"] >= d["mean_us"] >= 0 for d in duties.values())
-        assert "loop duties (runs, mean/max us): messages " in format_status(node.status())
+        assert "loop duties (runs, mean/max us): messages " in format_status(NodeView.from_dict(node.status()))
         assert node.errors == {}
     finally:
         node.stop()

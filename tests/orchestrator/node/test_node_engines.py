@@ -18,6 +18,7 @@ import torch
 from gpuprims.engines import EngineCache
 from gpuprims.wire import Status
 from orchestrator.config.schema import load_config
+from orchestrator.control.records import NodeView
 from orchestrator.control.status_format import format_status
 from orchestrator.node.node import Node
 from orchestrator.node.reconfig import change_gpu_pct
@@ -112,7 +113,7 @@ def test_answers_equal_eager_exactly_once_and_the_first_start_builds(node: Node,
         assert eng[app]["param_share"] is False
     assert sorted(EngineCache(tmp / "cache").entries()) == sorted(e["fingerprint"] for e in eng.values())
     _serve_and_check(node, 24, seed=0)
-    assert "engine cls-0: onnxruntime" in format_status(node.status())
+    assert "engine cls-0: onnxruntime" in format_status(NodeView.from_dict(node.status()))
 
 
 def test_the_shadow_takes_its_engine_from_the_cache_in_its_prewarm(node: Node) -> None:

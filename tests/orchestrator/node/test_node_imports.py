@@ -43,6 +43,7 @@ import json, sys
 from pathlib import Path
 from orchestrator.cli import node as cli_node
 from orchestrator.node.node import Node
+from orchestrator.control.records import NodeView
 from orchestrator.control.status_format import format_status
 from tests.orchestrator.fake_launcher import FakeLauncher
 cfg, source = cli_node._load(sys.argv[1], None)
@@ -51,7 +52,7 @@ node = Node(cfg, control_kind="inproc", launcher=FakeLauncher(), warmup=False, s
 with node:
     node.step(20)
     status = node.status()
-    format_status(status)
+    format_status(NodeView.from_dict(status))
 print(json.dumps({"torch": "torch" in sys.modules, "libtorch": "libtorch" in Path("/proc/self/maps").read_text(),
                   "zoo": "apps.zoo.registry" in sys.modules, "apps": sorted(status["apps"]),
                   "engine_modules": sorted(m for m in sys.modules if m.startswith("gpuprims.engines.")

@@ -21,6 +21,7 @@ from gpuprims.cuda.ipc import ParameterHandles
 from gpuprims.testing import fake
 from gpuprims.wire import Status
 from orchestrator.config.schema import AppConfig, load_config, parse_config
+from orchestrator.control.records import NodeView
 from orchestrator.control.share_spec import ERROR_SUFFIX, HolderSpec
 from orchestrator.control.status_format import format_status
 from orchestrator.node.node import Node
@@ -245,7 +246,7 @@ def test_status_shows_each_shared_copy_its_owner_size_and_users(tmp_path: Path) 
     (tmp_path / "cpu").mkdir()
     cpu.bind("cpu", lambda spec: pytest.fail("no holder on the CPU"), lambda app: 0)
     cpu.mode_for(a, "a-0")
-    lines = [ln for ln in format_status({"param_share": [*cuda.describe(), *cpu.describe(), "junk", {}]}).splitlines()
+    lines = [ln for ln in format_status(NodeView(param_share=(*cuda.describe(), *cpu.describe(), "junk", {}))).splitlines()
              if ln.startswith("param-share")]
     assert lines[0] == (f"param-share {cuda.key(a)}: cuda holder pid {started[0].pid}  3.0 MB  ready  "
                         "users=a-0,a-1")
@@ -282,7 +283,7 @@ def test_onnxruntime_instances_serve_from_one_segment_and_survive_the_exporters_
         exp = next(iter(node.params.exports.values()))
         segments.append(ParameterHandles.from_bytes(exp.path.read_bytes()).handle.decode())
         assert {st.stats.engine["initializers"]["segment"] for st in node.instances.values() if st.stats and st.stats.engine} == set(segments)
-        text = format_status(node.status())
+        text = format_status(NodeView.from_dict(node.status()))
         (line,) = [ln for ln in text.splitlines() if ln.startswith("param-share onnxruntime|mobilenet_v2")]
         assert "cpu node segment" in line and "ready" in line and "users=a-0,a-1" in line
         ref_model = load_model("mobilenet_v2", seed=5, num_classes=10, input_shape=(3, 32, 32)).eval()
