@@ -226,7 +226,7 @@ class StatusRequest(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusReply(Message):
-    """The node's status dict, as `orchestrator.control.status_format.format_status` takes it."""
+    """The node's status: its view's JSON (`NodeView.to_dict`; the CLI reads it back with `NodeView.from_dict`)."""
 
     TAG: ClassVar[int] = 12
     status: dict[str, Any] = field(default_factory=dict)

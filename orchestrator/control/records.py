@@ -354,7 +354,7 @@ class NodeView:
         return cls(apps={str(n): AppView.from_dict(str(n), a) for n, a in apps.items()}, **v)
 
     def to_dict(self) -> dict[str, Any]:
-        """The status reply's body (``orchestrator.control.status_format.format_status`` takes it)."""
+        """The status reply's body (the CLI reads it back with `from_dict` for ``format_status``)."""
         return {
             "node": dict(self.node), "ingest": dict(self.ingest), "drops": dict(self.drops),
             "control_rejected": dict(self.control_rejected),
