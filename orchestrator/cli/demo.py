@@ -77,6 +77,7 @@ def _main(argv: list[str] | None) -> int:
 
     from gpuprims.traffic.runner import run
     from gpuprims.traffic.stream import AppStream, Stream
+    from orchestrator.control.channel import ControlError
     from orchestrator.control.logs import setup_logging
     from orchestrator.control.status_format import format_status
     from orchestrator.node.node import Node, StartError
@@ -99,7 +100,7 @@ def _main(argv: list[str] | None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         node.start()
-    except StartError as e:
+    except (StartError, ControlError) as e:  # ControlError: its control socket cannot be made (a long path)
         print(f"node did not start: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

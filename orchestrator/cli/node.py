@@ -34,7 +34,7 @@ from orchestrator.config.schema import (
     load_config,
     parse_config,
 )
-from orchestrator.control.channel import make_run_dir
+from orchestrator.control.channel import ControlError, make_run_dir
 from orchestrator.control.logs import setup_logging
 from orchestrator.control.rundir import NodeRecord, RunDirBusy, claim, update_record
 from orchestrator.node.cpu_overflow import NodeOverflow, OverflowSetupError
@@ -223,6 +223,8 @@ def start(config: str | None, model_repository: str | None, model_control_mode: 
             node.start()
         except StartError as e:
             raise click.ClickException(str(e)) from None
+        except ControlError as e:  # its control socket cannot be made (a run dir too long for one, ...)
+            raise click.ClickException(f"cannot start: {e}") from None
         except Exception as e:
             why = _port_in_use(e)
             if why is None:

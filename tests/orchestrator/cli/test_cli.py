@@ -312,6 +312,15 @@ def _assert_one_line_error(r: subprocess.CompletedProcess[str], *fragments: str)
 
 
 @pytest.mark.real
+def test_start_in_a_run_dir_too_long_for_a_unix_socket_ends_in_one_line(tmp_path: Path) -> None:
+    """The control socket's path is limited to 107 bytes: a longer run dir is refused in one line, and
+    the node leaves nothing running."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    r = _cli(tmp_path, "start", "--run-dir", str(deep), str(_config(tmp_path)))
+    _assert_one_line_error(r, "cannot start", "run_dir")
+
+
+@pytest.mark.real
 def test_start_says_which_port_is_in_use(tmp_path: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         udp.bind(("127.0.0.1", 0))

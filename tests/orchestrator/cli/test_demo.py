@@ -59,3 +59,19 @@ def test_ctrl_c_ends_the_demo_with_its_partial_report(tmp_path: Path) -> None:
     assert "stopped in" in err
     assert not [b for b in err.split("Traceback")[1:] if "orchestrator/worker/instance.py" not in b], err
     assert not any((xdg / "gpuprims").glob("run-*"))  # the node removed its run dir
+
+
+@pytest.mark.real
+def test_a_runtime_dir_too_long_for_the_control_socket_ends_the_demo_in_one_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(CONFIG)
+    xdg = tmp_path / ("x" * 60) / ("y" * 40)
+    xdg.mkdir(mode=0o700, parents=True)
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli.demo", "--config", str(cfg), "--duration", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "XDG_RUNTIME_DIR": str(xdg), "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("node did not start: ") and "Unix socket" in last, r.stderr
+    assert not any((xdg / "gpuprims").glob("run-*"))  # the run dir it made is gone
