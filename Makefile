@@ -16,11 +16,13 @@ lint: setup
 	$(PY) -m ruff check .
 
 # Every test, `heavy` ones included (those needing a GPU skip with the reason where there is none);
-# docs/test-durations.md has its time.
+# docs/test-durations.md has its time. Like test-fast, on TEST_WORKERS pytest-xdist workers, a module on
+# one worker; tests/conftest.py orders the modules with heavy tests first so none runs alone at the end.
+PYTEST_WORKERS = env PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 test: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PYTEST_WORKERS)
 
 # The inner loop (CONTRIBUTING.md, "The test tiers"): every test not marked slow, gpu, tools, heavy or
 # real (real: starts nodes, instances, the CLI, the demo, compilers or child interpreters), chosen by
@@ -35,15 +37,14 @@ FAST_TEST_LIMIT_S ?= 10
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test-fast: setup
 	$(PY) -m ruff check .
-	PYTHONDONTWRITEBYTECODE= GPUPRIMS_FAST_TEST_LIMIT_S=$(FAST_TEST_LIMIT_S) $(PY) -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadscope \
+	GPUPRIMS_FAST_TEST_LIMIT_S=$(FAST_TEST_LIMIT_S) $(PYTEST_WORKERS) \
 		-m "not slow and not gpu and not tools and not heavy and not real"
 
 # The same run with two busy loops beside it: the tests must not assume a fast or idle machine.
 test-contended: setup
 	scripts/install-tools.sh
 	$(PY) -m ruff check .
-	scripts/contended.sh $(PY) -m pytest -q
+	scripts/contended.sh $(PYTEST_WORKERS)
 
 # The minutes-long verifications alone (marker `heavy`: every zoo model through every CPU engine, inductor
 # compiles, the benches' quick real-node runs). `make test` runs them too: every test that needs no GPU.

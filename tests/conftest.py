@@ -53,7 +53,27 @@ def _has_gpu() -> bool:
     return cuda_available()
 
 
+def _module_rank(items: list[pytest.Item]) -> int:
+    """0 for a module with a ``heavy`` test, 1 with a ``slow`` or ``real`` one, else 2."""
+    if any("heavy" in i.keywords for i in items):
+        return 0
+    return 1 if any("slow" in i.keywords or "real" in i.keywords for i in items) else 2
+
+
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: the modules with heavy tests first, then those with slow or real ones,
+    then the rest; each module's tests stay together and in their order. pytest-xdist's ``loadscope``
+    hands modules to its workers in this order, so the longest start first and none is left to run
+    alone at the end (make test on two workers: the zoo's engine comparisons are one module of minutes)."""
+    by_module: dict[object, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.module if isinstance(item, pytest.Function) else item.parent, []).append(item)
+    groups = sorted(by_module.values(), key=_module_rank)  # stable: collection order within a rank
+    items[:] = [item for group in groups for item in group]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_modules_first(items)
     if not any("gpu" in item.keywords for item in items):
         return
     if _has_gpu():

@@ -35,10 +35,12 @@ MAX_BATCHES = {"vgg19": 2, "vgg_face": 2}
 DEFAULT_SUITE = {"mobilenet_v2", "resnet18", "siamese"}
 
 
-#: torch.compile on two zoo CNNs. Inductor compiles one graph per batch bucket, each minutes of CPU on two
+#: torch.compile on one zoo CNN. Inductor compiles one graph per batch bucket, each minutes of CPU on two
 #: cores (MobileNetV2's three buckets of max_batch 4 took 166 s of CPU, 664 s under load): max_batch 2,
-#: so two buckets (1, 2) and the batches that fill them.
-COMPILE_MODELS = ("mobilenet_v2", "resnet18")
+#: so two buckets (1, 2) and the batches that fill them. MobileNetV2 was compared too until session 43
+#: (121 s on a make test of two workers, against ResNet-18's 54 s): one model keeps make test inside its
+#: 20 minutes; tests/gpuprims/engines/test_compile.py checks the engine itself.
+COMPILE_MODELS = ("resnet18",)
 COMPILE_MAX_BATCH = 2
 
 
