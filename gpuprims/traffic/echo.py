@@ -12,6 +12,7 @@ request never made every n-th time, or hold every n-th answer `late_delay_s` ins
 from __future__ import annotations
 
 import heapq
+import os
 import select
 import socket
 import struct
@@ -19,6 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpuprims import wire
 from gpuprims.traffic.stream import parse_addr
@@ -82,6 +84,25 @@ class EchoServer:
     @property
     def port(self) -> int:
         return self.address[1]
+
+    def kernel_drops(self) -> int | None:
+        """Datagrams the kernel dropped on this server's socket (its receive buffer full: the serving
+        thread starved on a busy machine), from Linux's /proc/net/udp; None where that is not readable
+        or the socket is closed."""
+        try:
+            inode = str(os.fstat(self._sock.fileno()).st_ino)
+        except (OSError, ValueError):
+            return None
+        for table in ("/proc/net/udp", "/proc/net/udp6"):
+            try:
+                rows = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if len(f) >= 13 and f[9] == inode:
+                    return int(f[-1])
+        return None
 
     def start(self) -> EchoServer:
         self._thread = threading.Thread(target=self.serve, name="gpuprims-echo", daemon=True)

@@ -113,11 +113,18 @@ def test_several_apps_with_their_own_rates(echo: EchoServer) -> None:
                     seed=2)
     s = run(stream, timeout_s=ANSWER_TIMEOUT_S).summary
     assert s["apps"]["1"]["sent"] == 100 and s["apps"]["2"]["sent"] == 500
-    assert s["apps"]["1"]["answered"] == 100 and s["apps"]["2"]["answered"] == 500
+    # App 2 is 5000 datagrams/s into a Python echo: on a busy machine its thread can starve long enough
+    # for the kernel to drop some for a full buffer. Every request whose datagrams were all delivered is
+    # answered, once; a shortfall is never more than the datagrams the kernel counted dropped.
+    echo_drops, client_drops = echo.kernel_drops() or 0, s["receiver"]["socket_drops"] or 0
+    for app, n in ((1, 100), (2, 500)):
+        got, answered = echo.counters.by_app.get(app, 0), s["apps"][str(app)]["answered"]
+        assert n - echo_drops <= got <= n, (app, got, echo_drops)  # requests the echo received whole
+        assert got - client_drops <= answered <= got, (app, answered, got, client_drops)
+    assert s["duplicates"] == 0 and s["unmatched"] == 0
     assert s["apps"]["2"]["packets_sent"] == 500 * 5
     assert s["apps"]["2"]["rate"]["achieved_rps"] == pytest.approx(5 * s["apps"]["1"]["rate"]["achieved_rps"])
     assert s["apps"]["1"]["rate"]["target_rps"] == 200 and s["rate"]["target_rps"] == 1200
-    assert echo.counters.by_app == {1: 100, 2: 500}
 
 
 def test_warmup_is_excluded(echo: EchoServer) -> None:
