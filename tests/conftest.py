@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -92,6 +93,28 @@ def _fork_servers_reaped() -> Iterator[None]:
     from orchestrator.node.launcher import ForkLauncher
 
     ForkLauncher.close_all()
+
+
+#: How long a module's last node may take to have its instances reported reaped by the fork servers.
+FORKED_REAP_S = 30.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_forked_instance_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every node a test module starts is stopped by the module's end: no instance forked by this
+    process's fork servers is still alive then (a node left running keeps its instances, and the next
+    module's count of them, or its CPU, is off). The module's last test errors, naming it, if one is."""
+    yield
+    from orchestrator.node.launcher import ForkLauncher
+
+    deadline = time.monotonic() + FORKED_REAP_S
+    live = sum(s["children"] for s in ForkLauncher.describe())
+    while live and time.monotonic() < deadline:
+        time.sleep(0.1)
+        live = sum(s["children"] for s in ForkLauncher.describe())
+    if live:
+        pytest.fail(f"{request.module.__name__} left {live} forked instance(s) alive {FORKED_REAP_S:g} s after "
+                    "its last test: a node it started was never stopped")
 
 
 @pytest.fixture
