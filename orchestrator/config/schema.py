@@ -263,6 +263,12 @@ def _plain(v: Any) -> Any:
 
 _AS_PLAIN = PlainSerializer(_plain, return_type=Any)
 
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME_RE.match(v):
+        raise ValueError(f"must be 1-64 characters of [a-z0-9_-], got {v!r}")
+    return v
+
+
 PctOrAuto = Annotated[int | Literal["auto"], PlainValidator(_pct_or_auto)]
 CountOrAuto = Annotated[int | Literal["auto"], PlainValidator(_count_or_auto)]
 Ports = Annotated[tuple[int, ...], PlainValidator(_ports), _AS_PLAIN]
@@ -273,6 +279,7 @@ ServicePort = Annotated[int, PlainValidator(_service_port)]
 LogLevel = Annotated[str, PlainValidator(_log_level)]
 ModelRef = Annotated[str, PlainValidator(_model_ref)]
 StageModelRef = Annotated[str, PlainValidator(_stage_model_ref)]
+Name = Annotated[str, PlainValidator(_name)]  # an app's or a stage's
 ShadowMode = Annotated[Literal["warm", "cold"], PlainValidator(_shadow)]
 EngineRef = Annotated[EngineChoice, PlainValidator(_engine_ref),
                       PlainSerializer(lambda v: v.to_yaml(), return_type=Any)]
@@ -574,18 +581,11 @@ class StageConfig(BaseModel):
 
     model_config = _STRICT
 
-    name: str
+    name: Name
     model: StageModelRef
     gpu_pct: PctOrAuto = "auto"
     routes: tuple[str, ...] = ()
     engine: EngineRef | None = None  # this stage's engine; the app's when not given
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"must match [a-z0-9_-]{{1,64}}, got {v!r}")
-        return v
 
     @field_validator("routes", mode="before")
     @classmethod
@@ -630,7 +630,7 @@ class AppConfig(BaseModel):
 
     model_config = _STRICT
 
-    name: str
+    name: Name
     model: ModelRef | None = None
     seed: int = Field(0, ge=0, le=2**32 - 1)
     input_shape: Shape = (3, 224, 224)
@@ -664,13 +664,6 @@ class AppConfig(BaseModel):
     file: FileModel | None = None
     # The front door's admission: queue policy, priority levels, refusal code (docs/oip.md, "Admission").
     admission: AdmissionConfig | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"must be 1-64 characters of [a-z0-9_-], got {v!r}")
-        return v
 
     @field_validator("stages", mode="before")
     @classmethod

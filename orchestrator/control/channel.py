@@ -55,7 +55,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import zmq
 
@@ -676,7 +676,35 @@ def open_server(address: ControlAddress, token: str, *, hwm: int = DEFAULT_HWM,
 # ---- the instance side
 
 
-class InstanceClient(ABC):
+class _Endpoint(ABC):
+    """What the instance's and the CLI's clients share: a transport's three primitives (a socket or a
+    queue), and ``close`` / a with-block over them."""
+
+    _closed: bool = False
+
+    def close(self) -> None:
+        """Release the socket or queue; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abstractmethod
+    def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None: ...
+
+    @abstractmethod
+    def _recv(self, timeout_ms: float) -> list[bytes] | None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+class InstanceClient(_Endpoint):
     """An instance's end: sends to the orchestrator and receives its commands. One thread only."""
 
     def __init__(self, address: ControlAddress, instance: str, token: str) -> None:
@@ -729,27 +757,6 @@ class InstanceClient(ABC):
             raise ControlTimeout(f"instance {self.instance} got no message from the orchestrator",
                                  timeout_ms, setting)
         return msg
-
-    def close(self) -> None:
-        """Release the socket or queue; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def __enter__(self) -> InstanceClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @abstractmethod
-    def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None: ...
-
-    @abstractmethod
-    def _recv(self, timeout_ms: float) -> list[bytes] | None: ...
-
-    @abstractmethod
-    def _close(self) -> None: ...
 
 
 class _ZmqInstanceClient(InstanceClient):
@@ -840,7 +847,7 @@ def connect_instance_from_env(environ: Mapping[str, str] | None = None, **kwargs
 # ---- the CLI side
 
 
-class CommandClient(ABC):
+class CommandClient(_Endpoint):
     """The CLI's end: one request, one reply, with a timeout."""
 
     def __init__(self, address: ControlAddress, token: str) -> None:
@@ -875,27 +882,6 @@ class CommandClient(ABC):
                 return reply
             if remaining_ms <= 0:
                 raise ControlTimeout(f"the node sent no valid answer to {type(msg).__name__}", timeout_ms, setting)
-
-    def close(self) -> None:
-        """Release the socket; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def __enter__(self) -> CommandClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @abstractmethod
-    def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None: ...
-
-    @abstractmethod
-    def _recv(self, timeout_ms: float) -> list[bytes] | None: ...
-
-    @abstractmethod
-    def _close(self) -> None: ...
 
 
 class _ZmqCommandClient(CommandClient):

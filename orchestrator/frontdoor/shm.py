@@ -531,53 +531,49 @@ def grpc_methods(core: Core, wrap: Callable[[Callable[[Any, Any], Any]], Callabl
     mem = of(core)
     pb = shm_pb2
 
-    async def sys_status(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
+    def sys_status(req: Any) -> Any:
         return pb.SystemSharedMemoryStatusResponse(regions={
             s.name: pb.SystemSharedMemoryStatusResponse.RegionStatus(name=s.name, key=s.key, offset=s.offset,
                                                                      byte_size=s.byte_size)
             for s in mem.status("system", req.name)})
 
-    async def sys_register(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
+    def sys_register(req: Any) -> Any:
         mem.register_system(req.name, req.key, req.offset, req.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def sys_unregister(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
-        mem.unregister("system", req.name)
-        return pb.SystemSharedMemoryUnregisterResponse()
-
-    async def cuda_status(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
+    def cuda_status(req: Any) -> Any:
         return pb.CudaSharedMemoryStatusResponse(regions={
             s.name: pb.CudaSharedMemoryStatusResponse.RegionStatus(name=s.name, device_id=s.device_id,
                                                                    byte_size=s.byte_size)
             for s in mem.status("cuda", req.name)})
 
-    async def cuda_register(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
+    def cuda_register(req: Any) -> Any:
         mem.register_cuda(req.name, req.raw_handle, req.device_id, req.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
-    async def cuda_unregister(req: Any, ctx: Any) -> Any:
-        _require_local(ctx.peer())
-        mem.unregister("cuda", req.name)
-        return pb.CudaSharedMemoryUnregisterResponse()
+    def unregister(kind: str, answer: Any) -> Callable[[Any], Any]:
+        def handler(req: Any) -> Any:
+            mem.unregister(kind, req.name)
+            return answer()
+        return handler
 
-    table: dict[str, tuple[Callable[[Any, Any], Any], Any, Any]] = {
-        "SystemSharedMemoryStatus": (sys_status, pb.SystemSharedMemoryStatusRequest,
-                                     pb.SystemSharedMemoryStatusResponse),
-        "SystemSharedMemoryRegister": (sys_register, pb.SystemSharedMemoryRegisterRequest,
-                                       pb.SystemSharedMemoryRegisterResponse),
-        "SystemSharedMemoryUnregister": (sys_unregister, pb.SystemSharedMemoryUnregisterRequest,
-                                         pb.SystemSharedMemoryUnregisterResponse),
-        "CudaSharedMemoryStatus": (cuda_status, pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse),
-        "CudaSharedMemoryRegister": (cuda_register, pb.CudaSharedMemoryRegisterRequest,
-                                     pb.CudaSharedMemoryRegisterResponse),
-        "CudaSharedMemoryUnregister": (cuda_unregister, pb.CudaSharedMemoryUnregisterRequest,
-                                       pb.CudaSharedMemoryUnregisterResponse),
+    def local(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+        """An RPC of ``fn`` for callers on this machine only (shared memory is local by nature)."""
+        async def handler(req: Any, ctx: Any) -> Any:
+            _require_local(ctx.peer())
+            return fn(req)
+        return handler
+
+    # Each RPC's request and response messages are <name>Request and <name>Response.
+    table: dict[str, Callable[[Any], Any]] = {
+        "SystemSharedMemoryStatus": sys_status,
+        "SystemSharedMemoryRegister": sys_register,
+        "SystemSharedMemoryUnregister": unregister("system", pb.SystemSharedMemoryUnregisterResponse),
+        "CudaSharedMemoryStatus": cuda_status,
+        "CudaSharedMemoryRegister": cuda_register,
+        "CudaSharedMemoryUnregister": unregister("cuda", pb.CudaSharedMemoryUnregisterResponse),
     }
-    return {name: grpc.unary_unary_rpc_method_handler(wrap(fn), request_deserializer=req_t.FromString,
-                                                      response_serializer=resp_t.SerializeToString)
-            for name, (fn, req_t, resp_t) in table.items()}
+    return {name: grpc.unary_unary_rpc_method_handler(
+                wrap(local(fn)), request_deserializer=getattr(pb, f"{name}Request").FromString,
+                response_serializer=getattr(pb, f"{name}Response").SerializeToString)
+            for name, fn in table.items()}
