@@ -386,7 +386,39 @@ def _accept(frames: list[bytes], token: bytes, allowed: frozenset[int], rejects:
 # ---- the orchestrator side
 
 
-class ControlServer(ABC):
+class _Closing(ABC):
+    """``close`` (idempotent) and a with-block over a transport's ``_close``: the control server's and
+    both clients'."""
+
+    _closed: bool = False
+
+    def close(self) -> None:
+        """Release the sockets or queues; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+class _Endpoint(_Closing):
+    """What the instance's and the CLI's clients share besides: a transport's send and receive."""
+
+    @abstractmethod
+    def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None: ...
+
+    @abstractmethod
+    def _recv(self, timeout_ms: float) -> list[bytes] | None: ...
+
+
+class ControlServer(_Closing):
     """The orchestrator's end: receives from instances and the CLI, sends to instances, replies to CLI.
 
     Not thread-safe: use it from one thread. ``rejected`` counts dropped messages by reason.
@@ -455,18 +487,6 @@ class ControlServer(ABC):
             raise ControlTimeout("no control message arrived", timeout_ms, setting)
         return item
 
-    def close(self) -> None:
-        """Release the sockets or queues; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def __enter__(self) -> ControlServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _check_open(self) -> None:
         if self._closed:
             raise ControlError("the control server is closed")
@@ -480,9 +500,6 @@ class ControlServer(ABC):
     @abstractmethod
     def _recv_raw(self, timeout_ms: float) -> list[tuple[str, str, Any, list[bytes]]]:
         """Whatever arrives within ``timeout_ms``: (source, peer, route, frames) tuples, maybe none."""
-
-    @abstractmethod
-    def _close(self) -> None: ...
 
 
 def _close_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, paths: list[Path], linger_ms: int = 0) -> None:
@@ -674,34 +691,6 @@ def open_server(address: ControlAddress, token: str, *, hwm: int = DEFAULT_HWM,
 
 
 # ---- the instance side
-
-
-class _Endpoint(ABC):
-    """What the instance's and the CLI's clients share: a transport's three primitives (a socket or a
-    queue), and ``close`` / a with-block over them."""
-
-    _closed: bool = False
-
-    def close(self) -> None:
-        """Release the socket or queue; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @abstractmethod
-    def _send(self, frames: list[bytes], timeout_ms: float, setting: str) -> None: ...
-
-    @abstractmethod
-    def _recv(self, timeout_ms: float) -> list[bytes] | None: ...
-
-    @abstractmethod
-    def _close(self) -> None: ...
 
 
 class InstanceClient(_Endpoint):
